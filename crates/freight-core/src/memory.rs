@@ -1,0 +1,432 @@
+//! Memory the engine may touch: kinds, shared segments, and the registry of regions.
+//!
+//! A peer may read or write only memory its owner registered. The registry answers two
+//! questions fast: "which region holds this address range?" (descriptor preparation,
+//! remote-access checks) and "is anybody using this region?" (deregistration).
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use parking_lot::{Mutex, RwLock};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{invalid, Error, Result};
+
+/// Where a region's bytes live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum MemKind {
+    /// Host memory. `dev` is ignored (0).
+    Dram,
+    /// GPU memory. `dev` is the CUDA device ordinal.
+    Vram,
+    /// A file. `addr` is the file offset and `dev` the file descriptor.
+    File,
+}
+
+impl MemKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MemKind::Dram => "DRAM",
+            MemKind::Vram => "VRAM",
+            MemKind::File => "FILE",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<Self> {
+        match s.to_ascii_uppercase().as_str() {
+            "DRAM" | "HOST" | "CPU" => Ok(MemKind::Dram),
+            "VRAM" | "GPU" | "CUDA" => Ok(MemKind::Vram),
+            "FILE" => Ok(MemKind::File),
+            other => Err(invalid(format!("unknown memory kind '{other}' (expected DRAM, VRAM or FILE)"))),
+        }
+    }
+}
+
+impl fmt::Display for MemKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Shared segments: host memory that same-host peers can map (memfd, MAP_SHARED).
+// ---------------------------------------------------------------------------------------
+
+/// Host memory backed by a memfd so that same-host peers can map it and copy with plain
+/// loads and stores. Allocate with [`SharedSegment::allocate`]; it is freed when the last
+/// handle drops (peers that mapped it keep their mapping, never anyone else's memory).
+pub struct SharedSegment {
+    id: u64,
+    fd: libc::c_int,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// The segment owns a plain mapping; concurrent access is the users' contract, as for
+// any buffer handed to the engine.
+unsafe impl Send for SharedSegment {}
+
+impl fmt::Debug for SharedSegment {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SharedSegment").field("id", &self.id).field("addr", &self.ptr).field("len", &self.len).finish()
+    }
+}
+unsafe impl Sync for SharedSegment {}
+
+/// Where a region lives inside a shared segment, as a peer needs it to map the segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SharedLocation {
+    pub segment: u64,
+    pub fd: i32,
+    pub segment_len: u64,
+    /// Offset of the region's first byte inside the segment.
+    pub offset: u64,
+}
+
+fn segment_table() -> &'static Mutex<BTreeMap<u64, std::sync::Weak<SharedSegment>>> {
+    static TABLE: OnceLock<Mutex<BTreeMap<u64, std::sync::Weak<SharedSegment>>>> = OnceLock::new();
+    TABLE.get_or_init(|| Mutex::new(BTreeMap::new()))
+}
+
+impl SharedSegment {
+    /// Allocates `len` bytes of zeroed, page-aligned, shareable host memory.
+    pub fn allocate(len: usize) -> Result<Arc<SharedSegment>> {
+        if len == 0 {
+            return Err(invalid("cannot allocate a zero-length shared segment"));
+        }
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        let id = NEXT.fetch_add(1, Ordering::Relaxed);
+        let name = std::ffi::CString::new(format!("freight-seg-{id}")).expect("no NUL");
+        // SAFETY: plain syscalls on a fresh descriptor; every failure is checked.
+        unsafe {
+            let fd = libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC);
+            if fd < 0 {
+                return Err(Error::Io(format!("memfd_create: {}", std::io::Error::last_os_error())));
+            }
+            if libc::ftruncate(fd, len as libc::off_t) != 0 {
+                let e = std::io::Error::last_os_error();
+                libc::close(fd);
+                return Err(Error::Io(format!("ftruncate({len}): {e}")));
+            }
+            let ptr = libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            );
+            if ptr == libc::MAP_FAILED {
+                let e = std::io::Error::last_os_error();
+                libc::close(fd);
+                return Err(Error::Io(format!("mmap({len}): {e}")));
+            }
+            let seg = Arc::new(SharedSegment { id, fd, ptr: ptr as *mut u8, len });
+            segment_table().lock().insert(seg.addr(), Arc::downgrade(&seg));
+            Ok(seg)
+        }
+    }
+
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+    pub fn addr(&self) -> u64 {
+        self.ptr as u64
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+    pub fn fd(&self) -> i32 {
+        self.fd
+    }
+
+    /// The live segment of this process that contains `[addr, addr+len)`, if any.
+    pub fn containing(addr: u64, len: u64) -> Option<Arc<SharedSegment>> {
+        let table = segment_table().lock();
+        let (_, weak) = table.range(..=addr).next_back()?;
+        let seg = weak.upgrade()?;
+        (addr + len <= seg.addr() + seg.len as u64).then_some(seg)
+    }
+}
+
+impl Drop for SharedSegment {
+    fn drop(&mut self) {
+        let mut table = segment_table().lock();
+        if table.get(&self.addr()).is_some_and(|w| w.strong_count() == 0) {
+            table.remove(&self.addr());
+        }
+        drop(table);
+        // SAFETY: we own the mapping and the descriptor.
+        unsafe {
+            libc::munmap(self.ptr as *mut libc::c_void, self.len);
+            libc::close(self.fd);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Regions and the registry.
+// ---------------------------------------------------------------------------------------
+
+/// What a peer needs to know about one registered region.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegionInfo {
+    pub key: u64,
+    pub kind: MemKind,
+    pub addr: u64,
+    pub len: u64,
+    pub dev: u64,
+    /// Present when the region lies in a shared segment that same-host peers can map.
+    pub shared: Option<SharedLocation>,
+}
+
+impl RegionInfo {
+    pub fn end(&self) -> u64 {
+        self.addr + self.len
+    }
+
+    /// Checks that `[addr, addr+len)` lies inside this region.
+    pub fn check_contains(&self, addr: u64, len: u64) -> Result<()> {
+        match addr.checked_add(len) {
+            Some(end) if addr >= self.addr && end <= self.end() => Ok(()),
+            _ => Err(Error::OutOfBounds { addr, len, region_addr: self.addr, region_len: self.len }),
+        }
+    }
+}
+
+/// A registered region. In-flight transfers hold an `Arc<Region>` (a "guard"): while any
+/// exists, deregistration fails with [`Error::RegionBusy`].
+#[derive(Debug)]
+pub struct Region {
+    pub info: RegionInfo,
+    /// Keeps a shared segment alive while it is registered.
+    _segment: Option<Arc<SharedSegment>>,
+}
+
+/// Lookup index: (kind, dev) -> start address -> region.
+type Index = HashMap<(MemKind, u64), BTreeMap<u64, Arc<Region>>>;
+
+/// The regions an agent registered. Reads (lookups) vastly outnumber writes.
+#[derive(Default)]
+pub struct Registry {
+    inner: RwLock<RegistryInner>,
+    next_key: AtomicU64,
+}
+
+#[derive(Default)]
+struct RegistryInner {
+    index: Index,
+    by_key: HashMap<u64, Arc<Region>>,
+    /// Bumped on every change so that metadata snapshots can be cached.
+    generation: u64,
+}
+
+impl Registry {
+    pub fn new() -> Self {
+        Registry { inner: RwLock::default(), next_key: AtomicU64::new(1) }
+    }
+
+    /// Registers `[addr, addr+len)` of `kind` on `dev` and returns its key.
+    pub fn register(&self, kind: MemKind, addr: u64, len: u64, dev: u64) -> Result<u64> {
+        if len == 0 {
+            return Err(invalid("cannot register a zero-length region"));
+        }
+        if addr.checked_add(len).is_none() {
+            return Err(invalid(format!("region [{addr:#x}, +{len}) wraps around the address space")));
+        }
+        if kind == MemKind::Dram && addr == 0 {
+            return Err(invalid("cannot register host memory at address 0"));
+        }
+        let dev = if kind == MemKind::Dram { 0 } else { dev };
+        let segment = (kind == MemKind::Dram).then(|| SharedSegment::containing(addr, len)).flatten();
+        let mut inner = self.inner.write();
+        let tree = inner.index.entry((kind, dev)).or_default();
+        if let Some(existing) = overlapping(tree, addr, len) {
+            return Err(Error::Overlap { addr, len, existing });
+        }
+        let key = self.next_key.fetch_add(1, Ordering::Relaxed);
+        let shared = segment.as_ref().map(|s| SharedLocation {
+            segment: s.id(),
+            fd: s.fd(),
+            segment_len: s.len() as u64,
+            offset: addr - s.addr(),
+        });
+        let region = Arc::new(Region { info: RegionInfo { key, kind, addr, len, dev, shared }, _segment: segment });
+        tree.insert(addr, region.clone());
+        inner.by_key.insert(key, region);
+        inner.generation += 1;
+        tracing::debug!(key, %kind, addr, len, dev, "registered region");
+        Ok(key)
+    }
+
+    /// Removes a region. Fails with [`Error::RegionBusy`] while a transfer holds it.
+    pub fn deregister(&self, key: u64) -> Result<()> {
+        let mut inner = self.inner.write();
+        let region = inner.by_key.get(&key).ok_or(Error::UnknownRegion(key))?;
+        // The registry holds two references (index and by_key); anything more is a guard.
+        let users = Arc::strong_count(region) - 2;
+        if users > 0 {
+            return Err(Error::RegionBusy { key, users });
+        }
+        let info = region.info.clone();
+        inner.by_key.remove(&key);
+        if let Some(tree) = inner.index.get_mut(&(info.kind, info.dev)) {
+            tree.remove(&info.addr);
+        }
+        inner.generation += 1;
+        tracing::debug!(key, "deregistered region");
+        Ok(())
+    }
+
+    /// The region that wholly contains `[addr, addr+len)`.
+    pub fn find(&self, kind: MemKind, addr: u64, len: u64, dev: u64) -> Result<Arc<Region>> {
+        let dev = if kind == MemKind::Dram { 0 } else { dev };
+        let inner = self.inner.read();
+        let region = inner
+            .index
+            .get(&(kind, dev))
+            .and_then(|tree| tree.range(..=addr).next_back())
+            .map(|(_, r)| r)
+            .filter(|r| addr < r.info.end())
+            .ok_or_else(|| Error::NotRegistered { kind: kind.to_string(), addr, len, dev })?;
+        region.info.check_contains(addr, len)?;
+        Ok(region.clone())
+    }
+
+    /// The region with `key`, checked to contain `[addr, addr+len)`.
+    pub fn get_checked(&self, key: u64, addr: u64, len: u64) -> Result<Arc<Region>> {
+        let inner = self.inner.read();
+        let region = inner.by_key.get(&key).ok_or(Error::UnknownRegion(key))?;
+        region.info.check_contains(addr, len)?;
+        Ok(region.clone())
+    }
+
+    pub fn get(&self, key: u64) -> Option<Arc<Region>> {
+        self.inner.read().by_key.get(&key).cloned()
+    }
+
+    /// All regions, sorted by key (for metadata).
+    pub fn snapshot(&self) -> (u64, Vec<RegionInfo>) {
+        let inner = self.inner.read();
+        let mut regions: Vec<RegionInfo> = inner.by_key.values().map(|r| r.info.clone()).collect();
+        regions.sort_by_key(|r| r.key);
+        (inner.generation, regions)
+    }
+
+    pub fn len(&self) -> usize {
+        self.inner.read().by_key.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+fn overlapping(tree: &BTreeMap<u64, Arc<Region>>, addr: u64, len: u64) -> Option<u64> {
+    let end = addr + len;
+    if let Some((_, before)) = tree.range(..=addr).next_back() {
+        if before.info.end() > addr {
+            return Some(before.info.key);
+        }
+    }
+    tree.range(addr..end).next().map(|(_, r)| r.info.key)
+}
+
+/// Read-only index of a peer's regions, built from its metadata.
+#[derive(Debug, Default, Clone)]
+pub struct RemoteRegions {
+    index: HashMap<(MemKind, u64), BTreeMap<u64, RegionInfo>>,
+}
+
+impl RemoteRegions {
+    pub fn new(regions: &[RegionInfo]) -> Self {
+        let mut index: HashMap<(MemKind, u64), BTreeMap<u64, RegionInfo>> = HashMap::new();
+        for r in regions {
+            index.entry((r.kind, r.dev)).or_default().insert(r.addr, r.clone());
+        }
+        RemoteRegions { index }
+    }
+
+    pub fn find(&self, kind: MemKind, addr: u64, len: u64, dev: u64) -> Result<&RegionInfo> {
+        let dev = if kind == MemKind::Dram { 0 } else { dev };
+        let region = self
+            .index
+            .get(&(kind, dev))
+            .and_then(|tree| tree.range(..=addr).next_back())
+            .map(|(_, r)| r)
+            .filter(|r| addr < r.end())
+            .ok_or_else(|| Error::NotRegistered { kind: kind.to_string(), addr, len, dev })?;
+        region.check_contains(addr, len)?;
+        Ok(region)
+    }
+
+    pub fn remove(&mut self, key: u64) {
+        for tree in self.index.values_mut() {
+            tree.retain(|_, r| r.key != key);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn register_find_and_bounds() {
+        let reg = Registry::new();
+        let k = reg.register(MemKind::Dram, 0x1000, 0x1000, 0).unwrap();
+        assert_eq!(reg.find(MemKind::Dram, 0x1800, 0x100, 0).unwrap().info.key, k);
+        assert!(matches!(reg.find(MemKind::Dram, 0x1f00, 0x200, 0), Err(Error::OutOfBounds { .. })));
+        assert!(matches!(reg.find(MemKind::Dram, 0x3000, 1, 0), Err(Error::NotRegistered { .. })));
+        assert!(matches!(reg.find(MemKind::Vram, 0x1800, 1, 0), Err(Error::NotRegistered { .. })));
+    }
+
+    #[test]
+    fn overlaps_are_rejected() {
+        let reg = Registry::new();
+        reg.register(MemKind::Dram, 0x1000, 0x1000, 0).unwrap();
+        assert!(matches!(reg.register(MemKind::Dram, 0x1800, 0x1000, 0), Err(Error::Overlap { .. })));
+        assert!(matches!(reg.register(MemKind::Dram, 0x800, 0x1000, 0), Err(Error::Overlap { .. })));
+        reg.register(MemKind::Dram, 0x2000, 0x10, 0).unwrap();
+        // The same addresses on another GPU are a different region.
+        reg.register(MemKind::Vram, 0x1000, 0x1000, 1).unwrap();
+    }
+
+    #[test]
+    fn busy_region_cannot_be_deregistered() {
+        let reg = Registry::new();
+        let k = reg.register(MemKind::Dram, 0x1000, 0x1000, 0).unwrap();
+        let guard = reg.find(MemKind::Dram, 0x1000, 8, 0).unwrap();
+        assert!(matches!(reg.deregister(k), Err(Error::RegionBusy { users: 1, .. })));
+        drop(guard);
+        reg.deregister(k).unwrap();
+        assert!(matches!(reg.deregister(k), Err(Error::UnknownRegion(_))));
+        assert!(reg.find(MemKind::Dram, 0x1000, 8, 0).is_err());
+    }
+
+    #[test]
+    fn bad_registrations() {
+        let reg = Registry::new();
+        assert!(reg.register(MemKind::Dram, 0x1000, 0, 0).is_err());
+        assert!(reg.register(MemKind::Dram, u64::MAX - 4, 16, 0).is_err());
+        assert!(reg.register(MemKind::Dram, 0, 16, 0).is_err());
+    }
+
+    #[test]
+    fn shared_segments_are_detected() {
+        let seg = SharedSegment::allocate(1 << 16).unwrap();
+        let reg = Registry::new();
+        let k = reg.register(MemKind::Dram, seg.addr() + 4096, 4096, 0).unwrap();
+        let info = reg.get(k).unwrap().info.clone();
+        let loc = info.shared.expect("inside a shared segment");
+        assert_eq!(loc.offset, 4096);
+        assert_eq!(loc.segment, seg.id());
+    }
+}

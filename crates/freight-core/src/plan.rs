@@ -1,0 +1,358 @@
+//! From prepared descriptor lists to a copy plan: pure bookkeeping, no I/O.
+//!
+//! A transfer moves the concatenation of the local descriptors to (WRITE) or from (READ)
+//! the concatenation of the remote ones; both must have the same total length but need
+//! not cut it at the same places. The plan is the list of copies that does that, with
+//! neighbours merged wherever both sides are contiguous in the same regions.
+
+use crate::desc::{Desc, DescList, Run};
+use crate::error::{invalid, Error, Result};
+use crate::memory::{MemKind, Registry, RemoteRegions};
+
+/// A descriptor run resolved against the regions that hold it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResolvedRun {
+    pub run: Run,
+    /// Region key holding every descriptor of the run.
+    pub region: u64,
+}
+
+/// A descriptor list checked against registered memory, ready to build requests from.
+#[derive(Debug, Clone)]
+pub struct PreparedList {
+    pub kind: MemKind,
+    runs: Vec<ResolvedRun>,
+    first: Vec<u64>,
+    count: u64,
+    bytes: u64,
+    /// Distinct region keys the list touches, sorted.
+    regions: Vec<u64>,
+}
+
+impl PreparedList {
+    /// Resolves every run of `list` with `find(addr, len, dev) -> region key`. A strided
+    /// run whose span lies in one region resolves in one lookup; otherwise each member is
+    /// resolved on its own.
+    pub fn resolve(list: &DescList, mut find: impl FnMut(u64, u64, u64) -> Result<u64>) -> Result<Self> {
+        let mut runs = Vec::with_capacity(list.runs().len());
+        let mut first = Vec::with_capacity(list.runs().len());
+        let mut count = 0u64;
+        let mut regions: Vec<u64> = Vec::new();
+        for run in list.runs() {
+            let region = resolve_run(&mut find, run)?;
+            if regions.last() != Some(&region) {
+                regions.push(region);
+            }
+            first.push(count);
+            count += run.count;
+            runs.push(ResolvedRun { run: *run, region });
+        }
+        regions.sort_unstable();
+        regions.dedup();
+        Ok(PreparedList { kind: list.kind(), runs, first, count, bytes: list.total_bytes(), regions })
+    }
+
+    pub fn len(&self) -> u64 {
+        self.count
+    }
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+    pub fn total_bytes(&self) -> u64 {
+        self.bytes
+    }
+    pub fn regions(&self) -> &[u64] {
+        &self.regions
+    }
+
+    fn get(&self, i: u64) -> Option<(Desc, u64)> {
+        if i >= self.count {
+            return None;
+        }
+        let r = self.first.partition_point(|&f| f <= i) - 1;
+        let rr = &self.runs[r];
+        Some((rr.run.get(i - self.first[r]), rr.region))
+    }
+
+    /// The descriptors selected by `indices` (all, in order, when `None`).
+    fn select<'a>(&'a self, indices: Option<&'a [u64]>) -> Box<dyn Iterator<Item = Result<(Desc, u64)>> + 'a> {
+        match indices {
+            None => Box::new(
+                self.runs.iter().flat_map(|rr| (0..rr.run.count).map(move |k| Ok((rr.run.get(k), rr.region)))),
+            ),
+            Some(idx) => Box::new(idx.iter().map(move |&i| {
+                self.get(i).ok_or_else(|| invalid(format!("index {i} out of range for a list of {} descriptors", self.count)))
+            })),
+        }
+    }
+
+    /// Resolves against the local registry.
+    pub fn local(list: &DescList, registry: &Registry) -> Result<Self> {
+        Self::resolve(list, |addr, len, dev| Ok(registry.find(list.kind(), addr, len, dev)?.info.key))
+    }
+
+    /// Resolves against a peer's advertised regions.
+    pub fn remote(list: &DescList, regions: &RemoteRegions) -> Result<Self> {
+        Self::resolve(list, |addr, len, dev| Ok(regions.find(list.kind(), addr, len, dev)?.key))
+    }
+}
+
+/// Resolves a run: the whole span in one lookup when it lies in one region, else member
+/// by member (all members must then land in the same region).
+fn resolve_run(find: &mut impl FnMut(u64, u64, u64) -> Result<u64>, run: &Run) -> Result<u64> {
+    if run.count == 1 {
+        return find(run.addr, run.len, run.dev);
+    }
+    let (lo, hi) = run.span();
+    if let Ok(k) = find(lo, hi - lo, run.dev) {
+        return Ok(k);
+    }
+    let k0 = find(run.addr, run.len, run.dev)?;
+    for k in 1..run.count {
+        let d = run.get(k);
+        if find(d.addr, d.len, d.dev)? != k0 {
+            return Err(invalid(format!(
+                "strided descriptor at {:#x} spans several registered regions; split it",
+                run.addr
+            )));
+        }
+    }
+    Ok(k0)
+}
+
+/// One copy between local and remote memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Op {
+    pub local_addr: u64,
+    pub local_region: u64,
+    pub remote_addr: u64,
+    pub remote_region: u64,
+    pub len: u64,
+}
+
+/// The copies a request performs, plus the regions it must hold while in flight.
+#[derive(Debug, Clone, Default)]
+pub struct Plan {
+    pub ops: Vec<Op>,
+    pub bytes: u64,
+    pub local_regions: Vec<u64>,
+    pub remote_regions: Vec<u64>,
+}
+
+impl Plan {
+    /// Pairs the selected local and remote descriptors byte for byte.
+    pub fn build(
+        local: &PreparedList,
+        local_idx: Option<&[u64]>,
+        remote: &PreparedList,
+        remote_idx: Option<&[u64]>,
+    ) -> Result<Plan> {
+        let mut ops: Vec<Op> = Vec::new();
+        let mut locals = local.select(local_idx);
+        let mut remotes = remote.select(remote_idx);
+        let (mut l, mut r): (Option<(Desc, u64)>, Option<(Desc, u64)>) = (None, None);
+        let (mut lbytes, mut rbytes) = (0u64, 0u64);
+        let mut local_regions = Vec::new();
+        let mut remote_regions = Vec::new();
+        loop {
+            if l.is_none() {
+                l = locals.next().transpose()?;
+                if let Some((d, k)) = l {
+                    lbytes += d.len;
+                    if local_regions.last() != Some(&k) {
+                        local_regions.push(k);
+                    }
+                }
+            }
+            if r.is_none() {
+                r = remotes.next().transpose()?;
+                if let Some((d, k)) = r {
+                    rbytes += d.len;
+                    if remote_regions.last() != Some(&k) {
+                        remote_regions.push(k);
+                    }
+                }
+            }
+            let (Some((ld, lk)), Some((rd, rk))) = (l.as_mut(), r.as_mut()) else { break };
+            let n = ld.len.min(rd.len);
+            let op = Op { local_addr: ld.addr, local_region: *lk, remote_addr: rd.addr, remote_region: *rk, len: n };
+            match ops.last_mut() {
+                Some(prev)
+                    if prev.local_region == op.local_region
+                        && prev.remote_region == op.remote_region
+                        && prev.local_addr + prev.len == op.local_addr
+                        && prev.remote_addr + prev.len == op.remote_addr =>
+                {
+                    prev.len += n
+                }
+                _ => ops.push(op),
+            }
+            ld.addr += n;
+            ld.len -= n;
+            rd.addr += n;
+            rd.len -= n;
+            if ld.len == 0 {
+                l = None;
+            }
+            if rd.len == 0 {
+                r = None;
+            }
+        }
+        // Drain whichever side is longer to report both totals.
+        for x in locals {
+            lbytes += x?.0.len;
+        }
+        for x in remotes {
+            rbytes += x?.0.len;
+        }
+        if l.is_some() || r.is_some() || lbytes != rbytes {
+            return Err(Error::InvalidArgument(format!(
+                "local descriptors total {lbytes} bytes but remote descriptors total {rbytes}; they must match"
+            )));
+        }
+        if lbytes == 0 {
+            return Err(invalid("a transfer needs at least one descriptor on each side"));
+        }
+        local_regions.sort_unstable();
+        local_regions.dedup();
+        remote_regions.sort_unstable();
+        remote_regions.dedup();
+        Ok(Plan { ops, bytes: lbytes, local_regions, remote_regions })
+    }
+}
+
+/// A batch of copies sent as one unit over a stream transport.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Chunk {
+    pub segs: Vec<Op>,
+    pub bytes: u64,
+}
+
+/// Cuts a plan into chunks of at most `chunk_size` bytes and `max_segs` copies: large
+/// copies are split (so they can be striped across streams), small ones are batched
+/// (so 4 KiB blocks do not each pay a message).
+pub fn chunk_ops(ops: &[Op], chunk_size: u64, max_segs: usize) -> Vec<Chunk> {
+    assert!(chunk_size > 0 && max_segs > 0);
+    let mut chunks = Vec::new();
+    let mut cur = Chunk { segs: Vec::new(), bytes: 0 };
+    for op in ops {
+        let mut op = *op;
+        while op.len > 0 {
+            let room = chunk_size - cur.bytes;
+            let n = op.len.min(room);
+            cur.segs.push(Op { len: n, ..op });
+            cur.bytes += n;
+            op.local_addr += n;
+            op.remote_addr += n;
+            op.len -= n;
+            if cur.bytes == chunk_size || cur.segs.len() == max_segs {
+                chunks.push(std::mem::replace(&mut cur, Chunk { segs: Vec::new(), bytes: 0 }));
+            }
+        }
+    }
+    if !cur.segs.is_empty() {
+        chunks.push(cur);
+    }
+    chunks
+}
+
+/// Splits a plan into `parts` groups of roughly equal bytes (for parallel copying).
+pub fn split_by_bytes(ops: &[Op], parts: usize) -> Vec<Vec<Op>> {
+    let total: u64 = ops.iter().map(|o| o.len).sum();
+    let parts = parts.max(1) as u64;
+    let target = total.div_ceil(parts).max(1);
+    chunk_ops(ops, target, usize::MAX).into_iter().map(|c| c.segs).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn prep(descs: &[(u64, u64)], region: u64) -> PreparedList {
+        let list = DescList::from_descs(MemKind::Dram, descs.iter().map(|&(addr, len)| Desc { addr, len, dev: 0 })).unwrap();
+        PreparedList::resolve(&list, |_, _, _| Ok(region)).unwrap()
+    }
+
+    #[test]
+    fn contiguous_neighbours_merge() {
+        let l = prep(&[(0, 4), (4, 4), (8, 4)], 1);
+        let r = prep(&[(100, 8), (108, 4)], 2);
+        let p = Plan::build(&l, None, &r, None).unwrap();
+        assert_eq!(p.ops, vec![Op { local_addr: 0, local_region: 1, remote_addr: 100, remote_region: 2, len: 12 }]);
+    }
+
+    #[test]
+    fn different_cuts_pair_byte_for_byte() {
+        let l = prep(&[(0, 6), (50, 6)], 1);
+        let r = prep(&[(100, 4), (200, 8)], 2);
+        let p = Plan::build(&l, None, &r, None).unwrap();
+        let got: Vec<_> = p.ops.iter().map(|o| (o.local_addr, o.remote_addr, o.len)).collect();
+        assert_eq!(got, vec![(0, 100, 4), (4, 200, 2), (50, 202, 6)]);
+    }
+
+    #[test]
+    fn mismatched_totals_and_bad_indices_are_errors() {
+        let l = prep(&[(0, 6)], 1);
+        let r = prep(&[(100, 4)], 2);
+        assert!(Plan::build(&l, None, &r, None).is_err());
+        let r = prep(&[(100, 6)], 2);
+        assert!(Plan::build(&l, Some(&[1]), &r, None).is_err());
+        assert!(Plan::build(&l, Some(&[]), &r, Some(&[])).is_err());
+    }
+
+    #[test]
+    fn indices_select_and_reorder() {
+        let l = prep(&[(0, 4), (4, 4), (8, 4)], 1);
+        let r = prep(&[(100, 4), (104, 4), (108, 4)], 2);
+        let p = Plan::build(&l, Some(&[2, 0]), &r, Some(&[0, 1])).unwrap();
+        let got: Vec<_> = p.ops.iter().map(|o| (o.local_addr, o.remote_addr, o.len)).collect();
+        assert_eq!(got, vec![(8, 100, 4), (0, 104, 4)]);
+    }
+
+    proptest! {
+        /// Whatever the cuts, the plan maps local byte i to remote byte i exactly once.
+        #[test]
+        fn plan_is_a_bijection(lens_l in prop::collection::vec(1u64..50, 1..20), seed in 0u64..1000) {
+            let total: u64 = lens_l.iter().sum();
+            // Cut the same total differently on the remote side.
+            let mut lens_r = Vec::new();
+            let mut left = total;
+            let mut s = seed;
+            while left > 0 {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                let n = 1 + (s >> 33) % left.min(40);
+                lens_r.push(n);
+                left -= n;
+            }
+            let mut a = 0; let ld: Vec<_> = lens_l.iter().map(|&n| { let d = (a, n); a += n + 3; d }).collect();
+            let mut b = 10_000; let rd: Vec<_> = lens_r.iter().map(|&n| { let d = (b, n); b += n + 1; d }).collect();
+            let p = Plan::build(&prep(&ld, 1), None, &prep(&rd, 2), None).unwrap();
+            let flat = |v: &[(u64, u64)]| v.iter().flat_map(|&(s, n)| s..s + n).collect::<Vec<_>>();
+            let lbytes = flat(&ld);
+            let rbytes = flat(&rd);
+            let mut pairs = Vec::new();
+            for op in &p.ops { for k in 0..op.len { pairs.push((op.local_addr + k, op.remote_addr + k)); } }
+            let expect: Vec<_> = lbytes.into_iter().zip(rbytes).collect();
+            prop_assert_eq!(pairs, expect);
+        }
+
+        #[test]
+        fn chunks_cover_every_byte_once(lens in prop::collection::vec(1u64..10_000, 1..50), chunk in 1u64..5000, max_segs in 1usize..8) {
+            let mut a = 0;
+            let ops: Vec<Op> = lens.iter().map(|&n| { let o = Op { local_addr: a, local_region: 1, remote_addr: a + 1_000_000, remote_region: 2, len: n }; a += n + 7; o }).collect();
+            let chunks = chunk_ops(&ops, chunk, max_segs);
+            let mut covered = Vec::new();
+            for c in &chunks {
+                prop_assert!(c.bytes <= chunk && c.segs.len() <= max_segs && c.bytes > 0);
+                prop_assert_eq!(c.bytes, c.segs.iter().map(|s| s.len).sum::<u64>());
+                for s in &c.segs {
+                    prop_assert_eq!(s.remote_addr, s.local_addr + 1_000_000);
+                    covered.extend(s.local_addr..s.local_addr + s.len);
+                }
+            }
+            let expect: Vec<_> = ops.iter().flat_map(|o| o.local_addr..o.local_addr + o.len).collect();
+            prop_assert_eq!(covered, expect);
+        }
+    }
+}

@@ -1,0 +1,222 @@
+//! The life of a transfer request, kept apart from I/O so it is tested on its own.
+//!
+//! A posted request is split by its transport into parts (chunks, copy pieces). Each
+//! part reports success or failure exactly once; when the last one does, a finisher runs
+//! (release region guards, send the notification) and only then does the request become
+//! DONE or ERROR, so a waiter that sees DONE may immediately reuse or deregister memory.
+
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::error::{Error, Result};
+
+/// Where a request stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Status {
+    /// Created, never posted.
+    Idle,
+    Pending,
+    Done,
+    Error(Error),
+}
+
+impl Status {
+    pub fn is_final(&self) -> bool {
+        matches!(self, Status::Done | Status::Error(_))
+    }
+}
+
+/// Runs once when every part has reported; its error (e.g. a notification that could not
+/// be sent) turns a successful transfer into an error.
+pub type Finisher = Box<dyn FnOnce(Result<()>) -> Result<()> + Send>;
+
+struct State {
+    status: Status,
+    remaining: u64,
+    first_error: Option<Error>,
+    finisher: Option<Finisher>,
+}
+
+/// Completion tracking for one request, shared by the poster and the transport.
+pub struct Tracker {
+    state: Mutex<State>,
+    cv: Condvar,
+}
+
+impl Default for Tracker {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Tracker {
+    pub fn new() -> Self {
+        Tracker {
+            state: Mutex::new(State { status: Status::Idle, remaining: 0, first_error: None, finisher: None }),
+            cv: Condvar::new(),
+        }
+    }
+
+    /// Starts a round of `parts` parts. Fails while a previous round is still pending.
+    pub fn begin(&self, parts: u64, finisher: Finisher) -> Result<()> {
+        let mut st = self.state.lock();
+        if st.status == Status::Pending {
+            return Err(Error::InvalidState("request is still pending; wait for it before posting again".into()));
+        }
+        if parts == 0 {
+            return Err(Error::InvalidState("a round needs at least one part".into()));
+        }
+        st.status = Status::Pending;
+        st.remaining = parts;
+        st.first_error = None;
+        st.finisher = Some(finisher);
+        Ok(())
+    }
+
+    /// Reports one part. The call that reports the last part runs the finisher.
+    pub fn finish_part(&self, result: Result<()>) {
+        self.finish_parts(1, result)
+    }
+
+    /// Reports `n` parts at once (a transport that fails a whole batch).
+    pub fn finish_parts(&self, n: u64, result: Result<()>) {
+        let finisher = {
+            let mut st = self.state.lock();
+            if st.status != Status::Pending || n == 0 {
+                return;
+            }
+            if let Err(e) = result {
+                st.first_error.get_or_insert(e);
+            }
+            st.remaining = st.remaining.saturating_sub(n);
+            if st.remaining > 0 {
+                return;
+            }
+            st.finisher.take()
+        };
+        // The finisher may do I/O (send a notification): run it outside the lock.
+        let outcome = {
+            let err = self.state.lock().first_error.clone();
+            let transfer = err.map_or(Ok(()), Err);
+            match finisher {
+                Some(f) => f(transfer),
+                None => transfer,
+            }
+        };
+        let mut st = self.state.lock();
+        st.status = match outcome {
+            Ok(()) => Status::Done,
+            Err(e) => Status::Error(e),
+        };
+        self.cv.notify_all();
+    }
+
+    /// Fails a round that could not be started at all (nothing was sent).
+    pub fn fail_unstarted(&self, e: Error) {
+        let finisher = {
+            let mut st = self.state.lock();
+            st.remaining = 0;
+            st.finisher.take()
+        };
+        let outcome = match finisher {
+            Some(f) => f(Err(e.clone())).and(Err::<(), _>(e)),
+            None => Err(e),
+        };
+        let mut st = self.state.lock();
+        st.status = Status::Error(outcome.unwrap_err());
+        self.cv.notify_all();
+    }
+
+    pub fn status(&self) -> Status {
+        self.state.lock().status.clone()
+    }
+
+    /// Blocks until the round is final or `timeout` passes (then returns `Pending`).
+    pub fn wait(&self, timeout: Option<Duration>) -> Status {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut st = self.state.lock();
+        while st.status == Status::Pending {
+            match deadline {
+                Some(d) => {
+                    if self.cv.wait_until(&mut st, d).timed_out() {
+                        break;
+                    }
+                }
+                None => self.cv.wait(&mut st),
+            }
+        }
+        st.status.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    fn counting() -> (Arc<AtomicUsize>, Finisher) {
+        let n = Arc::new(AtomicUsize::new(0));
+        let m = n.clone();
+        (n, Box::new(move |r| {
+            m.fetch_add(1, Ordering::SeqCst);
+            r
+        }))
+    }
+
+    #[test]
+    fn done_only_after_every_part() {
+        let t = Tracker::new();
+        assert_eq!(t.status(), Status::Idle);
+        let (runs, f) = counting();
+        t.begin(3, f).unwrap();
+        t.finish_part(Ok(()));
+        t.finish_part(Ok(()));
+        assert_eq!(t.status(), Status::Pending);
+        assert_eq!(runs.load(Ordering::SeqCst), 0);
+        t.finish_part(Ok(()));
+        assert_eq!(t.status(), Status::Done);
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+        // Extra reports after completion are ignored.
+        t.finish_part(Err(Error::Io("late".into())));
+        assert_eq!(t.status(), Status::Done);
+    }
+
+    #[test]
+    fn first_error_wins_and_repost_needs_completion() {
+        let t = Tracker::new();
+        let (_, f) = counting();
+        t.begin(2, f).unwrap();
+        let (_, f2) = counting();
+        assert!(matches!(t.begin(1, f2), Err(Error::InvalidState(_))));
+        t.finish_part(Err(Error::Timeout("a".into())));
+        t.finish_part(Err(Error::Io("b".into())));
+        assert_eq!(t.status(), Status::Error(Error::Timeout("a".into())));
+        let (_, f3) = counting();
+        t.begin(1, f3).unwrap();
+        t.finish_part(Ok(()));
+        assert_eq!(t.status(), Status::Done);
+    }
+
+    #[test]
+    fn finisher_error_fails_the_request() {
+        let t = Tracker::new();
+        t.begin(1, Box::new(|_| Err(Error::Io("notify failed".into())))).unwrap();
+        t.finish_part(Ok(()));
+        assert!(matches!(t.status(), Status::Error(Error::Io(_))));
+    }
+
+    #[test]
+    fn wait_times_out_and_wakes() {
+        let t = Arc::new(Tracker::new());
+        let (_, f) = counting();
+        t.begin(1, f).unwrap();
+        assert_eq!(t.wait(Some(Duration::from_millis(20))), Status::Pending);
+        let t2 = t.clone();
+        let h = std::thread::spawn(move || t2.wait(Some(Duration::from_secs(10))));
+        std::thread::sleep(Duration::from_millis(10));
+        t.finish_part(Ok(()));
+        assert_eq!(h.join().unwrap(), Status::Done);
+    }
+}

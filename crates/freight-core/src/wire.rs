@@ -1,0 +1,240 @@
+//! Messages between agents and their framing.
+//!
+//! Every frame is a little-endian u32 header length, then a postcard-encoded [`Frame`];
+//! `Write` and `ReadData` are followed by raw payload bytes (the sum of their segment
+//! lengths), which travel straight from and into registered memory.
+
+use std::io::{self, IoSlice, IoSliceMut, Read, Write};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+pub const PROTOCOL_VERSION: u16 = 1;
+/// Headers larger than this are a protocol violation (metadata replies are the largest).
+pub const MAX_HEADER: usize = 130 << 20;
+/// A single frame may carry at most this much payload.
+pub const MAX_PAYLOAD: u64 = 1 << 30;
+/// Segments per frame: bounded by the kernel's iovec limit (one slot for the header).
+pub const MAX_SEGS: usize = 1023;
+/// Notification messages larger than this are refused.
+pub const MAX_NOTIF: usize = 16 << 20;
+
+/// What a connection is for, announced in its first frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Role {
+    /// Notifications and revocations between two agents.
+    Control,
+    /// One tcp data stream.
+    Data { index: u32 },
+    /// A one-shot metadata fetch (listener exchange).
+    Metadata,
+}
+
+/// A remote range named by region key and address, checked by the owner on arrival.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Seg {
+    pub region: u64,
+    pub addr: u64,
+    pub len: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Frame {
+    Hello {
+        version: u16,
+        role: Role,
+        from_name: String,
+        from_id: u64,
+        /// The target agent's id as the initiator knows it (catches stale metadata).
+        target_id: u64,
+        /// The target's secret from its metadata, or the metadata token for `Role::Metadata`.
+        token: Vec<u8>,
+    },
+    Welcome { agent_id: u64 },
+    Refused { reason: String },
+    Write { tag: u64, segs: Vec<Seg> },
+    WriteAck { tag: u64, error: Option<String> },
+    Read { tag: u64, segs: Vec<Seg> },
+    ReadData { tag: u64, error: Option<String> },
+    Notify { msg: Vec<u8> },
+    /// The owner withdrew a region (sent to peers that might map it).
+    Revoke { region: u64 },
+    Metadata { bytes: Vec<u8> },
+}
+
+impl Frame {
+    /// Bytes of payload that follow this frame on the wire.
+    pub fn payload_len(&self) -> Result<u64> {
+        match self {
+            Frame::Write { segs, .. } => seg_bytes(segs),
+            _ => Ok(0),
+        }
+    }
+}
+
+/// Total bytes of `segs`, refusing what no honest peer sends.
+pub fn seg_bytes(segs: &[Seg]) -> Result<u64> {
+    if segs.len() > MAX_SEGS {
+        return Err(Error::Protocol(format!("{} segments in one frame (max {MAX_SEGS})", segs.len())));
+    }
+    let mut total = 0u64;
+    for s in segs {
+        total = total.checked_add(s.len).filter(|&t| t <= MAX_PAYLOAD).ok_or_else(|| {
+            Error::Protocol(format!("frame payload exceeds {MAX_PAYLOAD} bytes"))
+        })?;
+    }
+    Ok(total)
+}
+
+/// Encodes a frame with its length prefix.
+pub fn encode(frame: &Frame) -> Vec<u8> {
+    let mut out = vec![0u8; 4];
+    let mut out = postcard::to_extend(frame, std::mem::take(&mut out)).expect("frames always serialize");
+    let n = (out.len() - 4) as u32;
+    out[..4].copy_from_slice(&n.to_le_bytes());
+    out
+}
+
+/// Decodes a frame header (without the length prefix).
+pub fn decode(bytes: &[u8]) -> Result<Frame> {
+    let (frame, rest) = postcard::take_from_bytes::<Frame>(bytes).map_err(|e| Error::Protocol(format!("bad frame: {e}")))?;
+    if !rest.is_empty() {
+        return Err(Error::Protocol(format!("{} trailing bytes after frame", rest.len())));
+    }
+    if let Frame::Notify { msg } = &frame {
+        if msg.len() > MAX_NOTIF {
+            return Err(Error::Protocol(format!("notification of {} bytes (max {MAX_NOTIF})", msg.len())));
+        }
+    }
+    Ok(frame)
+}
+
+/// Reads one frame header. `Ok(None)` on a clean end of stream before any byte.
+pub fn read_frame(r: &mut impl Read) -> Result<Option<Frame>> {
+    let mut len = [0u8; 4];
+    match read_exact_or_eof(r, &mut len)? {
+        false => return Ok(None),
+        true => {}
+    }
+    let n = u32::from_le_bytes(len) as usize;
+    if n > MAX_HEADER {
+        return Err(Error::Protocol(format!("frame header of {n} bytes (max {MAX_HEADER})")));
+    }
+    let mut buf = vec![0u8; n];
+    r.read_exact(&mut buf)?;
+    decode(&buf).map(Some)
+}
+
+fn read_exact_or_eof(r: &mut impl Read, buf: &mut [u8]) -> Result<bool> {
+    let mut got = 0;
+    while got < buf.len() {
+        match r.read(&mut buf[got..]) {
+            Ok(0) if got == 0 => return Ok(false),
+            Ok(0) => return Err(Error::Io("connection closed inside a frame".into())),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(true)
+}
+
+/// Writes a frame header followed by `payload`, with as few syscalls as the kernel allows.
+pub fn write_frame(w: &mut impl Write, frame: &Frame, payload: &[IoSlice<'_>]) -> Result<()> {
+    let header = encode(frame);
+    let mut slices = Vec::with_capacity(payload.len() + 1);
+    slices.push(IoSlice::new(&header));
+    slices.extend_from_slice(payload);
+    write_all_vectored(w, &mut slices)?;
+    Ok(())
+}
+
+/// `write_all` for a list of slices (std's version is unstable).
+pub fn write_all_vectored(w: &mut impl Write, mut slices: &mut [IoSlice<'_>]) -> io::Result<()> {
+    IoSlice::advance_slices(&mut slices, 0);
+    while !slices.is_empty() {
+        match w.write_vectored(slices) {
+            Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "connection closed while writing")),
+            Ok(n) => IoSlice::advance_slices(&mut slices, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// `read_exact` into a list of slices: one `readv` per kernel wake-up, not per slice.
+pub fn read_exact_vectored(r: &mut impl Read, mut slices: &mut [IoSliceMut<'_>]) -> io::Result<()> {
+    IoSliceMut::advance_slices(&mut slices, 0);
+    while !slices.is_empty() {
+        match r.read_vectored(slices) {
+            Ok(0) => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed inside a payload")),
+            Ok(n) => IoSliceMut::advance_slices(&mut slices, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Reads and discards `n` payload bytes (a refused write must still be drained).
+pub fn discard(r: &mut impl Read, n: u64) -> io::Result<()> {
+    let copied = io::copy(&mut r.take(n), &mut io::sink())?;
+    if copied < n {
+        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed inside a payload"));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn frames_roundtrip_with_payload() {
+        let f = Frame::Write { tag: 9, segs: vec![Seg { region: 1, addr: 0x10, len: 3 }, Seg { region: 1, addr: 0x20, len: 2 }] };
+        let mut buf = Vec::new();
+        write_frame(&mut buf, &f, &[IoSlice::new(b"abc"), IoSlice::new(b"de")]).unwrap();
+        let mut r = &buf[..];
+        let got = read_frame(&mut r).unwrap().unwrap();
+        assert_eq!(got, f);
+        assert_eq!(got.payload_len().unwrap(), 5);
+        let (mut a, mut b) = ([0u8; 3], [0u8; 2]);
+        read_exact_vectored(&mut r, &mut [IoSliceMut::new(&mut a), IoSliceMut::new(&mut b)]).unwrap();
+        assert_eq!((&a, &b), (b"abc", b"de"));
+        assert!(read_frame(&mut r).unwrap().is_none());
+    }
+
+    #[test]
+    fn hostile_sizes_are_refused() {
+        let mut huge = (u32::MAX).to_le_bytes().to_vec();
+        huge.extend_from_slice(&[0; 8]);
+        assert!(matches!(read_frame(&mut &huge[..]), Err(Error::Protocol(_))));
+        let segs = vec![Seg { region: 1, addr: 0, len: MAX_PAYLOAD }, Seg { region: 1, addr: 0, len: 1 }];
+        assert!(seg_bytes(&segs).is_err());
+        let many = vec![Seg { region: 1, addr: 0, len: 1 }; MAX_SEGS + 1];
+        assert!(seg_bytes(&many).is_err());
+        // A frame cut in the middle is an error, not a hang or a panic.
+        let bytes = encode(&Frame::Notify { msg: vec![1; 100] });
+        assert!(read_frame(&mut &bytes[..50]).is_err());
+    }
+
+    proptest! {
+        #[test]
+        fn arbitrary_headers_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
+            let _ = decode(&bytes);
+            let mut framed = (bytes.len() as u32).to_le_bytes().to_vec();
+            framed.extend_from_slice(&bytes);
+            let _ = read_frame(&mut &framed[..]);
+        }
+
+        #[test]
+        fn notify_roundtrip(msg in prop::collection::vec(any::<u8>(), 0..1000)) {
+            let f = Frame::Notify { msg };
+            let bytes = encode(&f);
+            prop_assert_eq!(read_frame(&mut &bytes[..]).unwrap().unwrap(), f);
+        }
+    }
+}
