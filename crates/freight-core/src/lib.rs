@@ -1,11 +1,35 @@
-//! freight's transfer engine.
+//! freight's transfer engine: agents that register memory, exchange metadata, and move
+//! bytes between each other's registered memory with prepared, batched, notified
+//! transfers over pluggable transports.
+//!
+//! The layers, bottom up: [`memory`] (what may be touched), [`desc`] and [`plan`] (which
+//! bytes go where), [`request`] (completion bookkeeping), [`wire`] and [`metadata`]
+//! (formats), [`transport`] (moving bytes), and [`agent`] (the public face).
 
+pub mod agent;
 pub mod desc;
 pub mod error;
 pub mod memory;
 pub mod metadata;
+pub mod notify;
+pub mod path;
 pub mod plan;
 pub mod request;
+pub mod transport;
 pub mod wire;
 
+mod net;
+mod peer;
+mod server;
+
+pub use agent::{Agent, AgentConfig, RemoteList, Request};
+pub use desc::{Desc, DescList};
 pub use error::{Error, Result};
+pub use memory::{MemKind, SharedSegment};
+pub use notify::Notification;
+pub use path::{Path, TransportKind};
+pub use plan::PreparedList;
+pub use request::Status;
+pub use transport::shm::ShmConfig;
+pub use transport::tcp::TcpConfig;
+pub use transport::OpKind;

@@ -343,15 +343,18 @@ fn overlapping(tree: &BTreeMap<u64, Arc<Region>>, addr: u64, len: u64) -> Option
 #[derive(Debug, Default, Clone)]
 pub struct RemoteRegions {
     index: HashMap<(MemKind, u64), BTreeMap<u64, RegionInfo>>,
+    by_key: HashMap<u64, RegionInfo>,
 }
 
 impl RemoteRegions {
     pub fn new(regions: &[RegionInfo]) -> Self {
         let mut index: HashMap<(MemKind, u64), BTreeMap<u64, RegionInfo>> = HashMap::new();
+        let mut by_key = HashMap::with_capacity(regions.len());
         for r in regions {
             index.entry((r.kind, r.dev)).or_default().insert(r.addr, r.clone());
+            by_key.insert(r.key, r.clone());
         }
-        RemoteRegions { index }
+        RemoteRegions { index, by_key }
     }
 
     pub fn find(&self, kind: MemKind, addr: u64, len: u64, dev: u64) -> Result<&RegionInfo> {
@@ -367,9 +370,20 @@ impl RemoteRegions {
         Ok(region)
     }
 
+    pub fn get(&self, key: u64) -> Option<&RegionInfo> {
+        self.by_key.get(&key)
+    }
+
+    pub fn contains(&self, key: u64) -> bool {
+        self.by_key.contains_key(&key)
+    }
+
+    /// Forgets a region the owner revoked.
     pub fn remove(&mut self, key: u64) {
-        for tree in self.index.values_mut() {
-            tree.retain(|_, r| r.key != key);
+        if let Some(r) = self.by_key.remove(&key) {
+            if let Some(tree) = self.index.get_mut(&(r.kind, r.dev)) {
+                tree.remove(&r.addr);
+            }
         }
     }
 }

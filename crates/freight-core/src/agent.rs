@@ -1,0 +1,575 @@
+//! The agent: one per process (or per engine instance). It owns its memory registry, its
+//! transports, its peers and its notification queue.
+//!
+//! Threading contract: every method takes `&self` and may be called from any thread at
+//! any time. Requests may be posted, polled and waited on from any thread; a request's
+//! `post` fails while that request is still pending. Background work runs on the
+//! agent's own threads, which block on sockets and queues and use no CPU while idle.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use parking_lot::RwLock;
+
+use crate::desc::DescList;
+use crate::error::{invalid, Error, Result};
+use crate::memory::{MemKind, Registry, SharedSegment};
+use crate::metadata::{AgentMetadata, HostIdentity};
+use crate::net::{self, Introduction};
+use crate::notify::{NotifQueue, Notification};
+use crate::path::{self, Path, PathFacts, PathPolicy, TransportKind};
+use crate::peer::{DialContext, Peer};
+use crate::plan::{chunk_ops, Chunk, Plan, PreparedList};
+use crate::request::{Finisher, Status, Tracker};
+use crate::server::{self, Server};
+use crate::transport::shm::{CopyPool, ShmConfig, ShmProgram};
+use crate::transport::tcp::TcpConfig;
+use crate::transport::OpKind;
+use crate::wire::{self, Frame};
+
+/// Everything an agent can be told at creation.
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    /// Address of the agent's listener (peers connect here). Port 0 picks a free port.
+    pub listen: String,
+    /// Addresses to advertise instead of the bound ones (behind NAT, several NICs).
+    pub advertise: Vec<String>,
+    /// Transports this agent may use and serve.
+    pub transports: Vec<TransportKind>,
+    /// When set, every transfer must use this transport or fail.
+    pub require: Option<TransportKind>,
+    pub tcp: TcpConfig,
+    pub shm: ShmConfig,
+    /// A peer that does not answer for this long is declared dead.
+    pub peer_timeout: Duration,
+    /// Bound on connecting and on each handshake.
+    pub connect_timeout: Duration,
+    /// When set, listener metadata requests must present this token.
+    pub metadata_token: Option<Vec<u8>>,
+}
+
+impl Default for AgentConfig {
+    fn default() -> Self {
+        AgentConfig {
+            listen: "127.0.0.1:0".into(),
+            advertise: Vec::new(),
+            transports: TransportKind::ALL.to_vec(),
+            require: None,
+            tcp: TcpConfig::default(),
+            shm: ShmConfig::default(),
+            peer_timeout: Duration::from_secs(30),
+            connect_timeout: Duration::from_secs(5),
+            metadata_token: None,
+        }
+    }
+}
+
+impl AgentConfig {
+    fn validate(&self) -> Result<()> {
+        if let Some(t) = self.require {
+            if !self.transports.contains(&t) {
+                return Err(invalid(format!("required transport {t} is not among the enabled transports")));
+            }
+        }
+        if self.tcp.streams == 0 || self.tcp.window == 0 || self.tcp.chunk_size == 0 {
+            return Err(invalid("tcp streams, window and chunk size must be positive"));
+        }
+        if self.tcp.chunk_size > wire::MAX_PAYLOAD {
+            return Err(invalid(format!("tcp chunk size must be at most {} bytes", wire::MAX_PAYLOAD)));
+        }
+        if self.shm.threads == 0 {
+            return Err(invalid("shm copy threads must be at least 1"));
+        }
+        if self.peer_timeout.is_zero() || self.connect_timeout.is_zero() {
+            return Err(invalid("timeouts must be positive"));
+        }
+        Ok(())
+    }
+}
+
+pub struct AgentInner {
+    pub(crate) name: String,
+    pub(crate) id: u64,
+    pub(crate) secret: [u8; 16],
+    host: HostIdentity,
+    pub(crate) config: AgentConfig,
+    pub(crate) registry: Registry,
+    peers: RwLock<HashMap<String, Arc<Peer>>>,
+    pub(crate) notifs: NotifQueue,
+    pub(crate) server: Server,
+    copy_pool: OnceLock<CopyPool>,
+    closed: AtomicBool,
+}
+
+/// See the module documentation for the threading contract.
+pub struct Agent {
+    inner: Arc<AgentInner>,
+}
+
+impl Agent {
+    pub fn new(name: &str, config: AgentConfig) -> Result<Agent> {
+        if name.is_empty() || name.len() > 256 || name.chars().any(|c| c.is_control() || c == '/') {
+            return Err(invalid("agent name must be 1..256 printable characters without '/'"));
+        }
+        config.validate()?;
+        let inner = Arc::new(AgentInner {
+            name: name.to_string(),
+            id: rand::random::<u64>() | 1,
+            secret: rand::random(),
+            host: HostIdentity::current(),
+            config,
+            registry: Registry::new(),
+            peers: RwLock::new(HashMap::new()),
+            notifs: NotifQueue::default(),
+            server: Server::default(),
+            copy_pool: OnceLock::new(),
+            closed: AtomicBool::new(false),
+        });
+        server::listen(&inner, &inner.config.listen.clone())?;
+        Ok(Agent { inner })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    pub fn config(&self) -> &AgentConfig {
+        &self.inner.config
+    }
+
+    /// Listens on one more address (for example a well-known port for metadata).
+    pub fn listen(&self, addr: &str) -> Result<SocketAddr> {
+        self.inner.check_open()?;
+        server::listen(&self.inner, addr)
+    }
+
+    /// Addresses peers are told to use.
+    pub fn addresses(&self) -> Vec<String> {
+        self.inner.advertised()
+    }
+
+    // -- memory ----------------------------------------------------------------------
+
+    pub fn register(&self, kind: MemKind, addr: u64, len: u64, dev: u64) -> Result<u64> {
+        self.inner.check_open()?;
+        self.inner.registry.register(kind, addr, len, dev)
+    }
+
+    /// Deregisters a region; fails with `RegionBusy` while a transfer uses it. Peers that
+    /// may map it are told to forget it.
+    pub fn deregister(&self, key: u64) -> Result<()> {
+        let shared = self.inner.registry.get(key).is_some_and(|r| r.info.shared.is_some());
+        self.inner.registry.deregister(key)?;
+        if shared {
+            self.inner.server.broadcast(&Frame::Revoke { region: key });
+        }
+        Ok(())
+    }
+
+    pub fn registered_regions(&self) -> usize {
+        self.inner.registry.len()
+    }
+
+    /// Allocates host memory that same-host peers can reach through shm.
+    pub fn alloc(&self, len: usize) -> Result<Arc<SharedSegment>> {
+        SharedSegment::allocate(len)
+    }
+
+    // -- metadata and peers ----------------------------------------------------------
+
+    pub fn metadata(&self) -> Vec<u8> {
+        self.inner.metadata_bytes()
+    }
+
+    /// Adds (or replaces) a peer from its metadata; returns its name.
+    pub fn add_peer(&self, metadata: &[u8]) -> Result<String> {
+        self.inner.check_open()?;
+        let md = AgentMetadata::decode(metadata)?;
+        let name = md.name.clone();
+        let same_host = self.inner.host.same_host(&md.host);
+        let peer = Arc::new(Peer::new(md, same_host));
+        let old = self.inner.peers.write().insert(name.clone(), peer);
+        if let Some(old) = old {
+            old.shutdown("replaced by new metadata");
+        }
+        tracing::info!(agent = %self.inner.name, peer = %name, same_host, "added peer");
+        Ok(name)
+    }
+
+    pub fn remove_peer(&self, name: &str) -> Result<()> {
+        let peer = self.inner.peers.write().remove(name).ok_or_else(|| Error::UnknownPeer(name.into()))?;
+        peer.shutdown("removed");
+        tracing::info!(agent = %self.inner.name, peer = %name, "removed peer");
+        Ok(())
+    }
+
+    pub fn peers(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.inner.peers.read().keys().cloned().collect();
+        v.sort();
+        v
+    }
+
+    /// Fetches a peer's metadata from its listener at `addr` and adds it.
+    pub fn connect(&self, addr: &str, token: Option<&[u8]>) -> Result<String> {
+        let bytes = net::fetch_metadata(addr, token.unwrap_or_default(), self.inner.config.connect_timeout)?;
+        self.add_peer(&bytes)
+    }
+
+    /// Re-reads a known peer's metadata from its listener (to see regions it added).
+    pub fn refresh_peer(&self, name: &str, token: Option<&[u8]>) -> Result<()> {
+        let peer = self.inner.peer(name)?;
+        let mut last = Error::TransportUnavailable(format!("peer '{name}' advertises no address"));
+        for a in &peer.md.addresses {
+            match self.connect(a, token) {
+                Ok(_) => return Ok(()),
+                Err(e) => last = e,
+            }
+        }
+        Err(last)
+    }
+
+    /// Which transport serves host-memory transfers to `peer`, and why.
+    pub fn path_to(&self, peer: &str) -> Result<Path> {
+        let peer = self.inner.peer(peer)?;
+        let shared = {
+            let regions = peer.md.regions.iter().find(|r| r.shared.is_some());
+            match regions {
+                None => Err("the peer has no memory in shared segments".to_string()),
+                Some(r) if peer.same_host => peer.shm.probe(r).map_err(|e| e.to_string()),
+                Some(_) => Ok(()),
+            }
+        };
+        self.inner.choose_path(&peer, MemKind::Dram, MemKind::Dram, shared)
+    }
+
+    // -- descriptors and requests ----------------------------------------------------
+
+    pub fn prepare_local(&self, list: &DescList) -> Result<PreparedList> {
+        PreparedList::local(list, &self.inner.registry)
+    }
+
+    pub fn prepare_remote(&self, peer: &str, list: &DescList) -> Result<RemoteList> {
+        let peer = self.inner.peer(peer)?;
+        let prepared = PreparedList::remote(list, &peer.regions.read())?;
+        Ok(RemoteList { peer, list: prepared })
+    }
+
+    /// Builds a reusable request from prepared lists and optional index selections.
+    pub fn make_request(
+        &self,
+        op: OpKind,
+        local: &PreparedList,
+        local_idx: Option<&[u64]>,
+        remote: &RemoteList,
+        remote_idx: Option<&[u64]>,
+        notif: Option<Vec<u8>>,
+    ) -> Result<Request> {
+        self.inner.check_open()?;
+        if notif.as_ref().is_some_and(|m| m.len() > wire::MAX_NOTIF) {
+            return Err(invalid(format!("notification larger than {} bytes", wire::MAX_NOTIF)));
+        }
+        let plan = Plan::build(local, local_idx, &remote.list, remote_idx)?;
+        let peer = remote.peer.clone();
+        let shared = {
+            let regions = peer.regions.read();
+            plan.remote_regions
+                .iter()
+                .find_map(|k| match regions.get(*k) {
+                    Some(r) if r.shared.is_none() => Some(format!(
+                        "remote region {k} is not in a shared segment (the peer must allocate it with Agent.alloc)"
+                    )),
+                    Some(r) if peer.same_host => peer.shm.probe(r).err().map(|e| e.to_string()),
+                    Some(_) => None,
+                    None => Some(format!("remote region {k} was revoked")),
+                })
+                .map_or(Ok(()), Err)
+        };
+        let path = self.inner.choose_path(&peer, local.kind, remote.list.kind, shared)?;
+        tracing::debug!(peer = %peer.name, transport = %path.transport, reason = %path.reason, ops = plan.ops.len(), bytes = plan.bytes, "request made");
+        Ok(Request {
+            agent: self.inner.clone(),
+            peer,
+            op,
+            plan: Arc::new(plan),
+            notif,
+            path,
+            tracker: Arc::new(Tracker::new()),
+            shm: OnceLock::new(),
+            chunks: OnceLock::new(),
+        })
+    }
+
+    /// One-shot form: prepares both lists, builds the request and posts it.
+    pub fn transfer(&self, op: OpKind, local: &DescList, peer: &str, remote: &DescList, notif: Option<Vec<u8>>) -> Result<Request> {
+        let l = self.prepare_local(local)?;
+        let r = self.prepare_remote(peer, remote)?;
+        let req = self.make_request(op, &l, None, &r, None, notif)?;
+        req.post()?;
+        Ok(req)
+    }
+
+    // -- notifications ---------------------------------------------------------------
+
+    /// Sends a standalone notification (ordered with the peer's other notifications).
+    pub fn notify(&self, peer: &str, msg: Vec<u8>) -> Result<()> {
+        if msg.len() > wire::MAX_NOTIF {
+            return Err(invalid(format!("notification larger than {} bytes", wire::MAX_NOTIF)));
+        }
+        let peer = self.inner.peer(peer)?;
+        peer.control(&self.inner.dial_context())?.send(&Frame::Notify { msg })
+    }
+
+    /// Notifications received so far, oldest first (non-blocking).
+    pub fn get_notifs(&self) -> Vec<Notification> {
+        self.inner.notifs.drain()
+    }
+
+    /// Waits up to `timeout` for at least one notification.
+    pub fn wait_notifs(&self, timeout: Duration) -> Vec<Notification> {
+        self.inner.notifs.wait(timeout)
+    }
+
+    /// Stops listening and closes every connection. In-flight requests fail.
+    pub fn close(&self) {
+        if self.inner.closed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        self.inner.server.shutdown();
+        for (_, p) in self.inner.peers.write().drain() {
+            p.shutdown("the local agent closed");
+        }
+        tracing::info!(agent = %self.inner.name, "closed");
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+impl AgentInner {
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    fn check_open(&self) -> Result<()> {
+        if self.is_closed() {
+            return Err(Error::InvalidState(format!("agent '{}' is closed", self.name)));
+        }
+        Ok(())
+    }
+
+    fn peer(&self, name: &str) -> Result<Arc<Peer>> {
+        self.peers.read().get(name).cloned().ok_or_else(|| Error::UnknownPeer(name.into()))
+    }
+
+    fn dial_context(&self) -> DialContext {
+        DialContext {
+            intro: Introduction { from_name: self.name.clone(), from_id: self.id, target_id: 0, token: Vec::new() },
+            timeout: self.config.connect_timeout,
+            peer_timeout: self.config.peer_timeout,
+        }
+    }
+
+    fn choose_path(&self, peer: &Peer, local: MemKind, remote: MemKind, shared: std::result::Result<(), String>) -> Result<Path> {
+        let policy = PathPolicy { enabled: self.config.transports.clone(), require: self.config.require };
+        let facts = PathFacts {
+            same_host: peer.same_host,
+            peer_transports: peer.md.transports.clone(),
+            local_kind: local,
+            remote_kind: remote,
+            remote_shared: shared,
+        };
+        path::choose(&policy, &facts)
+    }
+
+    pub(crate) fn advertised(&self) -> Vec<String> {
+        if !self.config.advertise.is_empty() {
+            return self.config.advertise.clone();
+        }
+        let mut out = Vec::new();
+        for a in self.server.addresses() {
+            if a.ip().is_unspecified() {
+                for ip in local_ips() {
+                    out.push(SocketAddr::new(ip, a.port()).to_string());
+                }
+            } else {
+                out.push(a.to_string());
+            }
+        }
+        out
+    }
+
+    pub(crate) fn metadata_bytes(&self) -> Vec<u8> {
+        let (_, regions) = self.registry.snapshot();
+        AgentMetadata {
+            name: self.name.clone(),
+            agent_id: self.id,
+            secret: self.secret,
+            host: self.host.clone(),
+            addresses: self.advertised(),
+            transports: self.config.transports.iter().map(|t| t.as_str().to_string()).collect(),
+            regions,
+        }
+        .encode()
+    }
+
+    fn copy_pool(&self) -> Result<&CopyPool> {
+        if let Some(p) = self.copy_pool.get() {
+            return Ok(p);
+        }
+        let pool = CopyPool::new(self.config.shm.threads)?;
+        Ok(self.copy_pool.get_or_init(|| pool))
+    }
+}
+
+/// The host's IPv4 addresses, non-loopback first (for listeners bound to 0.0.0.0).
+fn local_ips() -> Vec<IpAddr> {
+    let mut ips = Vec::new();
+    // SAFETY: getifaddrs hands us a list we free with freeifaddrs; we only read it.
+    unsafe {
+        let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
+        if libc::getifaddrs(&mut head) == 0 {
+            let mut cur = head;
+            while !cur.is_null() {
+                let ifa = &*cur;
+                let up = ifa.ifa_flags & libc::IFF_UP as u32 != 0;
+                if up && !ifa.ifa_addr.is_null() && (*ifa.ifa_addr).sa_family as i32 == libc::AF_INET {
+                    let sin = &*(ifa.ifa_addr as *const libc::sockaddr_in);
+                    ips.push(IpAddr::from(u32::from_be(sin.sin_addr.s_addr).to_be_bytes()));
+                }
+                cur = ifa.ifa_next;
+            }
+            libc::freeifaddrs(head);
+        }
+    }
+    ips.sort_by_key(|ip| ip.is_loopback());
+    ips.dedup();
+    if ips.is_empty() {
+        ips.push(IpAddr::from([127, 0, 0, 1]));
+    }
+    ips
+}
+
+/// A descriptor list prepared against a peer's memory.
+#[derive(Clone)]
+pub struct RemoteList {
+    peer: Arc<Peer>,
+    pub list: PreparedList,
+}
+
+impl std::fmt::Debug for RemoteList {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteList").field("peer", &self.peer.name).field("list", &self.list).finish()
+    }
+}
+
+impl RemoteList {
+    pub fn peer(&self) -> &str {
+        &self.peer.name
+    }
+}
+
+/// A transfer that can be posted, polled, waited on and posted again.
+pub struct Request {
+    agent: Arc<AgentInner>,
+    peer: Arc<Peer>,
+    op: OpKind,
+    plan: Arc<Plan>,
+    notif: Option<Vec<u8>>,
+    path: Path,
+    tracker: Arc<Tracker>,
+    shm: OnceLock<Arc<ShmProgram>>,
+    chunks: OnceLock<Arc<Vec<Chunk>>>,
+}
+
+impl Request {
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+    pub fn bytes(&self) -> u64 {
+        self.plan.bytes
+    }
+    pub fn op(&self) -> OpKind {
+        self.op
+    }
+    /// Copies after merging adjacent descriptors.
+    pub fn copies(&self) -> usize {
+        self.plan.ops.len()
+    }
+    pub fn status(&self) -> Status {
+        self.tracker.status()
+    }
+    /// Waits until done or failed, or `timeout` (then the status is still `Pending`).
+    pub fn wait(&self, timeout: Option<Duration>) -> Status {
+        self.tracker.wait(timeout)
+    }
+
+    /// Starts the transfer. Non-blocking, except that small shm transfers complete on
+    /// the calling thread (they take less time than handing them over would).
+    pub fn post(&self) -> Result<()> {
+        self.agent.check_open()?;
+        self.peer.check_alive()?;
+        let mut guards = Vec::with_capacity(self.plan.local_regions.len());
+        for &k in &self.plan.local_regions {
+            let g = self.agent.registry.get(k).ok_or_else(|| {
+                Error::InvalidState(format!("local region {k} was deregistered after this request was made"))
+            })?;
+            guards.push(g);
+        }
+        let ctx = self.agent.dial_context();
+        let control = match (&self.notif, self.path.transport) {
+            (Some(_), _) | (None, TransportKind::Shm) => Some(self.peer.control(&ctx)?),
+            _ => None,
+        };
+        let notif = self.notif.clone();
+        let finisher: Finisher = Box::new(move |result| {
+            drop(guards);
+            result?;
+            if let (Some(msg), Some(link)) = (notif, control) {
+                link.send(&Frame::Notify { msg })?;
+            }
+            Ok(())
+        });
+        match self.path.transport {
+            TransportKind::Shm => {
+                let program = self.shm_program()?;
+                self.agent.copy_pool()?.execute(&program, self.op, &self.tracker, finisher)
+            }
+            TransportKind::Tcp => {
+                let conn = self.peer.tcp(&ctx, &self.agent.config.tcp)?;
+                let chunks = self
+                    .chunks
+                    .get_or_init(|| Arc::new(chunk_ops(&self.plan.ops, self.agent.config.tcp.chunk_size, wire::MAX_SEGS)))
+                    .clone();
+                self.tracker.begin(chunks.len() as u64, finisher)?;
+                conn.submit(self.op, chunks, &self.tracker);
+                Ok(())
+            }
+        }
+    }
+
+    fn shm_program(&self) -> Result<Arc<ShmProgram>> {
+        {
+            let regions = self.peer.regions.read();
+            if let Some(k) = self.plan.remote_regions.iter().find(|k| !regions.contains(**k)) {
+                return Err(Error::RemoteRejected {
+                    peer: self.peer.name.clone(),
+                    reason: format!("region {k} was deregistered by its owner"),
+                });
+            }
+        }
+        if let Some(p) = self.shm.get() {
+            return Ok(p.clone());
+        }
+        let program = {
+            let regions = self.peer.regions.read();
+            self.peer.shm.compile(&self.plan.ops, |k| regions.get(k).cloned(), &self.agent.config.shm)?
+        };
+        Ok(self.shm.get_or_init(|| Arc::new(program)).clone())
+    }
+}

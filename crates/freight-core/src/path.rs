@@ -1,0 +1,170 @@
+//! Which transport serves a peer and memory kind, and why: a pure decision over facts the
+//! agent gathered, so every rule is tested without sockets.
+
+use std::fmt;
+
+use crate::error::{Error, Result};
+use crate::memory::MemKind;
+
+/// The transports this build knows, in order of preference.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TransportKind {
+    /// Same host, host memory, through shared mappings.
+    Shm,
+    /// Any host, host memory, through parallel TCP streams.
+    Tcp,
+}
+
+impl TransportKind {
+    pub const ALL: [TransportKind; 2] = [TransportKind::Shm, TransportKind::Tcp];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TransportKind::Shm => "shm",
+            TransportKind::Tcp => "tcp",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<TransportKind> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "shm" => Ok(TransportKind::Shm),
+            "tcp" => Ok(TransportKind::Tcp),
+            other => Err(Error::InvalidArgument(format!("unknown transport '{other}' (expected shm or tcp)"))),
+        }
+    }
+}
+
+impl fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What this agent allows.
+#[derive(Debug, Clone)]
+pub struct PathPolicy {
+    pub enabled: Vec<TransportKind>,
+    pub require: Option<TransportKind>,
+}
+
+/// What is known about one path.
+#[derive(Debug, Clone)]
+pub struct PathFacts {
+    pub same_host: bool,
+    /// Transports the peer serves (from its metadata).
+    pub peer_transports: Vec<String>,
+    pub local_kind: MemKind,
+    pub remote_kind: MemKind,
+    /// `Err(why)` when some remote memory of the path is not in a shared segment.
+    pub remote_shared: std::result::Result<(), String>,
+}
+
+/// The chosen transport and the reason, as reported to users and logs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Path {
+    pub transport: TransportKind,
+    pub reason: String,
+}
+
+fn can_serve(t: TransportKind, policy: &PathPolicy, f: &PathFacts) -> std::result::Result<String, String> {
+    if !policy.enabled.contains(&t) {
+        return Err("disabled by configuration".into());
+    }
+    if !f.peer_transports.iter().any(|p| p == t.as_str()) {
+        return Err("the peer does not serve it".into());
+    }
+    for kind in [f.local_kind, f.remote_kind] {
+        if kind != MemKind::Dram {
+            return Err(format!("moves host memory only, not {kind} (GPU and file transports are not in this build)"));
+        }
+    }
+    match t {
+        TransportKind::Shm => {
+            if !f.same_host {
+                return Err("the peer is on another host (or another pid namespace)".into());
+            }
+            f.remote_shared.clone()?;
+            Ok("same host, remote memory in shared segments: one memcpy, no syscalls".into())
+        }
+        TransportKind::Tcp => Ok(if f.same_host {
+            "same host, but shared memory cannot serve this path".into()
+        } else {
+            "peer on another host".into()
+        }),
+    }
+}
+
+/// Picks the most preferred transport that can serve the path.
+pub fn choose(policy: &PathPolicy, facts: &PathFacts) -> Result<Path> {
+    if let Some(t) = policy.require {
+        return can_serve(t, policy, facts)
+            .map(|reason| Path { transport: t, reason: format!("required by configuration; {reason}") })
+            .map_err(|why| Error::TransportUnavailable(format!("required transport {t} cannot serve this path: {why}")));
+    }
+    let mut rejected = Vec::new();
+    for t in TransportKind::ALL {
+        match can_serve(t, policy, facts) {
+            Ok(reason) => {
+                let reason = if rejected.is_empty() { reason } else { format!("{reason} ({})", rejected.join("; ")) };
+                return Ok(Path { transport: t, reason });
+            }
+            Err(why) => rejected.push(format!("{t}: {why}")),
+        }
+    }
+    Err(Error::TransportUnavailable(format!("no transport can serve this path: {}", rejected.join("; "))))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn facts() -> PathFacts {
+        PathFacts {
+            same_host: true,
+            peer_transports: vec!["shm".into(), "tcp".into()],
+            local_kind: MemKind::Dram,
+            remote_kind: MemKind::Dram,
+            remote_shared: Ok(()),
+        }
+    }
+    fn policy() -> PathPolicy {
+        PathPolicy { enabled: TransportKind::ALL.to_vec(), require: None }
+    }
+
+    #[test]
+    fn prefers_shm_on_the_same_host() {
+        assert_eq!(choose(&policy(), &facts()).unwrap().transport, TransportKind::Shm);
+    }
+
+    #[test]
+    fn falls_back_to_tcp_and_says_why() {
+        let f = PathFacts { same_host: false, ..facts() };
+        let p = choose(&policy(), &f).unwrap();
+        assert_eq!(p.transport, TransportKind::Tcp);
+        assert!(p.reason.contains("another host"), "{}", p.reason);
+        let f = PathFacts { remote_shared: Err("region 3 is not in a shared segment".into()), ..facts() };
+        let p = choose(&policy(), &f).unwrap();
+        assert_eq!(p.transport, TransportKind::Tcp);
+        assert!(p.reason.contains("region 3"), "{}", p.reason);
+    }
+
+    #[test]
+    fn a_required_transport_is_never_silently_replaced() {
+        let pol = PathPolicy { require: Some(TransportKind::Shm), ..policy() };
+        let f = PathFacts { same_host: false, ..facts() };
+        let e = choose(&pol, &f).unwrap_err().to_string();
+        assert!(e.contains("required transport shm"), "{e}");
+        let pol = PathPolicy { require: Some(TransportKind::Tcp), ..policy() };
+        assert_eq!(choose(&pol, &facts()).unwrap().transport, TransportKind::Tcp);
+    }
+
+    #[test]
+    fn gpu_memory_is_refused_with_a_reason() {
+        let f = PathFacts { remote_kind: MemKind::Vram, ..facts() };
+        let e = choose(&policy(), &f).unwrap_err().to_string();
+        assert!(e.contains("VRAM"), "{e}");
+        let pol = PathPolicy { enabled: vec![TransportKind::Shm], require: None };
+        let f = PathFacts { same_host: false, ..facts() };
+        assert!(choose(&pol, &f).is_err());
+    }
+}

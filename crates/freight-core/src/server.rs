@@ -1,0 +1,157 @@
+//! The agent's listener: accepts control, data and metadata connections from peers,
+//! authenticates them, and serves each on its own thread (blocking I/O, no polling).
+
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::{Arc, Weak};
+use std::thread;
+
+use parking_lot::Mutex;
+
+use crate::agent::AgentInner;
+use crate::error::{Error, Result};
+use crate::net::{same_secret, tune};
+use crate::notify::Notification;
+use crate::transport::tcp::serve_data_stream;
+use crate::wire::{self, Frame, Role, PROTOCOL_VERSION};
+
+/// Listening sockets and live inbound connections, so that shutdown can close them.
+#[derive(Default)]
+pub struct Server {
+    listeners: Mutex<Vec<(SocketAddr, TcpListener)>>,
+    inbound: Mutex<Vec<TcpStream>>,
+    /// Control connections from peers: revocations are sent back on them.
+    controls: Mutex<Vec<(String, TcpStream)>>,
+}
+
+impl Server {
+    pub fn addresses(&self) -> Vec<SocketAddr> {
+        self.listeners.lock().iter().map(|(a, _)| *a).collect()
+    }
+
+    /// Tells every connected peer that a region is gone (best effort).
+    pub fn broadcast(&self, frame: &Frame) {
+        let bytes = wire::encode(frame);
+        let mut controls = self.controls.lock();
+        controls.retain_mut(|(peer, s)| match std::io::Write::write_all(s, &bytes) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::debug!(%peer, error = %e, "dropping dead control connection");
+                false
+            }
+        });
+    }
+
+    pub fn shutdown(&self) {
+        for (_, l) in self.listeners.lock().drain(..) {
+            // SAFETY: shutting down our own listening socket wakes its accept() call.
+            unsafe { libc::shutdown(l.as_raw_fd(), libc::SHUT_RDWR) };
+        }
+        for s in self.inbound.lock().drain(..) {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+        self.controls.lock().clear();
+    }
+}
+
+/// Binds `addr` and serves it until the agent shuts down.
+pub fn listen(agent: &Arc<AgentInner>, addr: &str) -> Result<SocketAddr> {
+    let listener = TcpListener::bind(addr).map_err(|e| Error::Io(format!("cannot listen on {addr}: {e}")))?;
+    let bound = listener.local_addr()?;
+    let accept = listener.try_clone()?;
+    agent.server.listeners.lock().push((bound, listener));
+    let weak = Arc::downgrade(agent);
+    thread::Builder::new().name("freight-accept".into()).spawn(move || accept_loop(accept, weak))?;
+    tracing::info!(agent = %agent.name, %bound, "listening");
+    Ok(bound)
+}
+
+fn accept_loop(listener: TcpListener, agent: Weak<AgentInner>) {
+    loop {
+        let stream = match listener.accept() {
+            Ok((s, _)) => s,
+            Err(e) => {
+                tracing::debug!(error = %e, "listener closed");
+                return;
+            }
+        };
+        let Some(a) = agent.upgrade() else { return };
+        if a.is_closed() {
+            return;
+        }
+        if let Ok(clone) = stream.try_clone() {
+            let mut inbound = a.server.inbound.lock();
+            inbound.retain(|s| s.peer_addr().is_ok());
+            inbound.push(clone);
+        }
+        let weak = agent.clone();
+        let _ = thread::Builder::new().name("freight-conn".into()).spawn(move || {
+            if let Err(e) = serve_connection(stream, weak) {
+                tracing::debug!(error = %e, "inbound connection ended");
+            }
+        });
+    }
+}
+
+fn serve_connection(mut stream: TcpStream, agent: Weak<AgentInner>) -> Result<()> {
+    let (timeout, metadata_token, secret, my_id) = {
+        let a = agent.upgrade().ok_or_else(|| Error::Io("agent closed".into()))?;
+        (a.config.connect_timeout, a.config.metadata_token.clone(), a.secret, a.id)
+    };
+    tune(&stream)?;
+    stream.set_read_timeout(Some(timeout))?;
+    let Some(Frame::Hello { version, role, from_name, target_id, token, .. }) = wire::read_frame(&mut stream)? else {
+        return refuse(&mut stream, "expected a hello");
+    };
+    if version != PROTOCOL_VERSION {
+        return refuse(&mut stream, &format!("protocol version {version} is not supported (this agent speaks {PROTOCOL_VERSION})"));
+    }
+    if role == Role::Metadata {
+        if let Some(t) = metadata_token {
+            if !same_secret(&t, &token) {
+                return refuse(&mut stream, "wrong metadata token");
+            }
+        }
+        let a = agent.upgrade().ok_or_else(|| Error::Io("agent closed".into()))?;
+        let bytes = a.metadata_bytes();
+        drop(a);
+        return wire::write_frame(&mut stream, &Frame::Metadata { bytes }, &[]);
+    }
+    if !same_secret(&secret, &token) {
+        tracing::warn!(from = %from_name, "refused a connection with a wrong secret");
+        return refuse(&mut stream, "wrong secret");
+    }
+    if target_id != my_id {
+        return refuse(&mut stream, "stale metadata: this agent was restarted; fetch its metadata again");
+    }
+    wire::write_frame(&mut stream, &Frame::Welcome { agent_id: my_id }, &[])?;
+    stream.set_read_timeout(None)?;
+    match role {
+        Role::Control => serve_control(stream, &agent, &from_name),
+        Role::Data { .. } => {
+            let a = agent.upgrade().ok_or_else(|| Error::Io("agent closed".into()))?;
+            serve_data_stream(stream, &a.registry, &from_name)
+        }
+        Role::Metadata => unreachable!("handled above"),
+    }
+}
+
+fn refuse(stream: &mut TcpStream, reason: &str) -> Result<()> {
+    wire::write_frame(stream, &Frame::Refused { reason: reason.into() }, &[])?;
+    Err(Error::Auth(reason.into()))
+}
+
+/// Delivers notifications in the order they arrive on this (ordered) connection.
+fn serve_control(mut stream: TcpStream, agent: &Weak<AgentInner>, from: &str) -> Result<()> {
+    if let Some(a) = agent.upgrade() {
+        a.server.controls.lock().push((from.to_string(), stream.try_clone()?));
+    }
+    while let Some(frame) = wire::read_frame(&mut stream)? {
+        let Frame::Notify { msg } = frame else {
+            return Err(Error::Protocol(format!("unexpected message on a control connection: {frame:?}")));
+        };
+        let Some(a) = agent.upgrade() else { return Ok(()) };
+        a.notifs.push(Notification { from: from.to_string(), msg });
+    }
+    Ok(())
+}

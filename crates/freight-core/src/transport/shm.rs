@@ -1,0 +1,232 @@
+//! The shm transport: a same-host peer's shared segments are mapped into this process
+//! once, and a transfer is plain memcpy between local memory and those mappings, on the
+//! caller's thread for small requests and split over a pool of copy threads for large ones.
+
+use std::collections::HashMap;
+use std::sync::atomic::{fence, Ordering};
+use std::sync::Arc;
+use std::thread;
+
+use crossbeam_channel::{unbounded, Sender};
+use parking_lot::Mutex;
+
+use crate::error::{Error, Result};
+use crate::memory::{RegionInfo, SharedLocation};
+use crate::plan::{split_by_bytes, Op};
+use crate::request::{Finisher, Tracker};
+use crate::transport::OpKind;
+
+/// Tunables of the shm transport.
+#[derive(Debug, Clone)]
+pub struct ShmConfig {
+    /// Copy threads for large requests.
+    pub threads: usize,
+    /// Requests up to this size are copied on the posting thread (lowest latency).
+    pub inline_bytes: u64,
+    /// Pieces handed to copy threads are at least this large.
+    pub min_piece: u64,
+}
+
+impl Default for ShmConfig {
+    fn default() -> Self {
+        let cores = thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
+        ShmConfig { threads: cores.clamp(1, 8), inline_bytes: 256 << 10, min_piece: 1 << 20 }
+    }
+}
+
+/// A peer's segment mapped into this process.
+pub struct Mapping {
+    ptr: *mut u8,
+    len: usize,
+}
+
+unsafe impl Send for Mapping {}
+unsafe impl Sync for Mapping {}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: we created this mapping and nobody else unmaps it.
+        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
+    }
+}
+
+impl Mapping {
+    /// Opens the peer's memfd through /proc and maps it.
+    fn open(pid: u32, loc: &SharedLocation) -> Result<Mapping> {
+        let path = format!("/proc/{pid}/fd/{}", loc.fd);
+        let unavailable = |why: String| Error::TransportUnavailable(format!("cannot map {path}: {why}"));
+        let cpath = std::ffi::CString::new(path.clone()).expect("no NUL");
+        // SAFETY: plain syscalls; results checked; the fd is closed before returning.
+        unsafe {
+            let fd = libc::open(cpath.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC);
+            if fd < 0 {
+                return Err(unavailable(std::io::Error::last_os_error().to_string()));
+            }
+            let mut st: libc::stat = std::mem::zeroed();
+            let size_ok = libc::fstat(fd, &mut st) == 0 && st.st_size as u64 >= loc.segment_len;
+            if !size_ok {
+                libc::close(fd);
+                return Err(unavailable(format!("file is smaller than the advertised {} bytes", loc.segment_len)));
+            }
+            let len = loc.segment_len as usize;
+            let ptr = libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0);
+            libc::close(fd);
+            if ptr == libc::MAP_FAILED {
+                return Err(unavailable(std::io::Error::last_os_error().to_string()));
+            }
+            Ok(Mapping { ptr: ptr as *mut u8, len })
+        }
+    }
+}
+
+/// The shm view of one peer: its segments, mapped on first use and cached.
+pub struct ShmPeer {
+    pid: u32,
+    maps: Mutex<HashMap<u64, Arc<Mapping>>>,
+}
+
+/// A request translated into raw copies (local pointer, pointer into a mapping, length),
+/// built once and reused by every post. It keeps its mappings alive.
+pub struct ShmProgram {
+    /// The copies, already split into the pieces that copy threads run in parallel
+    /// (one piece: run inline on the posting thread).
+    pieces: Vec<Arc<[Copy]>>,
+    inline: bool,
+    _maps: Vec<Arc<Mapping>>,
+    bytes: u64,
+}
+
+/// (local pointer, remote pointer, length).
+type Copy = (usize, usize, usize);
+
+impl ShmPeer {
+    pub fn new(pid: u32) -> ShmPeer {
+        ShmPeer { pid, maps: Mutex::new(HashMap::new()) }
+    }
+
+    fn mapping(&self, loc: &SharedLocation) -> Result<Arc<Mapping>> {
+        let mut maps = self.maps.lock();
+        if let Some(m) = maps.get(&loc.segment) {
+            return Ok(m.clone());
+        }
+        let m = Arc::new(Mapping::open(self.pid, loc)?);
+        tracing::debug!(pid = self.pid, segment = loc.segment, len = loc.segment_len, "mapped peer segment");
+        maps.insert(loc.segment, m.clone());
+        Ok(m)
+    }
+
+    /// Checks that the peer's shared memory can be mapped at all (used for path reports).
+    pub fn probe(&self, region: &RegionInfo) -> Result<()> {
+        let loc = region.shared.as_ref().ok_or_else(|| not_shared(region.key))?;
+        self.mapping(loc).map(|_| ())
+    }
+
+    /// Translates a plan's copies, given the peer's regions by key, and splits them into
+    /// pieces for the copy threads.
+    pub fn compile(&self, ops: &[Op], region: impl Fn(u64) -> Option<RegionInfo>, cfg: &ShmConfig) -> Result<ShmProgram> {
+        let mut copies: Vec<Op> = Vec::with_capacity(ops.len());
+        let mut maps: Vec<Arc<Mapping>> = Vec::new();
+        let mut cached: Option<(u64, usize)> = None; // (region key, base pointer of region)
+        let mut bytes = 0;
+        for op in ops {
+            let base = match cached {
+                Some((k, base)) if k == op.remote_region => base,
+                _ => {
+                    let r = region(op.remote_region).ok_or(Error::UnknownRegion(op.remote_region))?;
+                    let loc = r.shared.ok_or_else(|| not_shared(r.key))?;
+                    let m = self.mapping(&loc)?;
+                    // Pointer of the peer's address 0 in our mapping: remote_addr + base lands
+                    // in the segment (wrapping arithmetic, the sum is in range).
+                    let base = (m.ptr as usize + loc.offset as usize).wrapping_sub(r.addr as usize);
+                    if !maps.iter().any(|x| Arc::ptr_eq(x, &m)) {
+                        maps.push(m);
+                    }
+                    cached = Some((op.remote_region, base));
+                    base
+                }
+            };
+            copies.push(Op { remote_addr: base.wrapping_add(op.remote_addr as usize) as u64, ..*op });
+            bytes += op.len;
+        }
+        let inline = bytes <= cfg.inline_bytes;
+        let n = if inline { 1 } else { (bytes / cfg.min_piece.max(1)).clamp(1, cfg.threads.max(1) as u64) as usize };
+        let to_copies = |ops: &[Op]| -> Arc<[Copy]> {
+            ops.iter().map(|o| (o.local_addr as usize, o.remote_addr as usize, o.len as usize)).collect()
+        };
+        let pieces = if n == 1 { vec![to_copies(&copies)] } else { split_by_bytes(&copies, n).iter().map(|p| to_copies(p)).collect() };
+        Ok(ShmProgram { pieces, inline, _maps: maps, bytes })
+    }
+}
+
+fn not_shared(key: u64) -> Error {
+    Error::TransportUnavailable(format!(
+        "remote region {key} is not in a shared segment (allocate it with Agent.alloc to use shm)"
+    ))
+}
+
+impl ShmProgram {
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    fn run(copies: &[Copy], op: OpKind) {
+        for &(local, remote, len) in copies {
+            let (src, dst) = match op {
+                OpKind::Write => (local, remote),
+                OpKind::Read => (remote, local),
+            };
+            // SAFETY: local memory is registered and guarded by the request; remote
+            // memory is inside a mapping that this program keeps alive; both ranges were
+            // bounds-checked when the plan was prepared.
+            unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, len) };
+        }
+    }
+}
+
+type Task = Box<dyn FnOnce() + Send>;
+
+/// Threads that run large copies.
+pub struct CopyPool {
+    tx: Sender<Task>,
+}
+
+impl CopyPool {
+    pub fn new(threads: usize) -> Result<CopyPool> {
+        let (tx, rx) = unbounded::<Task>();
+        let threads = threads.max(1);
+        for i in 0..threads {
+            let rx = rx.clone();
+            thread::Builder::new().name(format!("freight-copy{i}")).spawn(move || {
+                for task in rx {
+                    task()
+                }
+            })?;
+        }
+        Ok(CopyPool { tx })
+    }
+
+    /// Runs a program: on this thread if small, else over the pool. Begins the
+    /// tracker's round with one part per piece.
+    pub fn execute(&self, program: &Arc<ShmProgram>, op: OpKind, tracker: &Arc<Tracker>, finisher: Finisher) -> Result<()> {
+        tracker.begin(program.pieces.len() as u64, finisher)?;
+        if program.inline {
+            ShmProgram::run(&program.pieces[0], op);
+            fence(Ordering::SeqCst);
+            tracker.finish_part(Ok(()));
+            return Ok(());
+        }
+        for piece in &program.pieces {
+            let (t, piece, keep) = (tracker.clone(), piece.clone(), program.clone());
+            let task: Task = Box::new(move || {
+                ShmProgram::run(&piece, op);
+                fence(Ordering::SeqCst);
+                drop(keep);
+                t.finish_part(Ok(()));
+            });
+            if self.tx.send(task).is_err() {
+                tracker.finish_part(Err(Error::Io("copy threads stopped".into())));
+            }
+        }
+        Ok(())
+    }
+}

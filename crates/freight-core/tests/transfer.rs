@@ -1,0 +1,144 @@
+//! Two agents in one process, talking over real sockets and real shared mappings.
+
+use std::time::Duration;
+
+use freight_core::{Agent, AgentConfig, Desc, DescList, Error, MemKind, OpKind, Status, TransportKind};
+
+const T: Option<Duration> = Some(Duration::from_secs(20));
+
+fn agents(cfg: AgentConfig) -> (Agent, Agent) {
+    let a = Agent::new("initiator", cfg.clone()).unwrap();
+    let b = Agent::new("target", cfg).unwrap();
+    (a, b)
+}
+
+fn list(addr: u64, len: u64) -> DescList {
+    DescList::from_descs(MemKind::Dram, [Desc { addr, len, dev: 0 }]).unwrap()
+}
+
+/// Writes a pattern from `a` to `b` and reads it back, over whatever path is chosen.
+fn roundtrip(cfg: AgentConfig, expect: TransportKind, size: usize) {
+    let (a, b) = agents(cfg);
+    let src = a.alloc(size).unwrap();
+    let dst = b.alloc(size).unwrap();
+    let back = a.alloc(size).unwrap();
+    // SAFETY: test buffers we own.
+    let s = unsafe { std::slice::from_raw_parts_mut(src.as_ptr(), size) };
+    for (i, x) in s.iter_mut().enumerate() {
+        *x = (i * 7 % 251) as u8;
+    }
+    a.register(MemKind::Dram, src.addr(), size as u64, 0).unwrap();
+    a.register(MemKind::Dram, back.addr(), size as u64, 0).unwrap();
+    b.register(MemKind::Dram, dst.addr(), size as u64, 0).unwrap();
+    a.add_peer(&b.metadata()).unwrap();
+    assert_eq!(a.path_to("target").unwrap().transport, expect);
+
+    let req = a.transfer(OpKind::Write, &list(src.addr(), size as u64), "target", &list(dst.addr(), size as u64), Some(b"w".to_vec())).unwrap();
+    assert_eq!(req.path().transport, expect);
+    assert_eq!(req.wait(T), Status::Done);
+    let d = unsafe { std::slice::from_raw_parts(dst.as_ptr(), size) };
+    assert_eq!(d, &s[..]);
+    let n = b.wait_notifs(Duration::from_secs(5));
+    assert_eq!(n.len(), 1);
+    assert_eq!((n[0].from.as_str(), n[0].msg.as_slice()), ("initiator", &b"w"[..]));
+
+    let req = a.transfer(OpKind::Read, &list(back.addr(), size as u64), "target", &list(dst.addr(), size as u64), None).unwrap();
+    assert_eq!(req.wait(T), Status::Done);
+    assert_eq!(unsafe { std::slice::from_raw_parts(back.as_ptr(), size) }, &s[..]);
+}
+
+#[test]
+fn shm_small_and_large() {
+    roundtrip(AgentConfig::default(), TransportKind::Shm, 4096);
+    roundtrip(AgentConfig::default(), TransportKind::Shm, 24 << 20);
+}
+
+#[test]
+fn tcp_small_and_large() {
+    let cfg = AgentConfig { require: Some(TransportKind::Tcp), ..Default::default() };
+    roundtrip(cfg.clone(), TransportKind::Tcp, 4096);
+    roundtrip(cfg, TransportKind::Tcp, 24 << 20);
+}
+
+#[test]
+fn unregistered_and_out_of_bounds_are_refused() {
+    let (a, b) = agents(AgentConfig::default());
+    let src = a.alloc(8192).unwrap();
+    let dst = b.alloc(8192).unwrap();
+    a.register(MemKind::Dram, src.addr(), 4096, 0).unwrap();
+    b.register(MemKind::Dram, dst.addr(), 4096, 0).unwrap();
+    a.add_peer(&b.metadata()).unwrap();
+    let e = a.prepare_local(&list(src.addr() + 4096, 16)).unwrap_err();
+    assert!(matches!(e, Error::NotRegistered { .. }), "{e}");
+    let e = a.prepare_local(&list(src.addr() + 4000, 200)).unwrap_err();
+    assert!(matches!(e, Error::OutOfBounds { .. }), "{e}");
+    let e = a.prepare_remote("target", &list(dst.addr() + 4090, 16)).unwrap_err();
+    assert!(matches!(e, Error::OutOfBounds { .. }), "{e}");
+    let e = a.prepare_remote("nobody", &list(dst.addr(), 16)).unwrap_err();
+    assert!(matches!(e, Error::UnknownPeer(_)), "{e}");
+    let l = a.prepare_local(&list(src.addr(), 16)).unwrap();
+    let r = a.prepare_remote("target", &list(dst.addr(), 32)).unwrap();
+    assert!(matches!(a.make_request(OpKind::Write, &l, None, &r, None, None), Err(Error::InvalidArgument(_))));
+}
+
+#[test]
+fn busy_memory_cannot_be_deregistered_and_requests_repost() {
+    let cfg = AgentConfig { require: Some(TransportKind::Tcp), ..Default::default() };
+    let (a, b) = agents(cfg);
+    let size = 64 << 20;
+    let src = a.alloc(size).unwrap();
+    let dst = b.alloc(size).unwrap();
+    let k = a.register(MemKind::Dram, src.addr(), size as u64, 0).unwrap();
+    b.register(MemKind::Dram, dst.addr(), size as u64, 0).unwrap();
+    a.add_peer(&b.metadata()).unwrap();
+    let l = a.prepare_local(&list(src.addr(), size as u64)).unwrap();
+    let r = a.prepare_remote("target", &list(dst.addr(), size as u64)).unwrap();
+    let req = a.make_request(OpKind::Write, &l, None, &r, None, None).unwrap();
+    assert_eq!(req.status(), Status::Idle);
+    for _ in 0..3 {
+        req.post().unwrap();
+        if req.status() == Status::Pending {
+            assert!(matches!(a.deregister(k), Err(Error::RegionBusy { .. })));
+            assert!(matches!(req.post(), Err(Error::InvalidState(_))));
+        }
+        assert_eq!(req.wait(T), Status::Done);
+    }
+    a.deregister(k).unwrap();
+    assert!(matches!(req.post(), Err(Error::InvalidState(_))));
+}
+
+#[test]
+fn a_dead_peer_fails_requests_instead_of_hanging() {
+    let cfg = AgentConfig { require: Some(TransportKind::Tcp), peer_timeout: Duration::from_secs(2), ..Default::default() };
+    let (a, b) = agents(cfg);
+    let src = a.alloc(1 << 20).unwrap();
+    let dst = b.alloc(1 << 20).unwrap();
+    a.register(MemKind::Dram, src.addr(), 1 << 20, 0).unwrap();
+    b.register(MemKind::Dram, dst.addr(), 1 << 20, 0).unwrap();
+    a.add_peer(&b.metadata()).unwrap();
+    let req = a.transfer(OpKind::Write, &list(src.addr(), 1 << 20), "target", &list(dst.addr(), 1 << 20), None).unwrap();
+    assert_eq!(req.wait(T), Status::Done);
+    b.close();
+    drop(b);
+    let start = std::time::Instant::now();
+    let outcome = a
+        .transfer(OpKind::Write, &list(src.addr(), 1 << 20), "target", &list(dst.addr(), 1 << 20), None)
+        .map(|r| r.wait(T));
+    match outcome {
+        Err(Error::PeerDisconnected { .. }) | Ok(Status::Error(Error::PeerDisconnected { .. })) => {}
+        other => panic!("expected a disconnection error, got {other:?}"),
+    }
+    assert!(start.elapsed() < Duration::from_secs(10));
+}
+
+#[test]
+fn wrong_secret_is_refused() {
+    let (a, b) = agents(AgentConfig::default());
+    let dst = b.alloc(4096).unwrap();
+    b.register(MemKind::Dram, dst.addr(), 4096, 0).unwrap();
+    let mut md = freight_core::metadata::AgentMetadata::decode(&b.metadata()).unwrap();
+    md.secret = [0; 16];
+    a.add_peer(&md.encode()).unwrap();
+    let e = a.notify("target", b"hi".to_vec()).unwrap_err();
+    assert!(e.to_string().contains("wrong secret"), "{e}");
+}
