@@ -9,6 +9,7 @@
 pub mod agent;
 pub mod desc;
 pub mod error;
+pub mod exchange;
 pub mod memory;
 pub mod metadata;
 pub mod notify;

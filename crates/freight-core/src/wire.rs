@@ -64,10 +64,12 @@ pub enum Frame {
 }
 
 impl Frame {
-    /// Bytes of payload that follow this frame on the wire.
+    /// Bytes of payload that follow this frame on the wire (segment lists are checked
+    /// against the protocol limits on the way).
     pub fn payload_len(&self) -> Result<u64> {
         match self {
             Frame::Write { segs, .. } => seg_bytes(segs),
+            Frame::Read { segs, .. } => seg_bytes(segs).map(|_| 0),
             _ => Ok(0),
         }
     }
@@ -216,6 +218,8 @@ mod tests {
         assert!(seg_bytes(&segs).is_err());
         let many = vec![Seg { region: 1, addr: 0, len: 1 }; MAX_SEGS + 1];
         assert!(seg_bytes(&many).is_err());
+        let big = encode(&Frame::Notify { msg: vec![0; MAX_NOTIF + 1] });
+        assert!(matches!(read_frame(&mut &big[..]), Err(Error::Protocol(_))));
         // A frame cut in the middle is an error, not a hang or a panic.
         let bytes = encode(&Frame::Notify { msg: vec![1; 100] });
         assert!(read_frame(&mut &bytes[..50]).is_err());

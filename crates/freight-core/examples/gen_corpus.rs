@@ -1,0 +1,95 @@
+//! Writes the decoder corpus under tests/corpus (run: cargo run --example gen_corpus).
+
+use std::fs;
+use std::path::Path;
+
+use freight_core::memory::{MemKind, RegionInfo, SharedLocation};
+use freight_core::metadata::{AgentMetadata, HostIdentity};
+use freight_core::wire::{self, Frame, Role, Seg};
+
+fn main() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/corpus");
+    let md = AgentMetadata {
+        name: "decode".into(),
+        agent_id: 7,
+        secret: [1; 16],
+        host: HostIdentity { hostname: "h".into(), boot_id: "b".into(), pid_namespace: 1, pid: 2 },
+        addresses: vec!["127.0.0.1:4000".into(), "[::1]:4000".into()],
+        transports: vec!["shm".into(), "tcp".into()],
+        regions: vec![
+            RegionInfo { key: 1, kind: MemKind::Dram, addr: 4096, len: 4096, dev: 0, shared: None },
+            RegionInfo {
+                key: 2,
+                kind: MemKind::Dram,
+                addr: 1 << 20,
+                len: 8192,
+                dev: 0,
+                shared: Some(SharedLocation { segment: 1, fd: 3, segment_len: 8192, offset: 0 }),
+            },
+        ],
+    };
+    let good = md.encode();
+    let m = root.join("metadata");
+    fs::create_dir_all(&m).unwrap();
+    fs::write(m.join("ok-two-regions"), &good).unwrap();
+    fs::write(m.join("empty"), b"").unwrap();
+    fs::write(m.join("magic-only"), b"FRMD").unwrap();
+    fs::write(m.join("truncated-half"), &good[..good.len() / 2]).unwrap();
+    fs::write(m.join("truncated-last-byte"), &good[..good.len() - 1]).unwrap();
+    let mut v = good.clone();
+    v[4] = 2;
+    fs::write(m.join("future-version"), &v).unwrap();
+    let mut v = good.clone();
+    v.extend_from_slice(b"junk");
+    fs::write(m.join("trailing-junk"), &v).unwrap();
+    let mut v = good[..6].to_vec();
+    v.extend_from_slice(&[0xff; 32]);
+    fs::write(m.join("huge-varint-lengths"), &v).unwrap();
+    let mut bad = md.clone();
+    bad.regions[1].key = 1;
+    fs::write(m.join("duplicate-keys"), bad.encode()).unwrap();
+    let mut bad = md.clone();
+    bad.regions[0].len = u64::MAX;
+    fs::write(m.join("wrapping-region"), bad.encode()).unwrap();
+    let mut bad = md.clone();
+    bad.regions[1].shared = Some(SharedLocation { segment: 1, fd: 3, segment_len: 100, offset: 0 });
+    fs::write(m.join("shared-past-segment"), bad.encode()).unwrap();
+    let mut bad = md.clone();
+    bad.addresses = vec!["localhost".into()];
+    fs::write(m.join("address-without-port"), bad.encode()).unwrap();
+    let mut bad = md;
+    bad.name = "\u{7}bell".into();
+    fs::write(m.join("control-chars-in-name"), bad.encode()).unwrap();
+
+    let w = root.join("wire");
+    fs::create_dir_all(&w).unwrap();
+    let hello = wire::encode(&Frame::Hello {
+        version: 1,
+        role: Role::Data { index: 3 },
+        from_name: "a".into(),
+        from_id: 1,
+        target_id: 2,
+        token: vec![9; 16],
+    });
+    fs::write(w.join("ok-hello"), &hello).unwrap();
+    fs::write(w.join("ok-write-header"), wire::encode(&Frame::Write { tag: 1, segs: vec![Seg { region: 1, addr: 4096, len: 64 }] })).unwrap();
+    fs::write(w.join("ok-notify"), wire::encode(&Frame::Notify { msg: b"layer 3 done".to_vec() })).unwrap();
+    fs::write(w.join("header-length-4gib"), [0xff, 0xff, 0xff, 0xff, 0, 0]).unwrap();
+    fs::write(w.join("cut-inside-header"), &hello[..hello.len() - 2]).unwrap();
+    fs::write(w.join("unknown-variant"), [2, 0, 0, 0, 0x7f, 0]).unwrap();
+    let mut v = hello.clone();
+    v[0] += 1;
+    v.push(0);
+    fs::write(w.join("trailing-byte-in-header"), &v).unwrap();
+    fs::write(
+        w.join("payload-over-limit"),
+        wire::encode(&Frame::Write { tag: 1, segs: vec![Seg { region: 1, addr: 0, len: u64::MAX }, Seg { region: 1, addr: 0, len: 2 }] }),
+    )
+    .unwrap();
+    fs::write(
+        w.join("too-many-segments"),
+        wire::encode(&Frame::Read { tag: 1, segs: vec![Seg { region: 1, addr: 0, len: 1 }; wire::MAX_SEGS + 1] }),
+    )
+    .unwrap();
+    println!("corpus written to {}", root.display());
+}
