@@ -150,7 +150,9 @@ impl Plan {
         let mut ops: Vec<Op> = Vec::new();
         let mut locals = local.select(local_idx);
         let mut remotes = remote.select(remote_idx);
-        let (mut l, mut r): (Option<(Desc, u64)>, Option<(Desc, u64)>) = (None, None);
+        // The descriptor being consumed on each side, with its region key.
+        let mut l: Option<(Desc, u64)> = None;
+        let mut r: Option<(Desc, u64)> = None;
         let (mut lbytes, mut rbytes) = (0u64, 0u64);
         let mut local_regions = Vec::new();
         let mut remote_regions = Vec::new();

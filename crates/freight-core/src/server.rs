@@ -1,8 +1,10 @@
 //! The agent's listener: accepts control, data and metadata connections from peers,
 //! authenticates them, and serves each on its own thread (blocking I/O, no polling).
 
+use std::collections::HashMap;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread;
 
@@ -19,9 +21,11 @@ use crate::wire::{self, Frame, Role, PROTOCOL_VERSION};
 #[derive(Default)]
 pub struct Server {
     listeners: Mutex<Vec<(SocketAddr, TcpListener)>>,
-    inbound: Mutex<Vec<TcpStream>>,
+    /// Live inbound connections by id (removed when they end).
+    inbound: Mutex<HashMap<u64, TcpStream>>,
     /// Control connections from peers: revocations are sent back on them.
-    controls: Mutex<Vec<(String, TcpStream)>>,
+    controls: Mutex<HashMap<u64, (String, TcpStream)>>,
+    next_id: AtomicU64,
 }
 
 impl Server {
@@ -33,7 +37,7 @@ impl Server {
     pub fn broadcast(&self, frame: &Frame) {
         let bytes = wire::encode(frame);
         let mut controls = self.controls.lock();
-        controls.retain_mut(|(peer, s)| match std::io::Write::write_all(s, &bytes) {
+        controls.retain(|_, (peer, s)| match std::io::Write::write_all(s, &bytes) {
             Ok(()) => true,
             Err(e) => {
                 tracing::debug!(%peer, error = %e, "dropping dead control connection");
@@ -47,7 +51,7 @@ impl Server {
             // SAFETY: shutting down our own listening socket wakes its accept() call.
             unsafe { libc::shutdown(l.as_raw_fd(), libc::SHUT_RDWR) };
         }
-        for s in self.inbound.lock().drain(..) {
+        for (_, s) in self.inbound.lock().drain() {
             let _ = s.shutdown(Shutdown::Both);
         }
         self.controls.lock().clear();
@@ -79,21 +83,24 @@ fn accept_loop(listener: TcpListener, agent: Weak<AgentInner>) {
         if a.is_closed() {
             return;
         }
+        let id = a.server.next_id.fetch_add(1, Ordering::Relaxed);
         if let Ok(clone) = stream.try_clone() {
-            let mut inbound = a.server.inbound.lock();
-            inbound.retain(|s| s.peer_addr().is_ok());
-            inbound.push(clone);
+            a.server.inbound.lock().insert(id, clone);
         }
         let weak = agent.clone();
         let _ = thread::Builder::new().name("freight-conn".into()).spawn(move || {
-            if let Err(e) = serve_connection(stream, weak) {
+            if let Err(e) = serve_connection(stream, &weak, id) {
                 tracing::debug!(error = %e, "inbound connection ended");
+            }
+            if let Some(a) = weak.upgrade() {
+                a.server.inbound.lock().remove(&id);
+                a.server.controls.lock().remove(&id);
             }
         });
     }
 }
 
-fn serve_connection(mut stream: TcpStream, agent: Weak<AgentInner>) -> Result<()> {
+fn serve_connection(mut stream: TcpStream, agent: &Weak<AgentInner>, id: u64) -> Result<()> {
     let (timeout, metadata_token, secret, my_id) = {
         let a = agent.upgrade().ok_or_else(|| Error::Io("agent closed".into()))?;
         (a.config.connect_timeout, a.config.metadata_token.clone(), a.secret, a.id)
@@ -127,7 +134,7 @@ fn serve_connection(mut stream: TcpStream, agent: Weak<AgentInner>) -> Result<()
     wire::write_frame(&mut stream, &Frame::Welcome { agent_id: my_id }, &[])?;
     stream.set_read_timeout(None)?;
     match role {
-        Role::Control => serve_control(stream, &agent, &from_name),
+        Role::Control => serve_control(stream, agent, &from_name, id),
         Role::Data { .. } => {
             let a = agent.upgrade().ok_or_else(|| Error::Io("agent closed".into()))?;
             serve_data_stream(stream, &a.registry, &from_name)
@@ -142,9 +149,9 @@ fn refuse(stream: &mut TcpStream, reason: &str) -> Result<()> {
 }
 
 /// Delivers notifications in the order they arrive on this (ordered) connection.
-fn serve_control(mut stream: TcpStream, agent: &Weak<AgentInner>, from: &str) -> Result<()> {
+fn serve_control(mut stream: TcpStream, agent: &Weak<AgentInner>, from: &str, id: u64) -> Result<()> {
     if let Some(a) = agent.upgrade() {
-        a.server.controls.lock().push((from.to_string(), stream.try_clone()?));
+        a.server.controls.lock().insert(id, (from.to_string(), stream.try_clone()?));
     }
     while let Some(frame) = wire::read_frame(&mut stream)? {
         let Frame::Notify { msg } = frame else {

@@ -115,9 +115,8 @@ pub fn decode(bytes: &[u8]) -> Result<Frame> {
 /// Reads one frame header. `Ok(None)` on a clean end of stream before any byte.
 pub fn read_frame(r: &mut impl Read) -> Result<Option<Frame>> {
     let mut len = [0u8; 4];
-    match read_exact_or_eof(r, &mut len)? {
-        false => return Ok(None),
-        true => {}
+    if !read_exact_or_eof(r, &mut len)? {
+        return Ok(None);
     }
     let n = u32::from_le_bytes(len) as usize;
     if n > MAX_HEADER {
