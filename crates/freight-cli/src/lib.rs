@@ -1,1 +1,157 @@
-//! The `freight` command line, as a library so that the Python wheel can expose it too.
+//! The `freight` command line, as a library so that the Python wheel can expose it too:
+//! the binary and `python -m freight` both end up in [`run`].
+
+pub mod args;
+mod bench;
+mod child;
+mod demo;
+mod pattern;
+mod proto;
+mod target;
+
+use std::io::Write;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use freight_core::{Request, Status};
+
+use crate::args::{CliError, CliResult};
+
+const ABOUT: &str = "freight: moves bytes between the registered memory of processes \
+(shared memory on one host, tcp across hosts), with prepared, batched, notified transfers.";
+
+const AFTER_HELP: &str = "\
+Examples:
+  freight demo                                   move 256 MiB to a second process and back, verified
+  freight bench p2p --block-sizes 4KiB,1MiB      time transfers between two processes
+  freight bench p2p --role target --listen 0.0.0.0:7000      (host A)
+  freight bench p2p --connect HOST_A:7000                    (host B)
+  freight bench descriptors                      time registration and descriptor preparation
+
+Logs: --log-level or the FREIGHT_LOG variable (e.g. FREIGHT_LOG=freight_core=debug).";
+
+#[derive(Debug, Parser)]
+#[command(name = "freight", version, about = ABOUT, after_help = AFTER_HELP, propagate_version = true)]
+struct Cli {
+    /// Engine log level on stderr: error, warn, info, debug, trace, or a filter such as
+    /// freight_core=debug [default: the FREIGHT_LOG variable, else warn].
+    #[arg(long, global = true, value_name = "LEVEL")]
+    log_level: Option<String>,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Move a buffer to a second process and back over shm and tcp, verifying every byte
+    /// (needs no GPU and nothing else running).
+    Demo(demo::DemoArgs),
+    /// Benchmarks: transfers between two processes (p2p), descriptor handling (descriptors).
+    Bench {
+        #[command(subcommand)]
+        which: bench::BenchCommand,
+    },
+    /// The target side of `demo` and `bench p2p`, started by them as a child process.
+    #[command(name = target::SUBCOMMAND, hide = true)]
+    Target(target::TargetArgs),
+}
+
+/// What commands need from the invocation besides their own arguments.
+pub(crate) struct Context {
+    /// How to start this same CLI again (for the target process).
+    pub self_command: Vec<String>,
+    /// Passed on to child processes so that both sides log alike.
+    pub log_level: Option<String>,
+}
+
+/// Runs the CLI. `args` is the full argument vector (`args[0]` is the program name);
+/// `self_command` is how to start this CLI again in a child process (e.g. the binary's
+/// path, or `[python, -m, freight]`). Returns the process exit code: 0 on success, 1 when
+/// the work failed, 2 for usage errors.
+pub fn run(args: Vec<String>, self_command: Vec<String>) -> i32 {
+    let cli = match Cli::try_parse_from(&args) {
+        Ok(c) => c,
+        Err(e) => {
+            // Help and version also arrive here, with exit code 0.
+            let _ = e.print();
+            return e.exit_code();
+        }
+    };
+    let self_command = if self_command.is_empty() {
+        args.first().cloned().into_iter().collect()
+    } else {
+        self_command
+    };
+    let result = init_logging(cli.log_level.as_deref()).and_then(|()| {
+        let ctx = Context {
+            self_command,
+            log_level: cli.log_level.clone(),
+        };
+        match &cli.command {
+            Command::Demo(a) => demo::run(a, &ctx),
+            Command::Bench { which } => bench::run(which, &ctx),
+            Command::Target(a) => target::run_child(a),
+        }
+    });
+    match result {
+        Ok(()) => 0,
+        Err(e) => {
+            match &e {
+                CliError::Usage(m) => {
+                    eprintln!("error: {m}\n\nFor more information, try '--help'.")
+                }
+                CliError::Runtime(m) => eprintln!("freight: error: {m}"),
+            }
+            e.exit_code()
+        }
+    }
+}
+
+/// The engine reports deliberate closes of tcp and control connections ("the local agent
+/// closed", "replaced by new metadata") at WARN; every clean run ends with some, so by
+/// default only that module's errors show. An explicit level shows everything.
+const DEFAULT_FILTER: &str = "warn,freight_core::transport::tcp=error";
+
+fn init_logging(level: Option<&str>) -> CliResult<()> {
+    use tracing_subscriber::EnvFilter;
+    let filter = match level {
+        Some(l) => EnvFilter::try_new(l)
+            .map_err(|e| CliError::usage(format!("invalid --log-level '{l}': {e}")))?,
+        None => match std::env::var("FREIGHT_LOG") {
+            Ok(v) if !v.trim().is_empty() => EnvFilter::try_new(&v).unwrap_or_else(|e| {
+                eprintln!("freight: warning: ignoring FREIGHT_LOG='{v}': {e}");
+                EnvFilter::new(DEFAULT_FILTER)
+            }),
+            _ => EnvFilter::new(DEFAULT_FILTER),
+        },
+    };
+    // A host process (Python) may call run() more than once: the first subscriber stays.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+    Ok(())
+}
+
+/// Writes to stdout in one piece; a closed pipe (`| head`) is a quiet failure, not a panic.
+pub(crate) fn emit(text: &str) -> CliResult<()> {
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_bytes())
+        .and_then(|()| out.flush())
+        .map_err(|e| CliError::runtime(format!("cannot write to stdout: {e}")))
+}
+
+/// Generous: a stalled transfer should fail with a message, not hang a benchmark forever.
+pub(crate) const TRANSFER_TIMEOUT: Duration = Duration::from_secs(120);
+
+pub(crate) fn wait_done(req: &Request, what: &str) -> CliResult<()> {
+    match req.wait(Some(TRANSFER_TIMEOUT)) {
+        Status::Done => Ok(()),
+        Status::Error(e) => Err(CliError::runtime(format!("{what} failed: {e}"))),
+        other => Err(CliError::runtime(format!(
+            "{what} did not finish within {}s (status {other:?})",
+            TRANSFER_TIMEOUT.as_secs()
+        ))),
+    }
+}

@@ -1,7 +1,34 @@
+//! Python bindings for freight: `freight._native`, wrapped by the pure-Python package
+//! `freight` (python/freight). The bindings only convert values, map errors and release
+//! the GIL around every call that may block; conveniences live in Python.
+
 use pyo3::prelude::*;
 
+mod agent;
+mod cli;
+mod descs;
+mod errors;
+mod etcd;
+mod logging;
+mod memory;
+mod metadata;
+mod request;
+mod util;
+
+/// Native core of freight. Use the `freight` package instead of this module.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_class::<agent::PyAgent>()?;
+    m.add_class::<descs::PyDescList>()?;
+    m.add_class::<descs::PyPreparedLocal>()?;
+    m.add_class::<descs::PyPreparedRemote>()?;
+    m.add_class::<request::PyRequest>()?;
+    m.add_class::<memory::PySharedSegment>()?;
+    m.add_class::<etcd::PyEtcdDirectory>()?;
+    m.add_function(wrap_pyfunction!(logging::set_log_level, m)?)?;
+    m.add_function(wrap_pyfunction!(logging::_init_logging_from_env, m)?)?;
+    m.add_function(wrap_pyfunction!(cli::cli_main, m)?)?;
+    m.add_function(wrap_pyfunction!(metadata::inspect_metadata, m)?)?;
     Ok(())
 }

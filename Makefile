@@ -1,0 +1,30 @@
+# freight developer entry points. `make test` is what CI (.ci/run) runs.
+VENV := .venv
+export CARGO_TARGET_DIR ?= $(CURDIR)/target
+
+.PHONY: demo test wheel bench fmt lint setup
+
+setup:
+	bash scripts/setup.sh
+
+demo:
+	bash scripts/demo.sh
+
+test:
+	bash scripts/test.sh
+
+# abi3 release wheel (one wheel for CPython >= 3.9) into dist/
+wheel:
+	FREIGHT_SKIP_BUILD=1 bash scripts/setup.sh
+	$(VENV)/bin/maturin build --release -o dist
+
+# placeholder: finalized together with the bench command
+bench: setup
+	$(VENV)/bin/freight bench p2p --json
+
+fmt:
+	cargo fmt --all
+
+lint:
+	cargo clippy --workspace --all-targets
+	cargo fmt --all --check

@@ -1,0 +1,28 @@
+//! `freight bench`: measurements, printed as aligned tables or as JSON.
+
+mod descriptors;
+mod measure;
+mod p2p;
+mod report;
+
+use clap::Subcommand;
+
+use crate::args::CliResult;
+use crate::Context;
+
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// Transfers between two processes, like nixlbench: bandwidth and prepare/post/transfer
+    /// latencies per block size and batch size, every row verified first.
+    P2p(Box<p2p::P2pArgs>),
+    /// Descriptor handling in one process: registering regions, preparing local, remote
+    /// and strided descriptor lists, building requests.
+    Descriptors(descriptors::DescriptorArgs),
+}
+
+pub fn run(cmd: &BenchCommand, ctx: &Context) -> CliResult<()> {
+    match cmd {
+        BenchCommand::P2p(a) => p2p::run(a, ctx),
+        BenchCommand::Descriptors(a) => descriptors::run(a),
+    }
+}

@@ -1,0 +1,455 @@
+//! The agent binding: conversions and GIL release around `freight_core::Agent`.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Instant;
+
+use freight_core::{
+    Agent, AgentConfig, MemKind, OpKind, SharedSegment, ShmConfig, TcpConfig, TransportKind,
+};
+use numpy::ndarray::ArrayView1;
+use numpy::PyArray1;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::descs::{
+    for_each_triple, indices, parse_kind, PyDescList, PyPreparedLocal, PyPreparedRemote,
+};
+use crate::errors::{invalid, to_py_err, OrRaise};
+use crate::memory::PySharedSegment;
+use crate::request::{PyRequest, SIGNAL_SLICE};
+use crate::util::{seconds, timeout_arg};
+
+static NEXT_AGENT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Native agent (use `freight.Agent`, which wraps it with Python conveniences).
+#[pyclass(frozen, name = "Agent", module = "freight._native")]
+pub struct PyAgent {
+    inner: Agent,
+    /// Identifies this agent in prepared lists (so that they are not used with another).
+    id: u64,
+    /// Python objects whose memory is registered, by region key: they stay alive while
+    /// registered (and while any request of this agent exists).
+    keep: Mutex<HashMap<u64, Py<PyAny>>>,
+}
+
+type PyNotif = (String, Py<PyBytes>);
+
+impl PyAgent {
+    fn keep(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Py<PyAny>>> {
+        self.keep.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn notifs(py: Python<'_>, v: Vec<freight_core::Notification>) -> Vec<PyNotif> {
+        v.into_iter()
+            .map(|n| (n.from, PyBytes::new(py, &n.msg).unbind()))
+            .collect()
+    }
+
+    fn request(slf: &Bound<'_, Self>, inner: freight_core::Request, peer: String) -> PyRequest {
+        PyRequest {
+            inner,
+            peer,
+            _owner: slf.clone().unbind(),
+        }
+    }
+
+    fn check_owner(&self, id: u64, what: &str) -> PyResult<()> {
+        if id != self.id {
+            return Err(invalid(format!(
+                "this {what} list was prepared by another agent"
+            )));
+        }
+        Ok(())
+    }
+}
+
+fn transport(s: &str) -> PyResult<TransportKind> {
+    TransportKind::parse(s).or_raise()
+}
+
+#[pymethods]
+impl PyAgent {
+    /// Creates an agent and starts its listener. Arguments mirror `freight.AgentConfig`.
+    #[new]
+    #[pyo3(signature = (
+        name, *, listen = "127.0.0.1:0".to_string(), advertise = Vec::new(),
+        transports = vec!["shm".to_string(), "tcp".to_string()], require = None,
+        tcp_streams = 4, tcp_chunk_size = 1 << 20, tcp_window = 8, tcp_local_addrs = Vec::new(),
+        shm_threads = None, shm_inline_bytes = 256 << 10, peer_timeout = 30.0,
+        connect_timeout = 5.0, metadata_token = None,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        name: String,
+        listen: String,
+        advertise: Vec<String>,
+        transports: Vec<String>,
+        require: Option<String>,
+        tcp_streams: usize,
+        tcp_chunk_size: u64,
+        tcp_window: usize,
+        tcp_local_addrs: Vec<String>,
+        shm_threads: Option<usize>,
+        shm_inline_bytes: u64,
+        peer_timeout: f64,
+        connect_timeout: f64,
+        metadata_token: Option<Vec<u8>>,
+    ) -> PyResult<Self> {
+        if transports.is_empty() {
+            return Err(invalid("at least one transport must be enabled"));
+        }
+        let mut kinds = Vec::with_capacity(transports.len());
+        for t in &transports {
+            let k = transport(t)?;
+            if !kinds.contains(&k) {
+                kinds.push(k);
+            }
+        }
+        let local_addrs = tcp_local_addrs
+            .iter()
+            .map(|a| {
+                a.parse::<IpAddr>()
+                    .map_err(|_| invalid(format!("tcp_local_addrs: '{a}' is not an IP address")))
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let shm_default = ShmConfig::default();
+        let config = AgentConfig {
+            listen,
+            advertise,
+            transports: kinds,
+            require: require.as_deref().map(transport).transpose()?,
+            tcp: TcpConfig {
+                streams: tcp_streams,
+                chunk_size: tcp_chunk_size,
+                window: tcp_window,
+                local_addrs,
+            },
+            shm: ShmConfig {
+                threads: shm_threads.unwrap_or(shm_default.threads),
+                inline_bytes: shm_inline_bytes,
+                ..shm_default
+            },
+            peer_timeout: seconds(peer_timeout, "peer_timeout")?,
+            connect_timeout: seconds(connect_timeout, "connect_timeout")?,
+            metadata_token,
+        };
+        let inner = py.detach(|| Agent::new(&name, config)).or_raise()?;
+        Ok(PyAgent {
+            inner,
+            id: NEXT_AGENT_ID.fetch_add(1, Ordering::Relaxed),
+            keep: Mutex::default(),
+        })
+    }
+
+    /// The agent's name (unique among the peers it talks to).
+    #[getter]
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    /// Addresses (ip:port) that peers are told to use.
+    #[getter]
+    fn addresses(&self) -> Vec<String> {
+        self.inner.addresses()
+    }
+
+    /// Names of known peers, sorted.
+    #[getter]
+    fn peers(&self) -> Vec<String> {
+        self.inner.peers()
+    }
+
+    /// Number of registered regions.
+    #[getter]
+    fn registered_regions(&self) -> usize {
+        self.inner.registered_regions()
+    }
+
+    /// Stops listening and closes every connection; in-flight requests fail.
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| self.inner.close())
+    }
+
+    /// Listens on one more address; returns the bound ip:port.
+    fn listen(&self, py: Python<'_>, addr: &str) -> PyResult<String> {
+        py.detach(|| self.inner.listen(addr))
+            .or_raise()
+            .map(|a| a.to_string())
+    }
+
+    // -- memory ----------------------------------------------------------------------
+
+    /// Allocates `nbytes` of zeroed host memory in a shared segment (reachable by
+    /// same-host peers through shm) and returns it as a uint8 numpy array whose base
+    /// (a `freight.SharedSegment`) keeps the memory alive.
+    fn alloc<'py>(&self, py: Python<'py>, nbytes: usize) -> PyResult<Bound<'py, PyArray1<u8>>> {
+        let seg: Arc<SharedSegment> = py.detach(|| self.inner.alloc(nbytes)).or_raise()?;
+        let (ptr, len) = (seg.as_ptr() as *const u8, seg.len());
+        let holder = Bound::new(py, PySharedSegment { seg })?;
+        // SAFETY: the view covers exactly the segment's mapping, which `holder` keeps
+        // alive for as long as the array (its base object) exists.
+        let array = unsafe {
+            let view = ArrayView1::from_shape_ptr(len, ptr);
+            PyArray1::borrow_from_array(&view, holder.into_any())
+        };
+        Ok(array)
+    }
+
+    /// Registers `[addr, addr + length)` of `kind` on `device`; returns the region key.
+    /// `keep` (any object) is held until the region is deregistered.
+    #[pyo3(signature = (kind, addr, length, device = 0, keep = None))]
+    fn register(
+        &self,
+        py: Python<'_>,
+        kind: &str,
+        addr: u64,
+        length: u64,
+        device: u64,
+        keep: Option<Py<PyAny>>,
+    ) -> PyResult<u64> {
+        let kind = parse_kind(kind)?;
+        let key = py
+            .detach(|| self.inner.register(kind, addr, length, device))
+            .or_raise()?;
+        if let Some(k) = keep {
+            self.keep().insert(key, k);
+        }
+        Ok(key)
+    }
+
+    /// Registers every (addr, length, device) of a list of tuples or an Nx3 array, all or nothing (on
+    /// error nothing stays registered and the exception's `index` names the culprit).
+    #[pyo3(signature = (kind, triples, keeps = None))]
+    fn register_many(
+        &self,
+        py: Python<'_>,
+        kind: &str,
+        triples: &Bound<'_, PyAny>,
+        keeps: Option<Vec<Py<PyAny>>>,
+    ) -> PyResult<Vec<u64>> {
+        let kind: MemKind = parse_kind(kind)?;
+        let mut all = Vec::new();
+        for_each_triple(triples, |a, l, d| {
+            all.push((a, l, d));
+            Ok(())
+        })?;
+        if let Some(k) = &keeps {
+            if k.len() != all.len() {
+                return Err(invalid(format!(
+                    "{} keep objects for {} regions",
+                    k.len(),
+                    all.len()
+                )));
+            }
+        }
+        let outcome = py.detach(|| {
+            let mut keys = Vec::with_capacity(all.len());
+            for (i, &(addr, len, dev)) in all.iter().enumerate() {
+                match self.inner.register(kind, addr, len, dev) {
+                    Ok(k) => keys.push(k),
+                    Err(e) => {
+                        for k in keys {
+                            let _ = self.inner.deregister(k);
+                        }
+                        return Err((i, e));
+                    }
+                }
+            }
+            Ok(keys)
+        });
+        match outcome {
+            Ok(keys) => {
+                if let Some(k) = keeps {
+                    self.keep().extend(keys.iter().copied().zip(k));
+                }
+                Ok(keys)
+            }
+            Err((i, e)) => {
+                let err = to_py_err(e);
+                err.value(py).setattr("index", i)?;
+                Err(err)
+            }
+        }
+    }
+
+    /// Deregisters a region. RegionBusyError while a transfer uses it;
+    /// UnknownRegionError for a key that is not registered.
+    fn deregister(&self, py: Python<'_>, key: u64) -> PyResult<()> {
+        py.detach(|| self.inner.deregister(key)).or_raise()?;
+        let released = self.keep().remove(&key);
+        drop(released);
+        Ok(())
+    }
+
+    // -- metadata and peers ----------------------------------------------------------
+
+    /// This agent's metadata (addresses, transports, registered regions) as bytes.
+    fn metadata<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        let md = py.detach(|| self.inner.metadata());
+        PyBytes::new(py, &md)
+    }
+
+    /// Adds (or replaces) a peer from its metadata bytes; returns its name.
+    fn add_peer(&self, py: Python<'_>, metadata: Vec<u8>) -> PyResult<String> {
+        py.detach(|| self.inner.add_peer(&metadata)).or_raise()
+    }
+
+    /// Forgets a peer and closes its connections.
+    fn remove_peer(&self, py: Python<'_>, name: &str) -> PyResult<()> {
+        py.detach(|| self.inner.remove_peer(name)).or_raise()
+    }
+
+    /// Fetches a peer's metadata from its listener at `addr` and adds the peer.
+    #[pyo3(signature = (addr, token = None))]
+    fn connect(&self, py: Python<'_>, addr: &str, token: Option<Vec<u8>>) -> PyResult<String> {
+        py.detach(|| self.inner.connect(addr, token.as_deref()))
+            .or_raise()
+    }
+
+    /// Re-reads a known peer's metadata from its listener.
+    #[pyo3(signature = (name, token = None))]
+    fn refresh_peer(&self, py: Python<'_>, name: &str, token: Option<Vec<u8>>) -> PyResult<()> {
+        py.detach(|| self.inner.refresh_peer(name, token.as_deref()))
+            .or_raise()
+    }
+
+    /// (transport, reason) for host-memory transfers to `peer`.
+    fn path_to(&self, py: Python<'_>, peer: &str) -> PyResult<(&'static str, String)> {
+        let p = py.detach(|| self.inner.path_to(peer)).or_raise()?;
+        Ok((p.transport.as_str(), p.reason))
+    }
+
+    // -- descriptors and requests ----------------------------------------------------
+
+    /// Checks a descriptor list against this agent's registered memory.
+    fn prepare_local(
+        &self,
+        py: Python<'_>,
+        descs: PyRef<'_, PyDescList>,
+    ) -> PyResult<PyPreparedLocal> {
+        let list = &descs.inner;
+        let inner = py.detach(|| self.inner.prepare_local(list)).or_raise()?;
+        Ok(PyPreparedLocal {
+            inner,
+            agent_id: self.id,
+        })
+    }
+
+    /// Checks a descriptor list against `peer`'s advertised memory.
+    fn prepare_remote(
+        &self,
+        py: Python<'_>,
+        peer: &str,
+        descs: PyRef<'_, PyDescList>,
+    ) -> PyResult<PyPreparedRemote> {
+        let list = &descs.inner;
+        let inner = py
+            .detach(|| self.inner.prepare_remote(peer, list))
+            .or_raise()?;
+        Ok(PyPreparedRemote {
+            inner,
+            agent_id: self.id,
+        })
+    }
+
+    /// Builds an idle request (see freight.Agent.make_request).
+    #[pyo3(signature = (op, local, local_indices, remote, remote_indices, notif = None))]
+    fn make_request(
+        slf: &Bound<'_, Self>,
+        op: &str,
+        local: &Bound<'_, PyPreparedLocal>,
+        local_indices: Option<&Bound<'_, PyAny>>,
+        remote: &Bound<'_, PyPreparedRemote>,
+        remote_indices: Option<&Bound<'_, PyAny>>,
+        notif: Option<Vec<u8>>,
+    ) -> PyResult<PyRequest> {
+        let this = slf.get();
+        let op = OpKind::parse(op).or_raise()?;
+        let (local, remote) = (local.get(), remote.get());
+        this.check_owner(local.agent_id, "local")?;
+        this.check_owner(remote.agent_id, "remote")?;
+        let li = indices(local_indices)?;
+        let ri = indices(remote_indices)?;
+        let req = slf
+            .py()
+            .detach(|| {
+                this.inner.make_request(
+                    op,
+                    &local.inner,
+                    li.as_deref(),
+                    &remote.inner,
+                    ri.as_deref(),
+                    notif,
+                )
+            })
+            .or_raise()?;
+        Ok(Self::request(slf, req, remote.inner.peer().to_string()))
+    }
+
+    /// One-shot: prepares both lists, builds the request and posts it.
+    #[pyo3(signature = (op, local, peer, remote, notif = None))]
+    fn transfer(
+        slf: &Bound<'_, Self>,
+        op: &str,
+        local: PyRef<'_, PyDescList>,
+        peer: &str,
+        remote: PyRef<'_, PyDescList>,
+        notif: Option<Vec<u8>>,
+    ) -> PyResult<PyRequest> {
+        let this = slf.get();
+        let op = OpKind::parse(op).or_raise()?;
+        let (l, r) = (&local.inner, &remote.inner);
+        let req = slf
+            .py()
+            .detach(|| this.inner.transfer(op, l, peer, r, notif))
+            .or_raise()?;
+        Ok(Self::request(slf, req, peer.to_string()))
+    }
+
+    // -- notifications ---------------------------------------------------------------
+
+    /// Sends a notification to `peer` (ordered with the other notifications to it).
+    fn notify(&self, py: Python<'_>, peer: &str, msg: Vec<u8>) -> PyResult<()> {
+        py.detach(|| self.inner.notify(peer, msg)).or_raise()
+    }
+
+    /// Notifications received so far as [(peer, bytes)], oldest first (non-blocking).
+    fn get_notifs(&self, py: Python<'_>) -> Vec<PyNotif> {
+        Self::notifs(py, self.inner.get_notifs())
+    }
+
+    /// Waits up to `timeout` seconds (None: no limit) for at least one notification;
+    /// returns everything received, oldest first ([] on timeout).
+    #[pyo3(signature = (timeout = None))]
+    fn wait_notifs(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Vec<PyNotif>> {
+        let deadline = timeout_arg(timeout)?.map(|t| Instant::now() + t);
+        loop {
+            let slice = match deadline {
+                Some(d) => d
+                    .saturating_duration_since(Instant::now())
+                    .min(SIGNAL_SLICE),
+                None => SIGNAL_SLICE,
+            };
+            let got = py.detach(|| self.inner.wait_notifs(slice));
+            if !got.is_empty() {
+                return Ok(Self::notifs(py, got));
+            }
+            py.check_signals()?;
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Ok(Vec::new());
+            }
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<freight._native.Agent '{}' at {:?}>",
+            self.inner.name(),
+            self.inner.addresses()
+        )
+    }
+}

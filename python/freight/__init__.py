@@ -1,0 +1,117 @@
+"""freight: point-to-point transfers between registered memory of agents.
+
+An :class:`Agent` registers memory (numpy arrays, buffers, tensors, raw ranges), learns
+about peers from their metadata (bytes passed around by any means, a listener, or an
+:class:`EtcdDirectory`), and moves bytes between its memory and theirs with
+:class:`Request` objects (READ or WRITE, optionally followed by a notification that
+arrives only after the data is visible). Same-host peers use shared memory ("shm",
+memory from :meth:`Agent.alloc`), others TCP.
+
+Main names:
+
+* :class:`Agent`, :class:`AgentConfig` -- the engine and its configuration;
+* :class:`DescList` -- which bytes a transfer touches;
+* :class:`Request` -- a posted/reusable transfer (``post``, ``status``, ``wait``);
+* :class:`EtcdDirectory` -- metadata exchange through etcd;
+* :func:`inspect_metadata` -- what metadata bytes advertise (regions, addresses);
+* :func:`set_log_level` -- engine logs to stderr (or set ``FREIGHT_LOG``);
+* exceptions, all deriving from :class:`FreightError` (see :mod:`freight.errors`).
+"""
+
+from . import _native
+from ._native import (
+    EtcdDirectory,
+    PreparedLocal,
+    PreparedRemote,
+    Request,
+    SharedSegment,
+    __version__,
+    inspect_metadata,
+)
+from .agent import Agent, Path
+from .config import TRANSPORTS, AgentConfig
+from .descs import DescList
+from .errors import (
+    AuthError,
+    EtcdError,
+    FreightError,
+    InvalidArgumentError,
+    InvalidStateError,
+    IoError,
+    MetadataError,
+    NotRegisteredError,
+    OutOfBoundsError,
+    OverlapError,
+    PeerDisconnectedError,
+    ProtocolError,
+    RegionBusyError,
+    RemoteRejectedError,
+    TimeoutError,
+    TransportUnavailableError,
+    UnknownPeerError,
+    UnknownRegionError,
+)
+
+
+def set_log_level(level=None) -> None:
+    """Sends the engine's logs to stderr at ``level``.
+
+    ``level`` is "error", "warn"/"warning", "info", "debug", "trace" or "off" (any case),
+    a :mod:`logging` level number, or a tracing filter such as
+    ``"freight_core=debug,info"``. With no level, uses the ``FREIGHT_LOG`` environment
+    variable, else "info". (When ``FREIGHT_LOG`` is set, logging is also switched on
+    automatically when the first agent is created.) The first call installs a
+    tracing subscriber for the process; later calls change its level.
+    """
+    if level is not None and not isinstance(level, str):
+        if isinstance(level, bool) or not isinstance(level, int):
+            raise TypeError(f"level must be a str or a logging level int, got {type(level).__name__}")
+        level = "error" if level >= 40 else "warn" if level >= 30 else "info" if level >= 20 else "debug" if level >= 10 else "trace"
+    elif isinstance(level, str):
+        level = {"warning": "warn", "critical": "error", "fatal": "error"}.get(level.strip().lower(), level.strip())
+        if level.lower() in _LEVELS:
+            level = level.lower()
+        elif not level or level.isalpha() or any(c.isspace() for c in level):
+            raise InvalidArgumentError(
+                f"unknown log level {level!r} (expected one of {', '.join(_LEVELS)}, or a filter like 'freight_core=debug')"
+            )
+    _native.set_log_level(level)
+
+
+_LEVELS = ("error", "warn", "info", "debug", "trace", "off")
+
+
+__all__ = [
+    "Agent",
+    "AgentConfig",
+    "DescList",
+    "EtcdDirectory",
+    "Path",
+    "PreparedLocal",
+    "PreparedRemote",
+    "Request",
+    "SharedSegment",
+    "TRANSPORTS",
+    "set_log_level",
+    "inspect_metadata",
+    "__version__",
+    # errors
+    "FreightError",
+    "InvalidArgumentError",
+    "NotRegisteredError",
+    "OutOfBoundsError",
+    "OverlapError",
+    "RegionBusyError",
+    "UnknownRegionError",
+    "UnknownPeerError",
+    "TransportUnavailableError",
+    "MetadataError",
+    "ProtocolError",
+    "AuthError",
+    "RemoteRejectedError",
+    "PeerDisconnectedError",
+    "TimeoutError",
+    "InvalidStateError",
+    "IoError",
+    "EtcdError",
+]

@@ -1,0 +1,5 @@
+"""``python -m freight``: the freight command line."""
+
+from .cli import main
+
+main()

@@ -1,0 +1,336 @@
+"""The agent: registers memory, knows peers, moves bytes, sends notifications."""
+
+from __future__ import annotations
+
+from typing import Any, List, NamedTuple, Optional, Tuple, Union
+
+import numpy as np
+
+from . import _native
+from ._objects import describe, indices, normalize_kind, to_bytes
+from .config import AgentConfig
+from .descs import _triple_array, as_desclist
+from .errors import InvalidArgumentError
+
+__all__ = ["Agent", "Path"]
+
+Request = _native.Request
+PreparedLocal = _native.PreparedLocal
+PreparedRemote = _native.PreparedRemote
+EtcdDirectory = _native.EtcdDirectory
+
+BytesLike = Union[bytes, bytearray, memoryview, str]
+
+
+class Path(NamedTuple):
+    """The transport that serves a path, and why (see :meth:`Agent.path_to`)."""
+
+    #: "shm" or "tcp".
+    transport: str
+    #: Human-readable reason, including why better transports were not chosen.
+    reason: str
+
+
+class Agent:
+    """A freight agent: one per process (or per engine instance).
+
+    ``Agent(name, config=None)`` creates the agent and starts its listener.
+    ``config`` is an :class:`AgentConfig` (or a dict of its fields); ``name`` must be
+    unique among the agents that talk to each other.
+
+    Typical use, target side::
+
+        with freight.Agent("target") as agent:
+            buf = agent.alloc(1 << 20)       # shm-capable numpy uint8 array
+            agent.register(buf)
+            publish(agent.metadata())        # give the bytes to peers somehow
+
+    initiator side::
+
+        with freight.Agent("initiator") as agent:
+            src = agent.alloc(1 << 20); agent.register(src)
+            peer = agent.add_peer(metadata_bytes)
+            req = agent.transfer("WRITE", [src], peer, [(remote_addr, 1 << 20, 0)], notif=b"done")
+            req.wait()
+
+    Every method may be called from any thread; blocking calls release the GIL.
+    Agents are context managers (``close()`` on exit).
+    """
+
+    def __init__(self, name: str, config: Optional[Union[AgentConfig, dict]] = None) -> None:
+        if not isinstance(name, str):
+            raise TypeError(f"agent name must be a str, got {type(name).__name__}")
+        if config is None:
+            config = AgentConfig()
+        elif isinstance(config, dict):
+            config = AgentConfig(**config)
+        elif not isinstance(config, AgentConfig):
+            raise TypeError(f"config must be a freight.AgentConfig, got {type(config).__name__}")
+        _native._init_logging_from_env()
+        self._config = config
+        self._core = _native.Agent(name, **config._native_kwargs())
+        self._closed = False
+
+    # ------------------------------------------------------------------ basics
+
+    @property
+    def name(self) -> str:
+        """The agent's name."""
+        return self._core.name
+
+    @property
+    def config(self) -> AgentConfig:
+        """The configuration the agent was created with."""
+        return self._config
+
+    @property
+    def addresses(self) -> List[str]:
+        """Addresses (``"ip:port"``) that peers are told to use."""
+        return self._core.addresses
+
+    @property
+    def peers(self) -> List[str]:
+        """Names of known peers, sorted."""
+        return self._core.peers
+
+    @property
+    def registered_regions(self) -> int:
+        """Number of registered regions."""
+        return self._core.registered_regions
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called."""
+        return self._closed
+
+    def close(self) -> None:
+        """Stops listening and closes every connection; in-flight requests fail.
+        Idempotent. Registered memory stays alive while requests of this agent exist."""
+        self._closed = True
+        self._core.close()
+
+    def __enter__(self) -> "Agent":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ", ".join(self.addresses)
+        return f"<freight.Agent {self.name!r} [{state}] peers={self.peers}>"
+
+    def listen(self, addr: str) -> str:
+        """Listens on one more address (e.g. a well-known port peers :meth:`connect`
+        to); returns the bound ``"ip:port"``."""
+        return self._core.listen(addr)
+
+    # ------------------------------------------------------------------ memory
+
+    def alloc(self, nbytes: int) -> np.ndarray:
+        """Allocates ``nbytes`` of zeroed host memory that same-host peers can reach
+        through shm, as a uint8 numpy array (its ``.base`` is a
+        :class:`freight.SharedSegment` that keeps the memory alive). Register it (or
+        parts of it) with :meth:`register` to make it transferable."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)):
+            raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
+        if nbytes <= 0:
+            raise InvalidArgumentError(f"nbytes must be positive, got {nbytes}")
+        return self._core.alloc(int(nbytes))
+
+    def register(self, obj: Any, kind: Optional[str] = None, *, readonly_ok: bool = False) -> int:
+        """Registers memory so that transfers (local and remote) may touch it; returns
+        the region key.
+
+        ``obj`` is a numpy array or any object with the buffer protocol (contiguous,
+        writable unless ``readonly_ok=True``), a tensor (duck-typed; CUDA tensors are
+        VRAM on their device), or an ``(addr, length, device)`` tuple whose kind is
+        ``kind`` (default "DRAM"). For objects, ``kind`` (if given) must match their
+        memory. The object is kept alive until :meth:`deregister`.
+
+        Memory from :meth:`alloc` is reachable through shm by same-host peers; other
+        host memory only through tcp.
+
+        Peers see new regions only in metadata taken afterwards (:meth:`metadata`,
+        :meth:`publish_etcd`, :meth:`refresh_peer` on their side).
+        """
+        k = normalize_kind(kind) if kind is not None else None
+        r = describe(obj, k, readonly_ok=readonly_ok)
+        return self._core.register(r.kind, r.addr, r.length, r.device, r.keep)
+
+    def register_many(self, objs: Any, kind: Optional[str] = None, *, readonly_ok: bool = False) -> List[int]:
+        """Registers many objects (anything :meth:`register` accepts) in one call into
+        the engine; returns their keys in order. All or nothing: on error nothing stays
+        registered, and the exception's ``index`` attribute names the failing object.
+
+        ``objs`` may also be an ``N x 3`` integer numpy array of
+        ``(addr, length, device)`` rows (kind ``kind``, default "DRAM")."""
+        k = normalize_kind(kind) if kind is not None else None
+        if isinstance(objs, np.ndarray):
+            return self._core.register_many(k or "DRAM", _triple_array(objs), None)
+        groups: dict = {}
+        order: List[Tuple[str, int]] = []
+        for i, obj in enumerate(objs):
+            try:
+                r = describe(obj, k, readonly_ok=readonly_ok)
+            except (InvalidArgumentError, TypeError) as e:
+                e.index = i  # type: ignore[attr-defined]
+                raise
+            triples, keeps, positions = groups.setdefault(r.kind, ([], [], []))
+            positions.append(i)
+            order.append((r.kind, len(triples)))
+            triples.append((r.addr, r.length, r.device))
+            keeps.append(r.keep)
+        keys_by_kind: dict = {}
+        done: List[int] = []
+        try:
+            for gk, (triples, keeps, positions) in groups.items():
+                try:
+                    keys = self._core.register_many(gk, triples, keeps)
+                except Exception as e:
+                    if isinstance(getattr(e, "index", None), int):
+                        e.index = positions[e.index]  # type: ignore[attr-defined]
+                    raise
+                keys_by_kind[gk] = keys
+                done.extend(keys)
+        except BaseException:
+            for key in done:
+                self._core.deregister(key)
+            raise
+        return [keys_by_kind[gk][j] for gk, j in order]
+
+    def deregister(self, key: int) -> None:
+        """Deregisters a region (and releases the object registered with it).
+        :class:`freight.RegionBusyError` while a transfer uses it,
+        :class:`freight.UnknownRegionError` for an unknown key. Peers learn of it and
+        fail later accesses with :class:`freight.RemoteRejectedError`."""
+        self._core.deregister(key)
+
+    # ------------------------------------------------------------------ metadata and peers
+
+    def metadata(self) -> bytes:
+        """This agent's metadata (name, addresses, transports, registered regions and the
+        secret that authorises access to them) as bytes. Give it to peers only."""
+        return self._core.metadata()
+
+    def add_peer(self, metadata: Union[bytes, bytearray, memoryview]) -> str:
+        """Adds (or replaces) a peer from its metadata bytes; returns its name.
+        :class:`freight.MetadataError` for bytes that are not valid metadata.
+        Replacing a peer (e.g. a restarted process with new metadata) closes the old
+        connections; requests prepared against the old one fail."""
+        if isinstance(metadata, str):
+            raise TypeError("metadata must be bytes (use bytes.fromhex() for hex text)")
+        return self._core.add_peer(to_bytes(metadata, "metadata"))
+
+    def remove_peer(self, name: str) -> None:
+        """Forgets a peer and closes its connections (:class:`freight.UnknownPeerError`
+        if unknown)."""
+        self._core.remove_peer(name)
+
+    def connect(self, addr: str, token: Optional[BytesLike] = None) -> str:
+        """Fetches a peer's metadata from its listener at ``"ip:port"`` and adds the peer;
+        returns its name. ``token`` must match the peer's ``metadata_token`` if it has
+        one (else :class:`freight.AuthError`)."""
+        return self._core.connect(addr, None if token is None else to_bytes(token, "token"))
+
+    def refresh_peer(self, name: str, token: Optional[BytesLike] = None) -> None:
+        """Re-reads a known peer's metadata from its listener (to see regions it
+        registered since)."""
+        self._core.refresh_peer(name, None if token is None else to_bytes(token, "token"))
+
+    def path_to(self, peer: str) -> Path:
+        """Which transport serves host-memory transfers to ``peer``, and why."""
+        return Path(*self._core.path_to(peer))
+
+    # ------------------------------------------------------------------ etcd
+
+    def publish_etcd(self, directory: EtcdDirectory) -> None:
+        """Publishes :meth:`metadata` under :attr:`name` in an
+        :class:`freight.EtcdDirectory`. Publish again after registering memory that peers
+        should see."""
+        directory.publish(self.name, self.metadata())
+
+    def withdraw_etcd(self, directory: EtcdDirectory) -> None:
+        """Removes this agent's entry from an :class:`freight.EtcdDirectory`."""
+        directory.withdraw(self.name)
+
+    def add_peer_from_etcd(self, directory: EtcdDirectory, name: str, timeout: float = 10.0) -> str:
+        """Waits up to ``timeout`` seconds for ``name`` to appear in ``directory``, adds it
+        as a peer and returns its name (:class:`freight.TimeoutError` if it does not
+        appear)."""
+        return self.add_peer(directory.wait_for(name, timeout))
+
+    # ------------------------------------------------------------------ transfers
+
+    def prepare_local(self, descs: Any) -> PreparedLocal:
+        """Checks descriptors (a :class:`DescList` or anything it accepts) against this
+        agent's registered memory; the result is reusable for any number of requests.
+        :class:`freight.NotRegisteredError` / :class:`freight.OutOfBoundsError`."""
+        return self._core.prepare_local(as_desclist(descs)._raw)
+
+    def prepare_remote(self, peer: str, descs: Any) -> PreparedRemote:
+        """Checks descriptors against ``peer``'s advertised memory (as of the metadata
+        last added or refreshed); reusable."""
+        return self._core.prepare_remote(peer, as_desclist(descs)._raw)
+
+    def make_request(
+        self,
+        op: str,
+        local_prepared: PreparedLocal,
+        local_indices: Any,
+        remote_prepared: PreparedRemote,
+        remote_indices: Any,
+        notif: Optional[BytesLike] = None,
+    ) -> Request:
+        """Builds a reusable, idle :class:`freight.Request` (call ``post()``).
+
+        ``op`` is "READ" (remote to local) or "WRITE" (local to remote). Indices select
+        descriptors of the prepared lists, in order (repeats allowed): None for all, a
+        list of ints, or a 1-D numpy integer array (converted without per-element Python
+        work). The selected local and remote descriptors must have the same total length.
+        ``notif`` (bytes) is delivered to the peer after the data of each post is
+        visible there."""
+        if not isinstance(local_prepared, PreparedLocal):
+            raise TypeError(f"local_prepared must come from Agent.prepare_local, got {type(local_prepared).__name__}")
+        if not isinstance(remote_prepared, PreparedRemote):
+            raise TypeError(f"remote_prepared must come from Agent.prepare_remote, got {type(remote_prepared).__name__}")
+        return self._core.make_request(
+            _op(op),
+            local_prepared,
+            indices(local_indices),
+            remote_prepared,
+            indices(remote_indices),
+            None if notif is None else to_bytes(notif, "notif"),
+        )
+
+    def transfer(
+        self, op: str, local_descs: Any, peer: str, remote_descs: Any, notif: Optional[BytesLike] = None
+    ) -> Request:
+        """One-shot transfer: prepares both descriptor lists (:class:`DescList` or anything
+        it accepts), builds the request and posts it. Returns the posted
+        :class:`freight.Request`; call ``wait()`` on it."""
+        local = as_desclist(local_descs)
+        remote = as_desclist(remote_descs)
+        return self._core.transfer(_op(op), local._raw, peer, remote._raw, None if notif is None else to_bytes(notif, "notif"))
+
+    # ------------------------------------------------------------------ notifications
+
+    def notify(self, peer: str, msg: BytesLike) -> None:
+        """Sends a notification (bytes; str is sent UTF-8 encoded). Notifications to one
+        peer arrive in the order they were sent."""
+        self._core.notify(peer, to_bytes(msg, "msg"))
+
+    def get_notifs(self) -> List[Tuple[str, bytes]]:
+        """Notifications received so far, as ``[(peer, bytes)]``, oldest first.
+        Non-blocking; each notification is returned once."""
+        return self._core.get_notifs()
+
+    def wait_notifs(self, timeout: Optional[float] = None) -> List[Tuple[str, bytes]]:
+        """Waits up to ``timeout`` seconds (None: no limit) for at least one
+        notification; returns all received so far (``[]`` on timeout)."""
+        return self._core.wait_notifs(timeout)
+
+
+def _op(op: Any) -> str:
+    if not isinstance(op, str):
+        raise InvalidArgumentError(f"op must be 'READ' or 'WRITE', got {op!r}")
+    return op

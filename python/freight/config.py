@@ -1,0 +1,166 @@
+"""Agent configuration."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
+
+from .errors import InvalidArgumentError
+
+__all__ = ["AgentConfig", "TRANSPORTS"]
+
+#: Transports this build knows, in order of preference.
+TRANSPORTS: Tuple[str, ...] = ("shm", "tcp")
+
+
+def _type_error(field: str, expected: str, value: Any) -> TypeError:
+    return TypeError(f"AgentConfig.{field} must be {expected}, got {type(value).__name__} {value!r}")
+
+
+def _strings(field: str, value: Any) -> Tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, (bytes, bytearray)) or not isinstance(value, (list, tuple, set, frozenset)):
+        raise _type_error(field, "a sequence of strings", value)
+    out = tuple(value)
+    for item in out:
+        if not isinstance(item, str):
+            raise _type_error(field, "a sequence of strings", value)
+    return out
+
+
+def _int(field: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _type_error(field, "an int", value)
+    if value < minimum:
+        raise InvalidArgumentError(f"AgentConfig.{field} must be >= {minimum}, got {value}")
+    return value
+
+
+def _seconds(field: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _type_error(field, "a number of seconds", value)
+    value = float(value)
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidArgumentError(f"AgentConfig.{field} must be a positive, finite number of seconds, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Everything an :class:`freight.Agent` can be told at creation.
+
+    Fields are type-checked on construction (``TypeError`` for a wrong type,
+    :class:`freight.InvalidArgumentError` for a bad value). The object is immutable;
+    derive variants with ``dataclasses.replace(cfg, require="tcp")``.
+
+    listen:
+        ``"ip:port"`` of the agent's listener (peers connect there); port 0 picks a
+        free port. ``"0.0.0.0:0"`` listens on every interface.
+    advertise:
+        Addresses to advertise to peers instead of the bound ones (NAT, several NICs).
+    transports:
+        Transports this agent may use and serve, among ``"shm"`` (same host, memory
+        from :meth:`Agent.alloc`) and ``"tcp"`` (anywhere). A lone string is one
+        transport.
+    require:
+        When set (``"shm"`` or ``"tcp"``), every transfer must use that transport or
+        fail with :class:`freight.TransportUnavailableError`; never silently replaced.
+    tcp_streams, tcp_chunk_size, tcp_window:
+        TCP data streams per peer, largest message payload in bytes (large copies are
+        split into chunks of this size) and chunks in flight per stream.
+    tcp_local_addrs:
+        Local IP addresses to bind data streams to, round-robin (several NICs).
+    shm_threads:
+        Copy threads for large shm transfers (None: number of cores, at most 8).
+    shm_inline_bytes:
+        shm transfers up to this size are copied on the posting thread.
+    peer_timeout:
+        Seconds without an answer after which a peer is declared dead (its requests
+        fail with :class:`freight.PeerDisconnectedError`).
+    connect_timeout:
+        Seconds allowed for connecting and for each handshake.
+    metadata_token:
+        When set (bytes, or str encoded as UTF-8), peers fetching this agent's metadata
+        from its listener (:meth:`Agent.connect`) must present it.
+    """
+
+    listen: str = "127.0.0.1:0"
+    advertise: Sequence[str] = ()
+    transports: Sequence[str] = TRANSPORTS
+    require: Optional[str] = None
+    tcp_streams: int = 4
+    tcp_chunk_size: int = 1 << 20
+    tcp_window: int = 8
+    tcp_local_addrs: Sequence[str] = ()
+    shm_threads: Optional[int] = None
+    shm_inline_bytes: int = 256 << 10
+    peer_timeout: float = 30.0
+    connect_timeout: float = 5.0
+    metadata_token: Optional[Union[bytes, str]] = None
+
+    def __post_init__(self) -> None:
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        if not isinstance(self.listen, str):
+            raise _type_error("listen", "a string 'ip:port'", self.listen)
+        put("advertise", _strings("advertise", self.advertise))
+        transports = tuple(t.lower() for t in _strings("transports", self.transports))
+        if not transports:
+            raise InvalidArgumentError("AgentConfig.transports must enable at least one transport")
+        for t in transports:
+            if t not in TRANSPORTS:
+                raise InvalidArgumentError(f"AgentConfig.transports: unknown transport {t!r} (expected one of {TRANSPORTS})")
+        put("transports", transports)
+        if self.require is not None:
+            if not isinstance(self.require, str):
+                raise _type_error("require", "None or a transport name", self.require)
+            req = self.require.lower()
+            if req not in TRANSPORTS:
+                raise InvalidArgumentError(f"AgentConfig.require: unknown transport {self.require!r} (expected one of {TRANSPORTS})")
+            if req not in transports:
+                raise InvalidArgumentError(f"AgentConfig.require={req!r} is not among the enabled transports {transports}")
+            put("require", req)
+        put("tcp_streams", _int("tcp_streams", self.tcp_streams, 1))
+        put("tcp_chunk_size", _int("tcp_chunk_size", self.tcp_chunk_size, 1))
+        put("tcp_window", _int("tcp_window", self.tcp_window, 1))
+        put("tcp_local_addrs", _strings("tcp_local_addrs", self.tcp_local_addrs))
+        if self.shm_threads is not None:
+            put("shm_threads", _int("shm_threads", self.shm_threads, 1))
+        put("shm_inline_bytes", _int("shm_inline_bytes", self.shm_inline_bytes, 0))
+        put("peer_timeout", _seconds("peer_timeout", self.peer_timeout))
+        put("connect_timeout", _seconds("connect_timeout", self.connect_timeout))
+        token = self.metadata_token
+        if token is not None:
+            if isinstance(token, str):
+                token = token.encode()
+            elif isinstance(token, (bytearray, memoryview)):
+                token = bytes(token)
+            elif not isinstance(token, bytes):
+                raise _type_error("metadata_token", "None, bytes or str", token)
+            put("metadata_token", token)
+
+    def replace(self, **changes: Any) -> "AgentConfig":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def _native_kwargs(self) -> Dict[str, Any]:
+        """Keyword arguments of ``freight._native.Agent``."""
+        return {
+            "listen": self.listen,
+            "advertise": list(self.advertise),
+            "transports": list(self.transports),
+            "require": self.require,
+            "tcp_streams": self.tcp_streams,
+            "tcp_chunk_size": self.tcp_chunk_size,
+            "tcp_window": self.tcp_window,
+            "tcp_local_addrs": list(self.tcp_local_addrs),
+            "shm_threads": self.shm_threads,
+            "shm_inline_bytes": self.shm_inline_bytes,
+            "peer_timeout": self.peer_timeout,
+            "connect_timeout": self.connect_timeout,
+            "metadata_token": self.metadata_token,
+        }

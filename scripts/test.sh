@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Full test run: environment setup, Rust tests (release), Python tests.
+# Exits non-zero if any step fails; prints one summary line at the end.
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+# Share one cargo target dir (and release profile) with the wheel build in setup.sh.
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}"
+# maturin (in setup.sh) sets these for pyo3's build scripts; set the same values so
+# `cargo test` reuses the pyo3 crates it compiled instead of rebuilding them.
+# (The workspace already builds pyo3 with "extension-module", so the last one
+# changes nothing about how the test binaries link.)
+export PYO3_PYTHON="$ROOT/.venv/bin/python"
+export PYTHON_SYS_EXECUTABLE="$PYO3_PYTHON"
+export PYO3_BUILD_EXTENSION_MODULE=1
+
+say() { printf '[test] %s\n' "$*"; }
+start=$SECONDS
+results=()
+failed=0
+
+record() { # record NAME RC
+    if [ "$2" -eq 0 ]; then
+        results+=("$1=ok")
+    else
+        results+=("$1=FAIL($2)")
+        failed=1
+    fi
+}
+
+summary() {
+    local verdict=PASSED
+    [ "$failed" -ne 0 ] && verdict=FAILED
+    printf '[test] SUMMARY: %s  %s  (%ds)\n' "$verdict" "${results[*]}" "$((SECONDS - start))"
+}
+
+say "setup"
+bash "$ROOT/scripts/setup.sh"
+rc=$?
+record setup "$rc"
+if [ "$rc" -ne 0 ]; then
+    summary
+    exit 1
+fi
+if ! command -v cargo >/dev/null 2>&1 && [ -f "$HOME/.cargo/env" ]; then
+    . "$HOME/.cargo/env"
+fi
+if [ -z "${PYO3_ENVIRONMENT_SIGNATURE:-}" ]; then
+    PYO3_ENVIRONMENT_SIGNATURE="$("$PYO3_PYTHON" -c 'import platform, struct, sys; print("%s-%d.%d-%dbit" % (platform.python_implementation().lower(), sys.version_info[0], sys.version_info[1], struct.calcsize("P") * 8))' 2>/dev/null || true)"
+    export PYO3_ENVIRONMENT_SIGNATURE
+fi
+
+say "cargo test --workspace --release"
+cargo test --workspace --release
+record cargo-test $?
+
+say "pytest"
+"$ROOT/.venv/bin/python" -m pytest -q tests
+rc=$?
+if [ "$rc" -eq 5 ]; then
+    say "pytest collected no tests: treating as failure"
+fi
+record pytest "$rc"
+
+summary
+exit "$failed"

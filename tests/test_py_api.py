@@ -1,0 +1,159 @@
+"""Python API surface in one process: memory objects, descriptor lists, duck-typed
+tensors, metadata inspection, help texts."""
+
+from __future__ import annotations
+
+import gc
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import freight
+
+
+class FakeTensor:
+    """Quacks like a torch.Tensor (data_ptr/numel/element_size/device/is_contiguous)."""
+
+    def __init__(self, backing: np.ndarray, device: str = "cpu", index=None, contiguous: bool = True) -> None:
+        self.backing = backing
+        self.device = SimpleNamespace(type=device, index=index)
+        self._contiguous = contiguous
+
+    def data_ptr(self) -> int:
+        return self.backing.ctypes.data
+
+    def numel(self) -> int:
+        return self.backing.size
+
+    def element_size(self) -> int:
+        return self.backing.itemsize
+
+    def is_contiguous(self) -> bool:
+        return self._contiguous
+
+
+def test_alloc_returns_shm_array_kept_alive_by_its_base():
+    with freight.Agent("a") as a:
+        arr = a.alloc(10_000)
+        assert arr.dtype == np.uint8 and arr.shape == (10_000,) and arr.flags.writeable and not arr.any()
+        seg = arr.base
+        assert isinstance(seg, freight.SharedSegment)
+        assert seg.addr == arr.ctypes.data and seg.nbytes == len(seg) == 10_000
+        view = arr[100:200]
+        del arr, seg
+        gc.collect()
+        view[:] = 9  # still mapped: the view keeps the segment alive
+        key = a.register(view)
+        info = freight.inspect_metadata(a.metadata())
+        (region,) = info["regions"]
+        assert region["key"] == key and region["shared"] and region["length"] == 100 and region["kind"] == "DRAM"
+        # Plain numpy memory is registered, but not shm-capable.
+        plain = np.zeros(64, dtype=np.uint8)
+        a.register(plain)
+        shared = {r["addr"]: r["shared"] for r in freight.inspect_metadata(a.metadata())["regions"]}
+        assert shared == {view.ctypes.data: True, plain.ctypes.data: False}
+        assert a.registered_regions == 2
+
+
+def test_register_objects_and_kinds():
+    with freight.Agent("a") as a:
+        host = np.zeros(4096, dtype=np.float32)
+        k1 = a.register(FakeTensor(host))
+        gpu = np.zeros(1024, dtype=np.float16)  # stands in for device memory; never touched
+        k2 = a.register(FakeTensor(gpu, "cuda", 1))
+        with pytest.raises(freight.OverlapError):
+            a.register((gpu.ctypes.data, 16, 1), kind="VRAM")
+        k3 = a.register((gpu.ctypes.data, 16, 2), kind="vram")  # another device: no overlap
+        with pytest.raises(freight.InvalidArgumentError):
+            a.register(FakeTensor(host, "cuda", 0), kind="DRAM")
+        with pytest.raises(freight.InvalidArgumentError):
+            a.register(FakeTensor(np.zeros(8), contiguous=False))
+        with pytest.raises(freight.InvalidArgumentError):
+            a.register(FakeTensor(np.zeros(8), "mps"))
+        regions = {r["key"]: r for r in freight.inspect_metadata(a.metadata())["regions"]}
+        assert (regions[k1]["kind"], regions[k1]["length"]) == ("DRAM", 4096 * 4)
+        assert (regions[k2]["kind"], regions[k2]["device"], regions[k2]["length"]) == ("VRAM", 1, 2048)
+        assert (regions[k3]["kind"], regions[k3]["device"]) == ("VRAM", 2)
+        # register_many with mixed kinds keeps the order of keys.
+        more = [np.zeros(32, dtype=np.uint8), FakeTensor(np.zeros(8), "cuda", 0), bytearray(64)]
+        keys = a.register_many(more)
+        regions = {r["key"]: r for r in freight.inspect_metadata(a.metadata())["regions"]}
+        assert [regions[k]["kind"] for k in keys] == ["DRAM", "VRAM", "DRAM"]
+        for k in [k1, k2, k3, *keys]:
+            a.deregister(k)
+        assert a.registered_regions == 0
+    assert "torch" not in sys.modules
+
+
+def test_gpu_memory_has_no_transport_in_this_build():
+    with freight.Agent("a") as a, freight.Agent("b") as b:
+        dev = np.zeros(4096, dtype=np.uint8)
+        b.register(FakeTensor(dev, "cuda", 0))
+        local = np.zeros(4096, dtype=np.uint8)
+        a.register(FakeTensor(local, "cuda", 0))
+        a.add_peer(b.metadata())
+        descs = freight.DescList([FakeTensor(local, "cuda", 0)])
+        assert descs.kind == "VRAM" and descs[0] == (local.ctypes.data, 4096, 0)
+        with pytest.raises(freight.TransportUnavailableError):
+            a.transfer("WRITE", descs, "b", freight.DescList([(dev.ctypes.data, 4096, 0)], kind="VRAM"))
+
+
+def test_desclist_forms():
+    arrs = [np.zeros(n, dtype=np.uint8) for n in (10, 20, 30)]
+    dl = freight.DescList(arrs)
+    assert len(dl) == 3 and dl.nbytes == 60 and dl.kind == "DRAM" and dl.runs == 3
+    assert list(dl) == [(a.ctypes.data, a.nbytes, 0) for a in arrs]
+    rows = np.array([(1000, 10, 0), (2000, 20, 0)], dtype=np.uint64)
+    for form in (rows, rows.astype(np.int64), rows.astype(np.int32), np.asfortranarray(rows)):
+        assert list(freight.DescList(form)) == [(1000, 10, 0), (2000, 20, 0)]
+    assert list(freight.DescList(rows[::-1])) == [(2000, 20, 0), (1000, 10, 0)]  # any strides
+    s = freight.DescList.strided(0x1000, 64, 0, 128, 1_000_000)
+    assert len(s) == 1_000_000 and s.runs == 1 and s.nbytes == 64_000_000 and s[-1] == (0x1000 + 999_999 * 128, 64, 0)
+    both = s + [(5, 5, 0)]
+    assert len(both) == 1_000_001 and both.runs == 2 and len(s) == 1_000_000
+    both.extend(both)
+    assert len(both) == 2_000_002 and both.runs == 4
+    assert freight.DescList(s).nbytes == s.nbytes
+    assert freight.DescList([(1, 2, 3), arrs[0]])[0] == (1, 2, 3)
+    with pytest.raises(IndexError):
+        dl[3]
+    with pytest.raises(freight.InvalidArgumentError):
+        freight.DescList([np.zeros(4, dtype=np.uint8), FakeTensor(np.zeros(4), "cuda", 0)])  # mixed kinds
+    with pytest.raises(freight.InvalidArgumentError):
+        freight.DescList(np.zeros(10, dtype=np.uint8))  # a data array is not a descriptor array
+    with pytest.raises(TypeError):
+        freight.DescList("not descriptors")
+    with pytest.raises(freight.InvalidArgumentError):
+        dl.extend([(1, 0, 0)])
+    assert len(dl) == 3  # all or nothing
+    v = freight.DescList(kind="VRAM").append(1, 2, 3).append_strided(100, 4, 3, 8, 5)
+    assert v.kind == "VRAM" and len(v) == 6
+
+
+def test_agent_basics_and_help():
+    cfg = freight.AgentConfig(listen="127.0.0.1:0", transports=("tcp",))
+    with freight.Agent("basic", cfg) as a:
+        assert a.name == "basic" and a.config is cfg and a.peers == []
+        assert len(a.addresses) == 1 and a.addresses[0].startswith("127.0.0.1:")
+        extra = a.listen("127.0.0.1:0")
+        assert extra in a.addresses
+        assert "basic" in repr(a)
+        with freight.Agent("other") as b:
+            assert b.connect(extra) == "basic"  # metadata fetched from the extra listener
+            assert a.connect(b.addresses[0]) == "other"
+            p = a.path_to("other")
+            assert isinstance(p, freight.Path) and p.transport == "tcp" and p.reason
+            a.refresh_peer("other")
+            a.notify("other", "hello")
+            a.notify("other", b"bytes")
+            got = []
+            while len(got) < 2:
+                got += b.wait_notifs(10)
+            assert got == [("basic", b"hello"), ("basic", b"bytes")]
+    assert a.closed
+    for obj in (freight, freight.Agent, freight.AgentConfig, freight.DescList, freight.Request,
+                freight.EtcdDirectory, freight.Agent.register, freight.Agent.make_request,
+                freight.Request.wait, freight.set_log_level, freight.inspect_metadata):
+        assert obj.__doc__ and len(obj.__doc__) > 40, obj
