@@ -473,7 +473,9 @@ def test_strided_and_mixed_block_sizes(spawn, initiator, transport):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_notification_order_and_data_visibility(spawn, initiator, transport):
-    agent, inbox = initiator(transport)
+    # A small inline limit, so that the larger shm writes below go through copy threads
+    # on every host.
+    agent, inbox = initiator(transport, shm_inline_bytes=256 << 10)
     size = 2 << 20
     t = Target(spawn, agent, inbox, "target", size)
     t.add()

@@ -76,7 +76,9 @@ class AgentConfig:
     shm_threads:
         Copy threads for large shm transfers (None: number of cores, at most 8).
     shm_inline_bytes:
-        shm transfers up to this size are copied on the posting thread.
+        shm transfers up to this size are copied on the posting thread (None: 512 KiB
+        on hosts with 8 or more cores, 4 MiB on smaller ones, where waking a copy
+        thread costs more than copying a few MiB).
     peer_timeout:
         Seconds without an answer after which a peer is declared dead (its requests
         fail with :class:`freight.PeerDisconnectedError`).
@@ -96,7 +98,7 @@ class AgentConfig:
     tcp_window: int = 8
     tcp_local_addrs: Sequence[str] = ()
     shm_threads: Optional[int] = None
-    shm_inline_bytes: int = 256 << 10
+    shm_inline_bytes: Optional[int] = None
     peer_timeout: float = 30.0
     connect_timeout: float = 5.0
     metadata_token: Optional[Union[bytes, str]] = None
@@ -130,7 +132,8 @@ class AgentConfig:
         put("tcp_local_addrs", _strings("tcp_local_addrs", self.tcp_local_addrs))
         if self.shm_threads is not None:
             put("shm_threads", _int("shm_threads", self.shm_threads, 1))
-        put("shm_inline_bytes", _int("shm_inline_bytes", self.shm_inline_bytes, 0))
+        if self.shm_inline_bytes is not None:
+            put("shm_inline_bytes", _int("shm_inline_bytes", self.shm_inline_bytes, 0))
         put("peer_timeout", _seconds("peer_timeout", self.peer_timeout))
         put("connect_timeout", _seconds("connect_timeout", self.connect_timeout))
         token = self.metadata_token

@@ -108,10 +108,9 @@ pub fn run(args: Vec<String>, self_command: Vec<String>) -> i32 {
     }
 }
 
-/// The engine reports deliberate closes of tcp and control connections ("the local agent
-/// closed", "replaced by new metadata") at WARN; every clean run ends with some, so by
-/// default only that module's errors show. An explicit level shows everything.
-const DEFAULT_FILTER: &str = "warn,freight_core::transport::tcp=error";
+/// Warnings and errors by default; `--log-level` or `FREIGHT_LOG` (an env-filter
+/// expression such as `info` or `freight_core=debug`) shows more.
+const DEFAULT_FILTER: &str = "warn";
 
 fn init_logging(level: Option<&str>) -> CliResult<()> {
     use tracing_subscriber::EnvFilter;

@@ -25,7 +25,8 @@ use crate::peer::{DialContext, Peer};
 use crate::plan::{chunk_ops, Chunk, Plan, PreparedList};
 use crate::request::{Finisher, Status, Tracker};
 use crate::server::{self, Server};
-use crate::transport::shm::{CopyPool, ShmConfig, ShmProgram};
+use crate::transport::pool::CopyPool;
+use crate::transport::shm::{ShmConfig, ShmProgram};
 use crate::transport::tcp::TcpConfig;
 use crate::transport::OpKind;
 use crate::wire::{self, Frame};
@@ -287,7 +288,7 @@ impl Agent {
                 })
                 .map_or(Ok(()), Err)
         };
-        let path = self.inner.choose_path(&peer, local.kind, remote.list.kind, shared)?;
+        let path = self.inner.choose_path(&peer, local.kind(), remote.list.kind(), shared)?;
         tracing::debug!(peer = %peer.name, transport = %path.transport, reason = %path.reason, ops = plan.ops.len(), bytes = plan.bytes, "request made");
         Ok(Request {
             agent: self.inner.clone(),

@@ -4,6 +4,8 @@
 //! family `(addr, len, dev, stride, count)` that stands for `count` descriptors without
 //! materialising them, so a paged KV cache of 10^5 blocks costs a few words.
 
+use std::sync::Arc;
+
 use serde::{Deserialize, Serialize};
 
 use crate::error::{invalid, Result};
@@ -43,23 +45,34 @@ impl Run {
 }
 
 /// A list of descriptors of one memory kind.
+///
+/// The runs live behind an `Arc`, so prepared lists share them instead of copying (a list
+/// of 65536 blocks is 2.5 MiB of runs); pushing onto a shared list copies it first.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DescList {
     kind: MemKind,
-    runs: Vec<Run>,
-    /// `first[i]` is the list index of run i's first descriptor.
-    first: Vec<u64>,
+    table: Arc<RunTable>,
     count: u64,
     bytes: u64,
 }
 
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+struct RunTable {
+    runs: Vec<Run>,
+    /// `first[i]` is the list index of run i's first descriptor. Left empty while every
+    /// run is a single descriptor (then run i is descriptor i), which is the common case.
+    first: Vec<u64>,
+}
+
 impl DescList {
     pub fn new(kind: MemKind) -> Self {
-        DescList { kind, runs: Vec::new(), first: Vec::new(), count: 0, bytes: 0 }
+        DescList { kind, table: Arc::default(), count: 0, bytes: 0 }
     }
 
     pub fn from_descs(kind: MemKind, descs: impl IntoIterator<Item = Desc>) -> Result<Self> {
+        let descs = descs.into_iter();
         let mut list = DescList::new(kind);
+        Arc::make_mut(&mut list.table).runs.reserve(descs.size_hint().0);
         for d in descs {
             list.push(d)?;
         }
@@ -92,9 +105,16 @@ impl DescList {
         }
         let bytes = run.len.checked_mul(run.count).and_then(|b| b.checked_add(self.bytes));
         self.bytes = bytes.ok_or_else(|| invalid("descriptor list is larger than 2^64 bytes"))?;
-        self.first.push(self.count);
+        let table = Arc::make_mut(&mut self.table);
+        if !table.first.is_empty() || run.count > 1 {
+            if table.first.is_empty() {
+                // The first strided run: from now on positions must be recorded.
+                table.first = (0..table.runs.len() as u64).collect();
+            }
+            table.first.push(self.count);
+        }
         self.count += run.count;
-        self.runs.push(run);
+        table.runs.push(run);
         Ok(())
     }
 
@@ -113,7 +133,7 @@ impl DescList {
         self.bytes
     }
     pub fn runs(&self) -> &[Run] {
-        &self.runs
+        &self.table.runs
     }
 
     /// The run holding descriptor `i` and `i`'s position inside it.
@@ -121,17 +141,21 @@ impl DescList {
         if i >= self.count {
             return None;
         }
-        let r = self.first.partition_point(|&f| f <= i) - 1;
-        Some((r, i - self.first[r]))
+        let first = &self.table.first;
+        if first.is_empty() {
+            return Some((i as usize, 0));
+        }
+        let r = first.partition_point(|&f| f <= i) - 1;
+        Some((r, i - first[r]))
     }
 
     pub fn get(&self, i: u64) -> Option<Desc> {
-        self.locate(i).map(|(r, k)| self.runs[r].get(k))
+        self.locate(i).map(|(r, k)| self.table.runs[r].get(k))
     }
 
     /// Every descriptor in order (materialises them one at a time, never all at once).
     pub fn iter(&self) -> impl Iterator<Item = Desc> + '_ {
-        self.runs.iter().flat_map(|r| (0..r.count).map(move |k| r.get(k)))
+        self.runs().iter().flat_map(|r| (0..r.count).map(move |k| r.get(k)))
     }
 }
 
@@ -153,6 +177,43 @@ mod tests {
         assert_eq!(l.get(1_000_001).unwrap().addr, 0x50);
         assert!(l.get(1_000_002).is_none());
         assert_eq!(l.total_bytes(), 16 + 64 * 1_000_000 + 8);
+    }
+
+    #[test]
+    fn lists_of_single_descriptors_index_directly_and_clones_are_independent() {
+        let mut l = DescList::from_descs(MemKind::Dram, (0..4).map(|i| Desc { addr: i * 100, len: 10, dev: 0 })).unwrap();
+        assert_eq!(l.get(3).unwrap().addr, 300);
+        let snapshot = l.clone();
+        l.push_strided(1000, 8, 0, 16, 3).unwrap();
+        l.push(Desc { addr: 5000, len: 1, dev: 0 }).unwrap();
+        assert_eq!(l.get(3).unwrap().addr, 300);
+        assert_eq!(l.get(5).unwrap().addr, 1016);
+        assert_eq!(l.get(7).unwrap().addr, 5000);
+        assert!(l.get(8).is_none());
+        assert_eq!((snapshot.len(), snapshot.runs().len()), (4, 4));
+
+        let mut s = DescList::new(MemKind::Dram);
+        s.push_strided(0, 8, 0, 100, 3).unwrap();
+        s.push(Desc { addr: 7, len: 1, dev: 0 }).unwrap();
+        let got: Vec<u64> = (0..4).map(|i| s.get(i).unwrap().addr).collect();
+        assert_eq!(got, vec![0, 100, 200, 7]);
+        assert_eq!(got, s.iter().map(|d| d.addr).collect::<Vec<_>>());
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn indexing_agrees_with_iteration(runs in proptest::collection::vec((1u64..4, 1u64..5), 0..12)) {
+            let mut l = DescList::new(MemKind::Dram);
+            for (k, &(count, len)) in runs.iter().enumerate() {
+                l.push_strided(k as u64 * 1000, len, 0, 10, count).unwrap();
+            }
+            let all: Vec<Desc> = l.iter().collect();
+            proptest::prop_assert_eq!(all.len() as u64, l.len());
+            for (i, d) in all.iter().enumerate() {
+                proptest::prop_assert_eq!(l.get(i as u64), Some(*d));
+            }
+            proptest::prop_assert_eq!(l.get(l.len()), None);
+        }
     }
 
     #[test]

@@ -21,6 +21,7 @@ pub mod wire;
 
 mod net;
 mod peer;
+mod poll;
 mod server;
 
 pub use agent::{Agent, AgentConfig, RemoteList, Request};

@@ -125,7 +125,10 @@ impl Peer {
                     break;
                 }
                 Ok(None) => {
-                    health.kill("the peer closed the connection");
+                    // An orderly close (the peer closed its agent or removed us): not a
+                    // failure, though requests still in flight to it will fail.
+                    tracing::info!(peer = %self.name, "the peer closed its control connection");
+                    health.close("the peer closed the connection");
                     break;
                 }
                 Err(e) => {
@@ -173,7 +176,7 @@ impl Peer {
         self.removed.store(true, Ordering::Release);
         let links = std::mem::take(&mut *self.links.lock());
         if let Some(c) = links.control {
-            c.health.kill(reason);
+            c.health.close(reason);
             let _ = c.writer.lock().shutdown(Shutdown::Both);
         }
         if let Some(t) = links.tcp {

@@ -9,108 +9,147 @@ use crate::desc::{Desc, DescList, Run};
 use crate::error::{invalid, Error, Result};
 use crate::memory::{MemKind, Registry, RemoteRegions};
 
-/// A descriptor run resolved against the regions that hold it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ResolvedRun {
-    pub run: Run,
-    /// Region key holding every descriptor of the run.
-    pub region: u64,
-}
-
 /// A descriptor list checked against registered memory, ready to build requests from.
+/// It shares the list's runs and adds, per run, which region holds it.
 #[derive(Debug, Clone)]
 pub struct PreparedList {
-    pub kind: MemKind,
-    runs: Vec<ResolvedRun>,
-    first: Vec<u64>,
-    count: u64,
-    bytes: u64,
-    /// Distinct region keys the list touches, sorted.
+    list: DescList,
+    /// Per run, an index into `keys`.
+    run_region: Vec<u32>,
+    /// Region keys in the order first met.
+    keys: Vec<u64>,
+    /// The same keys, sorted.
     regions: Vec<u64>,
 }
 
+/// A registered region as far as resolving descriptors goes: its key and byte range.
+#[derive(Debug, Clone, Copy)]
+pub struct RegionSpan {
+    pub key: u64,
+    pub start: u64,
+    pub end: u64,
+}
+
+impl RegionSpan {
+    fn holds(&self, lo: u64, hi: u64) -> bool {
+        self.start <= lo && hi <= self.end
+    }
+}
+
 impl PreparedList {
-    /// Resolves every run of `list` with `find(addr, len, dev) -> region key`. A strided
-    /// run whose span lies in one region resolves in one lookup; otherwise each member is
-    /// resolved on its own.
-    pub fn resolve(list: &DescList, mut find: impl FnMut(u64, u64, u64) -> Result<u64>) -> Result<Self> {
-        let mut runs = Vec::with_capacity(list.runs().len());
-        let mut first = Vec::with_capacity(list.runs().len());
-        let mut count = 0u64;
-        let mut regions: Vec<u64> = Vec::new();
-        for run in list.runs() {
-            let region = resolve_run(&mut find, run)?;
-            if regions.last() != Some(&region) {
-                regions.push(region);
+    /// Resolves every run of `list` with `find(addr, len, dev) -> region`. A strided run
+    /// whose span lies in one region resolves in one lookup; otherwise each member is
+    /// resolved on its own. Descriptors usually cluster in a few large regions, so the
+    /// region of the previous lookup is tried first and most descriptors cost two
+    /// comparisons instead of a registry lookup.
+    pub fn resolve(list: &DescList, mut find: impl FnMut(u64, u64, u64) -> Result<RegionSpan>) -> Result<Self> {
+        let mut run_region = Vec::with_capacity(list.runs().len());
+        let mut keys: Vec<u64> = Vec::new();
+        let mut last: Option<(u64, RegionSpan)> = None;
+        let mut cached_find = |addr: u64, len: u64, dev: u64| -> Result<RegionSpan> {
+            match last {
+                Some((d, span)) if d == dev && span.holds(addr, addr + len) => Ok(span),
+                _ => {
+                    let span = find(addr, len, dev)?;
+                    last = Some((dev, span));
+                    Ok(span)
+                }
             }
-            first.push(count);
-            count += run.count;
-            runs.push(ResolvedRun { run: *run, region });
+        };
+        let mut slot = 0usize;
+        for run in list.runs() {
+            let region = resolve_run(&mut cached_find, run)?;
+            if keys.get(slot) != Some(&region) {
+                slot = match keys.iter().position(|&k| k == region) {
+                    Some(i) => i,
+                    None => {
+                        keys.push(region);
+                        keys.len() - 1
+                    }
+                };
+            }
+            let index = u32::try_from(slot).map_err(|_| invalid("a descriptor list may touch at most 2^32 regions"))?;
+            run_region.push(index);
         }
+        let mut regions = keys.clone();
         regions.sort_unstable();
-        regions.dedup();
-        Ok(PreparedList { kind: list.kind(), runs, first, count, bytes: list.total_bytes(), regions })
+        Ok(PreparedList { list: list.clone(), run_region, keys, regions })
     }
 
+    pub fn kind(&self) -> MemKind {
+        self.list.kind()
+    }
     pub fn len(&self) -> u64 {
-        self.count
+        self.list.len()
     }
     pub fn is_empty(&self) -> bool {
-        self.count == 0
+        self.list.is_empty()
     }
     pub fn total_bytes(&self) -> u64 {
-        self.bytes
+        self.list.total_bytes()
     }
+    /// Distinct region keys the list touches, sorted.
     pub fn regions(&self) -> &[u64] {
         &self.regions
     }
+    /// The descriptor list this was prepared from.
+    pub fn list(&self) -> &DescList {
+        &self.list
+    }
+
+    fn region_of_run(&self, r: usize) -> u64 {
+        self.keys[self.run_region[r] as usize]
+    }
 
     fn get(&self, i: u64) -> Option<(Desc, u64)> {
-        if i >= self.count {
-            return None;
-        }
-        let r = self.first.partition_point(|&f| f <= i) - 1;
-        let rr = &self.runs[r];
-        Some((rr.run.get(i - self.first[r]), rr.region))
+        let (r, k) = self.list.locate(i)?;
+        Some((self.list.runs()[r].get(k), self.region_of_run(r)))
     }
 
     /// The descriptors selected by `indices` (all, in order, when `None`).
     fn select<'a>(&'a self, indices: Option<&'a [u64]>) -> Box<dyn Iterator<Item = Result<(Desc, u64)>> + 'a> {
         match indices {
-            None => Box::new(
-                self.runs.iter().flat_map(|rr| (0..rr.run.count).map(move |k| Ok((rr.run.get(k), rr.region)))),
-            ),
+            None => Box::new(self.list.runs().iter().enumerate().flat_map(move |(r, run)| {
+                let region = self.region_of_run(r);
+                (0..run.count).map(move |k| Ok((run.get(k), region)))
+            })),
             Some(idx) => Box::new(idx.iter().map(move |&i| {
-                self.get(i).ok_or_else(|| invalid(format!("index {i} out of range for a list of {} descriptors", self.count)))
+                self.get(i).ok_or_else(|| invalid(format!("index {i} out of range for a list of {} descriptors", self.len())))
             })),
         }
     }
 
     /// Resolves against the local registry.
     pub fn local(list: &DescList, registry: &Registry) -> Result<Self> {
-        Self::resolve(list, |addr, len, dev| Ok(registry.find(list.kind(), addr, len, dev)?.info.key))
+        Self::resolve(list, |addr, len, dev| {
+            let r = registry.find(list.kind(), addr, len, dev)?;
+            Ok(RegionSpan { key: r.info.key, start: r.info.addr, end: r.info.end() })
+        })
     }
 
     /// Resolves against a peer's advertised regions.
     pub fn remote(list: &DescList, regions: &RemoteRegions) -> Result<Self> {
-        Self::resolve(list, |addr, len, dev| Ok(regions.find(list.kind(), addr, len, dev)?.key))
+        Self::resolve(list, |addr, len, dev| {
+            let r = regions.find(list.kind(), addr, len, dev)?;
+            Ok(RegionSpan { key: r.key, start: r.addr, end: r.end() })
+        })
     }
 }
 
 /// Resolves a run: the whole span in one lookup when it lies in one region, else member
 /// by member (all members must then land in the same region).
-fn resolve_run(find: &mut impl FnMut(u64, u64, u64) -> Result<u64>, run: &Run) -> Result<u64> {
+fn resolve_run(find: &mut impl FnMut(u64, u64, u64) -> Result<RegionSpan>, run: &Run) -> Result<u64> {
     if run.count == 1 {
-        return find(run.addr, run.len, run.dev);
+        return Ok(find(run.addr, run.len, run.dev)?.key);
     }
     let (lo, hi) = run.span();
-    if let Ok(k) = find(lo, hi - lo, run.dev) {
-        return Ok(k);
+    if let Ok(r) = find(lo, hi - lo, run.dev) {
+        return Ok(r.key);
     }
-    let k0 = find(run.addr, run.len, run.dev)?;
+    let k0 = find(run.addr, run.len, run.dev)?.key;
     for k in 1..run.count {
         let d = run.get(k);
-        if find(d.addr, d.len, d.dev)? != k0 {
+        if find(d.addr, d.len, d.dev)?.key != k0 {
             return Err(invalid(format!(
                 "strided descriptor at {:#x} spans several registered regions; split it",
                 run.addr
@@ -273,7 +312,27 @@ mod tests {
 
     fn prep(descs: &[(u64, u64)], region: u64) -> PreparedList {
         let list = DescList::from_descs(MemKind::Dram, descs.iter().map(|&(addr, len)| Desc { addr, len, dev: 0 })).unwrap();
-        PreparedList::resolve(&list, |_, _, _| Ok(region)).unwrap()
+        PreparedList::resolve(&list, |_, _, _| Ok(RegionSpan { key: region, start: 0, end: u64::MAX })).unwrap()
+    }
+
+    #[test]
+    fn resolving_switches_regions_when_a_descriptor_leaves_the_last_one() {
+        let find = |addr: u64, len: u64, _dev: u64| -> Result<RegionSpan> {
+            let span = if addr < 100 { RegionSpan { key: 1, start: 0, end: 100 } } else { RegionSpan { key: 2, start: 100, end: 200 } };
+            if addr + len > span.end {
+                return Err(invalid("crosses a region boundary"));
+            }
+            Ok(span)
+        };
+        let descs = [(10, 8), (20, 8), (150, 8), (30, 8), (96, 8)];
+        let list = DescList::from_descs(MemKind::Dram, descs[..4].iter().map(|&(addr, len)| Desc { addr, len, dev: 0 })).unwrap();
+        let p = PreparedList::resolve(&list, find).unwrap();
+        let keys: Vec<u64> = (0..4).map(|i| p.get(i).unwrap().1).collect();
+        assert_eq!(keys, vec![1, 1, 2, 1]);
+        assert_eq!(p.regions(), &[1, 2]);
+        // A descriptor that starts in the cached region but runs past its end is looked up.
+        let list = DescList::from_descs(MemKind::Dram, descs.iter().map(|&(addr, len)| Desc { addr, len, dev: 0 })).unwrap();
+        assert!(PreparedList::resolve(&list, find).is_err());
     }
 
     #[test]

@@ -5,6 +5,7 @@
 //! (release region guards, send the notification) and only then does the request become
 //! DONE or ERROR, so a waiter that sees DONE may immediately reuse or deregister memory.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
@@ -38,10 +39,16 @@ struct State {
     finisher: Option<Finisher>,
 }
 
+/// How long `wait` polls before it sleeps (see [`crate::poll`]): copies of a few hundred
+/// KiB finish within it.
+const WAIT_POLL: Duration = Duration::from_micros(50);
+
 /// Completion tracking for one request, shared by the poster and the transport.
 pub struct Tracker {
     state: Mutex<State>,
     cv: Condvar,
+    /// Mirrors "status is not Pending", for polling without the lock.
+    settled: AtomicBool,
 }
 
 impl Default for Tracker {
@@ -55,6 +62,7 @@ impl Tracker {
         Tracker {
             state: Mutex::new(State { status: Status::Idle, remaining: 0, first_error: None, finisher: None }),
             cv: Condvar::new(),
+            settled: AtomicBool::new(true),
         }
     }
 
@@ -68,6 +76,7 @@ impl Tracker {
             return Err(Error::InvalidState("a round needs at least one part".into()));
         }
         st.status = Status::Pending;
+        self.settled.store(false, Ordering::Release);
         st.remaining = parts;
         st.first_error = None;
         st.finisher = Some(finisher);
@@ -109,6 +118,7 @@ impl Tracker {
             Ok(()) => Status::Done,
             Err(e) => Status::Error(e),
         };
+        self.settled.store(true, Ordering::Release);
         self.cv.notify_all();
     }
 
@@ -125,6 +135,7 @@ impl Tracker {
         };
         let mut st = self.state.lock();
         st.status = Status::Error(outcome.unwrap_err());
+        self.settled.store(true, Ordering::Release);
         self.cv.notify_all();
     }
 
@@ -135,6 +146,8 @@ impl Tracker {
     /// Blocks until the round is final or `timeout` passes (then returns `Pending`).
     pub fn wait(&self, timeout: Option<Duration>) -> Status {
         let deadline = timeout.map(|t| Instant::now() + t);
+        let budget = timeout.map_or(WAIT_POLL, |t| t.min(WAIT_POLL));
+        crate::poll::briefly(budget, || self.settled.load(Ordering::Acquire).then_some(()));
         let mut st = self.state.lock();
         while st.status == Status::Pending {
             match deadline {

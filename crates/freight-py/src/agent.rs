@@ -78,7 +78,7 @@ impl PyAgent {
         name, *, listen = "127.0.0.1:0".to_string(), advertise = Vec::new(),
         transports = vec!["shm".to_string(), "tcp".to_string()], require = None,
         tcp_streams = 4, tcp_chunk_size = 1 << 20, tcp_window = 8, tcp_local_addrs = Vec::new(),
-        shm_threads = None, shm_inline_bytes = 256 << 10, peer_timeout = 30.0,
+        shm_threads = None, shm_inline_bytes = None, peer_timeout = 30.0,
         connect_timeout = 5.0, metadata_token = None,
     ))]
     #[allow(clippy::too_many_arguments)]
@@ -94,7 +94,7 @@ impl PyAgent {
         tcp_window: usize,
         tcp_local_addrs: Vec<String>,
         shm_threads: Option<usize>,
-        shm_inline_bytes: u64,
+        shm_inline_bytes: Option<u64>,
         peer_timeout: f64,
         connect_timeout: f64,
         metadata_token: Option<Vec<u8>>,
@@ -130,7 +130,7 @@ impl PyAgent {
             },
             shm: ShmConfig {
                 threads: shm_threads.unwrap_or(shm_default.threads),
-                inline_bytes: shm_inline_bytes,
+                inline_bytes: shm_inline_bytes.unwrap_or(shm_default.inline_bytes),
                 ..shm_default
             },
             peer_timeout: seconds(peer_timeout, "peer_timeout")?,

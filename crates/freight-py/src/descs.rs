@@ -240,7 +240,7 @@ impl PyPreparedLocal {
     /// Memory kind of the descriptors.
     #[getter]
     fn kind(&self) -> &'static str {
-        self.inner.kind.as_str()
+        self.inner.kind().as_str()
     }
     /// Total bytes over all descriptors.
     #[getter]
@@ -282,7 +282,7 @@ impl PyPreparedRemote {
     /// Memory kind of the descriptors.
     #[getter]
     fn kind(&self) -> &'static str {
-        self.inner.list.kind.as_str()
+        self.inner.list.kind().as_str()
     }
     /// Total bytes over all descriptors.
     #[getter]

@@ -7,13 +7,13 @@ use std::sync::atomic::{fence, Ordering};
 use std::sync::Arc;
 use std::thread;
 
-use crossbeam_channel::{unbounded, Sender};
 use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
 use crate::memory::{RegionInfo, SharedLocation};
 use crate::plan::{split_by_bytes, Op};
 use crate::request::{Finisher, Tracker};
+use crate::transport::pool::{CopyPool, Task};
 use crate::transport::OpKind;
 
 /// Tunables of the shm transport.
@@ -21,7 +21,8 @@ use crate::transport::OpKind;
 pub struct ShmConfig {
     /// Copy threads for large requests.
     pub threads: usize,
-    /// Requests up to this size are copied on the posting thread (lowest latency).
+    /// Requests up to this size are copied on the posting thread (lowest latency;
+    /// default 512 KiB on hosts with 8+ cores, 4 MiB on smaller ones).
     pub inline_bytes: u64,
     /// Pieces handed to copy threads are at least this large.
     pub min_piece: u64,
@@ -30,7 +31,10 @@ pub struct ShmConfig {
 impl Default for ShmConfig {
     fn default() -> Self {
         let cores = thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
-        ShmConfig { threads: cores.clamp(1, 8), inline_bytes: 256 << 10, min_piece: 1 << 20 }
+        // Where copy threads sleep between requests (small hosts, see `crate::poll`),
+        // waking one costs as much as copying a few MiB, so more is copied inline there.
+        let inline_bytes = if crate::poll::polling_pays() { 512 << 10 } else { 4 << 20 };
+        ShmConfig { threads: cores.clamp(1, 8), inline_bytes, min_piece: 256 << 10 }
     }
 }
 
@@ -183,28 +187,7 @@ impl ShmProgram {
     }
 }
 
-type Task = Box<dyn FnOnce() + Send>;
-
-/// Threads that run large copies.
-pub struct CopyPool {
-    tx: Sender<Task>,
-}
-
 impl CopyPool {
-    pub fn new(threads: usize) -> Result<CopyPool> {
-        let (tx, rx) = unbounded::<Task>();
-        let threads = threads.max(1);
-        for i in 0..threads {
-            let rx = rx.clone();
-            thread::Builder::new().name(format!("freight-copy{i}")).spawn(move || {
-                for task in rx {
-                    task()
-                }
-            })?;
-        }
-        Ok(CopyPool { tx })
-    }
-
     /// Runs a program: on this thread if small, else over the pool. Begins the
     /// tracker's round with one part per piece.
     pub fn execute(&self, program: &Arc<ShmProgram>, op: OpKind, tracker: &Arc<Tracker>, finisher: Finisher) -> Result<()> {
@@ -215,18 +198,15 @@ impl CopyPool {
             tracker.finish_part(Ok(()));
             return Ok(());
         }
-        for piece in &program.pieces {
+        self.submit(program.pieces.iter().map(|piece| {
             let (t, piece, keep) = (tracker.clone(), piece.clone(), program.clone());
-            let task: Task = Box::new(move || {
+            Box::new(move || {
                 ShmProgram::run(&piece, op);
                 fence(Ordering::SeqCst);
                 drop(keep);
                 t.finish_part(Ok(()));
-            });
-            if self.tx.send(task).is_err() {
-                tracker.finish_part(Err(Error::Io("copy threads stopped".into())));
-            }
-        }
+            }) as Task
+        }));
         Ok(())
     }
 }

@@ -57,11 +57,24 @@ pub struct Health {
 }
 
 impl Health {
+    /// Marks the connection dead. The first reason wins; it is what in-flight requests
+    /// report. Closes this agent asked for are expected and logged at debug level only.
     pub fn kill(&self, reason: impl Into<String>) {
+        self.mark(reason.into(), false);
+    }
+
+    pub fn close(&self, reason: &str) {
+        self.mark(reason.to_string(), true);
+    }
+
+    fn mark(&self, reason: String, expected: bool) {
         let mut d = self.dead.lock();
         if d.is_none() {
-            let reason = reason.into();
-            tracing::warn!(%reason, "connection failed");
+            if expected {
+                tracing::debug!(%reason, "connection closed");
+            } else {
+                tracing::warn!(%reason, "connection failed");
+            }
             *d = Some(reason);
         }
     }
@@ -127,7 +140,7 @@ impl TcpConn {
 
     /// Closes the sockets; threads notice and fail whatever is still queued.
     pub fn shutdown(&self, reason: &str) {
-        self.health.kill(reason);
+        self.health.close(reason);
         for s in &self.sockets {
             let _ = s.shutdown(Shutdown::Both);
         }
@@ -243,14 +256,18 @@ pub fn serve_data_stream(mut sock: TcpStream, registry: &Registry, peer: &str) -
             Frame::Write { tag, segs } => {
                 let total = wire::seg_bytes(&segs)?;
                 match check_access(registry, &segs) {
-                    Ok(_guards) => {
+                    Ok(guards) => {
                         // SAFETY: every segment lies in a registered region (checked above)
-                        // that cannot be deregistered while `_guards` lives.
+                        // that cannot be deregistered while `guards` lives.
                         let mut slices: Vec<IoSliceMut<'_>> = segs
                             .iter()
                             .map(|s| IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(s.addr as *mut u8, s.len as usize) }))
                             .collect();
                         wire::read_exact_vectored(&mut sock, &mut slices)?;
+                        // Let go of the regions before acknowledging: once the initiator
+                        // sees DONE, this agent's owner may deregister them at once.
+                        drop(slices);
+                        drop(guards);
                         wire::write_frame(&mut sock, &Frame::WriteAck { tag, error: None }, &[])?;
                     }
                     Err(e) => {

@@ -1,0 +1,37 @@
+//! Brief polling before sleeping.
+//!
+//! Waking a sleeping thread costs tens of microseconds, as much as copying a few hundred
+//! KiB, so completion waiters and copy threads look again for a short while before they
+//! block. That only pays where other cores are free to do the work meanwhile: on small
+//! machines the poller would steal the core of the thread it waits for, so there it
+//! sleeps at once. Either way an idle agent burns nothing.
+
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+/// Hosts with at least this many cores poll before sleeping.
+const MIN_CORES_TO_POLL: usize = 8;
+
+/// Whether this host has cores to spare for polling.
+pub fn polling_pays() -> bool {
+    static PAYS: OnceLock<bool> = OnceLock::new();
+    *PAYS.get_or_init(|| std::thread::available_parallelism().is_ok_and(|n| n.get() >= MIN_CORES_TO_POLL))
+}
+
+/// Calls `ready` until it yields something or `budget` passes (at once, on small hosts).
+pub fn briefly<T>(budget: Duration, mut ready: impl FnMut() -> Option<T>) -> Option<T> {
+    if let Some(v) = ready() {
+        return Some(v);
+    }
+    if !polling_pays() {
+        return None;
+    }
+    let until = Instant::now() + budget;
+    while Instant::now() < until {
+        std::hint::spin_loop();
+        if let Some(v) = ready() {
+            return Some(v);
+        }
+    }
+    None
+}
