@@ -18,9 +18,9 @@ wheel:
 	FREIGHT_SKIP_BUILD=1 bash scripts/setup.sh
 	$(VENV)/bin/maturin build --release -o dist
 
-# placeholder: finalized together with the bench command
+# every engine benchmark with its peer (iperf3, memcpy); see docs/bench-engine.md
 bench: setup
-	$(VENV)/bin/freight bench p2p --json
+	python3 bench/engine.py --machine "$$(hostname)" --freight $(CARGO_TARGET_DIR)/release/freight
 
 fmt:
 	cargo fmt --all

@@ -71,7 +71,7 @@ pub struct RowResult {
     pub path_reason: String,
     /// Copies after the engine merged descriptors that are neighbours on both sides.
     pub copies: usize,
-    /// 10^9 bytes per second: bytes / average transfer time.
+    /// 10^9 bytes per second: bytes / median transfer time.
     pub gbps: f64,
     /// prepare_local + prepare_remote + make_request (prepared mode only).
     pub prepare_us: Option<Stats>,
@@ -168,7 +168,9 @@ impl Runner<'_, '_> {
             }
         };
         let transfer_us = Stats::of(&xfer).expect("at least one iteration");
-        let gbps = round4(bytes as f64 / transfer_us.avg / 1e3);
+        // Medians on both sides: a shared host's scheduler hiccups move averages of a few
+        // dozen samples more than anything freight or memcpy does.
+        let gbps = round4(bytes as f64 / transfer_us.p50 / 1e3);
         let memcpy_gbps = self
             .baseline
             .clone()
@@ -266,7 +268,8 @@ impl Runner<'_, '_> {
         })
     }
 
-    /// Single-thread memcpy of the same blocks in the same order, for scale.
+    /// Single-thread memcpy of the same blocks in the same order, for scale: bandwidth of
+    /// the median iteration, like the transfer rows.
     fn memcpy_gbps(&self, dst: &SharedSegment, block: u64, order: &[u64]) -> f64 {
         let (src, dst) = (self.local.as_ptr(), black_box(dst.as_ptr()));
         let once = || {
@@ -285,12 +288,14 @@ impl Runner<'_, '_> {
         for _ in 0..self.warmup {
             once();
         }
-        let (mut total, mut n) = (Duration::ZERO, 0);
-        while self.budget.more(n, total) {
-            total += once();
-            n += 1;
+        let (mut samples, mut total) = (Vec::new(), Duration::ZERO);
+        while self.budget.more(samples.len(), total) {
+            let took = once();
+            total += took;
+            samples.push(micros(took));
         }
-        (block * order.len() as u64) as f64 / total.as_secs_f64() * n as f64 / 1e9
+        let median_us = Stats::of(&samples).expect("at least one iteration").p50;
+        (block * order.len() as u64) as f64 / median_us / 1e3
     }
 }
 

@@ -159,7 +159,7 @@ pub(super) fn p2p_header(a: &P2pArgs, grid: &Grid, target: &TargetInfo, max: u64
     format!(
         "freight bench p2p: {}, {} requests, {} -> {}, transport {}{}\n\
          initiator pid {} -> target pid {} at {} ({whose}); buffers of {} on each side\n\
-         {} row{}, each verified first, then {runs} after {} warm-up; GB/s = 10^9 bytes/s; times in microseconds\n\n",
+         {} row{}, each verified first, then {runs} after {} warm-up; GB/s = 10^9 bytes/s at the median transfer; times in microseconds\n\n",
         a.op.kind().as_str(),
         a.mode.as_str(),
         a.initiator_seg.mem_kind(),
