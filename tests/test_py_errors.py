@@ -229,6 +229,8 @@ def test_config_validation():
         freight.AgentConfig(listen=8080)
     with pytest.raises(TypeError):
         freight.AgentConfig(metadata_token=123)
+    with pytest.raises(TypeError):
+        freight.AgentConfig(tcp_zerocopy="no")
     with pytest.raises(freight.InvalidArgumentError):
         freight.AgentConfig(tcp_streams=0)
     with pytest.raises(freight.InvalidArgumentError):

@@ -73,6 +73,10 @@ class AgentConfig:
         split into chunks of this size) and chunks in flight per stream.
     tcp_local_addrs:
         Local IP addresses to bind data streams to, round-robin (several NICs).
+    tcp_zerocopy:
+        Send payloads of 64 KiB and more with Linux ``MSG_ZEROCOPY`` to peers on other
+        hosts: the NIC reads registered memory directly. Never used on loopback, where
+        the kernel copies anyway; turned off per stream if the kernel reports copying.
     shm_threads:
         Copy threads for large shm transfers (None: number of cores, at most 8).
     shm_inline_bytes:
@@ -97,6 +101,7 @@ class AgentConfig:
     tcp_chunk_size: int = 1 << 20
     tcp_window: int = 8
     tcp_local_addrs: Sequence[str] = ()
+    tcp_zerocopy: bool = True
     shm_threads: Optional[int] = None
     shm_inline_bytes: Optional[int] = None
     peer_timeout: float = 30.0
@@ -130,6 +135,8 @@ class AgentConfig:
         put("tcp_chunk_size", _int("tcp_chunk_size", self.tcp_chunk_size, 1))
         put("tcp_window", _int("tcp_window", self.tcp_window, 1))
         put("tcp_local_addrs", _strings("tcp_local_addrs", self.tcp_local_addrs))
+        if not isinstance(self.tcp_zerocopy, bool):
+            raise _type_error("tcp_zerocopy", "a bool", self.tcp_zerocopy)
         if self.shm_threads is not None:
             put("shm_threads", _int("shm_threads", self.shm_threads, 1))
         if self.shm_inline_bytes is not None:
@@ -161,6 +168,7 @@ class AgentConfig:
             "tcp_chunk_size": self.tcp_chunk_size,
             "tcp_window": self.tcp_window,
             "tcp_local_addrs": list(self.tcp_local_addrs),
+            "tcp_zerocopy": self.tcp_zerocopy,
             "shm_threads": self.shm_threads,
             "shm_inline_bytes": self.shm_inline_bytes,
             "peer_timeout": self.peer_timeout,

@@ -84,19 +84,13 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
     let (num, unit) = (t[..split].trim(), t[split..].trim());
     if num.is_empty() {
-        return Err(format!(
-            "'{s}' is not a size (expected a number with an optional unit, e.g. 64MiB)"
-        ));
+        return Err(format!("'{s}' is not a size (expected a number with an optional unit, e.g. 64MiB)"));
     }
-    let mult = unit_multiplier(unit)
-        .ok_or_else(|| format!("unknown size unit '{unit}' in '{s}' ({SIZE_GRAMMAR})"))?;
+    let mult = unit_multiplier(unit).ok_or_else(|| format!("unknown size unit '{unit}' in '{s}' ({SIZE_GRAMMAR})"))?;
     let (int, frac) = num.split_once('.').unwrap_or((num, ""));
     let digits = |d: &str| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit());
-    if !digits(int) || !(frac.is_empty() || digits(frac)) || (num.contains('.') && frac.is_empty())
-    {
-        return Err(format!(
-            "'{s}' is not a size (expected a number with an optional unit, e.g. 64MiB)"
-        ));
+    if !digits(int) || !(frac.is_empty() || digits(frac)) || (num.contains('.') && frac.is_empty()) {
+        return Err(format!("'{s}' is not a size (expected a number with an optional unit, e.g. 64MiB)"));
     }
     let too_big = || format!("'{s}' is too large");
     let whole: u64 = int.parse().map_err(|_| too_big())?;
@@ -110,9 +104,7 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         if f % scale != 0 {
             return Err(format!("'{s}' is not a whole number of bytes"));
         }
-        bytes = bytes
-            .checked_add(u64::try_from(f / scale).map_err(|_| too_big())?)
-            .ok_or_else(too_big)?;
+        bytes = bytes.checked_add(u64::try_from(f / scale).map_err(|_| too_big())?).ok_or_else(too_big)?;
     }
     Ok(bytes)
 }
@@ -144,15 +136,9 @@ fn parse_list(s: &str, item: fn(&str) -> Result<u64, String>) -> Result<NumList,
             [one] => vec![item(one)?],
             [lo, hi] => range(item(lo)?, item(hi)?, 2, part)?,
             [lo, hi, f] => {
-                let factor = f
-                    .trim()
-                    .trim_start_matches(['x', 'X'])
-                    .parse::<u64>()
-                    .ok()
-                    .filter(|&f| f >= 2);
-                let factor = factor.ok_or_else(|| {
-                    format!("range '{part}': the factor must be an integer of at least 2")
-                })?;
+                let factor = f.trim().trim_start_matches(['x', 'X']).parse::<u64>().ok().filter(|&f| f >= 2);
+                let factor =
+                    factor.ok_or_else(|| format!("range '{part}': the factor must be an integer of at least 2"))?;
                 range(item(lo)?, item(hi)?, factor, part)?
             }
             _ => return Err(format!("'{part}' is not a value or a range lo:hi[:factor]")),
@@ -174,9 +160,7 @@ fn parse_list(s: &str, item: fn(&str) -> Result<u64, String>) -> Result<NumList,
 
 fn range(lo: u64, hi: u64, factor: u64, part: &str) -> Result<Vec<u64>, String> {
     if lo == 0 || lo > hi {
-        return Err(format!(
-            "range '{part}' must go from a positive value up to a value at least as large"
-        ));
+        return Err(format!("range '{part}' must go from a positive value up to a value at least as large"));
     }
     let mut v = Vec::new();
     let mut x = lo;
@@ -197,11 +181,7 @@ pub fn parse_size_list(s: &str) -> Result<NumList, String> {
 
 /// Plain counts: `1,16,128` or `1:1024`.
 pub fn parse_count_list(s: &str) -> Result<NumList, String> {
-    parse_list(s, |t| {
-        t.trim()
-            .parse::<u64>()
-            .map_err(|_| format!("'{t}' is not a whole number"))
-    })
+    parse_list(s, |t| t.trim().parse::<u64>().map_err(|_| format!("'{t}' is not a whole number")))
 }
 
 /// `500ms`, `2s`, `1.5s`, `1m`, `250us`; a bare number is seconds.
@@ -209,24 +189,16 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let t = s.trim();
     let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
     let (num, unit) = (t[..split].trim(), t[split..].trim());
-    let value: f64 = num
-        .parse()
-        .map_err(|_| format!("'{s}' is not a duration (e.g. 500ms, 2s, 1m)"))?;
+    let value: f64 = num.parse().map_err(|_| format!("'{s}' is not a duration (e.g. 500ms, 2s, 1m)"))?;
     let secs = match unit.to_ascii_lowercase().as_str() {
         "" | "s" | "sec" | "secs" => value,
         "ms" => value / 1e3,
         "us" => value / 1e6,
         "m" | "min" => value * 60.0,
-        other => {
-            return Err(format!(
-                "unknown duration unit '{other}' in '{s}' (use us, ms, s or m)"
-            ))
-        }
+        other => return Err(format!("unknown duration unit '{other}' in '{s}' (use us, ms, s or m)")),
     };
     if !secs.is_finite() || secs <= 0.0 || secs > 86_400.0 {
-        return Err(format!(
-            "'{s}': a duration must be positive and at most a day"
-        ));
+        return Err(format!("'{s}': a duration must be positive and at most a day"));
     }
     Ok(Duration::from_secs_f64(secs))
 }
@@ -333,15 +305,17 @@ pub struct EngineOpts {
     /// shm: copy threads for requests larger than 256KiB [engine default: cores, at most 8].
     #[arg(long, value_name = "N", value_parser = parse_small_positive)]
     pub shm_threads: Option<usize>,
+
+    /// tcp: send every payload with ordinary copies, never MSG_ZEROCOPY (which is used
+    /// by default for payloads >= 64KiB to other hosts).
+    #[arg(long)]
+    pub no_zerocopy: bool,
 }
 
 pub fn parse_chunk_size(s: &str) -> Result<u64, String> {
     let n = parse_positive_size(s)?;
     if n > freight_core::wire::MAX_PAYLOAD {
-        return Err(format!(
-            "'{s}': the chunk size must be at most {}",
-            format_size(freight_core::wire::MAX_PAYLOAD)
-        ));
+        return Err(format!("'{s}': the chunk size must be at most {}", format_size(freight_core::wire::MAX_PAYLOAD)));
     }
     Ok(n)
 }
@@ -358,12 +332,10 @@ impl EngineOpts {
                 streams: self.streams.unwrap_or(tcp.streams),
                 chunk_size: self.chunk_size.unwrap_or(tcp.chunk_size),
                 window: self.window.unwrap_or(tcp.window),
+                zerocopy: tcp.zerocopy && !self.no_zerocopy,
                 ..tcp
             },
-            shm: ShmConfig {
-                threads: self.shm_threads.unwrap_or(shm.threads),
-                ..shm
-            },
+            shm: ShmConfig { threads: self.shm_threads.unwrap_or(shm.threads), ..shm },
             ..AgentConfig::default()
         }
     }
@@ -394,18 +366,7 @@ mod tests {
 
     #[test]
     fn bad_sizes_say_why() {
-        for bad in [
-            "",
-            "k",
-            "4XB",
-            "-4k",
-            "4.k",
-            ".5k",
-            "1.0000001",
-            "1..2k",
-            "4 k b",
-            "99999999999999999999",
-        ] {
+        for bad in ["", "k", "4XB", "-4k", "4.k", ".5k", "1.0000001", "1..2k", "4 k b", "99999999999999999999"] {
             assert!(parse_size(bad).is_err(), "{bad:?} should be rejected");
         }
         assert!(parse_size("4XB").unwrap_err().contains("unknown size unit"));
@@ -416,21 +377,12 @@ mod tests {
 
     #[test]
     fn lists_and_ranges() {
-        assert_eq!(
-            parse_size_list("4KiB,64KiB,1MiB").unwrap().0,
-            vec![4096, 65536, 1 << 20]
-        );
+        assert_eq!(parse_size_list("4KiB,64KiB,1MiB").unwrap().0, vec![4096, 65536, 1 << 20]);
         let r = parse_size_list("4KiB:64MiB").unwrap().0;
         assert_eq!(r.len(), 15);
         assert_eq!((r[0], r[14]), (4096, 64 << 20));
-        assert_eq!(
-            parse_size_list("1k:16k:4").unwrap().0,
-            vec![1024, 4096, 16384]
-        );
-        assert_eq!(
-            parse_size_list("3KiB:13KiB").unwrap().0,
-            vec![3072, 6144, 12288]
-        );
+        assert_eq!(parse_size_list("1k:16k:4").unwrap().0, vec![1024, 4096, 16384]);
+        assert_eq!(parse_size_list("3KiB:13KiB").unwrap().0, vec![3072, 6144, 12288]);
         assert_eq!(parse_size_list("4k,4096,8k").unwrap().0, vec![4096, 8192]);
         assert_eq!(parse_count_list("1,16,128").unwrap().0, vec![1, 16, 128]);
         assert_eq!(parse_count_list("1:8").unwrap().0, vec![1, 2, 4, 8]);
@@ -441,13 +393,7 @@ mod tests {
         assert!(parse_size_list("1k:4k:1").is_err());
         assert!(parse_size_list("1:2:3:4").is_err());
         assert!(parse_count_list("1:100000000:2").is_ok());
-        assert!(parse_count_list(
-            &(1..5000)
-                .map(|i| i.to_string())
-                .collect::<Vec<_>>()
-                .join(",")
-        )
-        .is_err());
+        assert!(parse_count_list(&(1..5000).map(|i| i.to_string()).collect::<Vec<_>>().join(",")).is_err());
     }
 
     #[test]
@@ -477,8 +423,10 @@ mod tests {
             chunk_size: Some(4096),
             window: None,
             shm_threads: Some(1),
+            no_zerocopy: true,
         };
         let c = o.agent_config("127.0.0.1:0", o.transport.require());
+        assert!(!c.tcp.zerocopy);
         assert_eq!(
             (c.tcp.streams, c.tcp.chunk_size, c.tcp.window, c.shm.threads),
             (2, 4096, TcpConfig::default().window, 1)

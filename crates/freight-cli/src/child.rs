@@ -34,18 +34,14 @@ impl TargetProcess {
             .split_first()
             .ok_or_else(|| CliError::runtime("no command to start the target process with"))?;
         let mut cmd = std::process::Command::new(prog);
-        cmd.args(rest)
-            .args([target::SUBCOMMAND, "--listen", "127.0.0.1:0"]);
+        cmd.args(rest).args([target::SUBCOMMAND, "--listen", "127.0.0.1:0"]);
         if let Some(level) = log_level {
             cmd.args(["--log-level", level]);
         }
-        cmd.stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
+        cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
         let shown = self_command.join(" ");
-        let mut child = cmd.spawn().map_err(|e| {
-            CliError::runtime(format!("cannot start the target process '{shown}': {e}"))
-        })?;
+        let mut child =
+            cmd.spawn().map_err(|e| CliError::runtime(format!("cannot start the target process '{shown}': {e}")))?;
         let stdout = child.stdout.take().expect("piped");
         let (tx, rx) = mpsc::channel();
         std::thread::Builder::new()
@@ -63,12 +59,8 @@ impl TargetProcess {
             })
             .map_err(|e| CliError::runtime(format!("cannot start a thread: {e}")))?;
         let stdin = child.stdin.take();
-        let mut process = TargetProcess {
-            child: Mutex::new(child),
-            stdin: Mutex::new(stdin),
-            addr: String::new(),
-            pid: 0,
-        };
+        let mut process =
+            TargetProcess { child: Mutex::new(child), stdin: Mutex::new(stdin), addr: String::new(), pid: 0 };
         match rx.recv_timeout(START_TIMEOUT) {
             Ok((addrs, pid)) => {
                 process.addr = addrs[0].clone();
@@ -80,16 +72,8 @@ impl TargetProcess {
                 START_TIMEOUT.as_secs()
             ))),
             Err(mpsc::RecvTimeoutError::Disconnected) => {
-                let status = process
-                    .child
-                    .lock()
-                    .unwrap()
-                    .wait()
-                    .map(|s| s.to_string())
-                    .unwrap_or_default();
-                Err(CliError::runtime(format!(
-                    "the target process ('{shown}') exited before listening ({status})"
-                )))
+                let status = process.child.lock().unwrap().wait().map(|s| s.to_string()).unwrap_or_default();
+                Err(CliError::runtime(format!("the target process ('{shown}') exited before listening ({status})")))
             }
         }
     }
@@ -97,10 +81,9 @@ impl TargetProcess {
     /// Fails once the child has exited (so that waits on it end early, with the reason).
     pub fn check_alive(&self) -> CliResult<()> {
         match self.child.lock().unwrap().try_wait() {
-            Ok(Some(status)) => Err(CliError::runtime(format!(
-                "the target process (pid {}) exited unexpectedly ({status})",
-                self.pid
-            ))),
+            Ok(Some(status)) => {
+                Err(CliError::runtime(format!("the target process (pid {}) exited unexpectedly ({status})", self.pid)))
+            }
             _ => Ok(()),
         }
     }
@@ -109,12 +92,8 @@ impl TargetProcess {
     pub fn finish(self) -> CliResult<()> {
         match self.wait_for(Duration::from_secs(10)) {
             Some(status) if status.success() => Ok(()),
-            Some(status) => Err(CliError::runtime(format!(
-                "the target process exited with {status}"
-            ))),
-            None => Err(CliError::runtime(
-                "the target process did not exit after the session ended",
-            )),
+            Some(status) => Err(CliError::runtime(format!("the target process exited with {status}"))),
+            None => Err(CliError::runtime("the target process did not exit after the session ended")),
         }
     }
 
@@ -160,20 +139,11 @@ pub struct Link<'a> {
 
 impl<'a> Link<'a> {
     /// Fetches the target's metadata from its listener at `addr`.
-    pub fn open(
-        agent: &'a Agent,
-        addr: &str,
-        process: Option<&'a TargetProcess>,
-    ) -> CliResult<Link<'a>> {
+    pub fn open(agent: &'a Agent, addr: &str, process: Option<&'a TargetProcess>) -> CliResult<Link<'a>> {
         let peer = agent
             .connect(addr, None)
             .map_err(|e| CliError::runtime(format!("cannot reach the target at {addr}: {e}")))?;
-        Ok(Link {
-            agent,
-            peer,
-            process,
-            pending: VecDeque::new(),
-        })
+        Ok(Link { agent, peer, process, pending: VecDeque::new() })
     }
 
     pub fn send(&self, cmd: &Command) -> CliResult<()> {
@@ -221,41 +191,32 @@ impl<'a> Link<'a> {
         match self.recv()? {
             Reply::Done => Ok(Ok(())),
             Reply::Failed { error } => Ok(Err(error)),
-            other => Err(CliError::runtime(format!(
-                "unexpected answer from the target: {other:?}"
-            ))),
+            other => Err(CliError::runtime(format!("unexpected answer from the target: {other:?}"))),
         }
     }
 
     /// Sends a command that must succeed.
     pub fn call(&mut self, cmd: &Command) -> CliResult<()> {
         self.send(cmd)?;
-        self.outcome()?
-            .map_err(|e| CliError::runtime(format!("the target could not do {cmd:?}: {e}")))
+        self.outcome()?.map_err(|e| CliError::runtime(format!("the target could not do {cmd:?}: {e}")))
     }
 
     /// Has the target allocate and register `bytes` of `kind`, and learns where they are.
     pub fn setup(&mut self, bytes: u64, kind: MemKind) -> CliResult<Remote> {
-        self.send(&Command::Setup {
-            bytes,
-            kind: kind.as_str().into(),
-            reply_to: self.agent.addresses(),
-        })?;
+        self.send(&Command::Setup { bytes, kind: kind.as_str().into(), reply_to: self.agent.addresses() })?;
         match self.recv()? {
-            Reply::Ready { len, .. } if len < bytes => Err(CliError::runtime(format!(
-                "the target registered {len} bytes, {bytes} were asked for"
-            ))),
+            Reply::Ready { len, .. } if len < bytes => {
+                Err(CliError::runtime(format!("the target registered {len} bytes, {bytes} were asked for")))
+            }
             Reply::Ready { addr, pid, .. } => {
                 // The target registered its buffer after we first read its metadata.
                 self.agent.refresh_peer(&self.peer, None)?;
                 Ok(Remote { addr, pid })
             }
-            Reply::Failed { error } => Err(CliError::runtime(format!(
-                "the target could not set up its buffer: {error}"
-            ))),
-            other => Err(CliError::runtime(format!(
-                "unexpected answer from the target: {other:?}"
-            ))),
+            Reply::Failed { error } => {
+                Err(CliError::runtime(format!("the target could not set up its buffer: {error}")))
+            }
+            other => Err(CliError::runtime(format!("unexpected answer from the target: {other:?}"))),
         }
     }
 

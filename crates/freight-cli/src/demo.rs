@@ -6,13 +6,9 @@
 use std::time::Instant;
 
 use clap::Args;
-use freight_core::{
-    Agent, AgentConfig, Desc, DescList, MemKind, OpKind, SharedSegment, TransportKind,
-};
+use freight_core::{Agent, AgentConfig, Desc, DescList, MemKind, OpKind, SharedSegment, TransportKind};
 
-use crate::args::{
-    format_size, parse_positive_size, CliError, CliResult, TransportChoice, SIZE_GRAMMAR,
-};
+use crate::args::{format_size, parse_positive_size, CliError, CliResult, TransportChoice, SIZE_GRAMMAR};
 use crate::child::{Link, TargetProcess};
 use crate::proto::Command;
 use crate::{emit, pattern, wait_done, Context};
@@ -47,12 +43,9 @@ pub fn run(a: &DemoArgs, ctx: &Context) -> CliResult<()> {
     }
     let blocks = a.size.div_ceil(a.block);
     if blocks > MAX_BLOCKS {
-        return Err(CliError::usage(format!(
-            "--size / --block gives {blocks} blocks; use at most {MAX_BLOCKS}"
-        )));
+        return Err(CliError::usage(format!("--size / --block gives {blocks} blocks; use at most {MAX_BLOCKS}")));
     }
-    let len =
-        usize::try_from(a.size).map_err(|_| CliError::usage("--size does not fit in memory"))?;
+    let len = usize::try_from(a.size).map_err(|_| CliError::usage("--size does not fit in memory"))?;
     let passes: Vec<Option<TransportKind>> = match a.transport {
         TransportChoice::Auto => vec![None, Some(TransportKind::Tcp)],
         t => vec![t.require()],
@@ -77,27 +70,13 @@ pub fn run(a: &DemoArgs, ctx: &Context) -> CliResult<()> {
     for (i, require) in passes.iter().enumerate() {
         let last = i + 1 == passes.len();
         let label = require.map_or("auto", |t| t.as_str());
-        let agent = Agent::new(
-            &format!("freight-demo-{label}"),
-            AgentConfig {
-                require: *require,
-                ..AgentConfig::default()
-            },
-        )?;
+        let agent =
+            Agent::new(&format!("freight-demo-{label}"), AgentConfig { require: *require, ..AgentConfig::default() })?;
         let mut link = Link::open(&agent, &target.addr, Some(&target))?;
-        let pass = Pass {
-            agent: &agent,
-            src: &src,
-            size: a.size,
-            block: a.block,
-        };
+        let pass = Pass { agent: &agent, src: &src, size: a.size, block: a.block };
         let outcome = pass.run(&mut link, i + 1, passes.len(), *require);
         // Also after a failure, so that the target does not wait for us forever.
-        let bye = if last || outcome.is_err() {
-            link.bye()
-        } else {
-            Ok(())
-        };
+        let bye = if last || outcome.is_err() { link.bye() } else { Ok(()) };
         used.push(outcome?);
         bye?;
     }
@@ -120,13 +99,7 @@ struct Pass<'a> {
 
 impl Pass<'_> {
     /// One WRITE and one READ over whatever path `require` leads to.
-    fn run(
-        &self,
-        link: &mut Link,
-        n: usize,
-        of: usize,
-        require: Option<TransportKind>,
-    ) -> CliResult<TransportKind> {
+    fn run(&self, link: &mut Link, n: usize, of: usize, require: Option<TransportKind>) -> CliResult<TransportKind> {
         let (agent, size) = (self.agent, self.size);
         let remote = link.setup(size, MemKind::Dram)?;
         agent.register(MemKind::Dram, self.src.addr(), size, 0)?;
@@ -135,10 +108,7 @@ impl Pass<'_> {
             None => "transport chosen by the engine",
             Some(_) => "transport required with AgentConfig.require",
         };
-        emit(&format!(
-            "\n[{n}/{of}] {how}: {}\n      why: {}\n",
-            path.transport, path.reason
-        ))?;
+        emit(&format!("\n[{n}/{of}] {how}: {}\n      why: {}\n", path.transport, path.reason))?;
 
         let local = self.blocks(self.src.addr());
         let remote_list = self.blocks(remote.addr);
@@ -149,30 +119,14 @@ impl Pass<'_> {
         // Untimed first pass, for costs that only the first transfer pays: opening tcp
         // streams (one block is enough), or for shm faulting in our mapping of the
         // target's buffer page by page (all of it).
-        let warm = if path.transport == TransportKind::Shm {
-            size
-        } else {
-            self.block
-        };
-        let (warm, warm_remote) = (
-            self.blocks_upto(self.src.addr(), warm),
-            self.blocks_upto(remote.addr, warm),
-        );
-        wait_done(
-            &agent.transfer(OpKind::Write, &warm, &link.peer, &warm_remote, None)?,
-            "warm-up WRITE",
-        )?;
+        let warm = if path.transport == TransportKind::Shm { size } else { self.block };
+        let (warm, warm_remote) = (self.blocks_upto(self.src.addr(), warm), self.blocks_upto(remote.addr, warm));
+        wait_done(&agent.transfer(OpKind::Write, &warm, &link.peer, &warm_remote, None)?, "warm-up WRITE")?;
 
         link.call(&Command::Poison { len: size })?;
         let t = Instant::now();
         let check = Command::Check { seed, len: size };
-        let req = agent.transfer(
-            OpKind::Write,
-            &local,
-            &link.peer,
-            &remote_list,
-            Some(check.encode()),
-        )?;
+        let req = agent.transfer(OpKind::Write, &local, &link.peer, &remote_list, Some(check.encode()))?;
         wait_done(&req, "WRITE")?;
         let write_time = t.elapsed();
         let verdict = link.outcome()?;
@@ -183,9 +137,7 @@ impl Pass<'_> {
             &verdict,
             "the target checked every byte when the notification arrived",
         )?;
-        verdict.map_err(|e| {
-            CliError::runtime(format!("the target found wrong bytes after the WRITE: {e}"))
-        })?;
+        verdict.map_err(|e| CliError::runtime(format!("the target found wrong bytes after the WRITE: {e}")))?;
 
         mine.fill(pattern::POISON);
         let t = Instant::now();
@@ -193,13 +145,7 @@ impl Pass<'_> {
         wait_done(&req, "READ")?;
         let read_time = t.elapsed();
         let verdict = pattern::check(mine, seed);
-        self.report(
-            "READ ",
-            req.path().transport,
-            read_time,
-            &verdict,
-            "checked every byte here",
-        )?;
+        self.report("READ ", req.path().transport, read_time, &verdict, "checked every byte here")?;
         verdict.map_err(|e| CliError::runtime(format!("wrong bytes after the READ: {e}")))?;
         Ok(req.path().transport)
     }
@@ -212,11 +158,7 @@ impl Pass<'_> {
     fn blocks_upto(&self, base: u64, size: u64) -> DescList {
         let descs = (0..size.div_ceil(self.block)).map(|i| {
             let off = i * self.block;
-            Desc {
-                addr: base + off,
-                len: self.block.min(size - off),
-                dev: 0,
-            }
+            Desc { addr: base + off, len: self.block.min(size - off), dev: 0 }
         });
         DescList::from_descs(MemKind::Dram, descs).expect("blocks are non-empty and in range")
     }

@@ -78,16 +78,9 @@ pub fn run(args: Vec<String>, self_command: Vec<String>) -> i32 {
             return e.exit_code();
         }
     };
-    let self_command = if self_command.is_empty() {
-        args.first().cloned().into_iter().collect()
-    } else {
-        self_command
-    };
+    let self_command = if self_command.is_empty() { args.first().cloned().into_iter().collect() } else { self_command };
     let result = init_logging(cli.log_level.as_deref()).and_then(|()| {
-        let ctx = Context {
-            self_command,
-            log_level: cli.log_level.clone(),
-        };
+        let ctx = Context { self_command, log_level: cli.log_level.clone() };
         match &cli.command {
             Command::Demo(a) => demo::run(a, &ctx),
             Command::Bench { which } => bench::run(which, &ctx),
@@ -115,8 +108,7 @@ const DEFAULT_FILTER: &str = "warn";
 fn init_logging(level: Option<&str>) -> CliResult<()> {
     use tracing_subscriber::EnvFilter;
     let filter = match level {
-        Some(l) => EnvFilter::try_new(l)
-            .map_err(|e| CliError::usage(format!("invalid --log-level '{l}': {e}")))?,
+        Some(l) => EnvFilter::try_new(l).map_err(|e| CliError::usage(format!("invalid --log-level '{l}': {e}")))?,
         None => match std::env::var("FREIGHT_LOG") {
             Ok(v) if !v.trim().is_empty() => EnvFilter::try_new(&v).unwrap_or_else(|e| {
                 eprintln!("freight: warning: ignoring FREIGHT_LOG='{v}': {e}");
@@ -126,10 +118,7 @@ fn init_logging(level: Option<&str>) -> CliResult<()> {
         },
     };
     // A host process (Python) may call run() more than once: the first subscriber stays.
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
     Ok(())
 }
 

@@ -44,11 +44,7 @@ pub fn check(buf: &[u8], seed: u64) -> Result<(), String> {
     for o in start..buf.len() {
         let expected = word(seed, (o / 8) as u64).to_le_bytes()[o % 8];
         if buf[o] != expected {
-            let hint = if buf[o] == POISON {
-                " (poison: the transfer did not reach this byte)"
-            } else {
-                ""
-            };
+            let hint = if buf[o] == POISON { " (poison: the transfer did not reach this byte)" } else { "" };
             return Err(format!(
                 "byte {o} of {} differs: expected {expected:#04x}, found {:#04x}{hint}",
                 buf.len(),
@@ -83,25 +79,16 @@ mod tests {
             fill(&mut b, 42);
             assert_eq!(check(&b, 42), Ok(()), "len {len}");
             if len > 0 {
-                assert!(
-                    check(&b, 43).is_err(),
-                    "another seed must not pass (len {len})"
-                );
+                assert!(check(&b, 43).is_err(), "another seed must not pass (len {len})");
                 b[len - 1] ^= 1;
-                assert!(check(&b, 42)
-                    .unwrap_err()
-                    .starts_with(&format!("byte {}", len - 1)));
+                assert!(check(&b, 42).unwrap_err().starts_with(&format!("byte {}", len - 1)));
             }
         }
         let mut b = vec![POISON; 64];
         fill(&mut b[..16], 1);
         let mut full = vec![0u8; 64];
         fill(&mut full, 1);
-        assert_eq!(
-            &b[..16],
-            &full[..16],
-            "a prefix fill is a prefix of the full pattern"
-        );
+        assert_eq!(&b[..16], &full[..16], "a prefix fill is a prefix of the full pattern");
         assert!(check(&b, 1).unwrap_err().contains("poison"));
     }
 }

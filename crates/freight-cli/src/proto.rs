@@ -13,11 +13,7 @@ use serde::{Deserialize, Serialize};
 pub enum Command {
     /// Allocate (or reuse) a buffer of `bytes`, register it as `kind`, connect back to
     /// the initiator at `reply_to` so that replies can be sent, and answer `Ready`.
-    Setup {
-        bytes: u64,
-        kind: String,
-        reply_to: Vec<String>,
-    },
+    Setup { bytes: u64, kind: String, reply_to: Vec<String> },
     /// Overwrite the first `len` bytes with the poison byte.
     Poison { len: u64 },
     /// Write the pattern of `seed` over the first `len` bytes (source of a READ).
@@ -62,11 +58,7 @@ mod tests {
 
     #[test]
     fn messages_round_trip() {
-        let c = Command::Setup {
-            bytes: 4096,
-            kind: "DRAM".into(),
-            reply_to: vec!["127.0.0.1:1".into()],
-        };
+        let c = Command::Setup { bytes: 4096, kind: "DRAM".into(), reply_to: vec!["127.0.0.1:1".into()] };
         assert_eq!(serde_json::from_slice::<Command>(&c.encode()).unwrap(), c);
         let r = Reply::Failed { error: "x".into() };
         assert_eq!(serde_json::from_slice::<Reply>(&r.encode()).unwrap(), r);

@@ -41,10 +41,7 @@ pub fn run_child(a: &TargetArgs) -> CliResult<()> {
 
 /// The first line a target prints; its parent reads the address from it.
 pub fn listen_line(addrs: &[String], pid: u32) -> String {
-    format!(
-        "freight target: listening on {} (pid {pid})",
-        addrs.join(", ")
-    )
+    format!("freight target: listening on {} (pid {pid})", addrs.join(", "))
 }
 
 /// Addresses and pid from a [`listen_line`].
@@ -52,33 +49,19 @@ pub fn parse_listen_line(line: &str) -> Option<(Vec<String>, u32)> {
     let rest = line.trim().strip_prefix("freight target: listening on ")?;
     let (addrs, pid) = rest.rsplit_once(" (pid ")?;
     let pid = pid.strip_suffix(')')?.parse().ok()?;
-    let addrs: Vec<String> = addrs
-        .split(", ")
-        .map(str::to_string)
-        .filter(|a| !a.is_empty())
-        .collect();
+    let addrs: Vec<String> = addrs.split(", ").map(str::to_string).filter(|a| !a.is_empty()).collect();
     (!addrs.is_empty()).then_some((addrs, pid))
 }
 
 /// Serves initiators until one says bye. `standalone` targets narrate on stdout.
 pub fn serve(listen: &str, standalone: bool) -> CliResult<()> {
-    let agent = Agent::new(
-        NAME,
-        AgentConfig {
-            listen: listen.to_string(),
-            ..AgentConfig::default()
-        },
-    )
-    .map_err(|e| CliError::runtime(format!("cannot start the target agent on {listen}: {e}")))?;
+    let agent = Agent::new(NAME, AgentConfig { listen: listen.to_string(), ..AgentConfig::default() })
+        .map_err(|e| CliError::runtime(format!("cannot start the target agent on {listen}: {e}")))?;
     say(&listen_line(&agent.addresses(), std::process::id()));
     if standalone {
         say("waiting for an initiator (freight bench p2p --connect ADDRESS); it decides everything else");
     }
-    let mut target = Target {
-        agent: &agent,
-        buffer: None,
-        standalone,
-    };
+    let mut target = Target { agent: &agent, buffer: None, standalone };
     loop {
         for n in agent.wait_notifs(Duration::from_secs(60)) {
             if !target.handle(n)? {
@@ -126,11 +109,7 @@ impl Target<'_> {
                 self.reply(&n.from, Reply::Done);
                 return Ok(false);
             }
-            Command::Setup {
-                bytes,
-                kind,
-                reply_to,
-            } => match self.setup(&n.from, bytes, &kind, &reply_to) {
+            Command::Setup { bytes, kind, reply_to } => match self.setup(&n.from, bytes, &kind, &reply_to) {
                 Ok(r) => r,
                 Err(e) => {
                     // Without a route back, the initiator can only time out; say why here.
@@ -158,31 +137,18 @@ impl Target<'_> {
         }
     }
 
-    fn setup(
-        &mut self,
-        from: &str,
-        bytes: u64,
-        kind: &str,
-        reply_to: &[String],
-    ) -> Result<Reply, String> {
+    fn setup(&mut self, from: &str, bytes: u64, kind: &str, reply_to: &[String]) -> Result<Reply, String> {
         let kind = MemKind::parse(kind).map_err(|e| e.to_string())?;
-        let fits = self
-            .buffer
-            .as_ref()
-            .is_some_and(|b| b.kind == kind && b.seg.len() as u64 >= bytes);
+        let fits = self.buffer.as_ref().is_some_and(|b| b.kind == kind && b.seg.len() as u64 >= bytes);
         if !fits {
             if let Some(old) = self.buffer.take() {
                 self.agent.deregister(old.key).map_err(|e| e.to_string())?;
             }
-            let len = usize::try_from(bytes)
-                .map_err(|_| format!("{bytes} bytes do not fit in memory"))?;
+            let len = usize::try_from(bytes).map_err(|_| format!("{bytes} bytes do not fit in memory"))?;
             let seg = self.agent.alloc(len).map_err(|e| e.to_string())?;
             // Registered under the kind the initiator asked for, so that the engine itself
             // reports which kinds it cannot move.
-            let key = self
-                .agent
-                .register(kind, seg.addr(), bytes, 0)
-                .map_err(|e| e.to_string())?;
+            let key = self.agent.register(kind, seg.addr(), bytes, 0).map_err(|e| e.to_string())?;
             self.buffer = Some(Buffer { seg, key, kind });
         }
         let mut last = String::from("the initiator sent no address to answer on");
@@ -202,27 +168,15 @@ impl Target<'_> {
         }
         let b = self.buffer.as_ref().expect("set above");
         if self.standalone {
-            say(&format!(
-                "initiator '{from}': {} of {} registered at {:#x}",
-                format_size(bytes),
-                kind,
-                b.seg.addr()
-            ));
+            say(&format!("initiator '{from}': {} of {} registered at {:#x}", format_size(bytes), kind, b.seg.addr()));
         }
-        Ok(Reply::Ready {
-            addr: b.seg.addr(),
-            len: bytes,
-            pid: std::process::id(),
-        })
+        Ok(Reply::Ready { addr: b.seg.addr(), len: bytes, pid: std::process::id() })
     }
 
     fn with_bytes(&self, len: u64, f: impl FnOnce(&mut [u8]) -> Result<(), String>) -> Reply {
         let outcome = match &self.buffer {
             None => Err("no buffer: the initiator must send setup first".to_string()),
-            Some(b) if len > b.seg.len() as u64 => Err(format!(
-                "{len} bytes asked of a {}-byte buffer",
-                b.seg.len()
-            )),
+            Some(b) if len > b.seg.len() as u64 => Err(format!("{len} bytes asked of a {}-byte buffer", b.seg.len())),
             Some(b) => f(pattern::bytes_mut(&b.seg, len)),
         };
         match outcome {
@@ -242,9 +196,6 @@ mod tests {
         let line = listen_line(&addrs, 42);
         assert_eq!(parse_listen_line(&line), Some((addrs, 42)));
         assert_eq!(parse_listen_line("something else"), None);
-        assert_eq!(
-            parse_listen_line("freight target: listening on  (pid 1)"),
-            None
-        );
+        assert_eq!(parse_listen_line("freight target: listening on  (pid 1)"), None);
     }
 }

@@ -4,10 +4,7 @@ use std::io::{BufRead, BufReader};
 use std::process::{Command, Output, Stdio};
 
 fn freight(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_freight"))
-        .args(args)
-        .output()
-        .expect("the freight binary runs")
+    Command::new(env!("CARGO_BIN_EXE_freight")).args(args).output().expect("the freight binary runs")
 }
 
 fn text(b: &[u8]) -> String {
@@ -16,14 +13,8 @@ fn text(b: &[u8]) -> String {
 
 /// Checks a `bench p2p --json` document: parses, every row verified and moved bytes.
 fn check_report(out: &Output, rows: usize, transport: &str) -> serde_json::Value {
-    assert!(
-        out.status.success(),
-        "exit {:?}\nstderr:\n{}",
-        out.status,
-        text(&out.stderr)
-    );
-    let doc: serde_json::Value =
-        serde_json::from_slice(&out.stdout).expect("stdout is one JSON document");
+    assert!(out.status.success(), "exit {:?}\nstderr:\n{}", out.status, text(&out.stderr));
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stdout is one JSON document");
     assert_eq!(doc["verified"], true);
     assert!(doc["host"]["cpus"].as_u64().unwrap() >= 1);
     let got = doc["rows"].as_array().expect("rows");
@@ -32,9 +23,7 @@ fn check_report(out: &Output, rows: usize, transport: &str) -> serde_json::Value
         assert_eq!(r["verified"], true, "{r}");
         assert_eq!(r["transport"], transport, "{r}");
         assert!(r["gbps"].as_f64().unwrap() > 0.0, "{r}");
-        assert!(
-            r["transfer_us"]["p99"].as_f64().unwrap() >= r["transfer_us"]["min"].as_f64().unwrap()
-        );
+        assert!(r["transfer_us"]["p99"].as_f64().unwrap() >= r["transfer_us"]["min"].as_f64().unwrap());
     }
     doc
 }
@@ -43,12 +32,7 @@ fn check_report(out: &Output, rows: usize, transport: &str) -> serde_json::Value
 fn demo_moves_and_verifies_over_both_transports() {
     let out = freight(&["demo"]);
     let stdout = text(&out.stdout);
-    assert!(
-        out.status.success(),
-        "exit {:?}\nstdout:\n{stdout}\nstderr:\n{}",
-        out.status,
-        text(&out.stderr)
-    );
+    assert!(out.status.success(), "exit {:?}\nstdout:\n{stdout}\nstderr:\n{}", out.status, text(&out.stderr));
     assert!(stdout.contains("over shm"), "{stdout}");
     assert!(stdout.contains("over tcp"), "{stdout}");
     assert!(stdout.contains("demo passed"), "{stdout}");
@@ -99,36 +83,21 @@ fn bench_p2p_json_is_verified() {
         "--json",
     ]);
     let doc = check_report(&out, 1, "tcp");
-    assert!(
-        doc["rows"][0]["prepare_us"].is_null(),
-        "oneshot has no separate prepare time"
-    );
+    assert!(doc["rows"][0]["prepare_us"].is_null(), "oneshot has no separate prepare time");
     assert!(doc["rows"][0]["memcpy_gbps"].as_f64().unwrap() > 0.0);
 }
 
 #[test]
 fn bench_p2p_with_separate_target_and_initiator() {
     let mut target = Command::new(env!("CARGO_BIN_EXE_freight"))
-        .args([
-            "bench",
-            "p2p",
-            "--role",
-            "target",
-            "--listen",
-            "127.0.0.1:0",
-        ])
+        .args(["bench", "p2p", "--role", "target", "--listen", "127.0.0.1:0"])
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
     let mut first = String::new();
     let mut lines = BufReader::new(target.stdout.take().unwrap());
     lines.read_line(&mut first).unwrap();
-    let addr = first
-        .split("listening on ")
-        .nth(1)
-        .and_then(|r| r.split([' ', ',']).next())
-        .expect(&first)
-        .to_string();
+    let addr = first.split("listening on ").nth(1).and_then(|r| r.split([' ', ',']).next()).expect(&first).to_string();
     let out = freight(&[
         "bench",
         "p2p",
@@ -143,10 +112,7 @@ fn bench_p2p_with_separate_target_and_initiator() {
         "--json",
     ]);
     check_report(&out, 1, "shm");
-    assert!(
-        target.wait().unwrap().success(),
-        "the target exits cleanly after the session"
-    );
+    assert!(target.wait().unwrap().success(), "the target exits cleanly after the session");
     let mut rest = String::new();
     std::io::Read::read_to_string(&mut lines, &mut rest).unwrap();
     assert!(rest.contains("finished"), "{rest}");
@@ -157,14 +123,7 @@ fn usage_errors_exit_2_and_help_exits_0() {
     let out = freight(&["bench", "p2p", "--iters", "0"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out.stderr).contains("--iters"));
-    let out = freight(&[
-        "bench",
-        "p2p",
-        "--block-sizes",
-        "1GiB",
-        "--batch-sizes",
-        "4",
-    ]);
+    let out = freight(&["bench", "p2p", "--block-sizes", "1GiB", "--batch-sizes", "4"]);
     assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
     let out = freight(&["--help"]);
     assert_eq!(out.status.code(), Some(0));
@@ -176,33 +135,14 @@ fn usage_errors_exit_2_and_help_exits_0() {
 
 #[test]
 fn engine_refusals_are_runtime_errors() {
-    let out = freight(&[
-        "bench",
-        "p2p",
-        "--initiator-seg",
-        "VRAM",
-        "--block-sizes",
-        "4KiB",
-        "--batch-sizes",
-        "1",
-    ]);
+    let out = freight(&["bench", "p2p", "--initiator-seg", "VRAM", "--block-sizes", "4KiB", "--batch-sizes", "1"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out.stderr).contains("VRAM"), "{}", text(&out.stderr));
 }
 
 #[test]
 fn bench_descriptors_json() {
-    let out = freight(&[
-        "bench",
-        "descriptors",
-        "--regions",
-        "100",
-        "--descriptors",
-        "1024",
-        "--reps",
-        "2",
-        "--json",
-    ]);
+    let out = freight(&["bench", "descriptors", "--regions", "100", "--descriptors", "1024", "--reps", "2", "--json"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(doc["copies_per_request"], 1024);

@@ -72,7 +72,11 @@ fn main() {
         token: vec![9; 16],
     });
     fs::write(w.join("ok-hello"), &hello).unwrap();
-    fs::write(w.join("ok-write-header"), wire::encode(&Frame::Write { tag: 1, segs: vec![Seg { region: 1, addr: 4096, len: 64 }] })).unwrap();
+    fs::write(
+        w.join("ok-write-header"),
+        wire::encode(&Frame::Write { tag: 1, segs: vec![Seg { region: 1, addr: 4096, len: 64 }] }),
+    )
+    .unwrap();
     fs::write(w.join("ok-notify"), wire::encode(&Frame::Notify { msg: b"layer 3 done".to_vec() })).unwrap();
     fs::write(w.join("header-length-4gib"), [0xff, 0xff, 0xff, 0xff, 0, 0]).unwrap();
     fs::write(w.join("cut-inside-header"), &hello[..hello.len() - 2]).unwrap();
@@ -83,7 +87,10 @@ fn main() {
     fs::write(w.join("trailing-byte-in-header"), &v).unwrap();
     fs::write(
         w.join("payload-over-limit"),
-        wire::encode(&Frame::Write { tag: 1, segs: vec![Seg { region: 1, addr: 0, len: u64::MAX }, Seg { region: 1, addr: 0, len: 2 }] }),
+        wire::encode(&Frame::Write {
+            tag: 1,
+            segs: vec![Seg { region: 1, addr: 0, len: u64::MAX }, Seg { region: 1, addr: 0, len: 2 }],
+        }),
     )
     .unwrap();
     fs::write(

@@ -304,7 +304,14 @@ impl Agent {
     }
 
     /// One-shot form: prepares both lists, builds the request and posts it.
-    pub fn transfer(&self, op: OpKind, local: &DescList, peer: &str, remote: &DescList, notif: Option<Vec<u8>>) -> Result<Request> {
+    pub fn transfer(
+        &self,
+        op: OpKind,
+        local: &DescList,
+        peer: &str,
+        remote: &DescList,
+        notif: Option<Vec<u8>>,
+    ) -> Result<Request> {
         let l = self.prepare_local(local)?;
         let r = self.prepare_remote(peer, remote)?;
         let req = self.make_request(op, &l, None, &r, None, notif)?;
@@ -376,7 +383,13 @@ impl AgentInner {
         }
     }
 
-    fn choose_path(&self, peer: &Peer, local: MemKind, remote: MemKind, shared: std::result::Result<(), String>) -> Result<Path> {
+    fn choose_path(
+        &self,
+        peer: &Peer,
+        local: MemKind,
+        remote: MemKind,
+        shared: std::result::Result<(), String>,
+    ) -> Result<Path> {
         let policy = PathPolicy { enabled: self.config.transports.clone(), require: self.config.require };
         let facts = PathFacts {
             same_host: peer.same_host,
@@ -545,7 +558,9 @@ impl Request {
                 let conn = self.peer.tcp(&ctx, &self.agent.config.tcp)?;
                 let chunks = self
                     .chunks
-                    .get_or_init(|| Arc::new(chunk_ops(&self.plan.ops, self.agent.config.tcp.chunk_size, wire::MAX_SEGS)))
+                    .get_or_init(|| {
+                        Arc::new(chunk_ops(&self.plan.ops, self.agent.config.tcp.chunk_size, wire::MAX_SEGS))
+                    })
                     .clone();
                 self.tracker.begin(chunks.len() as u64, finisher)?;
                 conn.submit(self.op, chunks, &self.tracker);

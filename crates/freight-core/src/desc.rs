@@ -181,7 +181,8 @@ mod tests {
 
     #[test]
     fn lists_of_single_descriptors_index_directly_and_clones_are_independent() {
-        let mut l = DescList::from_descs(MemKind::Dram, (0..4).map(|i| Desc { addr: i * 100, len: 10, dev: 0 })).unwrap();
+        let mut l =
+            DescList::from_descs(MemKind::Dram, (0..4).map(|i| Desc { addr: i * 100, len: 10, dev: 0 })).unwrap();
         assert_eq!(l.get(3).unwrap().addr, 300);
         let snapshot = l.clone();
         l.push_strided(1000, 8, 0, 16, 3).unwrap();

@@ -110,14 +110,8 @@ impl SharedSegment {
                 libc::close(fd);
                 return Err(Error::Io(format!("ftruncate({len}): {e}")));
             }
-            let ptr = libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd,
-                0,
-            );
+            let ptr =
+                libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0);
             if ptr == libc::MAP_FAILED {
                 let e = std::io::Error::last_os_error();
                 libc::close(fd);

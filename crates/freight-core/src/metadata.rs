@@ -32,9 +32,8 @@ pub struct HostIdentity {
 impl HostIdentity {
     pub fn current() -> HostIdentity {
         let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string()).unwrap_or_default();
-        let pid_namespace = std::fs::metadata("/proc/self/ns/pid")
-            .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
-            .unwrap_or(0);
+        let pid_namespace =
+            std::fs::metadata("/proc/self/ns/pid").map(|m| std::os::unix::fs::MetadataExt::ino(&m)).unwrap_or(0);
         HostIdentity {
             hostname: read("/proc/sys/kernel/hostname"),
             boot_id: read("/proc/sys/kernel/random/boot_id"),
@@ -81,7 +80,9 @@ impl AgentMetadata {
         }
         let version = u16::from_le_bytes([bytes[4], bytes[5]]);
         if version != VERSION {
-            return Err(bad(format!("format version {version} is not understood (this freight reads version {VERSION})")));
+            return Err(bad(format!(
+                "format version {version} is not understood (this freight reads version {VERSION})"
+            )));
         }
         let (md, rest): (AgentMetadata, &[u8]) =
             postcard::take_from_bytes(&bytes[6..]).map_err(|e| bad(format!("does not decode: {e}")))?;

@@ -45,16 +45,20 @@ pub fn dial(
     Err(last)
 }
 
-fn dial_one(addr: SocketAddr, bind: Option<IpAddr>, role: Role, intro: &Introduction, timeout: Duration) -> Result<TcpStream> {
+fn dial_one(
+    addr: SocketAddr,
+    bind: Option<IpAddr>,
+    role: Role,
+    intro: &Introduction,
+    timeout: Duration,
+) -> Result<TcpStream> {
     let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
     if let Some(ip) = bind {
         socket
             .bind(&SocketAddr::new(ip, 0).into())
             .map_err(|e| Error::Io(format!("cannot bind local address {ip}: {e}")))?;
     }
-    socket
-        .connect_timeout(&addr.into(), timeout)
-        .map_err(|e| Error::Io(format!("cannot connect to {addr}: {e}")))?;
+    socket.connect_timeout(&addr.into(), timeout).map_err(|e| Error::Io(format!("cannot connect to {addr}: {e}")))?;
     let mut stream: TcpStream = socket.into();
     tune(&stream)?;
     stream.set_read_timeout(Some(timeout))?;
@@ -69,10 +73,14 @@ fn dial_one(addr: SocketAddr, bind: Option<IpAddr>, role: Role, intro: &Introduc
     stream.write_all(&wire::encode(&hello))?;
     match wire::read_frame(&mut stream) {
         Ok(Some(Frame::Welcome { .. })) => {}
-        Ok(Some(Frame::Refused { reason })) => return Err(Error::Auth(format!("{addr} refused the connection: {reason}"))),
+        Ok(Some(Frame::Refused { reason })) => {
+            return Err(Error::Auth(format!("{addr} refused the connection: {reason}")))
+        }
         Ok(Some(other)) => return Err(Error::Protocol(format!("expected a welcome, got {other:?}"))),
         Ok(None) => return Err(Error::Io(format!("{addr} closed the connection during the handshake"))),
-        Err(Error::Timeout(_)) => return Err(Error::Timeout(format!("{addr} did not answer the handshake within {timeout:?}"))),
+        Err(Error::Timeout(_)) => {
+            return Err(Error::Timeout(format!("{addr} did not answer the handshake within {timeout:?}")))
+        }
         Err(e) => return Err(e),
     }
     stream.set_read_timeout(None)?;
@@ -81,10 +89,10 @@ fn dial_one(addr: SocketAddr, bind: Option<IpAddr>, role: Role, intro: &Introduc
 
 /// Asks the listener at `addr` for its agent's metadata (listener exchange).
 pub fn fetch_metadata(addr: &str, token: &[u8], timeout: Duration) -> Result<Vec<u8>> {
-    let sa: SocketAddr = addr
-        .parse()
-        .map_err(|_| Error::InvalidArgument(format!("'{addr}' is not an ip:port address")))?;
-    let mut stream = TcpStream::connect_timeout(&sa, timeout).map_err(|e| Error::Io(format!("cannot connect to {addr}: {e}")))?;
+    let sa: SocketAddr =
+        addr.parse().map_err(|_| Error::InvalidArgument(format!("'{addr}' is not an ip:port address")))?;
+    let mut stream =
+        TcpStream::connect_timeout(&sa, timeout).map_err(|e| Error::Io(format!("cannot connect to {addr}: {e}")))?;
     stream.set_read_timeout(Some(timeout))?;
     let hello = Frame::Hello {
         version: PROTOCOL_VERSION,

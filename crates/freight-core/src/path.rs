@@ -99,7 +99,9 @@ pub fn choose(policy: &PathPolicy, facts: &PathFacts) -> Result<Path> {
     if let Some(t) = policy.require {
         return can_serve(t, policy, facts)
             .map(|reason| Path { transport: t, reason: format!("required by configuration; {reason}") })
-            .map_err(|why| Error::TransportUnavailable(format!("required transport {t} cannot serve this path: {why}")));
+            .map_err(|why| {
+                Error::TransportUnavailable(format!("required transport {t} cannot serve this path: {why}"))
+            });
     }
     let mut rejected = Vec::new();
     for t in TransportKind::ALL {

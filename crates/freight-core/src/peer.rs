@@ -8,8 +8,8 @@ use std::thread;
 use parking_lot::{Mutex, RwLock};
 
 use crate::error::{Error, Result};
-use crate::metadata::AgentMetadata;
 use crate::memory::RemoteRegions;
+use crate::metadata::AgentMetadata;
 use crate::net::{self, Introduction};
 use crate::transport::shm::ShmPeer;
 use crate::transport::tcp::{Health, TcpConfig, TcpConn};
@@ -101,9 +101,7 @@ impl Peer {
         let reader = stream.try_clone()?;
         let link = Arc::new(ControlLink { writer: Mutex::new(stream), health: health.clone() });
         let peer = self.clone();
-        thread::Builder::new()
-            .name("freight-ctl-rx".into())
-            .spawn(move || peer.watch_control(reader, health))?;
+        thread::Builder::new().name("freight-ctl-rx".into()).spawn(move || peer.watch_control(reader, health))?;
         links.control = Some(link.clone());
         Ok(link)
     }
@@ -165,7 +163,7 @@ impl Peer {
                 .map_err(|e| self.disconnected(format!("cannot open data stream {i}: {e}")))?;
             sockets.push(s);
         }
-        let conn = Arc::new(TcpConn::start(&self.name, sockets, cfg.window, ctx.peer_timeout, Arc::new(Health::default()))?);
+        let conn = Arc::new(TcpConn::start(&self.name, sockets, cfg, ctx.peer_timeout, Arc::new(Health::default()))?);
         tracing::info!(peer = %self.name, streams = n, chunk_size = cfg.chunk_size, window = cfg.window, "tcp connection up");
         links.tcp = Some(conn.clone());
         Ok(conn)

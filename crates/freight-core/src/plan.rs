@@ -114,7 +114,8 @@ impl PreparedList {
                 (0..run.count).map(move |k| Ok((run.get(k), region)))
             })),
             Some(idx) => Box::new(idx.iter().map(move |&i| {
-                self.get(i).ok_or_else(|| invalid(format!("index {i} out of range for a list of {} descriptors", self.len())))
+                self.get(i)
+                    .ok_or_else(|| invalid(format!("index {i} out of range for a list of {} descriptors", self.len())))
             })),
         }
     }
@@ -311,27 +312,35 @@ mod tests {
     use proptest::prelude::*;
 
     fn prep(descs: &[(u64, u64)], region: u64) -> PreparedList {
-        let list = DescList::from_descs(MemKind::Dram, descs.iter().map(|&(addr, len)| Desc { addr, len, dev: 0 })).unwrap();
+        let list =
+            DescList::from_descs(MemKind::Dram, descs.iter().map(|&(addr, len)| Desc { addr, len, dev: 0 })).unwrap();
         PreparedList::resolve(&list, |_, _, _| Ok(RegionSpan { key: region, start: 0, end: u64::MAX })).unwrap()
     }
 
     #[test]
     fn resolving_switches_regions_when_a_descriptor_leaves_the_last_one() {
         let find = |addr: u64, len: u64, _dev: u64| -> Result<RegionSpan> {
-            let span = if addr < 100 { RegionSpan { key: 1, start: 0, end: 100 } } else { RegionSpan { key: 2, start: 100, end: 200 } };
+            let span = if addr < 100 {
+                RegionSpan { key: 1, start: 0, end: 100 }
+            } else {
+                RegionSpan { key: 2, start: 100, end: 200 }
+            };
             if addr + len > span.end {
                 return Err(invalid("crosses a region boundary"));
             }
             Ok(span)
         };
         let descs = [(10, 8), (20, 8), (150, 8), (30, 8), (96, 8)];
-        let list = DescList::from_descs(MemKind::Dram, descs[..4].iter().map(|&(addr, len)| Desc { addr, len, dev: 0 })).unwrap();
+        let list =
+            DescList::from_descs(MemKind::Dram, descs[..4].iter().map(|&(addr, len)| Desc { addr, len, dev: 0 }))
+                .unwrap();
         let p = PreparedList::resolve(&list, find).unwrap();
         let keys: Vec<u64> = (0..4).map(|i| p.get(i).unwrap().1).collect();
         assert_eq!(keys, vec![1, 1, 2, 1]);
         assert_eq!(p.regions(), &[1, 2]);
         // A descriptor that starts in the cached region but runs past its end is looked up.
-        let list = DescList::from_descs(MemKind::Dram, descs.iter().map(|&(addr, len)| Desc { addr, len, dev: 0 })).unwrap();
+        let list =
+            DescList::from_descs(MemKind::Dram, descs.iter().map(|&(addr, len)| Desc { addr, len, dev: 0 })).unwrap();
         assert!(PreparedList::resolve(&list, find).is_err());
     }
 

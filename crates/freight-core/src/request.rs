@@ -172,10 +172,13 @@ mod tests {
     fn counting() -> (Arc<AtomicUsize>, Finisher) {
         let n = Arc::new(AtomicUsize::new(0));
         let m = n.clone();
-        (n, Box::new(move |r| {
-            m.fetch_add(1, Ordering::SeqCst);
-            r
-        }))
+        (
+            n,
+            Box::new(move |r| {
+                m.fetch_add(1, Ordering::SeqCst);
+                r
+            }),
+        )
     }
 
     #[test]

@@ -111,7 +111,10 @@ fn serve_connection(mut stream: TcpStream, agent: &Weak<AgentInner>, id: u64) ->
         return refuse(&mut stream, "expected a hello");
     };
     if version != PROTOCOL_VERSION {
-        return refuse(&mut stream, &format!("protocol version {version} is not supported (this agent speaks {PROTOCOL_VERSION})"));
+        return refuse(
+            &mut stream,
+            &format!("protocol version {version} is not supported (this agent speaks {PROTOCOL_VERSION})"),
+        );
     }
     if role == Role::Metadata {
         if let Some(t) = metadata_token {
@@ -137,7 +140,7 @@ fn serve_connection(mut stream: TcpStream, agent: &Weak<AgentInner>, id: u64) ->
         Role::Control => serve_control(stream, agent, &from_name, id),
         Role::Data { .. } => {
             let a = agent.upgrade().ok_or_else(|| Error::Io("agent closed".into()))?;
-            serve_data_stream(stream, &a.registry, &from_name)
+            serve_data_stream(stream, &a.registry, &a.config.tcp, &from_name)
         }
         Role::Metadata => unreachable!("handled above"),
     }

@@ -51,16 +51,38 @@ pub enum Frame {
         /// The target's secret from its metadata, or the metadata token for `Role::Metadata`.
         token: Vec<u8>,
     },
-    Welcome { agent_id: u64 },
-    Refused { reason: String },
-    Write { tag: u64, segs: Vec<Seg> },
-    WriteAck { tag: u64, error: Option<String> },
-    Read { tag: u64, segs: Vec<Seg> },
-    ReadData { tag: u64, error: Option<String> },
-    Notify { msg: Vec<u8> },
+    Welcome {
+        agent_id: u64,
+    },
+    Refused {
+        reason: String,
+    },
+    Write {
+        tag: u64,
+        segs: Vec<Seg>,
+    },
+    WriteAck {
+        tag: u64,
+        error: Option<String>,
+    },
+    Read {
+        tag: u64,
+        segs: Vec<Seg>,
+    },
+    ReadData {
+        tag: u64,
+        error: Option<String>,
+    },
+    Notify {
+        msg: Vec<u8>,
+    },
     /// The owner withdrew a region (sent to peers that might map it).
-    Revoke { region: u64 },
-    Metadata { bytes: Vec<u8> },
+    Revoke {
+        region: u64,
+    },
+    Metadata {
+        bytes: Vec<u8>,
+    },
 }
 
 impl Frame {
@@ -82,9 +104,10 @@ pub fn seg_bytes(segs: &[Seg]) -> Result<u64> {
     }
     let mut total = 0u64;
     for s in segs {
-        total = total.checked_add(s.len).filter(|&t| t <= MAX_PAYLOAD).ok_or_else(|| {
-            Error::Protocol(format!("frame payload exceeds {MAX_PAYLOAD} bytes"))
-        })?;
+        total = total
+            .checked_add(s.len)
+            .filter(|&t| t <= MAX_PAYLOAD)
+            .ok_or_else(|| Error::Protocol(format!("frame payload exceeds {MAX_PAYLOAD} bytes")))?;
     }
     Ok(total)
 }
@@ -100,7 +123,8 @@ pub fn encode(frame: &Frame) -> Vec<u8> {
 
 /// Decodes a frame header (without the length prefix).
 pub fn decode(bytes: &[u8]) -> Result<Frame> {
-    let (frame, rest) = postcard::take_from_bytes::<Frame>(bytes).map_err(|e| Error::Protocol(format!("bad frame: {e}")))?;
+    let (frame, rest) =
+        postcard::take_from_bytes::<Frame>(bytes).map_err(|e| Error::Protocol(format!("bad frame: {e}")))?;
     if !rest.is_empty() {
         return Err(Error::Protocol(format!("{} trailing bytes after frame", rest.len())));
     }
@@ -195,7 +219,10 @@ mod tests {
 
     #[test]
     fn frames_roundtrip_with_payload() {
-        let f = Frame::Write { tag: 9, segs: vec![Seg { region: 1, addr: 0x10, len: 3 }, Seg { region: 1, addr: 0x20, len: 2 }] };
+        let f = Frame::Write {
+            tag: 9,
+            segs: vec![Seg { region: 1, addr: 0x10, len: 3 }, Seg { region: 1, addr: 0x20, len: 2 }],
+        };
         let mut buf = Vec::new();
         write_frame(&mut buf, &f, &[IoSlice::new(b"abc"), IoSlice::new(b"de")]).unwrap();
         let mut r = &buf[..];

@@ -64,28 +64,14 @@ impl Etcd {
         let child = Command::new(bin)
             .arg("--data-dir")
             .arg(dir.join("data"))
-            .args([
-                "--listen-client-urls",
-                &endpoint,
-                "--advertise-client-urls",
-                &endpoint,
-            ])
-            .args([
-                "--listen-peer-urls",
-                &peer_url,
-                "--initial-advertise-peer-urls",
-                &peer_url,
-            ])
+            .args(["--listen-client-urls", &endpoint, "--advertise-client-urls", &endpoint])
+            .args(["--listen-peer-urls", &peer_url, "--initial-advertise-peer-urls", &peer_url])
             .args(["--initial-cluster", &format!("default={peer_url}")])
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
             .unwrap();
-        let mut etcd = Etcd {
-            child,
-            dir,
-            endpoint,
-        };
+        let mut etcd = Etcd { child, dir, endpoint };
 
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline {
@@ -107,10 +93,7 @@ impl Etcd {
         }
         let _ = etcd.child.kill();
         let log = std::fs::read_to_string(etcd.dir.join("etcd.log")).unwrap_or_default();
-        panic!(
-            "etcd at {} did not answer within 10 s:\n{log}",
-            etcd.endpoint
-        );
+        panic!("etcd at {} did not answer within 10 s:\n{log}", etcd.endpoint);
     }
 
     fn directory(&self, prefix: &str, ttl: Duration) -> EtcdDirectory {
@@ -127,11 +110,7 @@ fn find_etcd() -> Option<PathBuf> {
 }
 
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 #[test]
@@ -149,14 +128,8 @@ fn publish_fetch_list_withdraw_roundtrip() {
     dir.publish("a", b"alpha").unwrap();
     dir.publish("b", &[0u8, 255, 1, 2]).unwrap();
     assert_eq!(other.fetch("a").unwrap().as_deref(), Some(&b"alpha"[..]));
-    assert_eq!(
-        other.fetch("b").unwrap().as_deref(),
-        Some(&[0u8, 255, 1, 2][..])
-    );
-    assert_eq!(
-        other.list().unwrap(),
-        vec!["a".to_string(), "b".to_string()]
-    );
+    assert_eq!(other.fetch("b").unwrap().as_deref(), Some(&[0u8, 255, 1, 2][..]));
+    assert_eq!(other.list().unwrap(), vec!["a".to_string(), "b".to_string()]);
 
     dir.publish("a", b"alpha-2").unwrap();
     assert_eq!(other.fetch("a").unwrap().as_deref(), Some(&b"alpha-2"[..]));
@@ -180,15 +153,9 @@ fn wait_for_sees_a_later_publish() {
     let waiter = etcd.directory("/freight/wait/", TTL);
 
     let started = Instant::now();
-    let err = waiter
-        .wait_for("nobody", Duration::from_millis(300))
-        .unwrap_err();
+    let err = waiter.wait_for("nobody", Duration::from_millis(300)).unwrap_err();
     assert!(matches!(err, Error::Timeout(_)), "{err:?}");
-    assert!(
-        started.elapsed() < Duration::from_secs(2),
-        "{:?}",
-        started.elapsed()
-    );
+    assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
 
     let publisher = etcd.directory("/freight/wait/", TTL);
     std::thread::scope(|s| {
@@ -197,21 +164,11 @@ fn wait_for_sees_a_later_publish() {
             publisher.publish("late", b"here").unwrap();
         });
         let started = Instant::now();
-        assert_eq!(
-            waiter.wait_for("late", Duration::from_secs(5)).unwrap(),
-            b"here"
-        );
-        assert!(
-            started.elapsed() >= Duration::from_millis(300),
-            "{:?}",
-            started.elapsed()
-        );
+        assert_eq!(waiter.wait_for("late", Duration::from_secs(5)).unwrap(), b"here");
+        assert!(started.elapsed() >= Duration::from_millis(300), "{:?}", started.elapsed());
     });
     // Already present: returns at once.
-    assert_eq!(
-        waiter.wait_for("late", Duration::from_millis(500)).unwrap(),
-        b"here"
-    );
+    assert_eq!(waiter.wait_for("late", Duration::from_millis(500)).unwrap(), b"here");
 }
 
 #[test]
@@ -225,32 +182,18 @@ fn lease_expires_after_an_unrevoked_drop() {
 
     // The keep-alive holds the entry well past the 2 s ttl.
     std::thread::sleep(Duration::from_millis(3500));
-    assert_eq!(
-        observer.fetch("ghost").unwrap().as_deref(),
-        Some(&b"boo"[..])
-    );
+    assert_eq!(observer.fetch("ghost").unwrap().as_deref(), Some(&b"boo"[..]));
 
     // A crash (no revoke): the entry lingers until the ttl runs out, then goes.
     let crashed = Instant::now();
     doomed.forget_without_revoke();
-    assert!(
-        observer.fetch("ghost").unwrap().is_some(),
-        "entry removed before the ttl"
-    );
+    assert!(observer.fetch("ghost").unwrap().is_some(), "entry removed before the ttl");
     let deadline = crashed + Duration::from_secs(8);
     while observer.fetch("ghost").unwrap().is_some() {
-        assert!(
-            Instant::now() < deadline,
-            "entry still present {:?} after the crash",
-            crashed.elapsed()
-        );
+        assert!(Instant::now() < deadline, "entry still present {:?} after the crash", crashed.elapsed());
         std::thread::sleep(Duration::from_millis(100));
     }
-    assert!(
-        crashed.elapsed() >= Duration::from_secs(1),
-        "gone after only {:?}",
-        crashed.elapsed()
-    );
+    assert!(crashed.elapsed() >= Duration::from_secs(1), "gone after only {:?}", crashed.elapsed());
 }
 
 #[test]
@@ -260,28 +203,17 @@ fn dead_endpoint_fails_within_the_timeout() {
     let refused = format!("http://127.0.0.1:{}", free_port());
     // Listening but never accepting: TCP connects, etcd never answers (the hang case).
     let silent_socket = TcpListener::bind("127.0.0.1:0").unwrap();
-    let silent = format!(
-        "http://127.0.0.1:{}",
-        silent_socket.local_addr().unwrap().port()
-    );
+    let silent = format!("http://127.0.0.1:{}", silent_socket.local_addr().unwrap().port());
     for endpoint in [refused, silent] {
         let started = Instant::now();
-        let res = EtcdDirectory::connect(
-            std::slice::from_ref(&endpoint),
-            "/freight/dead/",
-            TTL,
-            timeout,
-        );
+        let res = EtcdDirectory::connect(std::slice::from_ref(&endpoint), "/freight/dead/", TTL, timeout);
         let elapsed = started.elapsed();
         match res {
             Err(Error::Etcd(msg)) => assert!(msg.contains(&endpoint), "{msg}"),
             Err(e) => panic!("{endpoint}: unexpected error {e:?}"),
             Ok(_) => panic!("{endpoint}: connected to a dead endpoint"),
         }
-        assert!(
-            elapsed < timeout + Duration::from_millis(1500),
-            "{endpoint}: took {elapsed:?}"
-        );
+        assert!(elapsed < timeout + Duration::from_millis(1500), "{endpoint}: took {elapsed:?}");
     }
 }
 
@@ -295,11 +227,7 @@ fn invalid_arguments_are_rejected() {
         (ep.clone(), "/p/", TTL, Duration::ZERO),
     ] {
         let res = EtcdDirectory::connect(&endpoints, prefix, ttl, timeout);
-        assert!(
-            matches!(res, Err(Error::InvalidArgument(_))),
-            "{:?}",
-            res.err()
-        );
+        assert!(matches!(res, Err(Error::InvalidArgument(_))), "{:?}", res.err());
     }
 
     let Some(etcd) = Etcd::start("invalid_arguments_are_rejected") else {
@@ -311,10 +239,7 @@ fn invalid_arguments_are_rejected() {
         let invalid = |r: Result<(), Error>| matches!(r, Err(Error::InvalidArgument(_)));
         assert!(invalid(dir.publish(bad, b"x")), "publish {bad:?}");
         assert!(invalid(dir.fetch(bad).map(drop)), "fetch {bad:?}");
-        assert!(
-            invalid(dir.wait_for(bad, Duration::from_millis(10)).map(drop)),
-            "wait_for {bad:?}"
-        );
+        assert!(invalid(dir.wait_for(bad, Duration::from_millis(10)).map(drop)), "wait_for {bad:?}");
         assert!(invalid(dir.withdraw(bad)), "withdraw {bad:?}");
     }
     dir.publish(&"x".repeat(256), b"ok").unwrap();

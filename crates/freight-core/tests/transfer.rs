@@ -33,7 +33,15 @@ fn roundtrip(cfg: AgentConfig, expect: TransportKind, size: usize) {
     a.add_peer(&b.metadata()).unwrap();
     assert_eq!(a.path_to("target").unwrap().transport, expect);
 
-    let req = a.transfer(OpKind::Write, &list(src.addr(), size as u64), "target", &list(dst.addr(), size as u64), Some(b"w".to_vec())).unwrap();
+    let req = a
+        .transfer(
+            OpKind::Write,
+            &list(src.addr(), size as u64),
+            "target",
+            &list(dst.addr(), size as u64),
+            Some(b"w".to_vec()),
+        )
+        .unwrap();
     assert_eq!(req.path().transport, expect);
     assert_eq!(req.wait(T), Status::Done);
     let d = unsafe { std::slice::from_raw_parts(dst.as_ptr(), size) };
@@ -42,7 +50,9 @@ fn roundtrip(cfg: AgentConfig, expect: TransportKind, size: usize) {
     assert_eq!(n.len(), 1);
     assert_eq!((n[0].from.as_str(), n[0].msg.as_slice()), ("initiator", &b"w"[..]));
 
-    let req = a.transfer(OpKind::Read, &list(back.addr(), size as u64), "target", &list(dst.addr(), size as u64), None).unwrap();
+    let req = a
+        .transfer(OpKind::Read, &list(back.addr(), size as u64), "target", &list(dst.addr(), size as u64), None)
+        .unwrap();
     assert_eq!(req.wait(T), Status::Done);
     assert_eq!(unsafe { std::slice::from_raw_parts(back.as_ptr(), size) }, &s[..]);
 }
@@ -57,6 +67,25 @@ fn shm_small_and_large() {
 fn tcp_small_and_large() {
     let cfg = AgentConfig { require: Some(TransportKind::Tcp), ..Default::default() };
     roundtrip(cfg.clone(), TransportKind::Tcp, 4096);
+    roundtrip(cfg, TransportKind::Tcp, 24 << 20);
+}
+
+/// An address of this host that is not loopback, if it has one (a route lookup only:
+/// connecting a UDP socket sends nothing).
+fn host_address() -> Option<std::net::IpAddr> {
+    let probe = std::net::UdpSocket::bind("0.0.0.0:0").ok()?;
+    probe.connect("192.0.2.1:9").ok()?;
+    Some(probe.local_addr().ok()?.ip()).filter(|ip| !ip.is_loopback() && !ip.is_unspecified())
+}
+
+#[test]
+fn tcp_to_a_host_address_sends_zero_copy_and_loses_nothing() {
+    let Some(ip) = host_address() else {
+        eprintln!("SKIPPED: this host has no address besides loopback, so zero-copy sends are never tried");
+        return;
+    };
+    let cfg = AgentConfig { listen: format!("{ip}:0"), require: Some(TransportKind::Tcp), ..Default::default() };
+    assert!(cfg.tcp.zerocopy, "zero-copy must be on by default");
     roundtrip(cfg, TransportKind::Tcp, 24 << 20);
 }
 
@@ -109,14 +138,16 @@ fn busy_memory_cannot_be_deregistered_and_requests_repost() {
 
 #[test]
 fn a_dead_peer_fails_requests_instead_of_hanging() {
-    let cfg = AgentConfig { require: Some(TransportKind::Tcp), peer_timeout: Duration::from_secs(2), ..Default::default() };
+    let cfg =
+        AgentConfig { require: Some(TransportKind::Tcp), peer_timeout: Duration::from_secs(2), ..Default::default() };
     let (a, b) = agents(cfg);
     let src = a.alloc(1 << 20).unwrap();
     let dst = b.alloc(1 << 20).unwrap();
     a.register(MemKind::Dram, src.addr(), 1 << 20, 0).unwrap();
     b.register(MemKind::Dram, dst.addr(), 1 << 20, 0).unwrap();
     a.add_peer(&b.metadata()).unwrap();
-    let req = a.transfer(OpKind::Write, &list(src.addr(), 1 << 20), "target", &list(dst.addr(), 1 << 20), None).unwrap();
+    let req =
+        a.transfer(OpKind::Write, &list(src.addr(), 1 << 20), "target", &list(dst.addr(), 1 << 20), None).unwrap();
     assert_eq!(req.wait(T), Status::Done);
     b.close();
     drop(b);

@@ -6,17 +6,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
-use freight_core::{
-    Agent, AgentConfig, MemKind, OpKind, SharedSegment, ShmConfig, TcpConfig, TransportKind,
-};
+use freight_core::{Agent, AgentConfig, MemKind, OpKind, SharedSegment, ShmConfig, TcpConfig, TransportKind};
 use numpy::ndarray::ArrayView1;
 use numpy::PyArray1;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::descs::{
-    for_each_triple, indices, parse_kind, PyDescList, PyPreparedLocal, PyPreparedRemote,
-};
+use crate::descs::{for_each_triple, indices, parse_kind, PyDescList, PyPreparedLocal, PyPreparedRemote};
 use crate::errors::{invalid, to_py_err, OrRaise};
 use crate::memory::PySharedSegment;
 use crate::request::{PyRequest, SIGNAL_SLICE};
@@ -43,24 +39,16 @@ impl PyAgent {
     }
 
     fn notifs(py: Python<'_>, v: Vec<freight_core::Notification>) -> Vec<PyNotif> {
-        v.into_iter()
-            .map(|n| (n.from, PyBytes::new(py, &n.msg).unbind()))
-            .collect()
+        v.into_iter().map(|n| (n.from, PyBytes::new(py, &n.msg).unbind())).collect()
     }
 
     fn request(slf: &Bound<'_, Self>, inner: freight_core::Request, peer: String) -> PyRequest {
-        PyRequest {
-            inner,
-            peer,
-            _owner: slf.clone().unbind(),
-        }
+        PyRequest { inner, peer, _owner: slf.clone().unbind() }
     }
 
     fn check_owner(&self, id: u64, what: &str) -> PyResult<()> {
         if id != self.id {
-            return Err(invalid(format!(
-                "this {what} list was prepared by another agent"
-            )));
+            return Err(invalid(format!("this {what} list was prepared by another agent")));
         }
         Ok(())
     }
@@ -77,7 +65,7 @@ impl PyAgent {
     #[pyo3(signature = (
         name, *, listen = "127.0.0.1:0".to_string(), advertise = Vec::new(),
         transports = vec!["shm".to_string(), "tcp".to_string()], require = None,
-        tcp_streams = 4, tcp_chunk_size = 1 << 20, tcp_window = 8, tcp_local_addrs = Vec::new(),
+        tcp_streams = 4, tcp_chunk_size = 1 << 20, tcp_window = 8, tcp_local_addrs = Vec::new(), tcp_zerocopy = true,
         shm_threads = None, shm_inline_bytes = None, peer_timeout = 30.0,
         connect_timeout = 5.0, metadata_token = None,
     ))]
@@ -93,6 +81,7 @@ impl PyAgent {
         tcp_chunk_size: u64,
         tcp_window: usize,
         tcp_local_addrs: Vec<String>,
+        tcp_zerocopy: bool,
         shm_threads: Option<usize>,
         shm_inline_bytes: Option<u64>,
         peer_timeout: f64,
@@ -111,10 +100,7 @@ impl PyAgent {
         }
         let local_addrs = tcp_local_addrs
             .iter()
-            .map(|a| {
-                a.parse::<IpAddr>()
-                    .map_err(|_| invalid(format!("tcp_local_addrs: '{a}' is not an IP address")))
-            })
+            .map(|a| a.parse::<IpAddr>().map_err(|_| invalid(format!("tcp_local_addrs: '{a}' is not an IP address"))))
             .collect::<PyResult<Vec<_>>>()?;
         let shm_default = ShmConfig::default();
         let config = AgentConfig {
@@ -127,6 +113,7 @@ impl PyAgent {
                 chunk_size: tcp_chunk_size,
                 window: tcp_window,
                 local_addrs,
+                zerocopy: tcp_zerocopy,
             },
             shm: ShmConfig {
                 threads: shm_threads.unwrap_or(shm_default.threads),
@@ -138,11 +125,7 @@ impl PyAgent {
             metadata_token,
         };
         let inner = py.detach(|| Agent::new(&name, config)).or_raise()?;
-        Ok(PyAgent {
-            inner,
-            id: NEXT_AGENT_ID.fetch_add(1, Ordering::Relaxed),
-            keep: Mutex::default(),
-        })
+        Ok(PyAgent { inner, id: NEXT_AGENT_ID.fetch_add(1, Ordering::Relaxed), keep: Mutex::default() })
     }
 
     /// The agent's name (unique among the peers it talks to).
@@ -176,9 +159,7 @@ impl PyAgent {
 
     /// Listens on one more address; returns the bound ip:port.
     fn listen(&self, py: Python<'_>, addr: &str) -> PyResult<String> {
-        py.detach(|| self.inner.listen(addr))
-            .or_raise()
-            .map(|a| a.to_string())
+        py.detach(|| self.inner.listen(addr)).or_raise().map(|a| a.to_string())
     }
 
     // -- memory ----------------------------------------------------------------------
@@ -212,9 +193,7 @@ impl PyAgent {
         keep: Option<Py<PyAny>>,
     ) -> PyResult<u64> {
         let kind = parse_kind(kind)?;
-        let key = py
-            .detach(|| self.inner.register(kind, addr, length, device))
-            .or_raise()?;
+        let key = py.detach(|| self.inner.register(kind, addr, length, device)).or_raise()?;
         if let Some(k) = keep {
             self.keep().insert(key, k);
         }
@@ -239,11 +218,7 @@ impl PyAgent {
         })?;
         if let Some(k) = &keeps {
             if k.len() != all.len() {
-                return Err(invalid(format!(
-                    "{} keep objects for {} regions",
-                    k.len(),
-                    all.len()
-                )));
+                return Err(invalid(format!("{} keep objects for {} regions", k.len(), all.len())));
             }
         }
         let outcome = py.detach(|| {
@@ -306,15 +281,13 @@ impl PyAgent {
     /// Fetches a peer's metadata from its listener at `addr` and adds the peer.
     #[pyo3(signature = (addr, token = None))]
     fn connect(&self, py: Python<'_>, addr: &str, token: Option<Vec<u8>>) -> PyResult<String> {
-        py.detach(|| self.inner.connect(addr, token.as_deref()))
-            .or_raise()
+        py.detach(|| self.inner.connect(addr, token.as_deref())).or_raise()
     }
 
     /// Re-reads a known peer's metadata from its listener.
     #[pyo3(signature = (name, token = None))]
     fn refresh_peer(&self, py: Python<'_>, name: &str, token: Option<Vec<u8>>) -> PyResult<()> {
-        py.detach(|| self.inner.refresh_peer(name, token.as_deref()))
-            .or_raise()
+        py.detach(|| self.inner.refresh_peer(name, token.as_deref())).or_raise()
     }
 
     /// (transport, reason) for host-memory transfers to `peer`.
@@ -326,34 +299,17 @@ impl PyAgent {
     // -- descriptors and requests ----------------------------------------------------
 
     /// Checks a descriptor list against this agent's registered memory.
-    fn prepare_local(
-        &self,
-        py: Python<'_>,
-        descs: PyRef<'_, PyDescList>,
-    ) -> PyResult<PyPreparedLocal> {
+    fn prepare_local(&self, py: Python<'_>, descs: PyRef<'_, PyDescList>) -> PyResult<PyPreparedLocal> {
         let list = &descs.inner;
         let inner = py.detach(|| self.inner.prepare_local(list)).or_raise()?;
-        Ok(PyPreparedLocal {
-            inner,
-            agent_id: self.id,
-        })
+        Ok(PyPreparedLocal { inner, agent_id: self.id })
     }
 
     /// Checks a descriptor list against `peer`'s advertised memory.
-    fn prepare_remote(
-        &self,
-        py: Python<'_>,
-        peer: &str,
-        descs: PyRef<'_, PyDescList>,
-    ) -> PyResult<PyPreparedRemote> {
+    fn prepare_remote(&self, py: Python<'_>, peer: &str, descs: PyRef<'_, PyDescList>) -> PyResult<PyPreparedRemote> {
         let list = &descs.inner;
-        let inner = py
-            .detach(|| self.inner.prepare_remote(peer, list))
-            .or_raise()?;
-        Ok(PyPreparedRemote {
-            inner,
-            agent_id: self.id,
-        })
+        let inner = py.detach(|| self.inner.prepare_remote(peer, list)).or_raise()?;
+        Ok(PyPreparedRemote { inner, agent_id: self.id })
     }
 
     /// Builds an idle request (see freight.Agent.make_request).
@@ -376,16 +332,7 @@ impl PyAgent {
         let ri = indices(remote_indices)?;
         let req = slf
             .py()
-            .detach(|| {
-                this.inner.make_request(
-                    op,
-                    &local.inner,
-                    li.as_deref(),
-                    &remote.inner,
-                    ri.as_deref(),
-                    notif,
-                )
-            })
+            .detach(|| this.inner.make_request(op, &local.inner, li.as_deref(), &remote.inner, ri.as_deref(), notif))
             .or_raise()?;
         Ok(Self::request(slf, req, remote.inner.peer().to_string()))
     }
@@ -403,10 +350,7 @@ impl PyAgent {
         let this = slf.get();
         let op = OpKind::parse(op).or_raise()?;
         let (l, r) = (&local.inner, &remote.inner);
-        let req = slf
-            .py()
-            .detach(|| this.inner.transfer(op, l, peer, r, notif))
-            .or_raise()?;
+        let req = slf.py().detach(|| this.inner.transfer(op, l, peer, r, notif)).or_raise()?;
         Ok(Self::request(slf, req, peer.to_string()))
     }
 
@@ -429,9 +373,7 @@ impl PyAgent {
         let deadline = timeout_arg(timeout)?.map(|t| Instant::now() + t);
         loop {
             let slice = match deadline {
-                Some(d) => d
-                    .saturating_duration_since(Instant::now())
-                    .min(SIGNAL_SLICE),
+                Some(d) => d.saturating_duration_since(Instant::now()).min(SIGNAL_SLICE),
                 None => SIGNAL_SLICE,
             };
             let got = py.detach(|| self.inner.wait_notifs(slice));
@@ -446,10 +388,6 @@ impl PyAgent {
     }
 
     fn __repr__(&self) -> String {
-        format!(
-            "<freight._native.Agent '{}' at {:?}>",
-            self.inner.name(),
-            self.inner.addresses()
-        )
+        format!("<freight._native.Agent '{}' at {:?}>", self.inner.name(), self.inner.addresses())
     }
 }

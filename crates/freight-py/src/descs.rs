@@ -26,9 +26,7 @@ pub(crate) fn for_each_triple(
         let ro = a.try_readonly().map_err(|e| invalid(e.to_string()))?;
         for (i, row) in ro.as_array().rows().into_iter().enumerate() {
             if row.iter().any(|&v| v < 0) {
-                return Err(invalid(format!(
-                    "descriptor row {i} has a negative value: {row:?}"
-                )));
+                return Err(invalid(format!("descriptor row {i} has a negative value: {row:?}")));
             }
             f(row[0] as u64, row[1] as u64, row[2] as u64).or_raise()?;
         }
@@ -41,19 +39,13 @@ pub(crate) fn for_each_triple(
             a.dtype()
         )));
     }
-    let iter = obj.try_iter().map_err(|_| {
-        invalid(format!(
-            "expected (addr, length, device) tuples, got {}",
-            type_name(obj)
-        ))
-    })?;
+    let iter = obj
+        .try_iter()
+        .map_err(|_| invalid(format!("expected (addr, length, device) tuples, got {}", type_name(obj))))?;
     for (i, item) in iter.enumerate() {
         let item = item?;
-        let triple = item
-            .cast::<PyTuple>()
-            .ok()
-            .and_then(|t| t.extract::<(u64, u64, u64)>().ok())
-            .ok_or_else(|| {
+        let triple =
+            item.cast::<PyTuple>().ok().and_then(|t| t.extract::<(u64, u64, u64)>().ok()).ok_or_else(|| {
                 invalid(format!(
                     "descriptor {i} must be a tuple (addr, length, device) of non-negative ints, got {}",
                     item.repr().map(|r| r.to_string()).unwrap_or_else(|_| type_name(&item))
@@ -66,18 +58,13 @@ pub(crate) fn for_each_triple(
 
 fn check_nx3(shape: &[usize]) -> PyResult<()> {
     if shape.len() != 2 || shape[1] != 3 {
-        return Err(invalid(format!(
-            "a descriptor array must have shape (N, 3); got {shape:?}"
-        )));
+        return Err(invalid(format!("a descriptor array must have shape (N, 3); got {shape:?}")));
     }
     Ok(())
 }
 
 pub(crate) fn type_name(obj: &Bound<'_, PyAny>) -> String {
-    obj.get_type()
-        .name()
-        .map(|n| n.to_string())
-        .unwrap_or_else(|_| "?".into())
+    obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
 }
 
 pub(crate) fn parse_kind(kind: &str) -> PyResult<MemKind> {
@@ -91,12 +78,9 @@ pub(crate) fn indices(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec<u64
     if obj.is_none() {
         return Ok(None);
     }
-    let a = obj.cast::<PyArray1<u64>>().map_err(|_| {
-        invalid(format!(
-            "indices must be a 1-D uint64 array, got {}",
-            type_name(obj)
-        ))
-    })?;
+    let a = obj
+        .cast::<PyArray1<u64>>()
+        .map_err(|_| invalid(format!("indices must be a 1-D uint64 array, got {}", type_name(obj))))?;
     let ro = a.try_readonly().map_err(|e| invalid(e.to_string()))?;
     Ok(Some(match ro.as_slice() {
         Ok(s) => s.to_vec(),
@@ -117,36 +101,19 @@ impl PyDescList {
     #[new]
     #[pyo3(signature = (kind = "DRAM"))]
     fn new(kind: &str) -> PyResult<Self> {
-        Ok(PyDescList {
-            inner: DescList::new(parse_kind(kind)?),
-        })
+        Ok(PyDescList { inner: DescList::new(parse_kind(kind)?) })
     }
 
     /// Appends one descriptor.
     #[pyo3(signature = (addr, length, device = 0))]
     fn push(&mut self, addr: u64, length: u64, device: u64) -> PyResult<()> {
-        self.inner
-            .push(Desc {
-                addr,
-                len: length,
-                dev: device,
-            })
-            .or_raise()
+        self.inner.push(Desc { addr, len: length, dev: device }).or_raise()
     }
 
     /// Appends `count` descriptors of `length` bytes, the i-th at `addr + i * stride`
     /// (stored as one run, never materialised).
-    fn push_strided(
-        &mut self,
-        addr: u64,
-        length: u64,
-        device: u64,
-        stride: u64,
-        count: u64,
-    ) -> PyResult<()> {
-        self.inner
-            .push_strided(addr, length, device, stride, count)
-            .or_raise()
+    fn push_strided(&mut self, addr: u64, length: u64, device: u64, stride: u64, count: u64) -> PyResult<()> {
+        self.inner.push_strided(addr, length, device, stride, count).or_raise()
     }
 
     /// Appends (addr, length, device) triples from a list of tuples or an Nx3 uint64/int64
@@ -169,8 +136,7 @@ impl PyDescList {
         }
         let mut list = self.inner.clone();
         for r in other.inner.runs() {
-            list.push_strided(r.addr, r.len, r.dev, r.stride, r.count)
-                .or_raise()?;
+            list.push_strided(r.addr, r.len, r.dev, r.stride, r.count).or_raise()?;
         }
         self.inner = list;
         Ok(())
@@ -178,9 +144,7 @@ impl PyDescList {
 
     /// An independent copy.
     fn copy(&self) -> PyDescList {
-        PyDescList {
-            inner: self.inner.clone(),
-        }
+        PyDescList { inner: self.inner.clone() }
     }
 
     /// Memory kind of every descriptor: "DRAM", "VRAM" or "FILE".
@@ -203,12 +167,10 @@ impl PyDescList {
 
     /// Descriptor `i` as (addr, length, device).
     fn get(&self, i: u64) -> PyResult<(u64, u64, u64)> {
-        let d = self.inner.get(i).ok_or_else(|| {
-            invalid(format!(
-                "index {i} out of range for a list of {} descriptors",
-                self.inner.len()
-            ))
-        })?;
+        let d = self
+            .inner
+            .get(i)
+            .ok_or_else(|| invalid(format!("index {i} out of range for a list of {} descriptors", self.inner.len())))?;
         Ok((d.addr, d.len, d.dev))
     }
 
@@ -256,11 +218,7 @@ impl PyPreparedLocal {
         self.inner.len() as usize
     }
     fn __repr__(&self) -> String {
-        format!(
-            "<freight.PreparedLocal {} descriptors, {} bytes>",
-            self.inner.len(),
-            self.inner.total_bytes()
-        )
+        format!("<freight.PreparedLocal {} descriptors, {} bytes>", self.inner.len(), self.inner.total_bytes())
     }
 }
 

@@ -42,35 +42,21 @@ fn build(py: Python<'_>, e: Error) -> PyResult<PyErr> {
     let mut attrs: Vec<(&str, Bound<'_, PyAny>)> = Vec::new();
     let name = match e {
         Error::InvalidArgument(_) => "InvalidArgumentError",
-        Error::NotRegistered {
-            kind,
-            addr,
-            len,
-            dev,
-        } => {
+        Error::NotRegistered { kind, addr, len, dev } => {
             attrs.push(("kind", kind.into_bound_py_any(py)?));
             attrs.push(("addr", addr.into_bound_py_any(py)?));
             attrs.push(("length", len.into_bound_py_any(py)?));
             attrs.push(("device", dev.into_bound_py_any(py)?));
             "NotRegisteredError"
         }
-        Error::OutOfBounds {
-            addr,
-            len,
-            region_addr,
-            region_len,
-        } => {
+        Error::OutOfBounds { addr, len, region_addr, region_len } => {
             attrs.push(("addr", addr.into_bound_py_any(py)?));
             attrs.push(("length", len.into_bound_py_any(py)?));
             attrs.push(("region_addr", region_addr.into_bound_py_any(py)?));
             attrs.push(("region_length", region_len.into_bound_py_any(py)?));
             "OutOfBoundsError"
         }
-        Error::Overlap {
-            addr,
-            len,
-            existing,
-        } => {
+        Error::Overlap { addr, len, existing } => {
             attrs.push(("addr", addr.into_bound_py_any(py)?));
             attrs.push(("length", len.into_bound_py_any(py)?));
             attrs.push(("existing", existing.into_bound_py_any(py)?));
@@ -108,8 +94,7 @@ fn build(py: Python<'_>, e: Error) -> PyResult<PyErr> {
         Error::Io(_) => "IoError",
         Error::Etcd(_) => "EtcdError",
     };
-    let module =
-        ERRORS_MODULE.get_or_try_init(py, || py.import("freight.errors").map(Bound::unbind))?;
+    let module = ERRORS_MODULE.get_or_try_init(py, || py.import("freight.errors").map(Bound::unbind))?;
     let exc = module.bind(py).getattr(name)?.call1((msg,))?;
     for (k, v) in attrs {
         exc.setattr(k, v)?;

@@ -37,11 +37,7 @@ impl PyEtcdDirectory {
 impl Drop for PyEtcdDirectory {
     /// Revoking the lease may wait on etcd for up to `timeout`: not with the GIL held.
     fn drop(&mut self) {
-        let dir = self
-            .inner
-            .get_mut()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
+        let dir = self.inner.get_mut().unwrap_or_else(PoisonError::into_inner).take();
         if dir.is_some() {
             Python::attach(|py| py.detach(move || drop(dir)));
         }
@@ -52,33 +48,15 @@ impl Drop for PyEtcdDirectory {
 impl PyEtcdDirectory {
     #[new]
     #[pyo3(signature = (endpoints, prefix = "/freight/agents/", ttl = 10.0, timeout = 5.0))]
-    fn new(
-        py: Python<'_>,
-        endpoints: &Bound<'_, PyAny>,
-        prefix: &str,
-        ttl: f64,
-        timeout: f64,
-    ) -> PyResult<Self> {
+    fn new(py: Python<'_>, endpoints: &Bound<'_, PyAny>, prefix: &str, ttl: f64, timeout: f64) -> PyResult<Self> {
         let endpoints: Vec<String> = if let Ok(s) = endpoints.cast::<PyString>() {
-            s.to_cow()?
-                .split(',')
-                .map(str::trim)
-                .filter(|e| !e.is_empty())
-                .map(str::to_owned)
-                .collect()
+            s.to_cow()?.split(',').map(str::trim).filter(|e| !e.is_empty()).map(str::to_owned).collect()
         } else {
-            endpoints
-                .extract()
-                .map_err(|_| invalid("endpoints must be a string or a list of strings"))?
+            endpoints.extract().map_err(|_| invalid("endpoints must be a string or a list of strings"))?
         };
         let (ttl, timeout) = (seconds(ttl, "ttl")?, seconds(timeout, "timeout")?);
-        let dir = py
-            .detach(|| EtcdDirectory::connect(&endpoints, prefix, ttl, timeout))
-            .or_raise()?;
-        Ok(PyEtcdDirectory {
-            inner: RwLock::new(Some(Arc::new(dir))),
-            endpoints,
-        })
+        let dir = py.detach(|| EtcdDirectory::connect(&endpoints, prefix, ttl, timeout)).or_raise()?;
+        Ok(PyEtcdDirectory { inner: RwLock::new(Some(Arc::new(dir))), endpoints })
     }
 
     /// The key prefix (always ending in "/").
@@ -109,12 +87,7 @@ impl PyEtcdDirectory {
     /// Waits until `prefix + name` exists and returns its bytes; freight.TimeoutError
     /// after `timeout` seconds.
     #[pyo3(signature = (name, timeout = 10.0))]
-    fn wait_for<'py>(
-        &self,
-        py: Python<'py>,
-        name: &str,
-        timeout: f64,
-    ) -> PyResult<Bound<'py, PyBytes>> {
+    fn wait_for<'py>(&self, py: Python<'py>, name: &str, timeout: f64) -> PyResult<Bound<'py, PyBytes>> {
         let dir = self.get()?;
         let timeout = seconds(timeout, "timeout")?;
         let v = py.detach(move || dir.wait_for(name, timeout)).or_raise()?;
@@ -136,21 +109,14 @@ impl PyEtcdDirectory {
     /// Revokes the lease (everything published through this directory disappears) and
     /// disconnects. Idempotent.
     fn close(&self, py: Python<'_>) {
-        let dir = self
-            .inner
-            .write()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
+        let dir = self.inner.write().unwrap_or_else(PoisonError::into_inner).take();
         py.detach(|| drop(dir));
     }
 
     /// True once `close()` was called.
     #[getter]
     fn closed(&self) -> bool {
-        self.inner
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .is_none()
+        self.inner.read().unwrap_or_else(PoisonError::into_inner).is_none()
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -164,13 +130,7 @@ impl PyEtcdDirectory {
     }
 
     fn __repr__(&self) -> String {
-        let prefix = self
-            .get()
-            .map(|d| d.prefix().to_string())
-            .unwrap_or_else(|_| "<closed>".into());
-        format!(
-            "<freight.EtcdDirectory {:?} prefix={prefix:?}>",
-            self.endpoints
-        )
+        let prefix = self.get().map(|d| d.prefix().to_string()).unwrap_or_else(|_| "<closed>".into());
+        format!("<freight.EtcdDirectory {:?} prefix={prefix:?}>", self.endpoints)
     }
 }

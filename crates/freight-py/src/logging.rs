@@ -19,30 +19,19 @@ static HANDLE: OnceLock<reload::Handle<EnvFilter, Registry>> = OnceLock::new();
 static INSTALL: Mutex<()> = Mutex::new(());
 
 fn apply(spec: &str) -> PyResult<()> {
-    let filter = EnvFilter::try_new(spec)
-        .map_err(|e| invalid(format!("bad log level or filter '{spec}': {e}")))?;
+    let filter = EnvFilter::try_new(spec).map_err(|e| invalid(format!("bad log level or filter '{spec}': {e}")))?;
     let _guard = INSTALL.lock().unwrap_or_else(PoisonError::into_inner);
     if let Some(h) = HANDLE.get() {
-        return h.reload(filter).map_err(|e| {
-            to_py_err(Error::InvalidState(format!(
-                "cannot change the log filter: {e}"
-            )))
-        });
+        return h
+            .reload(filter)
+            .map_err(|e| to_py_err(Error::InvalidState(format!("cannot change the log filter: {e}"))));
     }
     let (layer, handle) = reload::Layer::new(filter);
     tracing_subscriber::registry()
         .with(layer)
-        .with(
-            fmt::layer()
-                .with_writer(std::io::stderr)
-                .with_ansi(std::io::stderr().is_terminal()),
-        )
+        .with(fmt::layer().with_writer(std::io::stderr).with_ansi(std::io::stderr().is_terminal()))
         .try_init()
-        .map_err(|e| {
-            to_py_err(Error::InvalidState(format!(
-                "another tracing subscriber is already installed: {e}"
-            )))
-        })?;
+        .map_err(|e| to_py_err(Error::InvalidState(format!("another tracing subscriber is already installed: {e}"))))?;
     let _ = HANDLE.set(handle);
     Ok(())
 }
@@ -54,9 +43,8 @@ fn apply(spec: &str) -> PyResult<()> {
 #[pyfunction]
 #[pyo3(signature = (level = None))]
 pub fn set_log_level(level: Option<String>) -> PyResult<()> {
-    let spec = level
-        .or_else(|| std::env::var(ENV).ok().filter(|s| !s.trim().is_empty()))
-        .unwrap_or_else(|| "info".into());
+    let spec =
+        level.or_else(|| std::env::var(ENV).ok().filter(|s| !s.trim().is_empty())).unwrap_or_else(|| "info".into());
     apply(&spec)
 }
 

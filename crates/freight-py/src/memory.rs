@@ -38,11 +38,6 @@ impl PySharedSegment {
     }
 
     fn __repr__(&self) -> String {
-        format!(
-            "<freight.SharedSegment id={} addr={:#x} nbytes={}>",
-            self.seg.id(),
-            self.seg.addr(),
-            self.seg.len()
-        )
+        format!("<freight.SharedSegment id={} addr={:#x} nbytes={}>", self.seg.id(), self.seg.addr(), self.seg.len())
     }
 }

@@ -65,19 +65,13 @@ impl PyRequest {
         let deadline = timeout.map(|t| Instant::now() + t);
         loop {
             let slice = match deadline {
-                Some(d) => d
-                    .saturating_duration_since(Instant::now())
-                    .min(SIGNAL_SLICE),
+                Some(d) => d.saturating_duration_since(Instant::now()).min(SIGNAL_SLICE),
                 None => SIGNAL_SLICE,
             };
             match py.detach(|| self.inner.wait(Some(slice))) {
                 Status::Done => return Ok(()),
                 Status::Error(e) => return Err(to_py_err(e)),
-                Status::Idle => {
-                    return Err(to_py_err(Error::InvalidState(
-                        "the request was never posted".into(),
-                    )))
-                }
+                Status::Idle => return Err(to_py_err(Error::InvalidState("the request was never posted".into()))),
                 Status::Pending => {}
             }
             py.check_signals()?;
@@ -132,11 +126,7 @@ impl PyRequest {
             "<freight.Request {} {} bytes {} '{}' via {} [{}]>",
             self.inner.op().as_str(),
             self.inner.bytes(),
-            if self.inner.op() == freight_core::OpKind::Write {
-                "to"
-            } else {
-                "from"
-            },
+            if self.inner.op() == freight_core::OpKind::Write { "to" } else { "from" },
             self.peer,
             self.inner.path().transport,
             status_str(&self.inner.status())

@@ -9,9 +9,7 @@ use crate::errors::invalid;
 /// Seconds (finite, >= 0) as a Duration; `what` names the argument in errors.
 pub(crate) fn seconds(secs: f64, what: &str) -> PyResult<Duration> {
     if !secs.is_finite() || secs < 0.0 {
-        return Err(invalid(format!(
-            "{what} must be a finite number of seconds >= 0, got {secs}"
-        )));
+        return Err(invalid(format!("{what} must be a finite number of seconds >= 0, got {secs}")));
     }
     Duration::try_from_secs_f64(secs).map_err(|e| invalid(format!("{what}: {e}")))
 }

@@ -85,11 +85,7 @@ impl Samples {
                 let mut us: Vec<f64> = v.iter().map(|d| d.as_secs_f64() * 1e6).collect();
                 us.sort_by(f64::total_cmp);
                 let mid = us.len() / 2;
-                let median = if us.len() % 2 == 1 {
-                    us[mid]
-                } else {
-                    (us[mid - 1] + us[mid]) / 2.0
-                };
+                let median = if us.len() % 2 == 1 { us[mid] } else { (us[mid - 1] + us[mid]) / 2.0 };
                 Row {
                     operation: op.clone(),
                     items: *items,
@@ -105,24 +101,14 @@ impl Samples {
 pub fn run(a: &DescriptorArgs) -> CliResult<()> {
     // Gaps between descriptors keep the engine from merging them, so that building a
     // request really handles every descriptor.
-    let stride = a
-        .block
-        .checked_mul(2)
-        .ok_or_else(|| CliError::usage("--block is too large"))?;
+    let stride = a.block.checked_mul(2).ok_or_else(|| CliError::usage("--block is too large"))?;
     let span = a.descriptors.checked_mul(stride).filter(|&s| s <= MAX_SPAN);
     let span = span.ok_or_else(|| {
-        CliError::usage(format!(
-            "--descriptors x 2 x --block must stay under {}",
-            format_size(MAX_SPAN)
-        ))
+        CliError::usage(format!("--descriptors x 2 x --block must stay under {}", format_size(MAX_SPAN)))
     })?;
     let region_span = a.regions.checked_mul(a.block).filter(|&s| s <= MAX_SPAN);
-    let region_span = region_span.ok_or_else(|| {
-        CliError::usage(format!(
-            "--regions x --block must stay under {}",
-            format_size(MAX_SPAN)
-        ))
-    })?;
+    let region_span = region_span
+        .ok_or_else(|| CliError::usage(format!("--regions x --block must stay under {}", format_size(MAX_SPAN))))?;
     let n = a.descriptors;
 
     let local = Agent::new("freight-desc-local", AgentConfig::default())?;
@@ -133,13 +119,7 @@ pub fn run(a: &DescriptorArgs) -> CliResult<()> {
     local.register(MemKind::Dram, lbuf.addr(), span, 0)?;
     remote.register(MemKind::Dram, rbuf.addr(), span, 0)?;
     let peer = local.add_peer(&remote.metadata())?;
-    let blocks = |base: u64| {
-        (0..n).map(move |i| Desc {
-            addr: base + i * stride,
-            len: a.block,
-            dev: 0,
-        })
-    };
+    let blocks = |base: u64| (0..n).map(move |i| Desc { addr: base + i * stride, len: a.block, dev: 0 });
     let strided = |base: u64| -> CliResult<DescList> {
         let mut l = DescList::new(MemKind::Dram);
         l.push_strided(base, a.block, 0, stride, n)?;
@@ -156,31 +136,20 @@ pub fn run(a: &DescriptorArgs) -> CliResult<()> {
                 .map_err(CliError::from)
         })?;
         s.time("deregister regions", a.regions, || {
-            keys.iter()
-                .try_for_each(|&k| local.deregister(k))
-                .map_err(CliError::from)
+            keys.iter().try_for_each(|&k| local.deregister(k)).map_err(CliError::from)
         })?;
 
-        let llist = s.time("build a descriptor list", n, || {
-            Ok(DescList::from_descs(MemKind::Dram, blocks(lbuf.addr()))?)
-        })?;
+        let llist =
+            s.time("build a descriptor list", n, || Ok(DescList::from_descs(MemKind::Dram, blocks(lbuf.addr()))?))?;
         let rlist = DescList::from_descs(MemKind::Dram, blocks(rbuf.addr()))?;
         let lp = s.time("prepare_local", n, || Ok(local.prepare_local(&llist)?))?;
-        let rp = s.time("prepare_remote", n, || {
-            Ok(local.prepare_remote(&peer, &rlist)?)
-        })?;
-        let req = s.time("make_request", n, || {
-            Ok(local.make_request(OpKind::Write, &lp, None, &rp, None, None)?)
-        })?;
+        let rp = s.time("prepare_remote", n, || Ok(local.prepare_remote(&peer, &rlist)?))?;
+        let req = s.time("make_request", n, || Ok(local.make_request(OpKind::Write, &lp, None, &rp, None, None)?))?;
         copies = req.copies();
 
         let (ls, rs) = (strided(lbuf.addr())?, strided(rbuf.addr())?);
-        let lp = s.time("prepare_local, strided run", n, || {
-            Ok(local.prepare_local(&ls)?)
-        })?;
-        let rp = s.time("prepare_remote, strided run", n, || {
-            Ok(local.prepare_remote(&peer, &rs)?)
-        })?;
+        let lp = s.time("prepare_local, strided run", n, || Ok(local.prepare_local(&ls)?))?;
+        let rp = s.time("prepare_remote, strided run", n, || Ok(local.prepare_remote(&peer, &rs)?))?;
         s.time("make_request, strided run", n, || {
             Ok(local.make_request(OpKind::Write, &lp, None, &rp, None, None)?)
         })?;
@@ -198,13 +167,7 @@ pub fn run(a: &DescriptorArgs) -> CliResult<()> {
         });
         return emit(&(serde_json::to_string_pretty(&doc).expect("json") + "\n"));
     }
-    let mut t = Table::new(&[
-        "Operation",
-        "Items",
-        "Best (us)",
-        "Median (us)",
-        "Best per item (ns)",
-    ]);
+    let mut t = Table::new(&["Operation", "Items", "Best (us)", "Median (us)", "Best per item (ns)"]);
     for r in &rows {
         t.push(vec![
             r.operation.clone(),

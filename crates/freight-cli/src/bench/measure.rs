@@ -111,11 +111,7 @@ fn micros(d: Duration) -> f64 {
 /// descriptor per block, never a strided run, so that preparing costs what an
 /// application with scattered blocks would pay.
 fn batch_list(kind: MemKind, base: u64, block: u64, order: &[u64]) -> DescList {
-    let descs = order.iter().map(|&i| freight_core::Desc {
-        addr: base + i * block,
-        len: block,
-        dev: 0,
-    });
+    let descs = order.iter().map(|&i| freight_core::Desc { addr: base + i * block, len: block, dev: 0 });
     DescList::from_descs(kind, descs).expect("blocks are non-empty and in range")
 }
 
@@ -171,10 +167,7 @@ impl Runner<'_, '_> {
         // Medians on both sides: a shared host's scheduler hiccups move averages of a few
         // dozen samples more than anything freight or memcpy does.
         let gbps = round4(bytes as f64 / transfer_us.p50 / 1e3);
-        let memcpy_gbps = self
-            .baseline
-            .clone()
-            .map(|dst| round4(self.memcpy_gbps(&dst, block, &order)));
+        let memcpy_gbps = self.baseline.clone().map(|dst| round4(self.memcpy_gbps(&dst, block, &order)));
         Ok(RowResult {
             block_size: block,
             batch_size: batch,
@@ -193,10 +186,7 @@ impl Runner<'_, '_> {
     }
 
     /// Warm-up, then timed iterations; returns (post, transfer) samples in microseconds.
-    fn iterate(
-        &self,
-        mut once: impl FnMut() -> CliResult<(Duration, Duration)>,
-    ) -> CliResult<(Vec<f64>, Vec<f64>)> {
+    fn iterate(&self, mut once: impl FnMut() -> CliResult<(Duration, Duration)>) -> CliResult<(Vec<f64>, Vec<f64>)> {
         for _ in 0..self.warmup {
             once()?;
         }
@@ -211,12 +201,7 @@ impl Runner<'_, '_> {
     }
 
     /// One transfer in the row's mode, posted.
-    fn post_one(
-        &self,
-        local: &DescList,
-        remote: &DescList,
-        notif: Option<Vec<u8>>,
-    ) -> CliResult<Request> {
+    fn post_one(&self, local: &DescList, remote: &DescList, notif: Option<Vec<u8>>) -> CliResult<Request> {
         let (agent, peer) = (self.agent, &self.link.peer);
         Ok(match self.mode {
             Mode::Prepared => {
@@ -232,25 +217,16 @@ impl Runner<'_, '_> {
 
     /// Poisons the destination, moves the pattern, and checks every byte where it landed:
     /// on the target for a WRITE (asked by the transfer's own notification), here for a READ.
-    fn verify(
-        &mut self,
-        local: &DescList,
-        remote: &DescList,
-        len: u64,
-        what: &str,
-    ) -> CliResult<()> {
+    fn verify(&mut self, local: &DescList, remote: &DescList, len: u64, what: &str) -> CliResult<()> {
         let seed: u64 = rand::random();
         let mine = pattern::bytes_mut(&self.local, len);
         let found = match self.op {
             OpKind::Write => {
                 pattern::fill(mine, seed);
                 self.link.call(&Command::Poison { len })?;
-                let req =
-                    self.post_one(local, remote, Some(Command::Check { seed, len }.encode()))?;
+                let req = self.post_one(local, remote, Some(Command::Check { seed, len }.encode()))?;
                 wait_done(&req, &format!("verification WRITE of {what}"))?;
-                self.link
-                    .outcome()?
-                    .map_err(|e| format!("the target found: {e}"))
+                self.link.outcome()?.map_err(|e| format!("the target found: {e}"))
             }
             OpKind::Read => {
                 self.link.call(&Command::Fill { seed, len })?;
@@ -260,12 +236,7 @@ impl Runner<'_, '_> {
                 pattern::check(mine, seed)
             }
         };
-        found.map_err(|e| {
-            CliError::runtime(format!(
-                "verification failed for {} of {what}: {e}",
-                self.op.as_str()
-            ))
-        })
+        found.map_err(|e| CliError::runtime(format!("verification failed for {} of {what}: {e}", self.op.as_str())))
     }
 
     /// Single-thread memcpy of the same blocks in the same order, for scale: bandwidth of
@@ -278,9 +249,7 @@ impl Runner<'_, '_> {
                 let off = (i * block) as usize;
                 // SAFETY: both buffers hold the largest row (checked when they were
                 // allocated), they are distinct, and no transfer is in flight now.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(src.add(off), dst.add(off), block as usize)
-                };
+                unsafe { std::ptr::copy_nonoverlapping(src.add(off), dst.add(off), block as usize) };
             }
             black_box(dst);
             t.elapsed()

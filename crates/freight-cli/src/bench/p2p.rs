@@ -13,8 +13,8 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use super::measure::{Budget, Mode, RowResult, Runner};
 use super::report::{p2p_header, p2p_json, p2p_table};
 use crate::args::{
-    format_size, parse_count_list, parse_duration, parse_positive_size, parse_size_list, CliError,
-    CliResult, EngineOpts, NumList, SegKind,
+    format_size, parse_count_list, parse_duration, parse_positive_size, parse_size_list, CliError, CliResult,
+    EngineOpts, NumList, SegKind,
 };
 use crate::child::{Link, TargetProcess};
 use crate::{emit, target, Context};
@@ -163,13 +163,8 @@ fn parse_warmup(s: &str) -> Result<usize, String> {
 /// What this process does, after the role options were checked against each other.
 #[derive(Debug, PartialEq, Eq)]
 enum Plan {
-    Target {
-        listen: String,
-    },
-    Initiator {
-        connect: Option<String>,
-        listen: String,
-    },
+    Target { listen: String },
+    Initiator { connect: Option<String>, listen: String },
 }
 
 /// The rows to run, and those left out by --max-request-bytes.
@@ -182,11 +177,7 @@ pub(super) struct Grid {
 pub(super) const DEFAULT_BATCHES: [u64; 3] = [1, 16, 128];
 
 fn socket_addr(opt: &str, v: &str) -> CliResult<SocketAddr> {
-    v.parse().map_err(|_| {
-        CliError::usage(format!(
-            "{opt} '{v}' is not an IP:PORT address (e.g. 10.0.0.2:7000)"
-        ))
-    })
+    v.parse().map_err(|_| CliError::usage(format!("{opt} '{v}' is not an IP:PORT address (e.g. 10.0.0.2:7000)")))
 }
 
 impl P2pArgs {
@@ -195,22 +186,18 @@ impl P2pArgs {
             socket_addr("--listen", l)?;
         }
         match (self.role, &self.connect) {
-            (Role::Target, Some(_)) => Err(CliError::usage(
-                "--connect is for the initiator; a target only needs --listen",
-            )),
-            (Role::Target, None) => Ok(Plan::Target {
-                listen: self.listen.clone().unwrap_or_else(|| "127.0.0.1:0".into()),
-            }),
-            (Role::Initiator, None) => Err(CliError::usage(
-                "--role initiator needs --connect IP:PORT (the address a --role target printed)",
-            )),
+            (Role::Target, Some(_)) => {
+                Err(CliError::usage("--connect is for the initiator; a target only needs --listen"))
+            }
+            (Role::Target, None) => {
+                Ok(Plan::Target { listen: self.listen.clone().unwrap_or_else(|| "127.0.0.1:0".into()) })
+            }
+            (Role::Initiator, None) => {
+                Err(CliError::usage("--role initiator needs --connect IP:PORT (the address a --role target printed)"))
+            }
             (_, Some(c)) => {
                 let target = socket_addr("--connect", c)?;
-                let default = if target.ip().is_loopback() {
-                    "127.0.0.1:0"
-                } else {
-                    "0.0.0.0:0"
-                };
+                let default = if target.ip().is_loopback() { "127.0.0.1:0" } else { "0.0.0.0:0" };
                 Ok(Plan::Initiator {
                     connect: Some(c.clone()),
                     listen: self.listen.clone().unwrap_or_else(|| default.into()),
@@ -241,9 +228,9 @@ impl P2pArgs {
                 (None, None) => DEFAULT_BATCHES.to_vec(),
             };
             for batch in batches {
-                let bytes = block.checked_mul(batch).ok_or_else(|| {
-                    CliError::usage(format!("{batch} x {} overflows", format_size(block)))
-                })?;
+                let bytes = block
+                    .checked_mul(batch)
+                    .ok_or_else(|| CliError::usage(format!("{batch} x {} overflows", format_size(block))))?;
                 if self.total_bytes.is_none() && bytes > self.max_request_bytes {
                     skipped.push((block, batch));
                 } else {
@@ -261,8 +248,7 @@ impl P2pArgs {
     }
 
     pub(super) fn budget(&self) -> Budget {
-        self.duration
-            .map_or(Budget::Iters(self.iters), Budget::Time)
+        self.duration.map_or(Budget::Iters(self.iters), Budget::Time)
     }
 }
 
@@ -276,29 +262,14 @@ pub fn run(a: &P2pArgs, ctx: &Context) -> CliResult<()> {
     }
 }
 
-fn initiator(
-    a: &P2pArgs,
-    grid: &Grid,
-    connect: Option<&str>,
-    listen: &str,
-    ctx: &Context,
-) -> CliResult<()> {
+fn initiator(a: &P2pArgs, grid: &Grid, connect: Option<&str>, listen: &str, ctx: &Context) -> CliResult<()> {
     let process = match connect {
-        None => Some(TargetProcess::spawn(
-            &ctx.self_command,
-            ctx.log_level.as_deref(),
-        )?),
+        None => Some(TargetProcess::spawn(&ctx.self_command, ctx.log_level.as_deref())?),
         Some(_) => None,
     };
-    let target_addr = connect.map_or_else(
-        || process.as_ref().expect("spawned").addr.clone(),
-        str::to_string,
-    );
+    let target_addr = connect.map_or_else(|| process.as_ref().expect("spawned").addr.clone(), str::to_string);
     let name = format!("freight-bench-{}", std::process::id());
-    let agent = Agent::new(
-        &name,
-        a.engine.agent_config(listen, a.engine.transport.require()),
-    )?;
+    let agent = Agent::new(&name, a.engine.agent_config(listen, a.engine.transport.require()))?;
     let mut link = Link::open(&agent, &target_addr, process.as_ref())?;
     let outcome = measure(a, grid, &agent, &mut link, &target_addr, process.is_some());
     // Also after a failure, so that a target started by hand does not wait forever.
@@ -332,28 +303,14 @@ fn measure<'a>(
     target_addr: &str,
     child: bool,
 ) -> CliResult<(Vec<RowResult>, TargetInfo)> {
-    let max = grid
-        .rows
-        .iter()
-        .map(|(b, n)| b * n)
-        .max()
-        .expect("at least one row");
-    let len = usize::try_from(max)
-        .map_err(|_| CliError::usage("the largest request does not fit in memory"))?;
+    let max = grid.rows.iter().map(|(b, n)| b * n).max().expect("at least one row");
+    let len = usize::try_from(max).map_err(|_| CliError::usage("the largest request does not fit in memory"))?;
     let remote = link.setup(max, a.target_seg.mem_kind())?;
     let local = agent.alloc(len)?;
     agent.register(a.initiator_seg.mem_kind(), local.addr(), max, 0)?;
-    let baseline = if a.memcpy_baseline {
-        Some(agent.alloc(len)?)
-    } else {
-        None
-    };
+    let baseline = if a.memcpy_baseline { Some(agent.alloc(len)?) } else { None };
     probe(a, grid, agent, &link.peer, &local, remote.addr)?;
-    let target = TargetInfo {
-        addr: target_addr.to_string(),
-        pid: remote.pid,
-        child,
-    };
+    let target = TargetInfo { addr: target_addr.to_string(), pid: remote.pid, child };
     if !a.json {
         emit(&p2p_header(a, grid, &target, max))?;
     }
@@ -386,25 +343,9 @@ fn measure<'a>(
 
 /// Builds (without posting) a request of the first row, so that a path the engine cannot
 /// serve (VRAM, FILE, a required transport that does not reach) fails before any output.
-fn probe(
-    a: &P2pArgs,
-    grid: &Grid,
-    agent: &Agent,
-    peer: &str,
-    local: &SharedSegment,
-    remote: u64,
-) -> CliResult<()> {
+fn probe(a: &P2pArgs, grid: &Grid, agent: &Agent, peer: &str, local: &SharedSegment, remote: u64) -> CliResult<()> {
     let block = grid.rows[0].0;
-    let one = |kind: SegKind, addr: u64| {
-        DescList::from_descs(
-            kind.mem_kind(),
-            [Desc {
-                addr,
-                len: block,
-                dev: 0,
-            }],
-        )
-    };
+    let one = |kind: SegKind, addr: u64| DescList::from_descs(kind.mem_kind(), [Desc { addr, len: block, dev: 0 }]);
     let l = agent.prepare_local(&one(a.initiator_seg, local.addr())?)?;
     let r = agent.prepare_remote(peer, &one(a.target_seg, remote)?)?;
     agent
@@ -452,82 +393,37 @@ mod tests {
 
     #[test]
     fn total_bytes_sets_the_batch() {
-        let g = args(&["--block-sizes", "4KiB,1MiB", "--total-bytes", "256MiB"])
-            .unwrap()
-            .grid()
-            .unwrap();
+        let g = args(&["--block-sizes", "4KiB,1MiB", "--total-bytes", "256MiB"]).unwrap().grid().unwrap();
         assert_eq!(g.rows, vec![(4096, 65536), (1 << 20, 256)]);
-        let e = args(&["--block-sizes", "1GiB", "--total-bytes", "1MiB"])
-            .unwrap()
-            .grid()
-            .unwrap_err();
+        let e = args(&["--block-sizes", "1GiB", "--total-bytes", "1MiB"]).unwrap().grid().unwrap_err();
         assert!(matches!(e, CliError::Usage(m) if m.contains("larger than --total-bytes")));
-        assert!(
-            args(&["--batch-sizes", "1", "--total-bytes", "1MiB"]).is_err(),
-            "the two are exclusive"
-        );
+        assert!(args(&["--batch-sizes", "1", "--total-bytes", "1MiB"]).is_err(), "the two are exclusive");
     }
 
     #[test]
     fn a_grid_that_is_all_skipped_is_a_usage_error() {
-        let e = args(&["--block-sizes", "64MiB", "--batch-sizes", "16"])
+        let e = args(&["--block-sizes", "64MiB", "--batch-sizes", "16"]).unwrap().grid().unwrap_err();
+        assert!(matches!(e, CliError::Usage(m) if m.contains("--max-request-bytes")));
+        let g = args(&["--block-sizes", "64MiB", "--batch-sizes", "16", "--max-request-bytes", "1GiB"])
             .unwrap()
             .grid()
-            .unwrap_err();
-        assert!(matches!(e, CliError::Usage(m) if m.contains("--max-request-bytes")));
-        let g = args(&[
-            "--block-sizes",
-            "64MiB",
-            "--batch-sizes",
-            "16",
-            "--max-request-bytes",
-            "1GiB",
-        ])
-        .unwrap()
-        .grid()
-        .unwrap();
+            .unwrap();
         assert_eq!(g.rows, vec![(64 << 20, 16)]);
     }
 
     #[test]
     fn roles_are_checked() {
         let plan = |x: &[&str]| args(x).unwrap().plan();
-        assert_eq!(
-            plan(&[]).unwrap(),
-            Plan::Initiator {
-                connect: None,
-                listen: "127.0.0.1:0".into()
-            }
-        );
-        assert_eq!(
-            plan(&["--role", "target"]).unwrap(),
-            Plan::Target {
-                listen: "127.0.0.1:0".into()
-            }
-        );
+        assert_eq!(plan(&[]).unwrap(), Plan::Initiator { connect: None, listen: "127.0.0.1:0".into() });
+        assert_eq!(plan(&["--role", "target"]).unwrap(), Plan::Target { listen: "127.0.0.1:0".into() });
         assert_eq!(
             plan(&["--connect", "10.1.2.3:7000"]).unwrap(),
-            Plan::Initiator {
-                connect: Some("10.1.2.3:7000".into()),
-                listen: "0.0.0.0:0".into()
-            }
+            Plan::Initiator { connect: Some("10.1.2.3:7000".into()), listen: "0.0.0.0:0".into() }
         );
-        assert!(matches!(
-            plan(&["--role", "initiator"]),
-            Err(CliError::Usage(_))
-        ));
-        assert!(matches!(
-            plan(&["--role", "target", "--connect", "1.2.3.4:5"]),
-            Err(CliError::Usage(_))
-        ));
-        assert!(matches!(
-            plan(&["--connect", "somehost"]),
-            Err(CliError::Usage(_))
-        ));
-        assert!(matches!(
-            plan(&["--role", "target", "--listen", "nope"]),
-            Err(CliError::Usage(_))
-        ));
+        assert!(matches!(plan(&["--role", "initiator"]), Err(CliError::Usage(_))));
+        assert!(matches!(plan(&["--role", "target", "--connect", "1.2.3.4:5"]), Err(CliError::Usage(_))));
+        assert!(matches!(plan(&["--connect", "somehost"]), Err(CliError::Usage(_))));
+        assert!(matches!(plan(&["--role", "target", "--listen", "nope"]), Err(CliError::Usage(_))));
     }
 
     #[test]
@@ -541,9 +437,6 @@ mod tests {
         assert!(args(&["--streams", "0"]).is_err());
         assert!(args(&["--chunk-size", "2GiB"]).is_err());
         assert!(args(&["--transport", "rdma"]).is_err());
-        assert_eq!(
-            args(&["--duration", "250ms"]).unwrap().budget(),
-            Budget::Time(Duration::from_millis(250))
-        );
+        assert_eq!(args(&["--duration", "250ms"]).unwrap().budget(), Budget::Time(Duration::from_millis(250)));
     }
 }

@@ -73,10 +73,7 @@ pub struct Table {
 
 impl Table {
     pub fn new(head: &[&str]) -> Table {
-        Table {
-            head: head.iter().map(|h| h.to_string()).collect(),
-            rows: Vec::new(),
-        }
+        Table { head: head.iter().map(|h| h.to_string()).collect(), rows: Vec::new() }
     }
 
     pub fn push(&mut self, row: Vec<String>) {
@@ -86,26 +83,21 @@ impl Table {
 
     pub fn render(&self) -> String {
         let widths: Vec<usize> = (0..self.head.len())
-            .map(|c| {
-                self.rows
-                    .iter()
-                    .map(|r| r[c].len())
-                    .chain([self.head[c].len()])
-                    .max()
-                    .unwrap_or(0)
-            })
+            .map(|c| self.rows.iter().map(|r| r[c].len()).chain([self.head[c].len()]).max().unwrap_or(0))
             .collect();
         let line = |cells: &[String]| {
             let parts: Vec<String> = cells
                 .iter()
                 .enumerate()
-                .map(|(c, v)| {
-                    if c == 0 {
-                        format!("{v:<w$}", w = widths[c])
-                    } else {
-                        format!("{v:>w$}", w = widths[c])
-                    }
-                })
+                .map(
+                    |(c, v)| {
+                        if c == 0 {
+                            format!("{v:<w$}", w = widths[c])
+                        } else {
+                            format!("{v:>w$}", w = widths[c])
+                        }
+                    },
+                )
                 .collect();
             parts.join("  ").trim_end().to_string() + "\n"
         };
@@ -151,11 +143,7 @@ pub(super) fn p2p_header(a: &P2pArgs, grid: &Grid, target: &TargetInfo, max: u64
         Budget::Iters(n) => format!("{n} timed iterations"),
         Budget::Time(d) => format!("{:.2}s of iterations", d.as_secs_f64()),
     };
-    let whose = if target.child {
-        "started by this command"
-    } else {
-        "started separately"
-    };
+    let whose = if target.child { "started by this command" } else { "started separately" };
     format!(
         "freight bench p2p: {}, {} requests, {} -> {}, transport {}{}\n\
          initiator pid {} -> target pid {} at {} ({whose}); buffers of {} on each side\n\
@@ -177,10 +165,8 @@ pub(super) fn p2p_header(a: &P2pArgs, grid: &Grid, target: &TargetInfo, max: u64
 }
 
 pub(super) fn p2p_table(a: &P2pArgs, grid: &Grid, rows: &[RowResult]) -> String {
-    let mut head = vec![
-        "Block", "Batch", "GB/s", "Avg Prep", "P99 Prep", "Avg Post", "P99 Post", "Avg Xfer",
-        "P99 Xfer", "Path",
-    ];
+    let mut head =
+        vec!["Block", "Batch", "GB/s", "Avg Prep", "P99 Prep", "Avg Post", "P99 Post", "Avg Xfer", "P99 Xfer", "Path"];
     if a.memcpy_baseline {
         head.extend(["memcpy GB/s", "vs memcpy"]);
     }
@@ -207,10 +193,7 @@ pub(super) fn p2p_table(a: &P2pArgs, grid: &Grid, rows: &[RowResult]) -> String 
     }
     let mut out = t.render();
     out.push('\n');
-    let paths: BTreeSet<(&str, &str)> = rows
-        .iter()
-        .map(|r| (r.transport.as_str(), r.path_reason.as_str()))
-        .collect();
+    let paths: BTreeSet<(&str, &str)> = rows.iter().map(|r| (r.transport.as_str(), r.path_reason.as_str())).collect();
     for (transport, reason) in paths {
         out.push_str(&format!("path {transport}: {reason}\n"));
     }
@@ -229,11 +212,7 @@ pub(super) fn p2p_table(a: &P2pArgs, grid: &Grid, rows: &[RowResult]) -> String 
         ));
     }
     if !grid.skipped.is_empty() {
-        let (b, n) = grid
-            .skipped
-            .iter()
-            .max_by_key(|(b, n)| b * n)
-            .expect("non-empty");
+        let (b, n) = grid.skipped.iter().max_by_key(|(b, n)| b * n).expect("non-empty");
         out.push_str(&format!(
             "note: skipped {} rows above --max-request-bytes {} (up to {n} x {}); raise it to run them\n",
             grid.skipped.len(),
@@ -245,12 +224,7 @@ pub(super) fn p2p_table(a: &P2pArgs, grid: &Grid, rows: &[RowResult]) -> String 
 }
 
 /// The whole run as one pretty-printed JSON document.
-pub(super) fn p2p_json(
-    a: &P2pArgs,
-    grid: &Grid,
-    rows: &[RowResult],
-    target: &TargetInfo,
-) -> String {
+pub(super) fn p2p_json(a: &P2pArgs, grid: &Grid, rows: &[RowResult], target: &TargetInfo) -> String {
     let e = &a.engine;
     let cfg = e.agent_config("", e.transport.require());
     let doc = json!({
@@ -291,10 +265,7 @@ mod tests {
     fn stats_use_nearest_rank() {
         assert_eq!(Stats::of(&[]), None);
         let s = Stats::of(&[3.0, 1.0, 2.0]).unwrap();
-        assert_eq!(
-            (s.avg, s.p50, s.p99, s.min, s.max),
-            (2.0, 2.0, 3.0, 1.0, 3.0)
-        );
+        assert_eq!((s.avg, s.p50, s.p99, s.min, s.max), (2.0, 2.0, 3.0, 1.0, 3.0));
         let v: Vec<f64> = (1..=200).map(f64::from).collect();
         let s = Stats::of(&v).unwrap();
         assert_eq!((s.p50, s.p99), (100.0, 198.0));

@@ -62,12 +62,7 @@ impl EtcdDirectory {
     /// them answers within `timeout`. `prefix` (e.g. `/freight/agents/`) gets a trailing `/`
     /// if it lacks one; `ttl` is rounded up to whole seconds (etcd's unit), at least 1 s.
     /// Every later etcd call is bounded by `timeout` as well.
-    pub fn connect(
-        endpoints: &[String],
-        prefix: &str,
-        ttl: Duration,
-        timeout: Duration,
-    ) -> Result<Self> {
+    pub fn connect(endpoints: &[String], prefix: &str, ttl: Duration, timeout: Duration) -> Result<Self> {
         if endpoints.is_empty() {
             return Err(Error::InvalidArgument("no etcd endpoints given".into()));
         }
@@ -75,26 +70,18 @@ impl EtcdDirectory {
             return Err(Error::InvalidArgument("empty etcd key prefix".into()));
         }
         if ttl < Duration::from_secs(1) {
-            return Err(Error::InvalidArgument(format!(
-                "lease ttl {ttl:?} is below etcd's 1 s resolution"
-            )));
+            return Err(Error::InvalidArgument(format!("lease ttl {ttl:?} is below etcd's 1 s resolution")));
         }
         if timeout.is_zero() {
             return Err(Error::InvalidArgument("zero etcd timeout".into()));
         }
-        let prefix = if prefix.ends_with('/') {
-            prefix.to_owned()
-        } else {
-            format!("{prefix}/")
-        };
+        let prefix = if prefix.ends_with('/') { prefix.to_owned() } else { format!("{prefix}/") };
         let ttl_secs = i64::try_from(ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0))
             .map_err(|_| Error::InvalidArgument(format!("lease ttl {ttl:?} too large")))?;
 
         let driver = Driver::start()?;
         let named = endpoints.join(",");
-        let opts = ConnectOptions::new()
-            .with_connect_timeout(timeout)
-            .with_timeout(timeout);
+        let opts = ConnectOptions::new().with_connect_timeout(timeout).with_timeout(timeout);
         let probe = async {
             let mut client = Client::connect(endpoints, Some(opts)).await?;
             // `Client::connect` does not dial; a one-key read proves that etcd answers.
@@ -104,25 +91,14 @@ impl EtcdDirectory {
         };
         let client = match driver.block_on(async { tokio::time::timeout(timeout, probe).await })? {
             Ok(Ok(client)) => client,
-            Ok(Err(e)) => {
-                return Err(Error::Etcd(format!(
-                    "cannot connect to etcd at {named}: {e}"
-                )))
-            }
+            Ok(Err(e)) => return Err(Error::Etcd(format!("cannot connect to etcd at {named}: {e}"))),
             Err(_) => {
-                return Err(Error::Etcd(format!(
-                    "cannot connect to etcd at {named}: no answer within {timeout:?}"
-                )))
+                return Err(Error::Etcd(format!("cannot connect to etcd at {named}: no answer within {timeout:?}")))
             }
         };
         tracing::info!(endpoints = %named, %prefix, ttl_secs, "connected to etcd");
         Ok(Self {
-            ctx: Ctx {
-                client,
-                prefix,
-                ttl_secs,
-                timeout,
-            },
+            ctx: Ctx { client, prefix, ttl_secs, timeout },
             state: Arc::default(),
             keeper: parking_lot::Mutex::new(None),
             closed: false,
@@ -149,10 +125,7 @@ impl EtcdDirectory {
                         return Ok(());
                     }
                     Err(Error::Etcd(msg)) if msg.contains(LEASE_NOT_FOUND) => {
-                        tracing::warn!(
-                            lease,
-                            "etcd lease expired; granting a new one and re-publishing"
-                        );
+                        tracing::warn!(lease, "etcd lease expired; granting a new one and re-publishing");
                     }
                     Err(e) => return Err(e),
                 }
@@ -171,11 +144,7 @@ impl EtcdDirectory {
         })??;
         let mut keeper = self.keeper.lock();
         if keeper.is_none() {
-            *keeper = Some(
-                self.driver
-                    .handle
-                    .spawn(keep_alive(self.ctx.clone(), self.state.clone())),
-            );
+            *keeper = Some(self.driver.handle.spawn(keep_alive(self.ctx.clone(), self.state.clone())));
         }
         tracing::debug!(name, len = metadata.len(), "published metadata");
         Ok(())
@@ -190,10 +159,7 @@ impl EtcdDirectory {
     /// Waits until `prefix + name` exists and returns its value; `Error::Timeout` after `timeout`.
     pub fn wait_for(&self, name: &str, timeout: Duration) -> Result<Vec<u8>> {
         validate_name(name)?;
-        match self
-            .driver
-            .block_on(async { tokio::time::timeout(timeout, self.ctx.wait(name)).await })?
-        {
+        match self.driver.block_on(async { tokio::time::timeout(timeout, self.ctx.wait(name)).await })? {
             Ok(value) => Ok(value),
             Err(_) => Err(Error::Timeout(format!(
                 "'{name}' did not appear under etcd prefix {} within {timeout:?}",
@@ -246,19 +212,12 @@ impl EtcdDirectory {
                 return Ok(());
             };
             let mut client = ctx.client.clone();
-            bounded(
-                ctx.timeout,
-                format!("revoke lease {lease}"),
-                client.lease_revoke(lease),
-            )
-            .await?;
+            bounded(ctx.timeout, format!("revoke lease {lease}"), client.lease_revoke(lease)).await?;
             tracing::debug!(lease, "revoked etcd lease");
             Ok::<_, Error>(())
         };
         // Bounded as a whole: the lock wait is included.
-        let res = self
-            .driver
-            .block_on(async { tokio::time::timeout(self.ctx.timeout, revoke).await });
+        let res = self.driver.block_on(async { tokio::time::timeout(self.ctx.timeout, revoke).await });
         match res {
             Ok(Ok(Ok(()))) => {}
             Ok(Ok(Err(e))) => {
@@ -287,12 +246,7 @@ impl Ctx {
 
     async fn grant(&self) -> Result<i64> {
         let mut client = self.client.clone();
-        let resp = bounded(
-            self.timeout,
-            "grant lease".into(),
-            client.lease_grant(self.ttl_secs, None),
-        )
-        .await?;
+        let resp = bounded(self.timeout, "grant lease".into(), client.lease_grant(self.ttl_secs, None)).await?;
         tracing::debug!(lease = resp.id(), ttl = resp.ttl(), "granted etcd lease");
         Ok(resp.id())
     }
@@ -300,34 +254,19 @@ impl Ctx {
     async fn put(&self, name: &str, value: &[u8], lease: i64) -> Result<()> {
         let (mut client, key) = (self.client.clone(), self.key(name));
         let opts = PutOptions::new().with_lease(lease);
-        bounded(
-            self.timeout,
-            format!("put {key}"),
-            client.put(key.as_str(), value, Some(opts)),
-        )
-        .await?;
+        bounded(self.timeout, format!("put {key}"), client.put(key.as_str(), value, Some(opts))).await?;
         Ok(())
     }
 
     async fn get(&self, name: &str) -> Result<Option<Vec<u8>>> {
         let (mut client, key) = (self.client.clone(), self.key(name));
-        let resp = bounded(
-            self.timeout,
-            format!("get {key}"),
-            client.get(key.as_str(), None),
-        )
-        .await?;
+        let resp = bounded(self.timeout, format!("get {key}"), client.get(key.as_str(), None)).await?;
         Ok(resp.kvs().first().map(|kv| kv.value().to_vec()))
     }
 
     async fn delete(&self, name: &str) -> Result<()> {
         let (mut client, key) = (self.client.clone(), self.key(name));
-        bounded(
-            self.timeout,
-            format!("delete {key}"),
-            client.delete(key.as_str(), None),
-        )
-        .await?;
+        bounded(self.timeout, format!("delete {key}"), client.delete(key.as_str(), None)).await?;
         Ok(())
     }
 
@@ -335,18 +274,11 @@ impl Ctx {
         let mut client = self.client.clone();
         let opts = GetOptions::new().with_prefix().with_keys_only();
         let what = format!("list {}", self.prefix);
-        let resp = bounded(
-            self.timeout,
-            what,
-            client.get(self.prefix.as_str(), Some(opts)),
-        )
-        .await?;
+        let resp = bounded(self.timeout, what, client.get(self.prefix.as_str(), Some(opts))).await?;
         Ok(resp
             .kvs()
             .iter()
-            .filter_map(|kv| {
-                std::str::from_utf8(kv.key().strip_prefix(self.prefix.as_bytes())?).ok()
-            })
+            .filter_map(|kv| std::str::from_utf8(kv.key().strip_prefix(self.prefix.as_bytes())?).ok())
             .filter(|name| validate_name(name).is_ok())
             .map(str::to_owned)
             .collect())
@@ -383,39 +315,23 @@ impl Ctx {
 
     async fn watch_once(&self, name: &str) -> Result<Option<Vec<u8>>> {
         let (mut client, key) = (self.client.clone(), self.key(name));
-        let resp = bounded(
-            self.timeout,
-            format!("get {key}"),
-            client.get(key.as_str(), None),
-        )
-        .await?;
+        let resp = bounded(self.timeout, format!("get {key}"), client.get(key.as_str(), None)).await?;
         if let Some(kv) = resp.kvs().first() {
             return Ok(Some(kv.value().to_vec()));
         }
         let after = resp.header().map_or(0, |h| h.revision()) + 1;
         let opts = WatchOptions::new().with_start_revision(after);
         // The watcher must stay alive while we read the stream.
-        let (_watcher, mut stream) = bounded(
-            self.timeout,
-            format!("watch {key}"),
-            client.watch(key.as_str(), Some(opts)),
-        )
-        .await?;
+        let (_watcher, mut stream) =
+            bounded(self.timeout, format!("watch {key}"), client.watch(key.as_str(), Some(opts))).await?;
         loop {
-            let Some(resp) = stream
-                .message()
-                .await
-                .map_err(|e| Error::Etcd(format!("watch {key}: {e}")))?
-            else {
+            let Some(resp) = stream.message().await.map_err(|e| Error::Etcd(format!("watch {key}: {e}")))? else {
                 return Ok(None);
             };
             if resp.canceled() {
                 return Ok(None);
             }
-            let put = resp
-                .events()
-                .iter()
-                .find(|ev| ev.event_type() == EventType::Put);
+            let put = resp.events().iter().find(|ev| ev.event_type() == EventType::Put);
             if let Some(kv) = put.and_then(|ev| ev.kv()) {
                 return Ok(Some(kv.value().to_vec()));
             }
@@ -436,8 +352,7 @@ async fn keep_alive(ctx: Ctx, state: Arc<AsyncMutex<State>>) {
                 if !matches!(&stream, Some((id, _, _)) if *id == lease) {
                     let mut client = ctx.client.clone();
                     let what = format!("open keep-alive for lease {lease}");
-                    stream = match bounded(ctx.timeout, what, client.lease_keep_alive(lease)).await
-                    {
+                    stream = match bounded(ctx.timeout, what, client.lease_keep_alive(lease)).await {
                         Ok((keeper, responses)) => Some((lease, keeper, responses)),
                         Err(e) => {
                             tracing::warn!(lease, error = %e, "cannot open etcd keep-alive; will retry");
@@ -455,10 +370,7 @@ async fn keep_alive(ctx: Ctx, state: Arc<AsyncMutex<State>>) {
                             tracing::trace!(lease, ttl = resp.ttl(), "renewed etcd lease")
                         }
                         Ok(Some(_)) => {
-                            tracing::warn!(
-                                lease,
-                                "etcd lease expired; granting a new one and re-publishing"
-                            );
+                            tracing::warn!(lease, "etcd lease expired; granting a new one and re-publishing");
                             stream = None;
                             recover(&ctx, &state, Some(lease)).await;
                         }
@@ -494,9 +406,7 @@ async fn bounded<T>(
     match tokio::time::timeout(limit, call).await {
         Ok(Ok(v)) => Ok(v),
         Ok(Err(e)) => Err(Error::Etcd(format!("{what}: {e}"))),
-        Err(_) => Err(Error::Timeout(format!(
-            "etcd {what}: no answer within {limit:?}"
-        ))),
+        Err(_) => Err(Error::Timeout(format!("etcd {what}: no answer within {limit:?}"))),
     }
 }
 
@@ -505,14 +415,10 @@ fn validate_name(name: &str) -> Result<()> {
         return Err(Error::InvalidArgument("empty agent name".into()));
     }
     if name.contains('/') {
-        return Err(Error::InvalidArgument(format!(
-            "agent name '{name}' contains '/'"
-        )));
+        return Err(Error::InvalidArgument(format!("agent name '{name}' contains '/'")));
     }
     if name.chars().count() > MAX_NAME_LEN {
-        return Err(Error::InvalidArgument(format!(
-            "agent name longer than {MAX_NAME_LEN} characters"
-        )));
+        return Err(Error::InvalidArgument(format!("agent name longer than {MAX_NAME_LEN} characters")));
     }
     Ok(())
 }
@@ -532,20 +438,14 @@ impl Driver {
             .map_err(|e| Error::Etcd(format!("cannot start the etcd client runtime: {e}")))?;
         let handle = rt.handle().clone();
         let (stop, stopped) = oneshot::channel::<()>();
-        let thread = std::thread::Builder::new()
-            .name("freight-etcd".into())
-            .spawn(move || {
-                rt.block_on(async {
-                    let _ = stopped.await;
-                });
-                // Bounded: aborts leftover tasks instead of waiting on them.
-                rt.shutdown_timeout(Duration::from_millis(100));
-            })?;
-        Ok(Self {
-            handle,
-            stop: Some(stop),
-            thread: Some(thread),
-        })
+        let thread = std::thread::Builder::new().name("freight-etcd".into()).spawn(move || {
+            rt.block_on(async {
+                let _ = stopped.await;
+            });
+            // Bounded: aborts leftover tasks instead of waiting on them.
+            rt.shutdown_timeout(Duration::from_millis(100));
+        })?;
+        Ok(Self { handle, stop: Some(stop), thread: Some(thread) })
     }
 
     /// Runs `fut` to completion on the calling thread (the driver thread does the I/O).
@@ -553,8 +453,7 @@ impl Driver {
     fn block_on<F: Future>(&self, fut: F) -> Result<F::Output> {
         if Handle::try_current().is_ok() {
             return Err(Error::InvalidState(
-                "EtcdDirectory is blocking; call it outside async code (e.g. from spawn_blocking)"
-                    .into(),
+                "EtcdDirectory is blocking; call it outside async code (e.g. from spawn_blocking)".into(),
             ));
         }
         Ok(self.handle.block_on(fut))
@@ -581,10 +480,7 @@ mod tests {
         assert!(validate_name("agent-0").is_ok());
         assert!(validate_name(&"x".repeat(MAX_NAME_LEN)).is_ok());
         for bad in ["", "a/b", "/", &"x".repeat(MAX_NAME_LEN + 1)] {
-            assert!(
-                matches!(validate_name(bad), Err(Error::InvalidArgument(_))),
-                "{bad:?}"
-            );
+            assert!(matches!(validate_name(bad), Err(Error::InvalidArgument(_))), "{bad:?}");
         }
     }
 

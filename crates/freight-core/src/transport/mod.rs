@@ -4,6 +4,7 @@
 pub mod pool;
 pub mod shm;
 pub mod tcp;
+pub mod zerocopy;
 
 /// Direction of a transfer, seen from the initiator.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -19,7 +20,9 @@ impl OpKind {
         match s.to_ascii_uppercase().as_str() {
             "WRITE" => Ok(OpKind::Write),
             "READ" => Ok(OpKind::Read),
-            other => Err(crate::Error::InvalidArgument(format!("unknown operation '{other}' (expected READ or WRITE)"))),
+            other => {
+                Err(crate::Error::InvalidArgument(format!("unknown operation '{other}' (expected READ or WRITE)")))
+            }
         }
     }
     pub fn as_str(self) -> &'static str {

@@ -73,7 +73,8 @@ impl Mapping {
                 return Err(unavailable(format!("file is smaller than the advertised {} bytes", loc.segment_len)));
             }
             let len = loc.segment_len as usize;
-            let ptr = libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0);
+            let ptr =
+                libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0);
             libc::close(fd);
             if ptr == libc::MAP_FAILED {
                 return Err(unavailable(std::io::Error::last_os_error().to_string()));
@@ -127,7 +128,12 @@ impl ShmPeer {
 
     /// Translates a plan's copies, given the peer's regions by key, and splits them into
     /// pieces for the copy threads.
-    pub fn compile(&self, ops: &[Op], region: impl Fn(u64) -> Option<RegionInfo>, cfg: &ShmConfig) -> Result<ShmProgram> {
+    pub fn compile(
+        &self,
+        ops: &[Op],
+        region: impl Fn(u64) -> Option<RegionInfo>,
+        cfg: &ShmConfig,
+    ) -> Result<ShmProgram> {
         let mut copies: Vec<Op> = Vec::with_capacity(ops.len());
         let mut maps: Vec<Arc<Mapping>> = Vec::new();
         let mut cached: Option<(u64, usize)> = None; // (region key, base pointer of region)
@@ -157,7 +163,11 @@ impl ShmPeer {
         let to_copies = |ops: &[Op]| -> Arc<[Copy]> {
             ops.iter().map(|o| (o.local_addr as usize, o.remote_addr as usize, o.len as usize)).collect()
         };
-        let pieces = if n == 1 { vec![to_copies(&copies)] } else { split_by_bytes(&copies, n).iter().map(|p| to_copies(p)).collect() };
+        let pieces = if n == 1 {
+            vec![to_copies(&copies)]
+        } else {
+            split_by_bytes(&copies, n).iter().map(|p| to_copies(p)).collect()
+        };
         Ok(ShmProgram { pieces, inline, _maps: maps, bytes })
     }
 }
@@ -190,7 +200,13 @@ impl ShmProgram {
 impl CopyPool {
     /// Runs a program: on this thread if small, else over the pool. Begins the
     /// tracker's round with one part per piece.
-    pub fn execute(&self, program: &Arc<ShmProgram>, op: OpKind, tracker: &Arc<Tracker>, finisher: Finisher) -> Result<()> {
+    pub fn execute(
+        &self,
+        program: &Arc<ShmProgram>,
+        op: OpKind,
+        tracker: &Arc<Tracker>,
+        finisher: Finisher,
+    ) -> Result<()> {
         tracker.begin(program.pieces.len() as u64, finisher)?;
         if program.inline {
             ShmProgram::run(&program.pieces[0], op);

@@ -1,6 +1,7 @@
 //! The tcp transport: several streams per peer, large requests striped across them,
 //! small blocks batched into one message, payload sent from and received into registered
-//! memory directly (writev/readv, no staging copy).
+//! memory directly (writev/readv, no staging copy; large payloads to other hosts go out
+//! with `MSG_ZEROCOPY`, see [`super::zerocopy`]).
 //!
 //! Each stream has a sender thread (takes chunks, writes requests) and a receiver thread
 //! (reads the answers). A stream's answers come back in order, so the receiver learns
@@ -20,6 +21,7 @@ use crate::error::{Error, Result};
 use crate::memory::{MemKind, Registry};
 use crate::plan::Chunk;
 use crate::request::Tracker;
+use crate::transport::zerocopy::{self, ZeroCopySocket};
 use crate::transport::OpKind;
 use crate::wire::{self, Frame, Seg};
 
@@ -34,11 +36,14 @@ pub struct TcpConfig {
     pub window: usize,
     /// Local addresses to bind data streams to, round-robin (several NICs); empty = any.
     pub local_addrs: Vec<std::net::IpAddr>,
+    /// Send payloads of 64 KiB and more with `MSG_ZEROCOPY` to peers on other hosts
+    /// (never on loopback, where the kernel copies anyway).
+    pub zerocopy: bool,
 }
 
 impl Default for TcpConfig {
     fn default() -> Self {
-        TcpConfig { streams: 4, chunk_size: 1 << 20, window: 8, local_addrs: Vec::new() }
+        TcpConfig { streams: 4, chunk_size: 1 << 20, window: 8, local_addrs: Vec::new(), zerocopy: true }
     }
 }
 
@@ -94,20 +99,27 @@ pub struct TcpConn {
 
 impl TcpConn {
     /// Starts the threads of already-connected data streams.
-    pub fn start(peer: &str, sockets: Vec<TcpStream>, window: usize, timeout: Duration, health: Arc<Health>) -> Result<TcpConn> {
+    pub fn start(
+        peer: &str,
+        sockets: Vec<TcpStream>,
+        cfg: &TcpConfig,
+        timeout: Duration,
+        health: Arc<Health>,
+    ) -> Result<TcpConn> {
         let mut streams = Vec::with_capacity(sockets.len());
         let mut kept = Vec::with_capacity(sockets.len());
         for (i, sock) in sockets.into_iter().enumerate() {
             let (job_tx, job_rx) = unbounded::<Job>();
-            let (exp_tx, exp_rx) = bounded::<(u64, Job)>(window.max(1));
+            let (exp_tx, exp_rx) = bounded::<(u64, Job)>(cfg.window.max(1));
             let writer = sock.try_clone()?;
+            let zc = ZeroCopySocket::new(&writer, cfg.zerocopy && sock.peer_addr().is_ok_and(zerocopy::worthwhile));
             let reader = sock.try_clone()?;
             reader.set_read_timeout(Some(timeout))?;
             let (h1, h2) = (health.clone(), health.clone());
             let (p1, p2) = (peer.to_string(), peer.to_string());
             thread::Builder::new()
                 .name(format!("freight-tcp-tx{i}"))
-                .spawn(move || send_loop(writer, job_rx, exp_tx, h1, p1))?;
+                .spawn(move || send_loop(writer, zc, job_rx, exp_tx, h1, p1))?;
             thread::Builder::new()
                 .name(format!("freight-tcp-rx{i}"))
                 .spawn(move || receive_loop(reader, exp_rx, h2, p2))?;
@@ -135,7 +147,10 @@ impl TcpConn {
     }
 
     fn disconnected(&self, fallback: &str) -> Error {
-        Error::PeerDisconnected { peer: self.peer.clone(), reason: self.health.reason().unwrap_or_else(|| fallback.into()) }
+        Error::PeerDisconnected {
+            peer: self.peer.clone(),
+            reason: self.health.reason().unwrap_or_else(|| fallback.into()),
+        }
     }
 
     /// Closes the sockets; threads notice and fail whatever is still queued.
@@ -157,7 +172,14 @@ fn segs_of(chunk: &Chunk) -> Vec<Seg> {
     chunk.segs.iter().map(|o| Seg { region: o.remote_region, addr: o.remote_addr, len: o.len }).collect()
 }
 
-fn send_loop(mut sock: TcpStream, jobs: Receiver<Job>, expect: Sender<(u64, Job)>, health: Arc<Health>, peer: String) {
+fn send_loop(
+    mut sock: TcpStream,
+    mut zc: ZeroCopySocket,
+    jobs: Receiver<Job>,
+    expect: Sender<(u64, Job)>,
+    health: Arc<Health>,
+    peer: String,
+) {
     let mut tag = 0u64;
     for job in jobs {
         if let Some(reason) = health.reason() {
@@ -180,7 +202,7 @@ fn send_loop(mut sock: TcpStream, jobs: Receiver<Job>, expect: Sender<(u64, Job)
                 .collect(),
             OpKind::Read => Vec::new(),
         };
-        let result = wire::write_frame(&mut sock, &frame, &payload);
+        let result = zc.write_all(&mut sock, &wire::encode(&frame), &payload);
         drop(payload);
         // Hand the expectation over before anything else can fail: from here on the
         // receiver owns the job's completion (exactly one report per part).
@@ -235,7 +257,9 @@ fn receive_answer(sock: &mut TcpStream, tag: u64, job: &Job, peer: &str) -> Resu
             let mut slices: Vec<IoSliceMut<'_>> = chunk
                 .segs
                 .iter()
-                .map(|o| IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(o.local_addr as *mut u8, o.len as usize) }))
+                .map(|o| {
+                    IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(o.local_addr as *mut u8, o.len as usize) })
+                })
                 .collect();
             wire::read_exact_vectored(sock, &mut slices)?;
             Ok(())
@@ -246,7 +270,8 @@ fn receive_answer(sock: &mut TcpStream, tag: u64, job: &Job, peer: &str) -> Resu
 
 /// The target's side of one data stream: checks every access against the registry and
 /// moves payload straight between the socket and registered memory.
-pub fn serve_data_stream(mut sock: TcpStream, registry: &Registry, peer: &str) -> Result<()> {
+pub fn serve_data_stream(mut sock: TcpStream, registry: &Registry, cfg: &TcpConfig, peer: &str) -> Result<()> {
+    let mut zc = ZeroCopySocket::new(&sock, cfg.zerocopy && sock.peer_addr().is_ok_and(zerocopy::worthwhile));
     loop {
         let frame = match wire::read_frame(&mut sock)? {
             Some(f) => f,
@@ -261,7 +286,11 @@ pub fn serve_data_stream(mut sock: TcpStream, registry: &Registry, peer: &str) -
                         // that cannot be deregistered while `guards` lives.
                         let mut slices: Vec<IoSliceMut<'_>> = segs
                             .iter()
-                            .map(|s| IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(s.addr as *mut u8, s.len as usize) }))
+                            .map(|s| {
+                                IoSliceMut::new(unsafe {
+                                    std::slice::from_raw_parts_mut(s.addr as *mut u8, s.len as usize)
+                                })
+                            })
                             .collect();
                         wire::read_exact_vectored(&mut sock, &mut slices)?;
                         // Let go of the regions before acknowledging: once the initiator
@@ -284,9 +313,11 @@ pub fn serve_data_stream(mut sock: TcpStream, registry: &Registry, peer: &str) -
                         // SAFETY: as above, for reading.
                         let payload: Vec<IoSlice<'_>> = segs
                             .iter()
-                            .map(|s| IoSlice::new(unsafe { std::slice::from_raw_parts(s.addr as *const u8, s.len as usize) }))
+                            .map(|s| {
+                                IoSlice::new(unsafe { std::slice::from_raw_parts(s.addr as *const u8, s.len as usize) })
+                            })
                             .collect();
-                        wire::write_frame(&mut sock, &Frame::ReadData { tag, error: None }, &payload)?;
+                        zc.write_all(&mut sock, &wire::encode(&Frame::ReadData { tag, error: None }), &payload)?;
                     }
                     Err(e) => {
                         tracing::warn!(peer, error = %e, "refused a remote read");
