@@ -2,7 +2,7 @@
 VENV := .venv
 export CARGO_TARGET_DIR ?= $(CURDIR)/target
 
-.PHONY: demo test wheel bench fmt lint setup
+.PHONY: demo test gpu-test wheel bench fmt lint setup
 
 setup:
 	bash scripts/setup.sh
@@ -12,6 +12,10 @@ demo:
 
 test:
 	bash scripts/test.sh
+
+# GPU tests and benchmarks beside NIXL, on a machine with two GPUs (docs/bench-gpu.md)
+gpu-test:
+	bash scripts/gpu-test.sh
 
 # abi3 release wheel (one wheel for CPython >= 3.9) into dist/
 wheel:

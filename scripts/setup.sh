@@ -134,6 +134,14 @@ else
     "$VENV/bin/python" -m pip install -q "maturin>=1.5,<2" "numpy>=1.22" "pytest>=7" pytest-timeout
 fi
 
+# NVRTC from PyPI (no GPU needed): the tests compile the GPU copy kernel with it, so a
+# kernel that stops compiling fails CI on machines without a GPU.
+if [ "$(uname -m)" = "x86_64" ] && ! "$VENV/bin/python" -c 'import nvidia.cuda_nvrtc' >/dev/null 2>&1; then
+    say "installing NVRTC into .venv (nvidia-cuda-nvrtc-cu12, for the kernel compile check)"
+    "$VENV/bin/python" -m pip install -q "nvidia-cuda-nvrtc-cu12>=12.4" \
+        || say "warning: NVRTC could not be installed; the kernel compile check will skip"
+fi
+
 # ---------------------------------------------------------------- 4. build + install
 if [ "${FREIGHT_SKIP_BUILD:-0}" = "1" ]; then
     say "FREIGHT_SKIP_BUILD=1: skipping the wheel build"

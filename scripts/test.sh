@@ -52,6 +52,13 @@ if [ -z "${PYO3_ENVIRONMENT_SIGNATURE:-}" ]; then
     export PYO3_ENVIRONMENT_SIGNATURE
 fi
 
+# NVRTC from the venv (setup.sh installs it) for the Rust kernel compile check; the
+# Python tests find it themselves through `import freight`.
+if [ -z "${FREIGHT_CUDA_LIB_DIRS:-}" ]; then
+    FREIGHT_CUDA_LIB_DIRS="$("$PYO3_PYTHON" -c 'import nvidia.cuda_nvrtc as m, os; print(os.path.join(list(m.__path__)[0], "lib"))' 2>/dev/null || true)"
+    export FREIGHT_CUDA_LIB_DIRS
+fi
+
 say "cargo test --workspace --release"
 cargo test --workspace --release
 record cargo-test $?

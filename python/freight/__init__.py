@@ -18,14 +18,41 @@ Main names:
 * exceptions, all deriving from :class:`FreightError` (see :mod:`freight.errors`).
 """
 
-from . import _native
-from ._native import (
+import os as _os
+
+
+def _nvidia_library_dirs() -> str:
+    """Folders of NVIDIA's PyPI wheels (``nvidia-cuda-nvrtc``, and those PyTorch pulls
+    in) that may hold NVRTC, for the engine to look in: pip puts them outside the
+    loader's search path."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia")
+    roots = list(spec.submodule_search_locations or []) if spec else []
+    dirs = []
+    for root in roots:
+        for sub in ("cuda_nvrtc/lib", "cu13/lib", "cu12/lib"):
+            path = _os.path.join(root, sub)
+            if _os.path.isdir(path):
+                dirs.append(path)
+    return _os.pathsep.join(dirs)
+
+
+if "FREIGHT_CUDA_LIB_DIRS" not in _os.environ:
+    _found = _nvidia_library_dirs()
+    if _found:
+        _os.environ["FREIGHT_CUDA_LIB_DIRS"] = _found
+
+from . import _native  # noqa: E402
+from ._native import (  # noqa: E402
     EtcdDirectory,
     PreparedLocal,
     PreparedRemote,
     Request,
     SharedSegment,
     __version__,
+    compile_copy_kernel,
+    cuda_status,
     inspect_metadata,
 )
 from .agent import Agent, Path
@@ -34,6 +61,7 @@ from .descs import DescList
 from .errors import (
     AuthError,
     EtcdError,
+    CudaError,
     FreightError,
     InvalidArgumentError,
     InvalidStateError,
@@ -92,6 +120,8 @@ __all__ = [
     "Request",
     "SharedSegment",
     "TRANSPORTS",
+    "compile_copy_kernel",
+    "cuda_status",
     "set_log_level",
     "inspect_metadata",
     "__version__",
@@ -114,4 +144,5 @@ __all__ = [
     "InvalidStateError",
     "IoError",
     "EtcdError",
+    "CudaError",
 ]

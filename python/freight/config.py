@@ -12,7 +12,7 @@ from .errors import InvalidArgumentError
 __all__ = ["AgentConfig", "TRANSPORTS"]
 
 #: Transports this build knows, in order of preference.
-TRANSPORTS: Tuple[str, ...] = ("shm", "tcp")
+TRANSPORTS: Tuple[str, ...] = ("cuda", "shm", "tcp")
 
 
 def _type_error(field: str, expected: str, value: Any) -> TypeError:
@@ -62,11 +62,11 @@ class AgentConfig:
     advertise:
         Addresses to advertise to peers instead of the bound ones (NAT, several NICs).
     transports:
-        Transports this agent may use and serve, among ``"shm"`` (same host, memory
-        from :meth:`Agent.alloc`) and ``"tcp"`` (anywhere). A lone string is one
-        transport.
+        Transports this agent may use and serve, among ``"cuda"`` (same host, GPU
+        memory on either side), ``"shm"`` (same host, memory from :meth:`Agent.alloc`)
+        and ``"tcp"`` (anywhere). A lone string is one transport.
     require:
-        When set (``"shm"`` or ``"tcp"``), every transfer must use that transport or
+        When set (``"cuda"``, ``"shm"`` or ``"tcp"``), every transfer must use that transport or
         fail with :class:`freight.TransportUnavailableError`; never silently replaced.
     tcp_streams, tcp_chunk_size, tcp_window:
         TCP data streams per peer, largest message payload in bytes (large copies are
@@ -83,6 +83,10 @@ class AgentConfig:
         shm transfers up to this size are copied on the posting thread (None: 512 KiB
         on hosts with 8 or more cores, 4 MiB on smaller ones, where waking a copy
         thread costs more than copying a few MiB).
+    cuda_copy_engine_min_host, cuda_copy_engine_min_peer:
+        GPU copies at least this long (bytes) go to the copy engines instead of the
+        batched copy kernel: between GPU and host memory (None: 4 MiB) and between
+        GPUs (None: never; the kernel keeps up with the copy engines over NVLink).
     peer_timeout:
         Seconds without an answer after which a peer is declared dead (its requests
         fail with :class:`freight.PeerDisconnectedError`).
@@ -104,6 +108,8 @@ class AgentConfig:
     tcp_zerocopy: bool = True
     shm_threads: Optional[int] = None
     shm_inline_bytes: Optional[int] = None
+    cuda_copy_engine_min_host: Optional[int] = None
+    cuda_copy_engine_min_peer: Optional[int] = None
     peer_timeout: float = 30.0
     connect_timeout: float = 5.0
     metadata_token: Optional[Union[bytes, str]] = None
@@ -141,6 +147,9 @@ class AgentConfig:
             put("shm_threads", _int("shm_threads", self.shm_threads, 1))
         if self.shm_inline_bytes is not None:
             put("shm_inline_bytes", _int("shm_inline_bytes", self.shm_inline_bytes, 0))
+        for field in ("cuda_copy_engine_min_host", "cuda_copy_engine_min_peer"):
+            if getattr(self, field) is not None:
+                put(field, _int(field, getattr(self, field), 1))
         put("peer_timeout", _seconds("peer_timeout", self.peer_timeout))
         put("connect_timeout", _seconds("connect_timeout", self.connect_timeout))
         token = self.metadata_token
@@ -171,6 +180,8 @@ class AgentConfig:
             "tcp_zerocopy": self.tcp_zerocopy,
             "shm_threads": self.shm_threads,
             "shm_inline_bytes": self.shm_inline_bytes,
+            "cuda_copy_engine_min_host": self.cuda_copy_engine_min_host,
+            "cuda_copy_engine_min_peer": self.cuda_copy_engine_min_peer,
             "peer_timeout": self.peer_timeout,
             "connect_timeout": self.connect_timeout,
             "metadata_token": self.metadata_token,

@@ -45,6 +45,7 @@ __all__ = [
     "InvalidStateError",
     "IoError",
     "EtcdError",
+    "CudaError",
 ]
 
 
@@ -131,3 +132,7 @@ class IoError(FreightError, OSError):
 
 class EtcdError(FreightError):
     """etcd could not be reached or refused an operation."""
+
+
+class CudaError(FreightError, RuntimeError):
+    """A CUDA driver or NVRTC call failed; the message names the call and its error code."""

@@ -3,7 +3,7 @@
 use std::fs;
 use std::path::Path;
 
-use freight_core::memory::{MemKind, RegionInfo, SharedLocation};
+use freight_core::memory::{GpuLocation, MemKind, RegionInfo, SharedLocation};
 use freight_core::metadata::{AgentMetadata, HostIdentity};
 use freight_core::wire::{self, Frame, Role, Seg};
 
@@ -17,7 +17,7 @@ fn main() {
         addresses: vec!["127.0.0.1:4000".into(), "[::1]:4000".into()],
         transports: vec!["shm".into(), "tcp".into()],
         regions: vec![
-            RegionInfo { key: 1, kind: MemKind::Dram, addr: 4096, len: 4096, dev: 0, shared: None },
+            RegionInfo { key: 1, kind: MemKind::Dram, addr: 4096, len: 4096, dev: 0, shared: None, gpu: None },
             RegionInfo {
                 key: 2,
                 kind: MemKind::Dram,
@@ -25,19 +25,34 @@ fn main() {
                 len: 8192,
                 dev: 0,
                 shared: Some(SharedLocation { segment: 1, fd: 3, segment_len: 8192, offset: 0 }),
+                gpu: None,
+            },
+            RegionInfo {
+                key: 3,
+                kind: MemKind::Vram,
+                addr: 1 << 40,
+                len: 1 << 20,
+                dev: 0,
+                shared: None,
+                gpu: Some(GpuLocation {
+                    bus_id: "0000:1b:00.0".into(),
+                    alloc_base: 1 << 40,
+                    alloc_len: 2 << 20,
+                    handle: vec![9; 64],
+                }),
             },
         ],
     };
     let good = md.encode();
     let m = root.join("metadata");
     fs::create_dir_all(&m).unwrap();
-    fs::write(m.join("ok-two-regions"), &good).unwrap();
+    fs::write(m.join("ok-host-and-gpu-regions"), &good).unwrap();
     fs::write(m.join("empty"), b"").unwrap();
     fs::write(m.join("magic-only"), b"FRMD").unwrap();
     fs::write(m.join("truncated-half"), &good[..good.len() / 2]).unwrap();
     fs::write(m.join("truncated-last-byte"), &good[..good.len() - 1]).unwrap();
     let mut v = good.clone();
-    v[4] = 2;
+    v[4] = (freight_core::metadata::VERSION + 1) as u8;
     fs::write(m.join("future-version"), &v).unwrap();
     let mut v = good.clone();
     v.extend_from_slice(b"junk");
@@ -54,6 +69,12 @@ fn main() {
     let mut bad = md.clone();
     bad.regions[1].shared = Some(SharedLocation { segment: 1, fd: 3, segment_len: 100, offset: 0 });
     fs::write(m.join("shared-past-segment"), bad.encode()).unwrap();
+    let mut bad = md.clone();
+    bad.regions[2].gpu.as_mut().unwrap().handle.truncate(10);
+    fs::write(m.join("gpu-handle-too-short"), bad.encode()).unwrap();
+    let mut bad = md.clone();
+    bad.regions[2].len = 4 << 20;
+    fs::write(m.join("gpu-region-past-its-allocation"), bad.encode()).unwrap();
     let mut bad = md.clone();
     bad.addresses = vec!["localhost".into()];
     fs::write(m.join("address-without-port"), bad.encode()).unwrap();

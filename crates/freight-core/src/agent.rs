@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use parking_lot::RwLock;
 
+use crate::cuda::completion::Completions;
 use crate::desc::DescList;
 use crate::error::{invalid, Error, Result};
 use crate::memory::{MemKind, Registry, SharedSegment};
@@ -25,6 +26,7 @@ use crate::peer::{DialContext, Peer};
 use crate::plan::{chunk_ops, Chunk, Plan, PreparedList};
 use crate::request::{Finisher, Status, Tracker};
 use crate::server::{self, Server};
+use crate::transport::cuda::{self as gpu, CudaConfig, CudaProgram};
 use crate::transport::pool::CopyPool;
 use crate::transport::shm::{ShmConfig, ShmProgram};
 use crate::transport::tcp::TcpConfig;
@@ -44,6 +46,7 @@ pub struct AgentConfig {
     pub require: Option<TransportKind>,
     pub tcp: TcpConfig,
     pub shm: ShmConfig,
+    pub cuda: CudaConfig,
     /// A peer that does not answer for this long is declared dead.
     pub peer_timeout: Duration,
     /// Bound on connecting and on each handshake.
@@ -61,6 +64,7 @@ impl Default for AgentConfig {
             require: None,
             tcp: TcpConfig::default(),
             shm: ShmConfig::default(),
+            cuda: CudaConfig::default(),
             peer_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(5),
             metadata_token: None,
@@ -102,6 +106,7 @@ pub struct AgentInner {
     pub(crate) notifs: NotifQueue,
     pub(crate) server: Server,
     copy_pool: OnceLock<CopyPool>,
+    completions: OnceLock<Completions>,
     closed: AtomicBool,
 }
 
@@ -127,6 +132,7 @@ impl Agent {
             notifs: NotifQueue::default(),
             server: Server::default(),
             copy_pool: OnceLock::new(),
+            completions: OnceLock::new(),
             closed: AtomicBool::new(false),
         });
         server::listen(&inner, &inner.config.listen.clone())?;
@@ -154,18 +160,27 @@ impl Agent {
 
     // -- memory ----------------------------------------------------------------------
 
+    /// Registers memory. GPU memory is checked to be on GPU `dev` and exported to
+    /// same-host peers where CUDA is present; without CUDA it is registered as given,
+    /// and every transport refuses it with the reason.
     pub fn register(&self, kind: MemKind, addr: u64, len: u64, dev: u64) -> Result<u64> {
         self.inner.check_open()?;
-        self.inner.registry.register(kind, addr, len, dev)
+        let export = if kind == MemKind::Vram { gpu::export_region(addr, len, dev)? } else { None };
+        self.inner.registry.register_gpu(kind, addr, len, dev, export)
     }
 
     /// Deregisters a region; fails with `RegionBusy` while a transfer uses it. Peers that
-    /// may map it are told to forget it.
+    /// may map it (shared segments, GPU memory) are told to forget it.
     pub fn deregister(&self, key: u64) -> Result<()> {
-        let shared = self.inner.registry.get(key).is_some_and(|r| r.info.shared.is_some());
+        let info = self.inner.registry.get(key).map(|r| r.info.clone());
         self.inner.registry.deregister(key)?;
-        if shared {
-            self.inner.server.broadcast(&Frame::Revoke { region: key });
+        if let Some(info) = info {
+            if info.shared.is_some() || info.gpu.is_some() {
+                self.inner.server.broadcast(&Frame::Revoke { region: key });
+            }
+            if info.kind == MemKind::Dram && crate::cuda::pinned::any() {
+                crate::cuda::pinned::unpin_within(info.addr, info.len);
+            }
         }
         Ok(())
     }
@@ -232,9 +247,14 @@ impl Agent {
         Err(last)
     }
 
-    /// Which transport serves host-memory transfers to `peer`, and why.
+    /// Which transport serves transfers to `peer`, and why: between GPU memory where
+    /// this agent or the peer registered some, else between host memory.
     pub fn path_to(&self, peer: &str) -> Result<Path> {
         let peer = self.inner.peer(peer)?;
+        let local_gpu = self.inner.registry.snapshot().1.into_iter().find(|r| r.kind == MemKind::Vram);
+        let remote_gpu = peer.regions.read().iter().find(|r| r.kind == MemKind::Vram).cloned();
+        let kind = |r: &Option<_>| if r.is_some() { MemKind::Vram } else { MemKind::Dram };
+        let (local_kind, remote_kind) = (kind(&local_gpu), kind(&remote_gpu));
         let shared = {
             let regions = peer.md.regions.iter().find(|r| r.shared.is_some());
             match regions {
@@ -243,7 +263,11 @@ impl Agent {
                 Some(_) => Ok(()),
             }
         };
-        self.inner.choose_path(&peer, MemKind::Dram, MemKind::Dram, shared)
+        // Where one side has no GPU memory, its host memory is the other end.
+        let local_end = local_gpu.or_else(|| self.inner.registry.snapshot().1.into_iter().next());
+        let remote_end = remote_gpu.or_else(|| peer.md.regions.iter().find(|r| r.shared.is_some()).cloned());
+        let gpu = gpu::path_facts(local_end.as_ref(), remote_end.as_ref(), peer.same_host);
+        self.inner.choose_path(&peer, local_kind, remote_kind, shared, gpu)
     }
 
     // -- descriptors and requests ----------------------------------------------------
@@ -288,9 +312,17 @@ impl Agent {
                 })
                 .map_or(Ok(()), Err)
         };
-        let path = self.inner.choose_path(&peer, local.kind(), remote.list.kind(), shared)?;
+        let gpu = if local.kind() == MemKind::Vram || remote.list.kind() == MemKind::Vram {
+            let local_region =
+                local.regions().first().and_then(|&k| self.inner.registry.get(k)).map(|r| r.info.clone());
+            let remote_region = remote.list.regions().first().and_then(|&k| peer.regions.read().get(k).cloned());
+            gpu::path_facts(local_region.as_ref(), remote_region.as_ref(), peer.same_host)
+        } else {
+            Err("no GPU memory on either side".into())
+        };
+        let path = self.inner.choose_path(&peer, local.kind(), remote.list.kind(), shared, gpu)?;
         tracing::debug!(peer = %peer.name, transport = %path.transport, reason = %path.reason, ops = plan.ops.len(), bytes = plan.bytes, "request made");
-        Ok(Request {
+        let request = Request {
             agent: self.inner.clone(),
             peer,
             op,
@@ -299,8 +331,14 @@ impl Agent {
             path,
             tracker: Arc::new(Tracker::new()),
             shm: OnceLock::new(),
+            cuda: OnceLock::new(),
             chunks: OnceLock::new(),
-        })
+        };
+        if request.path.transport == TransportKind::Cuda {
+            // Compile now (map, pin, upload the work table): posting is then one launch.
+            request.cuda_program()?;
+        }
+        Ok(request)
     }
 
     /// One-shot form: prepares both lists, builds the request and posts it.
@@ -332,11 +370,15 @@ impl Agent {
 
     /// Notifications received so far, oldest first (non-blocking).
     pub fn get_notifs(&self) -> Vec<Notification> {
+        // Pull what the kernel already holds: a polling caller need not wait for the
+        // connection thread to wake up (see `crate::inbox`).
+        self.inner.server.inboxes.pump(&self.inner.notifs);
         self.inner.notifs.drain()
     }
 
     /// Waits up to `timeout` for at least one notification.
     pub fn wait_notifs(&self, timeout: Duration) -> Vec<Notification> {
+        self.inner.server.inboxes.pump(&self.inner.notifs);
         self.inner.notifs.wait(timeout)
     }
 
@@ -389,6 +431,7 @@ impl AgentInner {
         local: MemKind,
         remote: MemKind,
         shared: std::result::Result<(), String>,
+        gpu: std::result::Result<String, String>,
     ) -> Result<Path> {
         let policy = PathPolicy { enabled: self.config.transports.clone(), require: self.config.require };
         let facts = PathFacts {
@@ -397,6 +440,7 @@ impl AgentInner {
             local_kind: local,
             remote_kind: remote,
             remote_shared: shared,
+            gpu,
         };
         path::choose(&policy, &facts)
     }
@@ -430,6 +474,14 @@ impl AgentInner {
             regions,
         }
         .encode()
+    }
+
+    fn completions(&self) -> Result<&Completions> {
+        if let Some(c) = self.completions.get() {
+            return Ok(c);
+        }
+        let c = Completions::start(&self.name)?;
+        Ok(self.completions.get_or_init(|| c))
     }
 
     fn copy_pool(&self) -> Result<&CopyPool> {
@@ -498,6 +550,7 @@ pub struct Request {
     path: Path,
     tracker: Arc<Tracker>,
     shm: OnceLock<Arc<ShmProgram>>,
+    cuda: OnceLock<Arc<CudaProgram>>,
     chunks: OnceLock<Arc<Vec<Chunk>>>,
 }
 
@@ -537,7 +590,8 @@ impl Request {
         }
         let ctx = self.agent.dial_context();
         let control = match (&self.notif, self.path.transport) {
-            (Some(_), _) | (None, TransportKind::Shm) => Some(self.peer.control(&ctx)?),
+            // Mapping transports need the control link open: revocations arrive on it.
+            (Some(_), _) | (None, TransportKind::Shm | TransportKind::Cuda) => Some(self.peer.control(&ctx)?),
             _ => None,
         };
         let notif = self.notif.clone();
@@ -550,6 +604,10 @@ impl Request {
             Ok(())
         });
         match self.path.transport {
+            TransportKind::Cuda => {
+                let program = self.cuda_program()?;
+                program.execute(&self.tracker, finisher, self.agent.completions()?)
+            }
             TransportKind::Shm => {
                 let program = self.shm_program()?;
                 self.agent.copy_pool()?.execute(&program, self.op, &self.tracker, finisher)
@@ -569,16 +627,44 @@ impl Request {
         }
     }
 
-    fn shm_program(&self) -> Result<Arc<ShmProgram>> {
-        {
-            let regions = self.peer.regions.read();
-            if let Some(k) = self.plan.remote_regions.iter().find(|k| !regions.contains(**k)) {
-                return Err(Error::RemoteRejected {
-                    peer: self.peer.name.clone(),
-                    reason: format!("region {k} was deregistered by its owner"),
-                });
-            }
+    /// Fails when the peer revoked a region this request writes or reads.
+    fn check_remote_regions(&self) -> Result<()> {
+        let regions = self.peer.regions.read();
+        match self.plan.remote_regions.iter().find(|k| !regions.contains(**k)) {
+            Some(k) => Err(Error::RemoteRejected {
+                peer: self.peer.name.clone(),
+                reason: format!("region {k} was deregistered by its owner"),
+            }),
+            None => Ok(()),
         }
+    }
+
+    fn cuda_program(&self) -> Result<Arc<CudaProgram>> {
+        self.check_remote_regions()?;
+        if let Some(p) = self.cuda.get() {
+            return Ok(p.clone());
+        }
+        let program = {
+            let regions = self.peer.regions.read();
+            let view = gpu::PeerView {
+                cuda: &self.peer.cuda,
+                shm: &self.peer.shm,
+                same_process: self.peer.same_host && self.peer.md.host.pid == std::process::id(),
+            };
+            CudaProgram::compile(
+                &self.plan.ops,
+                self.op,
+                |k| self.agent.registry.get(k).map(|r| r.info.clone()),
+                |k| regions.get(k).cloned(),
+                &view,
+                &self.agent.config.cuda,
+            )?
+        };
+        Ok(self.cuda.get_or_init(|| Arc::new(program)).clone())
+    }
+
+    fn shm_program(&self) -> Result<Arc<ShmProgram>> {
+        self.check_remote_regions()?;
         if let Some(p) = self.shm.get() {
             return Ok(p.clone());
         }

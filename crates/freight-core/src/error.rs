@@ -71,6 +71,10 @@ pub enum Error {
 
     #[error("etcd: {0}")]
     Etcd(String),
+
+    /// A CUDA driver or NVRTC call failed.
+    #[error("CUDA {call} failed: {code}")]
+    Cuda { call: String, code: String },
 }
 
 impl From<io::Error> for Error {

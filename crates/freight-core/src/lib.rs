@@ -7,6 +7,7 @@
 //! (formats), [`transport`] (moving bytes), and [`agent`] (the public face).
 
 pub mod agent;
+pub mod cuda;
 pub mod desc;
 pub mod error;
 pub mod exchange;
@@ -19,6 +20,7 @@ pub mod request;
 pub mod transport;
 pub mod wire;
 
+mod inbox;
 mod net;
 mod peer;
 mod poll;
@@ -32,6 +34,7 @@ pub use notify::Notification;
 pub use path::{Path, TransportKind};
 pub use plan::PreparedList;
 pub use request::Status;
+pub use transport::cuda::CudaConfig;
 pub use transport::shm::ShmConfig;
 pub use transport::tcp::TcpConfig;
 pub use transport::OpKind;

@@ -180,6 +180,20 @@ pub struct RegionInfo {
     pub dev: u64,
     /// Present when the region lies in a shared segment that same-host peers can map.
     pub shared: Option<SharedLocation>,
+    /// Present for GPU memory exported to same-host peers (CUDA IPC).
+    pub gpu: Option<GpuLocation>,
+}
+
+/// What a same-host peer needs to map a registered GPU region.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuLocation {
+    /// PCI bus id of the GPU that holds the memory ("0000:1b:00.0").
+    pub bus_id: String,
+    /// The allocation the region lies in: the IPC handle names it.
+    pub alloc_base: u64,
+    pub alloc_len: u64,
+    /// `cuIpcGetMemHandle` of the allocation (64 opaque bytes).
+    pub handle: Vec<u8>,
 }
 
 impl RegionInfo {
@@ -230,6 +244,11 @@ impl Registry {
 
     /// Registers `[addr, addr+len)` of `kind` on `dev` and returns its key.
     pub fn register(&self, kind: MemKind, addr: u64, len: u64, dev: u64) -> Result<u64> {
+        self.register_gpu(kind, addr, len, dev, None)
+    }
+
+    /// [`Registry::register`], with the IPC export of GPU memory when there is one.
+    pub fn register_gpu(&self, kind: MemKind, addr: u64, len: u64, dev: u64, gpu: Option<GpuLocation>) -> Result<u64> {
         if len == 0 {
             return Err(invalid("cannot register a zero-length region"));
         }
@@ -253,7 +272,8 @@ impl Registry {
             segment_len: s.len() as u64,
             offset: addr - s.addr(),
         });
-        let region = Arc::new(Region { info: RegionInfo { key, kind, addr, len, dev, shared }, _segment: segment });
+        let region =
+            Arc::new(Region { info: RegionInfo { key, kind, addr, len, dev, shared, gpu }, _segment: segment });
         tree.insert(addr, region.clone());
         inner.by_key.insert(key, region);
         inner.generation += 1;
@@ -370,6 +390,10 @@ impl RemoteRegions {
 
     pub fn contains(&self, key: u64) -> bool {
         self.by_key.contains_key(&key)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &RegionInfo> {
+        self.by_key.values()
     }
 
     /// Forgets a region the owner revoked.

@@ -9,10 +9,10 @@ use std::net::SocketAddr;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::memory::RegionInfo;
+use crate::memory::{MemKind, RegionInfo};
 
 pub const MAGIC: [u8; 4] = *b"FRMD";
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 /// Larger blobs are refused before decoding (10^6 regions fit comfortably).
 pub const MAX_METADATA_BYTES: usize = 128 << 20;
 const MAX_NAME: usize = 256;
@@ -117,6 +117,13 @@ impl AgentMetadata {
                     return bad(format!("region {} has an invalid shared location", r.key));
                 }
             }
+            if let Some(g) = &r.gpu {
+                let inside = r.addr >= g.alloc_base
+                    && g.alloc_base.checked_add(g.alloc_len).is_some_and(|end| r.addr + r.len <= end);
+                if g.handle.len() != 64 || g.bus_id.len() > 32 || !inside || r.kind != MemKind::Vram {
+                    return bad(format!("region {} has an invalid GPU location", r.key));
+                }
+            }
         }
         Ok(())
     }
@@ -125,7 +132,7 @@ impl AgentMetadata {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::memory::{MemKind, SharedLocation};
+    use crate::memory::{GpuLocation, MemKind, SharedLocation};
     use proptest::prelude::*;
 
     fn sample() -> AgentMetadata {
@@ -137,7 +144,7 @@ mod tests {
             addresses: vec!["127.0.0.1:5000".into()],
             transports: vec!["shm".into(), "tcp".into()],
             regions: vec![
-                RegionInfo { key: 1, kind: MemKind::Dram, addr: 0x1000, len: 4096, dev: 0, shared: None },
+                RegionInfo { key: 1, kind: MemKind::Dram, addr: 0x1000, len: 4096, dev: 0, shared: None, gpu: None },
                 RegionInfo {
                     key: 2,
                     kind: MemKind::Dram,
@@ -145,6 +152,21 @@ mod tests {
                     len: 4096,
                     dev: 0,
                     shared: Some(SharedLocation { segment: 3, fd: 9, segment_len: 8192, offset: 4096 }),
+                    gpu: None,
+                },
+                RegionInfo {
+                    key: 3,
+                    kind: MemKind::Vram,
+                    addr: 0x7f00_0000_0000,
+                    len: 1 << 20,
+                    dev: 1,
+                    shared: None,
+                    gpu: Some(GpuLocation {
+                        bus_id: "0000:1b:00.0".into(),
+                        alloc_base: 0x7f00_0000_0000,
+                        alloc_len: 2 << 20,
+                        handle: vec![5; 64],
+                    }),
                 },
             ],
         }

@@ -9,6 +9,8 @@ use crate::memory::MemKind;
 /// The transports this build knows, in order of preference.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum TransportKind {
+    /// Same host, GPU memory on at least one side: copy kernels and copy engines.
+    Cuda,
     /// Same host, host memory, through shared mappings.
     Shm,
     /// Any host, host memory, through parallel TCP streams.
@@ -16,10 +18,11 @@ pub enum TransportKind {
 }
 
 impl TransportKind {
-    pub const ALL: [TransportKind; 2] = [TransportKind::Shm, TransportKind::Tcp];
+    pub const ALL: [TransportKind; 3] = [TransportKind::Cuda, TransportKind::Shm, TransportKind::Tcp];
 
     pub fn as_str(self) -> &'static str {
         match self {
+            TransportKind::Cuda => "cuda",
             TransportKind::Shm => "shm",
             TransportKind::Tcp => "tcp",
         }
@@ -27,9 +30,10 @@ impl TransportKind {
 
     pub fn parse(s: &str) -> Result<TransportKind> {
         match s.trim().to_ascii_lowercase().as_str() {
+            "cuda" => Ok(TransportKind::Cuda),
             "shm" => Ok(TransportKind::Shm),
             "tcp" => Ok(TransportKind::Tcp),
-            other => Err(Error::InvalidArgument(format!("unknown transport '{other}' (expected shm or tcp)"))),
+            other => Err(Error::InvalidArgument(format!("unknown transport '{other}' (expected cuda, shm or tcp)"))),
         }
     }
 }
@@ -57,6 +61,9 @@ pub struct PathFacts {
     pub remote_kind: MemKind,
     /// `Err(why)` when some remote memory of the path is not in a shared segment.
     pub remote_shared: std::result::Result<(), String>,
+    /// Whether the GPUs (and CUDA) can serve the path: how (`Ok`), or why not. Only
+    /// asked where GPU memory is involved.
+    pub gpu: std::result::Result<String, String>,
 }
 
 /// The chosen transport and the reason, as reported to users and logs.
@@ -73,12 +80,29 @@ fn can_serve(t: TransportKind, policy: &PathPolicy, f: &PathFacts) -> std::resul
     if !f.peer_transports.iter().any(|p| p == t.as_str()) {
         return Err("the peer does not serve it".into());
     }
+    let gpu_involved = f.local_kind == MemKind::Vram || f.remote_kind == MemKind::Vram;
+    if t == TransportKind::Cuda {
+        if !gpu_involved {
+            return Err("no GPU memory on either side (shm or tcp moves host memory)".into());
+        }
+        if f.local_kind == MemKind::File || f.remote_kind == MemKind::File {
+            return Err("FILE memory has no transport in this build".into());
+        }
+        if !f.same_host {
+            return Err("the peer is on another host".into());
+        }
+        if f.remote_kind == MemKind::Dram {
+            f.remote_shared.clone().map_err(|why| format!("the peer's host memory cannot be mapped: {why}"))?;
+        }
+        return f.gpu.clone();
+    }
     for kind in [f.local_kind, f.remote_kind] {
         if kind != MemKind::Dram {
-            return Err(format!("moves host memory only, not {kind} (GPU and file transports are not in this build)"));
+            return Err(format!("moves host memory only, not {kind}"));
         }
     }
     match t {
+        TransportKind::Cuda => unreachable!("handled above"),
         TransportKind::Shm => {
             if !f.same_host {
                 return Err("the peer is on another host (or another pid namespace)".into());
@@ -123,10 +147,11 @@ mod tests {
     fn facts() -> PathFacts {
         PathFacts {
             same_host: true,
-            peer_transports: vec!["shm".into(), "tcp".into()],
+            peer_transports: vec!["cuda".into(), "shm".into(), "tcp".into()],
             local_kind: MemKind::Dram,
             remote_kind: MemKind::Dram,
             remote_shared: Ok(()),
+            gpu: Ok("same host, GPU 0 reaches GPU 1 over NVLink".into()),
         }
     }
     fn policy() -> PathPolicy {
@@ -161,10 +186,35 @@ mod tests {
     }
 
     #[test]
-    fn gpu_memory_is_refused_with_a_reason() {
-        let f = PathFacts { remote_kind: MemKind::Vram, ..facts() };
+    fn gpu_memory_takes_cuda_on_the_same_host_and_says_how() {
+        let f = PathFacts { local_kind: MemKind::Vram, remote_kind: MemKind::Vram, ..facts() };
+        let p = choose(&policy(), &f).unwrap();
+        assert_eq!(p.transport, TransportKind::Cuda);
+        assert!(p.reason.contains("NVLink"), "{}", p.reason);
+        let f = PathFacts { local_kind: MemKind::Vram, remote_shared: Err("no segment".into()), ..facts() };
         let e = choose(&policy(), &f).unwrap_err().to_string();
-        assert!(e.contains("VRAM"), "{e}");
+        assert!(e.contains("cannot be mapped"), "{e}");
+    }
+
+    #[test]
+    fn requiring_cuda_without_peer_access_is_an_error() {
+        let pol = PathPolicy { require: Some(TransportKind::Cuda), ..policy() };
+        let f = PathFacts {
+            local_kind: MemKind::Vram,
+            remote_kind: MemKind::Vram,
+            gpu: Err("GPU 0 cannot access GPU 1 directly (no peer access)".into()),
+            ..facts()
+        };
+        let e = choose(&pol, &f).unwrap_err().to_string();
+        assert!(e.contains("required transport cuda") && e.contains("no peer access"), "{e}");
+        assert!(choose(&pol, &facts()).unwrap_err().to_string().contains("no GPU memory"));
+    }
+
+    #[test]
+    fn gpu_memory_is_refused_with_a_reason() {
+        let f = PathFacts { remote_kind: MemKind::Vram, gpu: Err("CUDA is not available".into()), ..facts() };
+        let e = choose(&policy(), &f).unwrap_err().to_string();
+        assert!(e.contains("VRAM") && e.contains("CUDA is not available"), "{e}");
         let pol = PathPolicy { enabled: vec![TransportKind::Shm], require: None };
         let f = PathFacts { same_host: false, ..facts() };
         assert!(choose(&pol, &f).is_err());

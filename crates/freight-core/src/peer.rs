@@ -11,6 +11,7 @@ use crate::error::{Error, Result};
 use crate::memory::RemoteRegions;
 use crate::metadata::AgentMetadata;
 use crate::net::{self, Introduction};
+use crate::transport::cuda::CudaPeer;
 use crate::transport::shm::ShmPeer;
 use crate::transport::tcp::{Health, TcpConfig, TcpConn};
 use crate::wire::{self, Frame, Role};
@@ -29,6 +30,7 @@ pub struct Peer {
     pub same_host: bool,
     pub regions: RwLock<RemoteRegions>,
     pub shm: ShmPeer,
+    pub cuda: CudaPeer,
     links: Mutex<Links>,
     removed: AtomicBool,
 }
@@ -59,6 +61,7 @@ impl Peer {
             name: md.name.clone(),
             regions: RwLock::new(RemoteRegions::new(&md.regions)),
             shm: ShmPeer::new(md.host.pid),
+            cuda: CudaPeer::default(),
             md,
             same_host,
             links: Mutex::new(Links::default()),
@@ -116,7 +119,12 @@ impl Peer {
             match wire::read_frame(&mut reader) {
                 Ok(Some(Frame::Revoke { region })) => {
                     tracing::debug!(peer = %self.name, region, "peer revoked a region");
-                    self.regions.write().remove(region);
+                    let mut regions = self.regions.write();
+                    regions.remove(region);
+                    // Close the peer's GPU allocations no registered region lies in any more.
+                    let live: Vec<u64> = regions.iter().filter_map(|r| r.gpu.as_ref().map(|g| g.alloc_base)).collect();
+                    drop(regions);
+                    self.cuda.imports.retain(|base| live.contains(&base));
                 }
                 Ok(Some(other)) => {
                     health.kill(format!("protocol error: unexpected {other:?} on the control link"));

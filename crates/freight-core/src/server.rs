@@ -12,8 +12,8 @@ use parking_lot::Mutex;
 
 use crate::agent::AgentInner;
 use crate::error::{Error, Result};
+use crate::inbox::{Inbox, Inboxes};
 use crate::net::{same_secret, tune};
-use crate::notify::Notification;
 use crate::transport::tcp::serve_data_stream;
 use crate::wire::{self, Frame, Role, PROTOCOL_VERSION};
 
@@ -25,6 +25,8 @@ pub struct Server {
     inbound: Mutex<HashMap<u64, TcpStream>>,
     /// Control connections from peers: revocations are sent back on them.
     controls: Mutex<HashMap<u64, (String, TcpStream)>>,
+    /// The same connections, as sources of notifications.
+    pub(crate) inboxes: Inboxes,
     next_id: AtomicU64,
 }
 
@@ -152,16 +154,31 @@ fn refuse(stream: &mut TcpStream, reason: &str) -> Result<()> {
 }
 
 /// Delivers notifications in the order they arrive on this (ordered) connection.
-fn serve_control(mut stream: TcpStream, agent: &Weak<AgentInner>, from: &str, id: u64) -> Result<()> {
+fn serve_control(stream: TcpStream, agent: &Weak<AgentInner>, from: &str, id: u64) -> Result<()> {
     if let Some(a) = agent.upgrade() {
         a.server.controls.lock().insert(id, (from.to_string(), stream.try_clone()?));
     }
-    while let Some(frame) = wire::read_frame(&mut stream)? {
-        let Frame::Notify { msg } = frame else {
-            return Err(Error::Protocol(format!("unexpected message on a control connection: {frame:?}")));
-        };
-        let Some(a) = agent.upgrade() else { return Ok(()) };
-        a.notifs.push(Notification { from: from.to_string(), msg });
+    let inbox = Arc::new(Mutex::new(Inbox::new(from, stream)));
+    let result = read_notifications(&inbox, agent);
+    if let Some(a) = agent.upgrade() {
+        a.server.inboxes.remove(&inbox);
     }
-    Ok(())
+    result
+}
+
+/// Sleeps until bytes arrive, then reads them (unless an application thread polling for
+/// notifications got there first), until the peer closes the connection.
+fn read_notifications(inbox: &Arc<Mutex<Inbox>>, agent: &Weak<AgentInner>) -> Result<()> {
+    match agent.upgrade() {
+        Some(a) => a.server.inboxes.add(inbox.clone()),
+        None => return Ok(()),
+    }
+    let fd = inbox.lock().fd();
+    loop {
+        crate::inbox::wait_readable(fd)?;
+        let Some(a) = agent.upgrade() else { return Ok(()) };
+        if !inbox.lock().pump(&a.notifs)? {
+            return Ok(());
+        }
+    }
 }

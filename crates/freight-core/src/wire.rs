@@ -136,6 +136,24 @@ pub fn decode(bytes: &[u8]) -> Result<Frame> {
     Ok(frame)
 }
 
+/// Takes one complete frame header from the front of `buf`, if it holds one (for
+/// readers that receive whatever has arrived rather than block for a whole frame).
+pub fn take_frame(buf: &mut Vec<u8>) -> Result<Option<Frame>> {
+    if buf.len() < 4 {
+        return Ok(None);
+    }
+    let n = u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
+    if n > MAX_HEADER {
+        return Err(Error::Protocol(format!("frame header of {n} bytes (max {MAX_HEADER})")));
+    }
+    if buf.len() < 4 + n {
+        return Ok(None);
+    }
+    let frame = decode(&buf[4..4 + n])?;
+    buf.drain(..4 + n);
+    Ok(Some(frame))
+}
+
 /// Reads one frame header. `Ok(None)` on a clean end of stream before any byte.
 pub fn read_frame(r: &mut impl Read) -> Result<Option<Frame>> {
     let mut len = [0u8; 4];
@@ -215,6 +233,20 @@ pub fn discard(r: &mut impl Read, n: u64) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn frames_are_taken_only_once_complete() {
+        let mut bytes = encode(&Frame::Notify { msg: b"one".to_vec() });
+        bytes.extend(encode(&Frame::Notify { msg: b"two".to_vec() }));
+        let mut buf = bytes[..5].to_vec();
+        assert_eq!(take_frame(&mut buf).unwrap(), None);
+        buf.extend_from_slice(&bytes[5..]);
+        assert_eq!(take_frame(&mut buf).unwrap(), Some(Frame::Notify { msg: b"one".to_vec() }));
+        assert_eq!(take_frame(&mut buf).unwrap(), Some(Frame::Notify { msg: b"two".to_vec() }));
+        assert!(buf.is_empty());
+        let mut huge = (MAX_HEADER as u32 + 1).to_le_bytes().to_vec();
+        assert!(take_frame(&mut huge).is_err());
+    }
     use proptest::prelude::*;
 
     #[test]

@@ -6,7 +6,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
-use freight_core::{Agent, AgentConfig, MemKind, OpKind, SharedSegment, ShmConfig, TcpConfig, TransportKind};
+use freight_core::{
+    Agent, AgentConfig, CudaConfig, MemKind, OpKind, SharedSegment, ShmConfig, TcpConfig, TransportKind,
+};
 use numpy::ndarray::ArrayView1;
 use numpy::PyArray1;
 use pyo3::prelude::*;
@@ -66,7 +68,8 @@ impl PyAgent {
         name, *, listen = "127.0.0.1:0".to_string(), advertise = Vec::new(),
         transports = vec!["shm".to_string(), "tcp".to_string()], require = None,
         tcp_streams = 4, tcp_chunk_size = 1 << 20, tcp_window = 8, tcp_local_addrs = Vec::new(), tcp_zerocopy = true,
-        shm_threads = None, shm_inline_bytes = None, peer_timeout = 30.0,
+        shm_threads = None, shm_inline_bytes = None, cuda_copy_engine_min_host = None,
+        cuda_copy_engine_min_peer = None, peer_timeout = 30.0,
         connect_timeout = 5.0, metadata_token = None,
     ))]
     #[allow(clippy::too_many_arguments)]
@@ -84,6 +87,8 @@ impl PyAgent {
         tcp_zerocopy: bool,
         shm_threads: Option<usize>,
         shm_inline_bytes: Option<u64>,
+        cuda_copy_engine_min_host: Option<u64>,
+        cuda_copy_engine_min_peer: Option<u64>,
         peer_timeout: f64,
         connect_timeout: f64,
         metadata_token: Option<Vec<u8>>,
@@ -119,6 +124,13 @@ impl PyAgent {
                 threads: shm_threads.unwrap_or(shm_default.threads),
                 inline_bytes: shm_inline_bytes.unwrap_or(shm_default.inline_bytes),
                 ..shm_default
+            },
+            cuda: {
+                let d = CudaConfig::default();
+                CudaConfig {
+                    copy_engine_min_host: cuda_copy_engine_min_host.unwrap_or(d.copy_engine_min_host),
+                    copy_engine_min_peer: cuda_copy_engine_min_peer.unwrap_or(d.copy_engine_min_peer),
+                }
             },
             peer_timeout: seconds(peer_timeout, "peer_timeout")?,
             connect_timeout: seconds(connect_timeout, "connect_timeout")?,

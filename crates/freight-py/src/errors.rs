@@ -93,6 +93,7 @@ fn build(py: Python<'_>, e: Error) -> PyResult<PyErr> {
         Error::InvalidState(_) => "InvalidStateError",
         Error::Io(_) => "IoError",
         Error::Etcd(_) => "EtcdError",
+        Error::Cuda { .. } => "CudaError",
     };
     let module = ERRORS_MODULE.get_or_try_init(py, || py.import("freight.errors").map(Bound::unbind))?;
     let exc = module.bind(py).getattr(name)?.call1((msg,))?;

@@ -9,6 +9,7 @@ mod cli;
 mod descs;
 mod errors;
 mod etcd;
+mod gpu;
 mod logging;
 mod memory;
 mod metadata;
@@ -30,5 +31,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(logging::_init_logging_from_env, m)?)?;
     m.add_function(wrap_pyfunction!(cli::cli_main, m)?)?;
     m.add_function(wrap_pyfunction!(metadata::inspect_metadata, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu::cuda_status, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu::compile_copy_kernel, m)?)?;
     Ok(())
 }

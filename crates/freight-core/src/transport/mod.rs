@@ -1,6 +1,7 @@
 //! Transports move the bytes of a plan. Each owns its per-peer connection state; the
 //! agent decides which one serves a request (see [`crate::path`]).
 
+pub mod cuda;
 pub mod pool;
 pub mod shm;
 pub mod tcp;

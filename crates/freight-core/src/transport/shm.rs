@@ -49,12 +49,27 @@ unsafe impl Sync for Mapping {}
 
 impl Drop for Mapping {
     fn drop(&mut self) {
+        if crate::cuda::pinned::any() {
+            crate::cuda::pinned::unpin_within(self.addr(), self.len as u64);
+        }
         // SAFETY: we created this mapping and nobody else unmaps it.
         unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
     }
 }
 
 impl Mapping {
+    pub fn addr(&self) -> u64 {
+        self.ptr as u64
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
     /// Opens the peer's memfd through /proc and maps it.
     fn open(pid: u32, loc: &SharedLocation) -> Result<Mapping> {
         let path = format!("/proc/{pid}/fd/{}", loc.fd);
@@ -126,6 +141,15 @@ impl ShmPeer {
         self.mapping(loc).map(|_| ())
     }
 
+    /// The mapping that holds the peer's region `r`, and the value that turns the peer's
+    /// addresses in `r` into ours when added (wrapping: the sum lands in the mapping).
+    pub fn remote_base(&self, r: &RegionInfo) -> Result<(Arc<Mapping>, usize)> {
+        let loc = r.shared.as_ref().ok_or_else(|| not_shared(r.key))?;
+        let m = self.mapping(loc)?;
+        let base = (m.ptr as usize + loc.offset as usize).wrapping_sub(r.addr as usize);
+        Ok((m, base))
+    }
+
     /// Translates a plan's copies, given the peer's regions by key, and splits them into
     /// pieces for the copy threads.
     pub fn compile(
@@ -143,11 +167,7 @@ impl ShmPeer {
                 Some((k, base)) if k == op.remote_region => base,
                 _ => {
                     let r = region(op.remote_region).ok_or(Error::UnknownRegion(op.remote_region))?;
-                    let loc = r.shared.ok_or_else(|| not_shared(r.key))?;
-                    let m = self.mapping(&loc)?;
-                    // Pointer of the peer's address 0 in our mapping: remote_addr + base lands
-                    // in the segment (wrapping arithmetic, the sum is in range).
-                    let base = (m.ptr as usize + loc.offset as usize).wrapping_sub(r.addr as usize);
+                    let (m, base) = self.remote_base(&r)?;
                     if !maps.iter().any(|x| Arc::ptr_eq(x, &m)) {
                         maps.push(m);
                     }

@@ -1,0 +1,227 @@
+#!/usr/bin/env python3
+"""freight's GPU benchmarks: two processes on two GPUs of one host.
+
+The initiator (this process) uses GPU 0; the target is tests/gpu_peer.py on GPU 1,
+each process seeing only its own GPU (CUDA_VISIBLE_DEVICES), as the NIXL comparison in
+bench/peers/ does. Writes rows {"system": "freight", "test", "op", "block", "count",
+"gbps", "p50_us", "p99_us"} that bench/gpu_report.py sets beside NIXL and the ceilings.
+
+Remote blocks are visited in a shuffled order, so that no two descriptors are
+neighbours on both sides and nothing merges: the batched kernel does every copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MIB = 1 << 20
+SIZE = 4 << 30
+CASES = [(32 * MIB, 128), (2 * MIB, 2048), (256 << 10, 16384), (64 << 10, 65536), (16 << 10, 65536), (4 << 10, 65536)]
+
+
+class Target:
+    """tests/gpu_peer.py in its own process."""
+
+    def __init__(self, size: int, kind: str, gpu: str, name: str = "target"):
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "gpu_peer.py"), "--name", name, "--size", str(size), "--kind", kind, "--gpu", "0"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+        )
+        hello = json.loads(self.proc.stdout.readline() or "{}")
+        if "addr" not in hello:
+            raise RuntimeError("the target process failed to start")
+        self.addr, self.base = hello["addr"], hello["base"]
+
+    def send(self, **cmd):
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def reply(self):
+        return json.loads(self.proc.stdout.readline())
+
+    def call(self, **cmd):
+        self.send(**cmd)
+        return self.reply()
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.send(op="quit")
+            self.proc.wait(timeout=30)
+
+
+def stats(samples_s):
+    s = sorted(samples_s)
+    pick = lambda p: s[min(len(s) - 1, max(0, int(round(p * len(s) + 0.5)) - 1))]
+    return pick(0.5), pick(0.99)
+
+
+def row(test, op, block, count, gbps=None, p50=None, p99=None, **extra):
+    r = {"system": "freight", "test": test, "op": op, "block": block, "count": count,
+         "gbps": None if gbps is None else round(gbps, 3),
+         "p50_us": None if p50 is None else round(p50 * 1e6, 2),
+         "p99_us": None if p99 is None else round(p99 * 1e6, 2)}
+    r.update(extra)
+    print(f"[gpu] {test:8s} {op:5s} {block:>10d} x {count:<6d} "
+          + (f"{r['gbps']:8.1f} GB/s" if gbps is not None else "")
+          + (f"  p50 {r['p50_us']} us p99 {r['p99_us']} us" if p50 is not None else ""), flush=True)
+    return r
+
+
+def timed(req, iters):
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        req.post()
+        req.wait(timeout=60)  # raises if the transfer failed
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def bandwidth(agent, name, local, base, quick):
+    import freight
+
+    rows = []
+    rng = random.Random(1)
+    for block, count in CASES:
+        count = min(count, SIZE // block)
+        order = list(range(count))
+        rng.shuffle(order)
+        ldesc = freight.DescList([(local.data_ptr() + i * block, block, 0) for i in range(count)], kind="VRAM")
+        rdesc = freight.DescList([(base + j * block, block, 0) for j in order], kind="VRAM")
+        lp = agent.prepare_local(ldesc)
+        rp = agent.prepare_remote(name, rdesc)
+        for op in ("WRITE", "READ"):
+            req = agent.make_request(op, lp, None, rp, None)
+            timed(req, 2)
+            t = timed(req, 3 if quick else 10)
+            p50, _ = stats(t)
+            rows.append(row("bw", op, block, count, block * count / p50 / 1e9, copies=req.copies))
+    return rows
+
+
+def oneshot(agent, name, local, base, quick):
+    import freight
+
+    block, count = 32 * MIB, 128
+    ldesc = freight.DescList([(local.data_ptr() + i * block, block, 0) for i in range(count)], kind="VRAM")
+    order = list(range(count))
+    random.Random(2).shuffle(order)
+    rdesc = freight.DescList([(base + j * block, block, 0) for j in order], kind="VRAM")
+    times = []
+    for i in range(3 if quick else 10):
+        t = time.perf_counter()
+        req = agent.transfer("WRITE", ldesc, name, rdesc)
+        req.wait(timeout=60)
+        if i:
+            times.append(time.perf_counter() - t)
+    p50, _ = stats(times)
+    return [row("oneshot", "WRITE", block, count, block * count / p50 / 1e9)]
+
+
+def latency(agent, name, local, base, target, quick):
+    import freight
+
+    lp = agent.prepare_local(freight.DescList([(local.data_ptr(), 4096, 0)], kind="VRAM"))
+    rp = agent.prepare_remote(name, freight.DescList([(base, 4096, 0)], kind="VRAM"))
+    req = agent.make_request("WRITE", lp, None, rp, None)
+    timed(req, 100)
+    p50, p99 = stats(timed(req, 300 if quick else 3000))
+    rows = [row("lat4k", "WRITE", 4096, 1, p50=p50, p99=p99)]
+    n = 50 if quick else 300
+    target.send(op="notifs", count=n, timeout=60)
+    posted = []
+    reqs = [agent.make_request("WRITE", lp, None, rp, None, notif=f"n{i}".encode()) for i in range(n)]
+    for r in reqs:
+        posted.append(time.monotonic_ns())
+        r.post()
+        r.wait(timeout=10)
+        time.sleep(0.002)
+    seen = target.reply()["seen"]
+    lat = [(t - posted[int(bytes.fromhex(m).decode()[1:])]) / 1e9 for t, m, _ in seen]
+    if len(lat) == n:
+        p50, p99 = stats(lat)
+        rows.append(row("notif4k", "WRITE", 4096, 1, p50=p50, p99=p99))
+    else:
+        rows.append({"system": "freight", "test": "notif4k", "op": "WRITE", "block": 4096, "count": 1,
+                     "error": f"{len(lat)} of {n} notifications seen"})
+    return rows
+
+
+def host_device(agent, quick):
+    """Host memory here <-> GPU memory of the other process (32 x 32 MiB)."""
+    import numpy as np
+    import freight
+
+    block, count = 32 * MIB, 32
+    target = Target(block * count, "VRAM", "1", name="host-test-target")
+    try:
+        name = agent.connect(target.addr)
+        host = np.empty(block * count, dtype=np.uint8)
+        host[:] = 7
+        agent.register(host)
+        ldesc = freight.DescList([(host.ctypes.data + i * block, block, 0) for i in range(count)], kind="DRAM")
+        rdesc = freight.DescList([(target.base + i * block, block, 0) for i in range(count)], kind="VRAM")
+        lp, rp = agent.prepare_local(ldesc), agent.prepare_remote(name, rdesc)
+        rows = []
+        for test, op in (("h2d", "WRITE"), ("d2h", "READ")):
+            req = agent.make_request(op, lp, None, rp, None)
+            timed(req, 2)
+            p50, _ = stats(timed(req, 3 if quick else 10))
+            rows.append(row(test, op, block, count, block * count / p50 / 1e9))
+        agent.remove_peer(name)
+        return rows
+    finally:
+        target.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    ap.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
+    args = ap.parse_args()
+    os.environ["CUDA_VISIBLE_DEVICES"] = "0"
+    import torch
+    import freight
+
+    ok, why = freight.cuda_status()
+    if not ok:
+        sys.exit(f"no GPU: {why}")
+    rows = []
+    target = Target(SIZE, "VRAM", "1")
+    try:
+        with freight.Agent("initiator") as agent:
+            name = agent.connect(target.addr)
+            local = torch.full((SIZE,), 3, dtype=torch.uint8, device="cuda:0")
+            agent.register(local)
+            path = agent.path_to(name)
+            print(f"[gpu] path: {path.transport}: {path.reason}", flush=True)
+            for part in (lambda: bandwidth(agent, name, local, target.base, args.quick),
+                         lambda: oneshot(agent, name, local, target.base, args.quick),
+                         lambda: latency(agent, name, local, target.base, target, args.quick),
+                         lambda: host_device(agent, args.quick)):
+                try:
+                    rows += part()
+                except Exception as e:  # one failing part must not hide the others
+                    print(f"[gpu] FAILED: {e!r}", flush=True)
+                    rows.append({"system": "freight", "error": repr(e)})
+    finally:
+        target.close()
+    doc = {"tool": "bench/gpu.py", "machine": {"gpu": torch.cuda.get_device_name(0), "host": platform.node(),
+           "torch": torch.__version__}, "path": f"{path.transport}: {path.reason}", "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1))
+    print(f"[gpu] wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

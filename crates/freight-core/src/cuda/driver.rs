@@ -1,0 +1,325 @@
+//! The CUDA driver, loaded on first use: typed errors, devices with their primary
+//! contexts and streams, events and device buffers.
+//!
+//! Every GPU freight touches is used through its primary context (the one PyTorch and
+//! CuPy use too), so pointers that the application allocated are valid here as they are.
+
+use std::ffi::{c_void, CStr};
+use std::sync::OnceLock;
+
+use cudarc::driver::sys::{self as cu, CUresult};
+
+use crate::error::{Error, Result};
+
+/// Whether CUDA is usable here: the driver library loads, initialises, and sees a GPU.
+pub fn available() -> bool {
+    init().is_ok()
+}
+
+/// Why CUDA is not usable here, or `None` when it is.
+pub fn unavailable_reason() -> Option<String> {
+    init().err().map(|e| e.to_string())
+}
+
+/// Loads and initialises the driver once; later calls return the first outcome.
+pub fn init() -> Result<()> {
+    static STATE: OnceLock<std::result::Result<(), String>> = OnceLock::new();
+    STATE
+        .get_or_init(|| {
+            // SAFETY: probing for the library has no side effects beyond dlopen.
+            if !unsafe { cu::is_culib_present() } {
+                return Err("the CUDA driver library (libcuda.so) is not installed".into());
+            }
+            // SAFETY: cuInit may be called any number of times from any thread.
+            check(unsafe { cu::cuInit(0) }, "cuInit").map_err(|e| e.to_string())?;
+            let mut n = 0;
+            // SAFETY: out-pointer to a local.
+            check(unsafe { cu::cuDeviceGetCount(&mut n) }, "cuDeviceGetCount").map_err(|e| e.to_string())?;
+            if n == 0 {
+                return Err("the CUDA driver sees no GPU".into());
+            }
+            Ok(())
+        })
+        .clone()
+        .map_err(|why| Error::TransportUnavailable(format!("CUDA is not available: {why}")))
+}
+
+/// Maps a driver result to a typed error naming the call.
+pub fn check(result: CUresult, call: &'static str) -> Result<()> {
+    if result == CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    let mut name: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: cuGetErrorName writes a pointer to a static string (or leaves it null).
+    unsafe { cu::cuGetErrorName(result, &mut name) };
+    let code = if name.is_null() {
+        format!("{result:?}")
+    } else {
+        // SAFETY: a NUL-terminated static string owned by the driver.
+        unsafe { CStr::from_ptr(name) }.to_string_lossy().into_owned()
+    };
+    Err(Error::Cuda { call: call.to_string(), code })
+}
+
+/// Number of GPUs this process sees.
+pub fn device_count() -> Result<usize> {
+    init()?;
+    let mut n = 0;
+    // SAFETY: out-pointer to a local.
+    check(unsafe { cu::cuDeviceGetCount(&mut n) }, "cuDeviceGetCount")?;
+    Ok(n as usize)
+}
+
+/// One GPU: its primary context, a stream for freight's work, and what the kernel
+/// compiler and the path report need to know about it.
+pub struct Device {
+    pub ordinal: usize,
+    dev: cu::CUdevice,
+    ctx: cu::CUcontext,
+    stream: cu::CUstream,
+    /// PCI bus id ("0000:1b:00.0"): the same GPU under any CUDA_VISIBLE_DEVICES.
+    pub bus_id: String,
+    pub compute_capability: (i32, i32),
+    pub multiprocessors: u32,
+}
+
+// SAFETY: contexts and streams are thread-safe driver handles.
+unsafe impl Send for Device {}
+unsafe impl Sync for Device {}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Device").field("ordinal", &self.ordinal).field("bus_id", &self.bus_id).finish()
+    }
+}
+
+impl Device {
+    /// The GPU with this ordinal (as this process numbers them), opened once.
+    pub fn get(ordinal: usize) -> Result<&'static Device> {
+        static DEVICES: OnceLock<Vec<OnceLock<std::result::Result<Device, Error>>>> = OnceLock::new();
+        let n = device_count()?;
+        let table = DEVICES.get_or_init(|| (0..n).map(|_| OnceLock::new()).collect());
+        let slot = table.get(ordinal).ok_or_else(|| {
+            Error::InvalidArgument(format!("there is no GPU {ordinal}: this process sees {n} GPU(s)"))
+        })?;
+        slot.get_or_init(|| Device::open(ordinal)).as_ref().map_err(Clone::clone)
+    }
+
+    fn open(ordinal: usize) -> Result<Device> {
+        let mut dev = 0;
+        let mut ctx = std::ptr::null_mut();
+        let mut stream = std::ptr::null_mut();
+        // SAFETY: out-pointers to locals; the primary context is retained for the life
+        // of the process (devices are never closed).
+        unsafe {
+            check(cu::cuDeviceGet(&mut dev, ordinal as i32), "cuDeviceGet")?;
+            check(cu::cuDevicePrimaryCtxRetain(&mut ctx, dev), "cuDevicePrimaryCtxRetain")?;
+            check(cu::cuCtxSetCurrent(ctx), "cuCtxSetCurrent")?;
+            check(
+                cu::cuStreamCreate(&mut stream, cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32),
+                "cuStreamCreate",
+            )?;
+        }
+        let attr = |a: cu::CUdevice_attribute| -> Result<i32> {
+            let mut v = 0;
+            // SAFETY: out-pointer to a local.
+            check(unsafe { cu::cuDeviceGetAttribute(&mut v, a, dev) }, "cuDeviceGetAttribute")?;
+            Ok(v)
+        };
+        use cu::CUdevice_attribute as A;
+        let compute_capability = (
+            attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+            attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+        );
+        let multiprocessors = attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
+        let mut buf = [0 as std::ffi::c_char; 32];
+        // SAFETY: the buffer is large enough for "dddd:bb:dd.f" and NUL.
+        check(unsafe { cu::cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as i32, dev) }, "cuDeviceGetPCIBusId")?;
+        // SAFETY: NUL-terminated by the driver.
+        let bus_id = unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().to_ascii_lowercase();
+        tracing::debug!(ordinal, %bus_id, ?compute_capability, multiprocessors, "opened GPU");
+        Ok(Device { ordinal, dev, ctx, stream, bus_id, compute_capability, multiprocessors })
+    }
+
+    /// Makes this GPU's context current on the calling thread (cheap when it already is).
+    pub fn bind(&self) -> Result<()> {
+        // SAFETY: a valid, retained context.
+        check(unsafe { cu::cuCtxSetCurrent(self.ctx) }, "cuCtxSetCurrent")
+    }
+
+    pub fn stream(&self) -> cu::CUstream {
+        self.stream
+    }
+
+    pub fn raw(&self) -> cu::CUdevice {
+        self.dev
+    }
+
+    /// Whether this GPU can address `other`'s memory directly (NVLink or PCIe P2P).
+    pub fn can_access(&self, other: &Device) -> Result<bool> {
+        if self.dev == other.dev {
+            return Ok(true);
+        }
+        let mut ok = 0;
+        // SAFETY: out-pointer to a local.
+        check(unsafe { cu::cuDeviceCanAccessPeer(&mut ok, self.dev, other.dev) }, "cuDeviceCanAccessPeer")?;
+        Ok(ok != 0)
+    }
+
+    /// The GPU with this PCI bus id, if this process sees it.
+    pub fn by_bus_id(bus_id: &str) -> Result<Option<&'static Device>> {
+        for i in 0..device_count()? {
+            let d = Device::get(i)?;
+            if d.bus_id.eq_ignore_ascii_case(bus_id) {
+                return Ok(Some(d));
+            }
+        }
+        Ok(None)
+    }
+}
+
+/// What the driver knows about an address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PointerKind {
+    /// Device memory of the GPU with this ordinal.
+    Device(usize),
+    /// Host memory, or memory CUDA does not know.
+    Host,
+}
+
+/// Classifies `addr` (device memory of which GPU, or not device memory at all).
+pub fn pointer_kind(addr: u64) -> Result<PointerKind> {
+    init()?;
+    let mut mem_type: u32 = 0;
+    // SAFETY: the attribute is a 32-bit value written into a local.
+    let r = unsafe {
+        cu::cuPointerGetAttribute(
+            (&mut mem_type as *mut u32).cast(),
+            cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            addr,
+        )
+    };
+    if r != CUresult::CUDA_SUCCESS || mem_type != cu::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+        return Ok(PointerKind::Host);
+    }
+    let mut ordinal: i32 = -1;
+    // SAFETY: as above.
+    check(
+        unsafe {
+            cu::cuPointerGetAttribute(
+                (&mut ordinal as *mut i32).cast(),
+                cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                addr,
+            )
+        },
+        "cuPointerGetAttribute",
+    )?;
+    Ok(PointerKind::Device(ordinal as usize))
+}
+
+/// The allocation `addr` belongs to: (base, size). IPC handles name allocations.
+pub fn allocation_range(addr: u64) -> Result<(u64, u64)> {
+    let (mut base, mut size) = (0, 0usize);
+    // SAFETY: out-pointers to locals.
+    check(unsafe { cu::cuMemGetAddressRange_v2(&mut base, &mut size, addr) }, "cuMemGetAddressRange")?;
+    Ok((base, size as u64))
+}
+
+/// A completion marker on a stream. Waiting on it sleeps in the driver (blocking sync)
+/// instead of spinning a core.
+pub struct Event(cu::CUevent);
+
+// SAFETY: events are thread-safe driver handles.
+unsafe impl Send for Event {}
+unsafe impl Sync for Event {}
+
+impl Event {
+    pub fn new(device: &Device) -> Result<Event> {
+        device.bind()?;
+        let mut e = std::ptr::null_mut();
+        let flags =
+            cu::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32 | cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+        // SAFETY: out-pointer to a local.
+        check(unsafe { cu::cuEventCreate(&mut e, flags) }, "cuEventCreate")?;
+        Ok(Event(e))
+    }
+
+    /// Marks the end of the work queued so far on `device`'s stream.
+    pub fn record(&self, device: &Device) -> Result<()> {
+        // SAFETY: valid event and stream.
+        check(unsafe { cu::cuEventRecord(self.0, device.stream()) }, "cuEventRecord")
+    }
+
+    /// `Ok(true)` when the work before the record has finished.
+    pub fn query(&self) -> Result<bool> {
+        // SAFETY: valid event.
+        match unsafe { cu::cuEventQuery(self.0) } {
+            CUresult::CUDA_SUCCESS => Ok(true),
+            CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            other => check(other, "cuEventQuery").map(|_| false),
+        }
+    }
+
+    pub fn synchronize(&self) -> Result<()> {
+        // SAFETY: valid event.
+        check(unsafe { cu::cuEventSynchronize(self.0) }, "cuEventSynchronize")
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: we own the event; the driver defers destruction until it completes.
+        unsafe { cu::cuEventDestroy_v2(self.0) };
+    }
+}
+
+/// Device memory owned by freight (descriptor tables of the copy kernel).
+pub struct DeviceBuffer {
+    ptr: cu::CUdeviceptr,
+    len: usize,
+    device: &'static Device,
+}
+
+// SAFETY: a device address; the driver synchronises access.
+unsafe impl Send for DeviceBuffer {}
+unsafe impl Sync for DeviceBuffer {}
+
+impl DeviceBuffer {
+    /// Allocates `bytes.len()` bytes on `device` and copies `bytes` there.
+    pub fn upload(device: &'static Device, bytes: &[u8]) -> Result<DeviceBuffer> {
+        device.bind()?;
+        let len = bytes.len().max(16);
+        let mut ptr = 0;
+        // SAFETY: out-pointer; then a synchronous copy of `bytes` into the new allocation.
+        unsafe {
+            check(cu::cuMemAlloc_v2(&mut ptr, len), "cuMemAlloc")?;
+            let buf = DeviceBuffer { ptr, len, device };
+            if !bytes.is_empty() {
+                check(cu::cuMemcpyHtoD_v2(ptr, bytes.as_ptr() as *const c_void, bytes.len()), "cuMemcpyHtoD")?;
+            }
+            Ok(buf)
+        }
+    }
+
+    pub fn addr(&self) -> u64 {
+        self.ptr
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if self.device.bind().is_ok() {
+            // SAFETY: we own the allocation; no launch that uses it is pending (its
+            // request holds this buffer until the launch completed).
+            unsafe { cu::cuMemFree_v2(self.ptr) };
+        }
+    }
+}

@@ -1,0 +1,101 @@
+//! Device memory shared between processes of one host with CUDA IPC handles.
+//!
+//! A handle names a whole allocation, so the exporter publishes the allocation's base
+//! and the handle with each registered region; the importer opens each allocation once,
+//! caches the mapping, and translates addresses by their offset from the base. When the
+//! peer revokes the last region of an allocation the cache lets go of it, and the
+//! mapping closes as soon as no prepared request uses it any more.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::driver::sys as cu;
+use parking_lot::Mutex;
+
+use super::driver::{allocation_range, check, Device};
+use crate::error::{Error, Result};
+pub use crate::memory::GpuLocation;
+
+/// Exports the allocation that contains `[addr, addr+len)` on `device`.
+pub fn export(device: &Device, addr: u64, len: u64) -> Result<GpuLocation> {
+    device.bind()?;
+    let (alloc_base, alloc_len) = allocation_range(addr)?;
+    if addr + len > alloc_base + alloc_len {
+        return Err(Error::InvalidArgument(format!(
+            "GPU memory [{addr:#x}, +{len}) spans more than one allocation (its allocation is [{alloc_base:#x}, +{alloc_len}))"
+        )));
+    }
+    let mut handle = cu::CUipcMemHandle { reserved: [0; 64] };
+    // SAFETY: out-pointer to a local; the base is the start of a live allocation.
+    check(unsafe { cu::cuIpcGetMemHandle(&mut handle, alloc_base) }, "cuIpcGetMemHandle")?;
+    Ok(GpuLocation {
+        bus_id: device.bus_id.clone(),
+        alloc_base,
+        alloc_len,
+        handle: handle.reserved.iter().map(|&b| b as u8).collect(),
+    })
+}
+
+/// A peer's allocation opened in this process.
+pub struct Imported {
+    /// Where the allocation's first byte is mapped here.
+    pub base: u64,
+    device: &'static Device,
+}
+
+impl Drop for Imported {
+    fn drop(&mut self) {
+        if self.device.bind().is_ok() {
+            // SAFETY: opened by us; no program that uses it is alive any more.
+            unsafe { cu::cuIpcCloseMemHandle(self.base) };
+        }
+    }
+}
+
+/// The allocations of one peer opened here, keyed by the peer's allocation base.
+#[derive(Default)]
+pub struct ImportCache {
+    opened: Mutex<HashMap<(usize, u64), Arc<Imported>>>,
+}
+
+impl ImportCache {
+    /// Maps the peer's allocation into `device`'s context (opening it on first use).
+    pub fn open(&self, device: &'static Device, loc: &GpuLocation) -> Result<Arc<Imported>> {
+        let key = (device.ordinal, loc.alloc_base);
+        let mut opened = self.opened.lock();
+        if let Some(m) = opened.get(&key) {
+            return Ok(m.clone());
+        }
+        if loc.handle.len() != 64 {
+            return Err(Error::Metadata(format!("a CUDA IPC handle has 64 bytes, not {}", loc.handle.len())));
+        }
+        let mut handle = cu::CUipcMemHandle { reserved: [0; 64] };
+        for (d, s) in handle.reserved.iter_mut().zip(&loc.handle) {
+            *d = *s as std::ffi::c_char;
+        }
+        device.bind()?;
+        let mut base = 0;
+        // SAFETY: a handle the peer exported; lazy peer access lets a GPU map memory of
+        // another GPU (even one this process does not see).
+        check(
+            unsafe {
+                cu::cuIpcOpenMemHandle_v2(
+                    &mut base,
+                    handle,
+                    cu::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+                )
+            },
+            "cuIpcOpenMemHandle",
+        )?;
+        tracing::debug!(gpu = device.ordinal, peer_gpu = %loc.bus_id, len = loc.alloc_len, "opened a peer's GPU allocation");
+        let m = Arc::new(Imported { base, device });
+        opened.insert(key, m.clone());
+        Ok(m)
+    }
+
+    /// Lets go of the allocations for which `keep(base)` is false (their regions were
+    /// all revoked).
+    pub fn retain(&self, keep: impl Fn(u64) -> bool) {
+        self.opened.lock().retain(|(_, base), _| keep(*base));
+    }
+}

@@ -1,0 +1,17 @@
+//! CUDA, loaded at run time: the driver API and NVRTC come from the machine's libraries
+//! through `cudarc`'s dynamic loading, so one build runs everywhere and uses a GPU only
+//! where one is present. Nothing here links against CUDA.
+//!
+//! - [`driver`]: loading, typed errors, devices and their primary contexts, streams, events.
+//! - [`kernel`]: the batched copy kernel, compiled by NVRTC once per GPU architecture.
+//! - [`ipc`]: exporting device memory to same-host peers and opening theirs.
+//! - [`pinned`]: page-locking host memory so that GPUs can reach it at PCIe speed.
+//! - [`completion`]: one thread that turns finished GPU work into finished requests.
+
+pub mod completion;
+pub mod driver;
+pub mod ipc;
+pub mod kernel;
+pub mod pinned;
+
+pub use driver::{available, unavailable_reason, Device};

@@ -1,0 +1,353 @@
+//! The cuda transport: same-host transfers where GPU memory is on either side.
+//!
+//! A request is compiled once into a [`CudaProgram`]: every copy translated into this
+//! process's address space (the peer's GPU allocations opened through CUDA IPC, its
+//! host memory through the shm mappings, host memory pinned), cut into work items and
+//! uploaded as one table. Posting it is one kernel launch (plus copy-engine calls for
+//! long copies to or from host memory, where the copy engines beat SM loads over PCIe)
+//! and one event; the agent's completion thread finishes the request when the event
+//! fires, and only then does its notification go out.
+
+use std::sync::Arc;
+
+use cudarc::driver::sys as cu;
+
+use crate::cuda::completion::Completions;
+use crate::cuda::driver::{check, Device, DeviceBuffer, Event};
+use crate::cuda::ipc::{ImportCache, Imported};
+use crate::cuda::kernel::{items_of, Item, Kernel};
+use crate::cuda::pinned;
+use crate::error::{Error, Result};
+use crate::memory::{MemKind, RegionInfo};
+use crate::plan::Op;
+use crate::request::{Finisher, Tracker};
+use crate::transport::shm::{Mapping, ShmPeer};
+use crate::transport::OpKind;
+
+/// Tunables of the cuda transport.
+#[derive(Debug, Clone)]
+pub struct CudaConfig {
+    /// Copies between GPU and host memory at least this long go to the copy engines
+    /// (shorter ones ride in the kernel with the rest).
+    pub copy_engine_min_host: u64,
+    /// The same for GPU-to-GPU copies; `u64::MAX`: always the kernel (it keeps up with
+    /// the copy engines over NVLink and needs one launch for any number of copies).
+    pub copy_engine_min_peer: u64,
+}
+
+impl Default for CudaConfig {
+    fn default() -> Self {
+        CudaConfig { copy_engine_min_host: 4 << 20, copy_engine_min_peer: u64::MAX }
+    }
+}
+
+/// The cuda view of one peer: its GPU allocations opened here.
+#[derive(Default)]
+pub struct CudaPeer {
+    pub imports: ImportCache,
+}
+
+/// Where one side of a copy lives, translated into this process.
+struct Side<'a> {
+    region: &'a RegionInfo,
+    /// Added (wrapping) to the owner's address to get ours.
+    shift: u64,
+}
+
+/// A request compiled for the GPU, reused by every post.
+pub struct CudaProgram {
+    device: &'static Device,
+    kernel: Option<(Arc<Kernel>, DeviceBuffer, usize)>,
+    /// (destination, source, length) for the copy engines.
+    engine_copies: Vec<(u64, u64, u64)>,
+    event: Arc<Event>,
+    _imports: Vec<Arc<Imported>>,
+    _maps: Vec<Arc<Mapping>>,
+}
+
+/// Everything `compile` needs to know about the peer.
+pub struct PeerView<'a> {
+    pub cuda: &'a CudaPeer,
+    pub shm: &'a ShmPeer,
+    /// The peer is this very process (its GPU pointers are valid here as they are).
+    pub same_process: bool,
+}
+
+/// The GPU that runs a request: the one holding the local memory, else the one holding
+/// the peer's memory if this process sees it, else the first.
+pub fn launch_device(local: &RegionInfo, remote: &RegionInfo) -> Result<&'static Device> {
+    if local.kind == MemKind::Vram {
+        return Device::get(local.dev as usize);
+    }
+    if let Some(g) = &remote.gpu {
+        if let Some(d) = Device::by_bus_id(&g.bus_id)? {
+            return Ok(d);
+        }
+    }
+    Device::get(0)
+}
+
+impl CudaProgram {
+    pub fn compile(
+        ops: &[Op],
+        op: OpKind,
+        local_region: impl Fn(u64) -> Option<RegionInfo>,
+        remote_region: impl Fn(u64) -> Option<RegionInfo>,
+        peer: &PeerView<'_>,
+        cfg: &CudaConfig,
+    ) -> Result<CudaProgram> {
+        let first = ops.first().ok_or_else(|| Error::InvalidArgument("a request with nothing to copy".into()))?;
+        let lr = local_region(first.local_region).ok_or(Error::UnknownRegion(first.local_region))?;
+        let rr = remote_region(first.remote_region).ok_or(Error::UnknownRegion(first.remote_region))?;
+        let device = launch_device(&lr, &rr)?;
+        let mut imports: Vec<Arc<Imported>> = Vec::new();
+        let mut maps: Vec<Arc<Mapping>> = Vec::new();
+        let mut local_cache: Option<(RegionInfo, u64)> = None;
+        let mut remote_cache: Option<(RegionInfo, u64)> = None;
+        let (mut kernel_copies, mut engine_copies) = (Vec::new(), Vec::new());
+        for o in ops {
+            let local = match &local_cache {
+                Some((r, s)) if r.key == o.local_region => Side { region: r, shift: *s },
+                _ => {
+                    let r = local_region(o.local_region).ok_or(Error::UnknownRegion(o.local_region))?;
+                    let shift = local_shift(device, &r)?;
+                    local_cache = Some((r, shift));
+                    let (r, s) = local_cache.as_ref().expect("just set");
+                    Side { region: r, shift: *s }
+                }
+            };
+            let remote = match &remote_cache {
+                Some((r, s)) if r.key == o.remote_region => Side { region: r, shift: *s },
+                _ => {
+                    let r = remote_region(o.remote_region).ok_or(Error::UnknownRegion(o.remote_region))?;
+                    let shift = remote_shift(device, &r, peer, &mut imports, &mut maps)?;
+                    remote_cache = Some((r, shift));
+                    let (r, s) = remote_cache.as_ref().expect("just set");
+                    Side { region: r, shift: *s }
+                }
+            };
+            let l = o.local_addr.wrapping_add(local.shift);
+            let r = o.remote_addr.wrapping_add(remote.shift);
+            let (src, dst) = match op {
+                OpKind::Write => (l, r),
+                OpKind::Read => (r, l),
+            };
+            let host_involved = local.region.kind == MemKind::Dram || remote.region.kind == MemKind::Dram;
+            let engine_min = if host_involved { cfg.copy_engine_min_host } else { cfg.copy_engine_min_peer };
+            if o.len >= engine_min {
+                engine_copies.push((dst, src, o.len));
+            } else {
+                kernel_copies.push((src, dst, o.len));
+            }
+        }
+        let kernel = if kernel_copies.is_empty() {
+            None
+        } else {
+            let items = items_of(kernel_copies);
+            // SAFETY: Item is repr(C) plain data; viewing it as bytes for the upload.
+            let bytes = unsafe {
+                std::slice::from_raw_parts(items.as_ptr() as *const u8, std::mem::size_of_val(items.as_slice()))
+            };
+            let table = DeviceBuffer::upload(device, bytes)?;
+            Some((Kernel::on(device)?, table, items.len()))
+        };
+        debug_assert_eq!(std::mem::size_of::<Item>(), 24);
+        Ok(CudaProgram {
+            device,
+            kernel,
+            engine_copies,
+            event: Arc::new(Event::new(device)?),
+            _imports: imports,
+            _maps: maps,
+        })
+    }
+
+    /// Work items the kernel runs per post (0: copy engines only).
+    pub fn kernel_items(&self) -> usize {
+        self.kernel.as_ref().map_or(0, |(_, _, n)| *n)
+    }
+
+    /// Launches the copies and arranges for `tracker` to finish when they are done.
+    pub fn execute(
+        self: &Arc<Self>,
+        tracker: &Arc<Tracker>,
+        finisher: Finisher,
+        completions: &Completions,
+    ) -> Result<()> {
+        tracker.begin(1, finisher)?;
+        match self.launch() {
+            Ok(()) => {
+                let (t, keep) = (tracker.clone(), self.clone());
+                completions.watch(
+                    self.device,
+                    self.event.clone(),
+                    Box::new(move |outcome| {
+                        drop(keep);
+                        t.finish_part(outcome);
+                    }),
+                );
+            }
+            Err(e) => tracker.finish_part(Err(e)),
+        }
+        Ok(())
+    }
+
+    fn launch(&self) -> Result<()> {
+        self.device.bind()?;
+        let stream = self.device.stream();
+        if let Some((kernel, table, count)) = &self.kernel {
+            kernel.launch(table.addr(), *count)?;
+        }
+        for &(dst, src, len) in &self.engine_copies {
+            // SAFETY: both ranges were bounds-checked against registered regions and are
+            // mapped (and pinned, for host memory) for this program's lifetime.
+            check(unsafe { cu::cuMemcpyAsync(dst, src, len as usize, stream) }, "cuMemcpyAsync")?;
+        }
+        self.event.record(self.device)
+    }
+}
+
+/// Local memory: GPU memory must be on the launching GPU's side of a peer link; host
+/// memory is pinned (once) so the GPU reaches it directly.
+fn local_shift(device: &'static Device, r: &RegionInfo) -> Result<u64> {
+    match r.kind {
+        MemKind::Vram => {
+            let owner = Device::get(r.dev as usize)?;
+            if !device.can_access(owner)? {
+                return Err(Error::TransportUnavailable(format!(
+                    "GPU {} cannot access GPU {} directly (no peer access)",
+                    device.ordinal, owner.ordinal
+                )));
+            }
+            Ok(0)
+        }
+        MemKind::Dram => {
+            pinned::pin(device, r.addr, r.len)?;
+            Ok(0)
+        }
+        MemKind::File => Err(Error::TransportUnavailable("cuda cannot serve FILE memory".into())),
+    }
+}
+
+/// The peer's memory as this process reaches it: its GPU allocations through IPC, its
+/// host memory through the shm mapping (pinned).
+fn remote_shift(
+    device: &'static Device,
+    r: &RegionInfo,
+    peer: &PeerView<'_>,
+    imports: &mut Vec<Arc<Imported>>,
+    maps: &mut Vec<Arc<Mapping>>,
+) -> Result<u64> {
+    match r.kind {
+        MemKind::Vram if peer.same_process => Ok(0),
+        MemKind::Vram => {
+            let loc = r.gpu.as_ref().ok_or_else(|| {
+                Error::TransportUnavailable(format!(
+                    "the peer's GPU region {} carries no CUDA IPC handle (it registered it without CUDA)",
+                    r.key
+                ))
+            })?;
+            let m = peer.cuda.imports.open(device, loc)?;
+            let shift = m.base.wrapping_sub(loc.alloc_base);
+            if !imports.iter().any(|x| Arc::ptr_eq(x, &m)) {
+                imports.push(m);
+            }
+            Ok(shift)
+        }
+        MemKind::Dram => {
+            let (m, base) = peer.shm.remote_base(r)?;
+            pinned::pin(device, m.addr(), m.len() as u64)?;
+            if !maps.iter().any(|x| Arc::ptr_eq(x, &m)) {
+                maps.push(m);
+            }
+            Ok(base as u64)
+        }
+        MemKind::File => Err(Error::TransportUnavailable("cuda cannot serve FILE memory".into())),
+    }
+}
+
+/// Checks that `[addr, addr+len)` is memory of GPU `dev` and exports it for same-host
+/// peers. `None` where CUDA is absent: the region is then registered as given and the
+/// transports refuse it with the reason.
+pub fn export_region(addr: u64, len: u64, dev: u64) -> Result<Option<crate::memory::GpuLocation>> {
+    use crate::cuda::driver::{pointer_kind, PointerKind};
+    if crate::cuda::driver::init().is_err() {
+        return Ok(None);
+    }
+    let device = Device::get(dev as usize)?;
+    match pointer_kind(addr)? {
+        PointerKind::Device(owner) if owner == device.ordinal => {}
+        PointerKind::Device(owner) => {
+            return Err(Error::InvalidArgument(format!(
+                "address {addr:#x} is memory of GPU {owner}, not of GPU {dev} as registered"
+            )))
+        }
+        PointerKind::Host => {
+            return Err(Error::InvalidArgument(format!(
+                "address {addr:#x} is not GPU memory (register host memory as DRAM)"
+            )))
+        }
+    }
+    crate::cuda::ipc::export(device, addr, len).map(Some)
+}
+
+/// How the cuda transport would serve a path between `local` and `remote` regions (one
+/// of them GPU memory), or why it cannot: the facts the path report gives.
+pub fn path_facts(
+    local: Option<&RegionInfo>,
+    remote: Option<&RegionInfo>,
+    same_host: bool,
+) -> std::result::Result<String, String> {
+    crate::cuda::driver::init().map_err(|e| e.to_string())?;
+    if !same_host {
+        return Err("the peer is on another host".into());
+    }
+    let (Some(local), Some(remote)) = (local, remote) else {
+        return Err("no memory registered on one side".into());
+    };
+    let device = launch_device(local, remote).map_err(|e| e.to_string())?;
+    let here = format!("GPU {} ({})", device.ordinal, device.bus_id);
+    if remote.kind != MemKind::Vram {
+        return Ok(format!("same host, {here} copies to and from the peer's host memory, mapped and pinned (PCIe)"));
+    }
+    let Some(loc) = &remote.gpu else {
+        return Err(format!("the peer's GPU region {} carries no CUDA IPC handle", remote.key));
+    };
+    let owner = Device::by_bus_id(&loc.bus_id).map_err(|e| e.to_string())?;
+    let how = match owner {
+        Some(o) if o.ordinal == device.ordinal => "on the same GPU".to_string(),
+        Some(o) => match device.can_access(o) {
+            Ok(true) => format!("directly over {}", link_name(device, o)),
+            Ok(false) => {
+                return Err(format!("{here} cannot access the peer's GPU {} directly (no peer access)", loc.bus_id))
+            }
+            Err(e) => return Err(e.to_string()),
+        },
+        None => "through CUDA IPC (that GPU is hidden from this process; peer access is checked when mapping)".into(),
+    };
+    let side = if local.kind == MemKind::Vram { "" } else { " from pinned host memory" };
+    Ok(format!(
+        "same host, {here} reaches the peer's GPU {} {how}{side}: one batched copy kernel per request",
+        loc.bus_id
+    ))
+}
+
+/// "NVLink" where two GPUs support native atomics on each other's memory (the mark of
+/// an NVLink connection on the GPUs freight targets), else "PCIe".
+fn link_name(a: &Device, b: &Device) -> &'static str {
+    let mut atomics = 0;
+    // SAFETY: out-pointer to a local.
+    let r = unsafe {
+        cu::cuDeviceGetP2PAttribute(
+            &mut atomics,
+            cu::CUdevice_P2PAttribute::CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED,
+            a.raw(),
+            b.raw(),
+        )
+    };
+    if r == cu::CUresult::CUDA_SUCCESS && atomics != 0 {
+        "NVLink"
+    } else {
+        "PCIe"
+    }
+}

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The GPU suite: GPU tests, then freight's GPU benchmarks beside NIXL and the measured
+# ceilings, then a short table (printed last). Runs on a machine with two GPUs,
+# PyTorch and CuPy installed, and no network:
+#   - the freight wheel comes from dist/ (make wheel) or is built here with maturin;
+#   - test tools come from .carry/wheels (pip download pytest) when pip cannot fetch;
+#   - NIXL comes from .carry/nixl_trim.tar.xz (bench/peers/fetch_nixl.sh); without it the
+#     NIXL columns say "not measured".
+# Results go to $OUT (default: build/gpu-results).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-build/gpu-results}"
+mkdir -p "$OUT"
+# Multi-GPU hosts here must not use NVLink multicast.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+PY="${PYTHON:-python3}"   # the interpreter that has PyTorch
+SITE="${GPU_SITE:-/tmp/freight-gpu-site}"
+log() { echo "[gpu-test] $*"; }
+
+# Installed beside the interpreter's own packages (PyTorch, CuPy, numpy, pytest), not
+# into it: --target plus PYTHONPATH.
+wheel=$(ls -t dist/freight-*.whl 2>/dev/null | head -1)
+if [ -z "$wheel" ]; then
+    log "no wheel in dist/: building one"
+    "$PY" -m pip install -q maturin && "$PY" -m maturin build --release -o dist || exit 1
+    wheel=$(ls -t dist/freight-*.whl | head -1)
+fi
+rm -rf "$SITE"
+"$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$wheel" || exit 1
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if ! "$PY" -c "import pytest" 2>/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --target "$SITE" .carry/wheels/*.whl || exit 1
+fi
+nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader | sed 's/^/[gpu-test] /'
+gpus=$(nvidia-smi -L | wc -l)
+machine="${MACHINE:-$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x${gpus}}"
+
+log "GPU tests"
+(cd tests && "$PY" -m pytest -q -rs -p no:cacheprovider test_gpu.py) 2>&1 | tee "$OUT/tests.log"
+tests_rc=${PIPESTATUS[0]}
+
+nixl_json=""
+if [ -f .carry/nixl_trim.tar.xz ]; then
+    mkdir -p /tmp/freight-nixl && tar -xJf .carry/nixl_trim.tar.xz -C /tmp/freight-nixl
+    log "NIXL (same sizes)"
+    timeout 400 "$PY" bench/peers/nixl_p2p.py --nixl-dir /tmp/freight-nixl --out "$OUT/nixl.json" ${QUICK:+--quick} \
+        && nixl_json="$OUT/nixl.json"
+else
+    log "NIXL skipped: .carry/nixl_trim.tar.xz is missing (run bench/peers/fetch_nixl.sh)"
+fi
+log "ceilings"
+timeout 300 "$PY" bench/peers/ceilings.py --out "$OUT/ceilings.json" ${QUICK:+--quick}
+log "freight"
+timeout 400 "$PY" bench/gpu.py --out "$OUT/freight.json" ${QUICK:+--quick}
+
+"$PY" bench/gpu_report.py --freight "$OUT/freight.json" ${nixl_json:+--nixl "$nixl_json"} \
+    --ceilings "$OUT/ceilings.json" --out-md "$OUT/report.md" --plot "$OUT/gpu.png" --machine "$machine"
+log "tests: $([ "$tests_rc" = 0 ] && echo PASSED || echo "FAILED (exit $tests_rc)")"
+exit "$tests_rc"

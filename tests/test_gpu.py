@@ -1,0 +1,327 @@
+"""GPU memory: the cuda transport between processes, GPU<->host paths, path reports and
+bad input. Runs for real where CUDA and PyTorch see a GPU; elsewhere every GPU test
+skips and says why. The kernel compile check needs NVRTC only (CI installs it from PyPI).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import freight
+
+HERE = Path(__file__).resolve().parent
+CUDA_OK, CUDA_WHY = freight.cuda_status()
+
+try:
+    import torch
+
+    TORCH_GPUS = torch.cuda.device_count() if CUDA_OK else 0
+except ImportError:  # the CPU-only CI has no PyTorch
+    torch = None
+    TORCH_GPUS = 0
+
+needs_gpu = pytest.mark.skipif(
+    not CUDA_OK or TORCH_GPUS == 0,
+    reason=f"no GPU here ({CUDA_WHY or 'PyTorch is not installed or sees no GPU'})",
+)
+MIB = 1 << 20
+
+
+def vram(triples):
+    return freight.DescList(triples, kind="VRAM")
+
+
+def test_cuda_status_says_why_when_there_is_no_gpu():
+    ok, why = freight.cuda_status()
+    assert isinstance(ok, bool)
+    assert ok == (why == ""), "a reason must be given exactly when CUDA is unusable"
+    if not ok:
+        assert "CUDA" in why
+
+
+def test_copy_kernel_compiles_for_hopper():
+    try:
+        size = freight.compile_copy_kernel("sm_90")
+    except freight.TransportUnavailableError as e:
+        pytest.skip(f"NVRTC is not installed: {e}")
+    assert size > 1000
+    with pytest.raises(freight.CudaError):
+        freight.compile_copy_kernel("sm_1")  # no such architecture
+
+
+def test_gpu_memory_without_cuda_is_refused_with_the_reason():
+    if CUDA_OK:
+        pytest.skip("CUDA is present: this checks the behaviour without it")
+    with freight.Agent("a") as a, freight.Agent("b") as b:
+        a.register((0x7F0000000000, 4096, 0), kind="VRAM")
+        dst = b.alloc(4096)
+        b.register(dst)
+        a.add_peer(b.metadata())
+        with pytest.raises(freight.TransportUnavailableError, match="CUDA is not available"):
+            a.path_to("b")
+        with pytest.raises(freight.TransportUnavailableError, match="cuda: .*CUDA is not available"):
+            a.transfer("WRITE", vram([(0x7F0000000000, 4096, 0)]), "b", [dst])
+
+
+class Peer:
+    """A gpu_peer.py process: the remote side of the transfers."""
+
+    def __init__(self, size: int, kind: str = "VRAM", gpu: int = 0, env=None):
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "gpu_peer.py"), "--size", str(size), "--kind", kind, "--gpu", str(gpu)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
+        )
+        hello = json.loads(self.proc.stdout.readline() or "{}")
+        assert "addr" in hello, "the peer process failed to start"
+        self.addr, self.base, self.size = hello["addr"], hello["base"], hello["size"]
+
+    def call(self, **cmd):
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, f"the peer process died (exit {self.proc.poll()})"
+        return json.loads(line)
+
+    def close(self):
+        if self.proc.poll() is None:
+            try:
+                self.call(op="quit")
+            except (AssertionError, BrokenPipeError):
+                pass
+            self.proc.wait(timeout=20)
+
+
+@pytest.fixture
+def gpu_pair():
+    """An initiator agent here on GPU 0 and a peer process with 256 MiB on the last GPU."""
+    peer = Peer(256 * MIB, gpu=TORCH_GPUS - 1)
+    agent = freight.Agent("initiator")
+    name = agent.connect(peer.addr)
+    yield agent, name, peer
+    agent.close()
+    peer.close()
+
+
+def pattern(seed: int, size: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g)
+
+
+def random_copies(rng: random.Random, space: int, total_max: int, count: int):
+    """(src_off, dst_off, len) with sizes from 1 byte to 64 MiB (log-uniform), random
+    offsets, no two destinations overlapping, in random order."""
+    copies, used, total = [], [], 0
+    for _ in range(count * 4):
+        if len(copies) == count:
+            break
+        n = min(int(2 ** rng.uniform(0, 26)), 64 * MIB, total_max - total)
+        if n <= 0:
+            break
+        d = rng.randrange(0, space - n + 1)
+        if any(d < e and s < d + n for s, e in used):
+            continue
+        copies.append((rng.randrange(0, space - n + 1), d, n))
+        used.append((d, d + n))
+        total += n
+    rng.shuffle(copies)
+    return copies
+
+
+@needs_gpu
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+def test_random_descriptor_lists_move_every_byte(gpu_pair, op):
+    agent, name, peer = gpu_pair
+    size = peer.size
+    local = torch.empty(size, dtype=torch.uint8, device="cuda:0")
+    agent.register(local)
+    rng = random.Random(7 if op == "WRITE" else 8)
+    for round_ in range(4):
+        seed = 1000 + round_
+        copies = random_copies(rng, size, 160 * MIB, 200)
+        if op == "WRITE":
+            local.copy_(pattern(seed, size).cuda())
+            peer.call(op="poison")
+            ldesc = [(local.data_ptr() + s, n, 0) for s, _, n in copies]
+            rdesc = [(peer.base + d, n, TORCH_GPUS - 1) for _, d, n in copies]
+        else:
+            peer.call(op="fill", seed=seed)
+            local.fill_(0xA5)
+            torch.cuda.synchronize()
+            ldesc = [(local.data_ptr() + d, n, 0) for _, d, n in copies]
+            rdesc = [(peer.base + s, n, TORCH_GPUS - 1) for s, _, n in copies]
+        req = agent.transfer(op, freight.DescList(ldesc, kind="VRAM"), name, freight.DescList(rdesc, kind="VRAM"))
+        req.wait(timeout=60)
+        assert req.status() == "DONE"
+        if op == "WRITE":
+            res = peer.call(op="check", seed=seed, copies=copies)
+            assert res["ok"], res["detail"]
+        else:
+            expected = torch.full((size,), 0xA5, dtype=torch.uint8)
+            src = pattern(seed, size)
+            for s, d, n in copies:
+                expected[d : d + n] = src[s : s + n]
+            assert torch.equal(local.cpu(), expected)
+
+
+@needs_gpu
+def test_many_requests_in_flight_and_reposted(gpu_pair):
+    agent, name, peer = gpu_pair
+    local = torch.empty(64 * MIB, dtype=torch.uint8, device="cuda:0")
+    local.copy_(pattern(5, 64 * MIB).cuda())
+    agent.register(local)
+    peer.call(op="poison")
+    reqs = []
+    for i in range(8):
+        off = i * 8 * MIB
+        lp = agent.prepare_local(freight.DescList([(local.data_ptr() + off, 8 * MIB, 0)], kind="VRAM"))
+        rp = agent.prepare_remote(name, freight.DescList([(peer.base + off, 8 * MIB, TORCH_GPUS - 1)], kind="VRAM"))
+        reqs.append(agent.make_request("WRITE", lp, None, rp, None))
+    for _ in range(3):
+        for r in reqs:
+            r.post()
+        for r in reqs:
+            r.wait(timeout=30)
+        assert [r.status() for r in reqs] == ["DONE"] * 8
+    assert peer.call(op="check", seed=5, copies=[[0, 0, 64 * MIB]])["ok"]
+
+
+@needs_gpu
+def test_notification_arrives_after_the_data(gpu_pair):
+    agent, name, peer = gpu_pair
+    n = 32 * MIB
+    local = torch.empty(n, dtype=torch.uint8, device="cuda:0")
+    local.copy_(pattern(9, n).cuda())
+    agent.register(local)
+    peer.call(op="poison")
+    req = agent.transfer("WRITE", vram([(local.data_ptr(), n, 0)]), name, vram([(peer.base, n, TORCH_GPUS - 1)]),
+                         notif=f"check:9:0:{n}".encode())
+    req.wait(timeout=30)
+    assert req.status() == "DONE"
+    seen = peer.call(op="notifs", count=1, timeout=10)["seen"]
+    assert len(seen) == 1 and seen[0][2] is True, seen
+
+
+@needs_gpu
+def test_path_report_names_cuda_and_the_link(gpu_pair):
+    agent, name, peer = gpu_pair
+    local = torch.empty(MIB, dtype=torch.uint8, device="cuda:0")
+    agent.register(local)
+    path = agent.path_to(name)
+    assert path.transport == "cuda", path
+    assert "same host" in path.reason and "GPU" in path.reason, path.reason
+    if TORCH_GPUS > 1:
+        assert "NVLink" in path.reason or "PCIe" in path.reason, path.reason
+
+
+@needs_gpu
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+def test_gpu_to_a_peers_host_memory_and_back(op):
+    """VRAM here <-> the peer's shared host memory; then host memory here <-> VRAM there."""
+    size = 96 * MIB
+    peer = Peer(size, kind="DRAM")
+    try:
+        with freight.Agent("initiator") as agent:
+            name = agent.connect(peer.addr)
+            local = torch.empty(size, dtype=torch.uint8, device="cuda:0")
+            agent.register(local)
+            copies = [(0, 0, 64 * MIB), (64 * MIB + 3, 64 * MIB + 1, 65536), (70 * MIB, 80 * MIB, 5 * MIB)]
+            if op == "WRITE":
+                local.copy_(pattern(3, size).cuda())
+                peer.call(op="poison")
+            else:
+                peer.call(op="fill", seed=3)
+                local.fill_(0xA5)
+                torch.cuda.synchronize()
+            pairs = [(s, d, n) if op == "WRITE" else (d, s, n) for s, d, n in copies]
+            ldesc = freight.DescList([(local.data_ptr() + lo, n, 0) for lo, _, n in pairs], kind="VRAM")
+            rdesc = freight.DescList([(peer.base + ro, n, 0) for _, ro, n in pairs], kind="DRAM")
+            assert agent.path_to(name).transport == "cuda"
+            req = agent.transfer(op, ldesc, name, rdesc)
+            req.wait(timeout=60)
+            assert req.status() == "DONE"
+            if op == "WRITE":
+                res = peer.call(op="check", seed=3, copies=copies)
+                assert res["ok"], res["detail"]
+            else:
+                expected = torch.full((size,), 0xA5, dtype=torch.uint8)
+                src = pattern(3, size)
+                for s, d, n in copies:
+                    expected[d : d + n] = src[s : s + n]
+                assert torch.equal(local.cpu(), expected)
+    finally:
+        peer.close()
+
+
+@needs_gpu
+def test_host_memory_here_to_a_peers_gpu(gpu_pair):
+    agent, name, peer = gpu_pair
+    n = 48 * MIB
+    host = agent.alloc(n)
+    host[:] = pattern(4, n).numpy()
+    agent.register(host)
+    peer.call(op="poison")
+    req = agent.transfer("WRITE", freight.DescList([(host.ctypes.data, n, 0)], kind="DRAM"), name,
+                         freight.DescList([(peer.base, n, TORCH_GPUS - 1)], kind="VRAM"))
+    req.wait(timeout=60)
+    assert req.status() == "DONE"
+    res = peer.call(op="check", seed=4, copies=[[0, 0, n]])
+    assert res["ok"], res["detail"]
+
+
+@needs_gpu
+def test_bad_gpu_input_gets_clear_errors(gpu_pair):
+    agent, name, peer = gpu_pair
+    t = torch.empty(MIB, dtype=torch.uint8, device="cuda:0")
+    if TORCH_GPUS > 1:
+        other = torch.empty(MIB, dtype=torch.uint8, device="cuda:1")
+        with pytest.raises(freight.InvalidArgumentError, match="GPU 1, not of GPU 0"):
+            agent.register((other.data_ptr(), MIB, 0), kind="VRAM")
+    host = np.zeros(MIB, dtype=np.uint8)
+    with pytest.raises(freight.InvalidArgumentError, match="not GPU memory"):
+        agent.register((host.ctypes.data, MIB, 0), kind="VRAM")
+    with pytest.raises(freight.InvalidArgumentError):
+        agent.register((t.data_ptr(), MIB, 99), kind="VRAM")
+    agent.register(t)
+    with pytest.raises(freight.OutOfBoundsError):
+        agent.prepare_local(freight.DescList([(t.data_ptr() + MIB - 10, 20, 0)], kind="VRAM"))
+    with pytest.raises(freight.NotRegisteredError):
+        agent.prepare_local(freight.DescList([(t.data_ptr() + 2 * MIB, 20, 0)], kind="VRAM"))
+    with pytest.raises(freight.OutOfBoundsError):
+        agent.prepare_remote(name, freight.DescList([(peer.base + peer.size - 8, 16, TORCH_GPUS - 1)], kind="VRAM"))
+    with freight.Agent("strict", freight.AgentConfig(require="cuda")) as strict, freight.Agent("host") as host:
+        mine, theirs = strict.alloc(4096), host.alloc(4096)
+        strict.register(mine)
+        host.register(theirs)
+        strict.add_peer(host.metadata())
+        with pytest.raises(freight.TransportUnavailableError, match="required transport cuda.*no GPU memory"):
+            strict.transfer("WRITE", [mine], "host", [theirs])
+
+
+@needs_gpu
+def test_a_revoked_gpu_region_fails_the_next_post(gpu_pair):
+    agent, name, peer = gpu_pair
+    local = torch.empty(MIB, dtype=torch.uint8, device="cuda:0")
+    agent.register(local)
+    req = agent.transfer("WRITE", vram([(local.data_ptr(), MIB, 0)]), name, vram([(peer.base, MIB, TORCH_GPUS - 1)]))
+    req.wait(timeout=30)
+    assert req.status() == "DONE"
+    assert peer.call(op="deregister")["ok"]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            req.post()
+            req.wait(timeout=30)
+        except freight.RemoteRejectedError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the revoked region was still written to")
