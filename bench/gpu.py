@@ -71,7 +71,7 @@ def row(test, op, block, count, gbps=None, p50=None, p99=None, **extra):
          "p50_us": None if p50 is None else round(p50 * 1e6, 2),
          "p99_us": None if p99 is None else round(p99 * 1e6, 2)}
     r.update(extra)
-    print(f"[gpu] {test:8s} {op:5s} {block:>10d} x {count:<6d} "
+    print(f"[gpu] {test:8s} {op:5s} {block:>10d} x {count:<6d} {extra.get('order', ''):10s} "
           + (f"{r['gbps']:8.1f} GB/s" if gbps is not None else "")
           + (f"  p50 {r['p50_us']} us p99 {r['p99_us']} us" if p50 is not None else ""), flush=True)
     return r
@@ -88,24 +88,52 @@ def timed(req, iters):
 
 
 def bandwidth(agent, name, local, base, quick):
+    """Block i here <-> block order[i] there. In sequential order the blocks are
+    neighbours on both sides and freight merges them (NIXL gets the same lists); in
+    random order nothing merges and the kernel does every copy."""
     import freight
 
     rows = []
     rng = random.Random(1)
     for block, count in CASES:
         count = min(count, SIZE // block)
-        order = list(range(count))
-        rng.shuffle(order)
+        shuffled = list(range(count))
+        rng.shuffle(shuffled)
         ldesc = freight.DescList([(local.data_ptr() + i * block, block, 0) for i in range(count)], kind="VRAM")
-        rdesc = freight.DescList([(base + j * block, block, 0) for j in order], kind="VRAM")
         lp = agent.prepare_local(ldesc)
-        rp = agent.prepare_remote(name, rdesc)
+        for order_name, order in (("sequential", range(count)), ("random", shuffled)):
+            rdesc = freight.DescList([(base + j * block, block, 0) for j in order], kind="VRAM")
+            rp = agent.prepare_remote(name, rdesc)
+            for op in ("WRITE", "READ"):
+                req = agent.make_request(op, lp, None, rp, None)
+                timed(req, 2)
+                t = timed(req, 3 if quick else 10)
+                p50, _ = stats(t)
+                rows.append(row("bw", op, block, count, block * count / p50 / 1e9, copies=req.copies,
+                                order=order_name))
+    return rows
+
+
+def copy_engines(target, local, quick):
+    """32 MiB blocks with every copy on the copy engines instead of the kernel, to
+    check the default (the kernel for every GPU-to-GPU copy)."""
+    import freight
+
+    rows = []
+    cfg = freight.AgentConfig(cuda_copy_engine_min_peer=1)
+    with freight.Agent("initiator-copy-engines", cfg) as agent:
+        name = agent.connect(target.addr)
+        agent.register(local)
+        block, count = 32 * MIB, 128
+        lp = agent.prepare_local(freight.DescList([(local.data_ptr() + i * block, block, 0) for i in range(count)], kind="VRAM"))
+        shuffled = list(range(count))
+        random.Random(3).shuffle(shuffled)
+        rp = agent.prepare_remote(name, freight.DescList([(target.base + j * block, block, 0) for j in shuffled], kind="VRAM"))
         for op in ("WRITE", "READ"):
             req = agent.make_request(op, lp, None, rp, None)
             timed(req, 2)
-            t = timed(req, 3 if quick else 10)
-            p50, _ = stats(t)
-            rows.append(row("bw", op, block, count, block * count / p50 / 1e9, copies=req.copies))
+            p50, _ = stats(timed(req, 3 if quick else 10))
+            rows.append(row("bw_copy_engine", op, block, count, block * count / p50 / 1e9, order="random"))
     return rows
 
 
@@ -206,6 +234,7 @@ def main() -> None:
             path = agent.path_to(name)
             print(f"[gpu] path: {path.transport}: {path.reason}", flush=True)
             for part in (lambda: bandwidth(agent, name, local, target.base, args.quick),
+                         lambda: copy_engines(target, local, args.quick),
                          lambda: oneshot(agent, name, local, target.base, args.quick),
                          lambda: latency(agent, name, local, target.base, target, args.quick),
                          lambda: host_device(agent, args.quick)):

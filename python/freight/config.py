@@ -86,7 +86,7 @@ class AgentConfig:
     cuda_copy_engine_min_host, cuda_copy_engine_min_peer:
         GPU copies at least this long (bytes) go to the copy engines instead of the
         batched copy kernel: between GPU and host memory (None: 4 MiB) and between
-        GPUs (None: never; the kernel keeps up with the copy engines over NVLink).
+        GPUs (None: never; over NVLink the kernel keeps up with the copy engines).
     peer_timeout:
         Seconds without an answer after which a peer is declared dead (its requests
         fail with :class:`freight.PeerDisconnectedError`).

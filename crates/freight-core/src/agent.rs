@@ -577,7 +577,9 @@ impl Request {
     }
 
     /// Starts the transfer. Non-blocking, except that small shm transfers complete on
-    /// the calling thread (they take less time than handing them over would).
+    /// the calling thread (they take less time than handing them over would), and that
+    /// for small GPU transfers the calling thread watches for completion for up to
+    /// 30 us before leaving it to the agent's completion thread.
     pub fn post(&self) -> Result<()> {
         self.agent.check_open()?;
         self.peer.check_alive()?;

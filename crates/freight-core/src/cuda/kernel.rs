@@ -83,13 +83,17 @@ extern "C" __global__ void __launch_bounds__(256) freight_batched_copy(const Ite
 /// Threads per block: eight warps.
 pub const BLOCK_THREADS: u32 = 256;
 
+/// Blocks per SM: as many as an SM holds (64 warps). Measured on H200 over NVLink, half
+/// as many moved 4 KiB and 16 KiB items 5 to 15% slower; large items do not care.
+pub const BLOCKS_PER_SM: usize = 8;
+
 /// Blocks to launch for `items` work items on a GPU with `multiprocessors` SMs: one
-/// warp per item, at most what the GPU holds at once (the grid loop does the rest).
+/// warp per item, at most [`BLOCKS_PER_SM`] per SM (the grid loop does the rest).
 pub fn grid_size(items: usize, multiprocessors: u32) -> u32 {
     let warps_per_block = (BLOCK_THREADS / 32) as usize;
     let wanted = items.div_ceil(warps_per_block).max(1);
-    let resident = multiprocessors.max(1) as usize * (2048 / BLOCK_THREADS as usize);
-    wanted.min(resident) as u32
+    let most = multiprocessors.max(1) as usize * BLOCKS_PER_SM;
+    wanted.min(most) as u32
 }
 
 /// Cuts copies (src, dst, len) into work items of at most [`ITEM_BYTES`].
@@ -306,7 +310,7 @@ mod tests {
     fn the_grid_fills_the_gpu_and_no_more() {
         assert_eq!(grid_size(1, 132), 1);
         assert_eq!(grid_size(9, 132), 2);
-        assert_eq!(grid_size(1 << 20, 132), 132 * 8);
+        assert_eq!(grid_size(1 << 20, 132), 132 * BLOCKS_PER_SM as u32);
     }
 
     /// Compiles the kernel where NVRTC is installed (CI installs it from PyPI); says
