@@ -39,6 +39,9 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from reporting import human, logger  # noqa: E402
+
 KIB = 1 << 10
 MIB = 1 << 20
 GIB = 1 << 30
@@ -49,15 +52,7 @@ NIXL_RATIOS = {32 * MIB: 1.15, 16 * KIB: 1.3, 4 * KIB: 1.3}
 ONESHOT = (32 * MIB, 128)
 
 
-def log(msg: str) -> None:
-    print(f"[gpu_report] {msg}", file=sys.stderr, flush=True)
-
-
-def human(n: int) -> str:
-    for unit, size in (("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
-        if n >= size and n % size == 0:
-            return f"{n // size} {unit}"
-    return f"{n} B"
+log = logger("gpu_report")
 
 
 def load(path: Path | None, what: str) -> dict:

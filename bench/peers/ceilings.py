@@ -33,6 +33,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from reporting import finish, human, logger  # noqa: E402
+
 KIB = 1 << 10
 MIB = 1 << 20
 GIB = 1 << 30
@@ -65,15 +68,7 @@ SHAPES = [(256, 4), (512, 2), (512, 8), (1024, 2)]
 PIECES = [64 * KIB, 512 * KIB]
 
 
-def log(msg: str) -> None:
-    print(f"[ceilings] {msg}", file=sys.stderr, flush=True)
-
-
-def human(n: int) -> str:
-    for unit, size in (("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
-        if n >= size and n % size == 0:
-            return f"{n // size} {unit}"
-    return f"{n} B"
+log = logger("ceilings")
 
 
 def new_row(test: str, op: str, block: int, count: int, **extra) -> dict:
@@ -321,17 +316,7 @@ def main() -> int:
         case(rows, new_row("d2h", "READ", block, count, engine="ce"), lambda: c.host("d2h"))
         doc["verify"] = c.verify
     doc["seconds"] = round(time.monotonic() - t0, 1)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(doc, indent=1) + "\n")
-        log(f"wrote {args.out}")
-    print(table(rows))
-    if doc["verify"]:
-        print("verify: " + ", ".join(f"{k}={v}" for k, v in sorted(doc["verify"].items())))
-    for e in doc["errors"]:
-        print(f"error: {e}")
-    bad = doc["errors"] or any(v is not True for v in doc["verify"].values())
-    return 1 if bad else 0
+    return finish(doc, args.out, table(rows), log, need_checks=False)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from reporting import finish, human, logger  # noqa: E402
+
 KIB = 1 << 10
 MIB = 1 << 20
 GIB = 1 << 30
@@ -68,8 +71,7 @@ GUARD = 3 * VERIFY  # room past the benchmark area of each buffer, used only by 
 TRANSFER_TIMEOUT_S = 60.0
 
 
-def log(msg: str) -> None:
-    print(f"[nixl_p2p] {msg}", file=sys.stderr, flush=True)
+log = logger("nixl_p2p")
 
 
 def pattern(seed: int, n: int):
@@ -510,13 +512,6 @@ def initiator_main(cfg: dict, q_init, q_main) -> None:
 # In the parent
 
 
-def human(n: int) -> str:
-    for unit, size in (("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
-        if n >= size and n % size == 0:
-            return f"{n // size} {unit}"
-    return f"{n} B"
-
-
 def host_machine() -> dict:
     """GPU names and the driver, without touching CUDA in this process."""
     info: dict = {"hostname": os.uname().nodename, "cpus": os.cpu_count()}
@@ -711,17 +706,7 @@ def main() -> int:
     t0 = time.monotonic()
     doc = run(cfg, args.timeout)
     doc["seconds"] = round(time.monotonic() - t0, 1)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(doc, indent=1) + "\n")
-        log(f"wrote {args.out}")
-    print(table(doc))
-    if doc["verify"]:
-        print("verify: " + ", ".join(f"{k}={v}" for k, v in sorted(doc["verify"].items())))
-    for e in doc["errors"]:
-        print(f"error: {e}")
-    bad = doc["errors"] or any(v is not True for v in doc["verify"].values()) or not doc["verify"]
-    return 1 if bad else 0
+    return finish(doc, args.out, table(doc), log, need_checks=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,44 @@
+"""Small helpers the benchmark scripts share: sizes for people, prefixed logs, and the
+end of a run (write the JSON, print the table and the byte checks, pick the exit code)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
+
+
+def human(n: int) -> str:
+    """4096 -> "4 KiB"; sizes that are not whole units stay in bytes."""
+    for unit, size in (("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
+        if n >= size and n % size == 0:
+            return f"{n // size} {unit}"
+    return f"{n} B"
+
+
+def logger(prefix: str) -> Callable[[str], None]:
+    """A log function writing "[prefix] message" lines to stderr."""
+
+    def log(msg: str) -> None:
+        print(f"[{prefix}] {msg}", file=sys.stderr, flush=True)
+
+    return log
+
+
+def finish(doc: dict, out: Optional[Path], table: str, log: Callable[[str], None], *, need_checks: bool) -> int:
+    """Writes `doc` to `out`, prints `table`, the byte checks and the errors; returns 1
+    when anything failed (or, with `need_checks`, when nothing was checked)."""
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=1) + "\n")
+        log(f"wrote {out}")
+    print(table)
+    if doc["verify"]:
+        print("verify: " + ", ".join(f"{k}={v}" for k, v in sorted(doc["verify"].items())))
+    for e in doc["errors"]:
+        print(f"error: {e}")
+    bad = doc["errors"] or any(v is not True for v in doc["verify"].values()) or (need_checks and not doc["verify"])
+    return 1 if bad else 0
