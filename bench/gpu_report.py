@@ -40,14 +40,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reporting import human, logger  # noqa: E402
+from reporting import BW_CASES, KIB, MIB, human, logger  # noqa: E402
 
-KIB = 1 << 10
-MIB = 1 << 20
-GIB = 1 << 30
-
-# (block, count) of the bandwidth cases, as the benchmarks run them
-BW_CASES = [(32 * MIB, 128), (2 * MIB, 2048), (256 * KIB, 16384), (16 * KIB, 65536), (4 * KIB, 65536)]
 NIXL_RATIOS = {32 * MIB: 1.15, 16 * KIB: 1.3, 4 * KIB: 1.3}
 ONESHOT = (32 * MIB, 128)
 

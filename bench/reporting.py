@@ -10,6 +10,11 @@ from typing import Callable, Optional
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 
+# The GPU bandwidth cases every side measures: (block size, blocks), 4 GiB per request
+# or 65536 blocks, whichever is fewer; and the host<->GPU case.
+BW_CASES = [(32 * MIB, 128), (2 * MIB, 2048), (256 * KIB, 16384), (16 * KIB, 65536), (4 * KIB, 65536)]
+HOST_CASE = (32 * MIB, 32)
+
 
 def human(n: int) -> str:
     """4096 -> "4 KiB"; sizes that are not whole units stay in bytes."""

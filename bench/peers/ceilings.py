@@ -34,14 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from reporting import finish, human, logger  # noqa: E402
-
-KIB = 1 << 10
-MIB = 1 << 20
-GIB = 1 << 30
-
-BW_CASES = [(32 * MIB, 128), (2 * MIB, 2048), (256 * KIB, 16384), (16 * KIB, 65536), (4 * KIB, 65536)]
-HOST_CASE = (32 * MIB, 32)
+from reporting import BW_CASES, GIB, HOST_CASE, KIB, MIB, finish, human, logger  # noqa: E402,F401
 
 # One CUDA block per descriptor at a time (grid-stride over descriptors); each thread keeps
 # four 16-byte loads in flight before storing them.

@@ -57,15 +57,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from reporting import finish, human, logger  # noqa: E402
+from reporting import BW_CASES, GIB, HOST_CASE, KIB, MIB, finish, human, logger  # noqa: E402,F401
 
-KIB = 1 << 10
-MIB = 1 << 20
-GIB = 1 << 30
-
-BW_CASES = [(32 * MIB, 128), (2 * MIB, 2048), (256 * KIB, 16384), (16 * KIB, 65536), (4 * KIB, 65536)]
 ONESHOT = (32 * MIB, 128)
-HOST_CASE = (32 * MIB, 32)  # h2d / d2h
 VERIFY = 1 * MIB  # bytes checked per direction
 GUARD = 3 * VERIFY  # room past the benchmark area of each buffer, used only by the checks
 TRANSFER_TIMEOUT_S = 60.0
