@@ -4,6 +4,9 @@ end of a run (write the JSON, print the table and the byte checks, pick the exit
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Callable, Optional
@@ -47,3 +50,25 @@ def finish(doc: dict, out: Optional[Path], table: str, log: Callable[[str], None
         print(f"error: {e}")
     bad = doc["errors"] or any(v is not True for v in doc["verify"].values()) or (need_checks and not doc["verify"])
     return 1 if bad else 0
+
+
+def host_machine() -> dict:
+    """GPU names and the driver, without touching CUDA in this process."""
+    info: dict = {"hostname": os.uname().nodename, "cpus": os.cpu_count()}
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run([smi, "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=30).stdout
+            gpus = [line.split(",")[0].strip() for line in out.splitlines() if line.strip()]
+            info["gpus"] = gpus
+            if out.strip():
+                info["driver"] = out.splitlines()[0].split(",")[-1].strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    if "driver" not in info:
+        try:
+            info["driver"] = Path("/proc/driver/nvidia/version").read_text().splitlines()[0]
+        except (OSError, IndexError):
+            info["driver"] = None
+    return info

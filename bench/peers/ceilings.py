@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from reporting import BW_CASES, GIB, HOST_CASE, KIB, MIB, finish, human, logger  # noqa: E402,F401
+from reporting import BW_CASES, GIB, HOST_CASE, KIB, MIB, finish, host_machine, human, logger  # noqa: E402,F401
 
 # One CUDA block per descriptor at a time (grid-stride over descriptors); each thread keeps
 # four 16-byte loads in flight before storing them.
@@ -67,20 +67,6 @@ log = logger("ceilings")
 def new_row(test: str, op: str, block: int, count: int, **extra) -> dict:
     return {"system": "ceiling", "test": test, "op": op, "block": block, "count": count,
             "gbps": None, "p50_us": None, "p99_us": None, **extra}
-
-
-def host_machine() -> dict:
-    info: dict = {"hostname": os.uname().nodename, "cpus": os.cpu_count()}
-    smi = shutil.which("nvidia-smi")
-    if smi:
-        try:
-            out = subprocess.run([smi, "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=30).stdout
-            if out.strip():
-                info["driver"] = out.splitlines()[0].split(",")[-1].strip()
-        except (OSError, subprocess.SubprocessError):
-            pass
-    return info
 
 
 class Ceilings:

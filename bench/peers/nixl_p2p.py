@@ -57,7 +57,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from reporting import BW_CASES, GIB, HOST_CASE, KIB, MIB, finish, human, logger  # noqa: E402,F401
+from reporting import BW_CASES, GIB, HOST_CASE, KIB, MIB, finish, host_machine, human, logger  # noqa: E402,F401
 
 ONESHOT = (32 * MIB, 128)
 VERIFY = 1 * MIB  # bytes checked per direction
@@ -504,28 +504,6 @@ def initiator_main(cfg: dict, q_init, q_main) -> None:
 
 # ---------------------------------------------------------------------------------------
 # In the parent
-
-
-def host_machine() -> dict:
-    """GPU names and the driver, without touching CUDA in this process."""
-    info: dict = {"hostname": os.uname().nodename, "cpus": os.cpu_count()}
-    smi = shutil.which("nvidia-smi")
-    if smi:
-        try:
-            out = subprocess.run([smi, "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=30).stdout
-            gpus = [line.split(",")[0].strip() for line in out.splitlines() if line.strip()]
-            info["gpus"] = gpus
-            if out.strip():
-                info["driver"] = out.splitlines()[0].split(",")[-1].strip()
-        except (OSError, subprocess.SubprocessError):
-            pass
-    if "driver" not in info:
-        try:
-            info["driver"] = Path("/proc/driver/nvidia/version").read_text().splitlines()[0]
-        except (OSError, IndexError):
-            info["driver"] = None
-    return info
 
 
 def nixl_version(nixl_dir: str) -> str | None:
