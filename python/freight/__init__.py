@@ -43,7 +43,7 @@ if "FREIGHT_CUDA_LIB_DIRS" not in _os.environ:
     if _found:
         _os.environ["FREIGHT_CUDA_LIB_DIRS"] = _found
 
-from . import _native  # noqa: E402
+from . import _native, errors  # noqa: E402
 from ._native import (  # noqa: E402
     EtcdDirectory,
     PreparedLocal,
@@ -125,24 +125,5 @@ __all__ = [
     "set_log_level",
     "inspect_metadata",
     "__version__",
-    # errors
-    "FreightError",
-    "InvalidArgumentError",
-    "NotRegisteredError",
-    "OutOfBoundsError",
-    "OverlapError",
-    "RegionBusyError",
-    "UnknownRegionError",
-    "UnknownPeerError",
-    "TransportUnavailableError",
-    "MetadataError",
-    "ProtocolError",
-    "AuthError",
-    "RemoteRejectedError",
-    "PeerDisconnectedError",
-    "TimeoutError",
-    "InvalidStateError",
-    "IoError",
-    "EtcdError",
-    "CudaError",
+    *errors.__all__,
 ]
