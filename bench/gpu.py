@@ -116,7 +116,7 @@ def bandwidth(agent, name, local, base, quick):
 
 def copy_engines(target, local, quick):
     """32 MiB blocks with every copy on the copy engines instead of the kernel, to
-    check the default (the kernel for every GPU-to-GPU copy)."""
+    check the default (the kernel for GPU-to-GPU copies)."""
     import freight
 
     rows = []
@@ -128,12 +128,16 @@ def copy_engines(target, local, quick):
         lp = agent.prepare_local(freight.DescList([(local.data_ptr() + i * block, block, 0) for i in range(count)], kind="VRAM"))
         shuffled = list(range(count))
         random.Random(3).shuffle(shuffled)
-        rp = agent.prepare_remote(name, freight.DescList([(target.base + j * block, block, 0) for j in shuffled], kind="VRAM"))
-        for op in ("WRITE", "READ"):
-            req = agent.make_request(op, lp, None, rp, None)
-            timed(req, 2)
-            p50, _ = stats(timed(req, 3 if quick else 10))
-            rows.append(row("bw_copy_engine", op, block, count, block * count / p50 / 1e9, order="random"))
+        # In sequential order the list merges into one 4 GiB copy: one copy-engine call.
+        for order_name, order in (("random", shuffled), ("sequential", range(count))):
+            rdesc = freight.DescList([(target.base + j * block, block, 0) for j in order], kind="VRAM")
+            rp = agent.prepare_remote(name, rdesc)
+            for op in ("WRITE", "READ"):
+                req = agent.make_request(op, lp, None, rp, None)
+                timed(req, 2)
+                p50, _ = stats(timed(req, 3 if quick else 10))
+                rows.append(row("bw_copy_engine", op, block, count, block * count / p50 / 1e9, copies=req.copies,
+                                order=order_name))
     return rows
 
 
@@ -212,6 +216,43 @@ def host_device(agent, quick):
         target.close()
 
 
+def over_tcp(quick):
+    """GPU memory over the tcp transport (loopback), staged through pinned buffers on
+    both sides, beside host memory over the same transport: 32 x 32 MiB each way."""
+    import numpy as np
+    import torch
+    import freight
+
+    block, count = 32 * MIB, 32
+    rows = []
+    with freight.Agent("tcp-initiator", freight.AgentConfig(require="tcp")) as agent:
+        for kind, test in (("DRAM", "tcp_dram"), ("VRAM", "tcp_vram")):
+            target = Target(block * count, kind, "1", name=f"{test}-target")
+            try:
+                name = agent.connect(target.addr)
+                if kind == "VRAM":
+                    local = torch.full((block * count,), 7, dtype=torch.uint8, device="cuda:0")
+                else:
+                    local = agent.alloc(block * count)
+                    local[:] = 7
+                key = agent.register(local)
+                base = local.data_ptr() if kind == "VRAM" else local.ctypes.data
+                ldesc = freight.DescList([(base + i * block, block, 0) for i in range(count)], kind=kind)
+                rdesc = freight.DescList([(target.base + i * block, block, 0) for i in range(count)], kind=kind)
+                lp, rp = agent.prepare_local(ldesc), agent.prepare_remote(name, rdesc)
+                print(f"[gpu] {test} path: {agent.path_to(name).reason}", flush=True)
+                for op in ("WRITE", "READ"):
+                    req = agent.make_request(op, lp, None, rp, None)
+                    timed(req, 2)
+                    p50, _ = stats(timed(req, 3 if quick else 10))
+                    rows.append(row(test, op, block, count, block * count / p50 / 1e9))
+                agent.remove_peer(name)
+                agent.deregister(key)
+            finally:
+                target.close()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True, help="JSON file to write")
@@ -237,7 +278,8 @@ def main() -> None:
                          lambda: copy_engines(target, local, args.quick),
                          lambda: oneshot(agent, name, local, target.base, args.quick),
                          lambda: latency(agent, name, local, target.base, target, args.quick),
-                         lambda: host_device(agent, args.quick)):
+                         lambda: host_device(agent, args.quick),
+                         lambda: over_tcp(args.quick)):
                 try:
                     rows += part()
                 except Exception as e:  # one failing part must not hide the others

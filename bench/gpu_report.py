@@ -201,10 +201,10 @@ def checks(rows: Rows) -> list[dict]:
         nixl = value(rows.find("nixl", test, op), "gbps")
         if nixl is not None and out[-1]["met"] is not None:
             out[-1]["note"] += f"; NIXL {nixl:.2f} GB/s"
-    dram = rows.find("freight", "tcp_dram", "WRITE") or rows.find("freight", "tcp_dram")
-    vram = rows.find("freight", "tcp_vram", "WRITE") or rows.find("freight", "tcp_vram")
-    out.append(ratio_check("tcp VRAM->VRAM vs DRAM->DRAM", ">= 0.80x", 0.8,
-                           ("VRAM", vram, "gbps"), ("DRAM", dram, "gbps")))
+    for op in ("WRITE", "READ"):
+        out.append(ratio_check(f"tcp {op} VRAM<->VRAM vs DRAM<->DRAM", ">= 0.80x", 0.8,
+                               ("VRAM", rows.find("freight", "tcp_vram", op), "gbps"),
+                               ("DRAM", rows.find("freight", "tcp_dram", op), "gbps")))
     return out
 
 

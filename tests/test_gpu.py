@@ -136,10 +136,21 @@ def random_copies(rng: random.Random, space: int, total_max: int, count: int):
     return copies
 
 
+def over(transport: str, agent, name, peer):
+    """The initiator for `transport`: the fixture's agent for cuda, else a second agent
+    that must use `transport` (tcp stages GPU memory through pinned host buffers)."""
+    if transport == "cuda":
+        return agent, name
+    other = freight.Agent(f"via-{transport}", freight.AgentConfig(require=transport))
+    return other, other.connect(peer.addr)
+
+
 @needs_gpu
+@pytest.mark.parametrize("transport", ["cuda", "tcp"])
 @pytest.mark.parametrize("op", ["WRITE", "READ"])
-def test_random_descriptor_lists_move_every_byte(gpu_pair, op):
-    agent, name, peer = gpu_pair
+def test_random_descriptor_lists_move_every_byte(gpu_pair, op, transport):
+    agent, name, peer = over(transport, *gpu_pair)
+    assert agent.path_to(name).transport == transport
     size = peer.size
     local = torch.empty(size, dtype=torch.uint8, device="cuda:0")
     agent.register(local)
@@ -259,6 +270,55 @@ def test_gpu_to_a_peers_host_memory_and_back(op):
                 assert torch.equal(local.cpu(), expected)
     finally:
         peer.close()
+
+
+@needs_gpu
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+def test_gpu_memory_over_tcp_to_and_from_host_memory(op):
+    """VRAM here <-> the peer's host memory, and host memory here <-> the peer's VRAM,
+    both forced onto tcp: one side is staged, the other is plain."""
+    size = 24 * MIB
+    copies = [(0, 0, 8 * MIB), (8 * MIB + 3, 9 * MIB + 1, 70001), (10 * MIB, 16 * MIB, 5 * MIB), (20 * MIB, 22 * MIB, 1)]
+    for here, there in (("VRAM", "DRAM"), ("DRAM", "VRAM")):
+        peer = Peer(size, kind=there, gpu=TORCH_GPUS - 1)
+        try:
+            with freight.Agent("initiator", freight.AgentConfig(require="tcp")) as agent:
+                name = agent.connect(peer.addr)
+                if here == "VRAM":
+                    local = torch.empty(size, dtype=torch.uint8, device="cuda:0")
+                    agent.register(local)
+                else:
+                    seg = agent.alloc(size)
+                    agent.register(seg)
+                    local = torch.from_numpy(seg)
+                base = local.data_ptr()
+                path = agent.path_to(name)
+                assert path.transport == "tcp" and "staged" in path.reason, path
+                if op == "WRITE":
+                    local.copy_(pattern(6, size).to(local.device))
+                    peer.call(op="poison")
+                else:
+                    peer.call(op="fill", seed=6)
+                    local.fill_(0xA5)
+                    torch.cuda.synchronize()
+                pairs = [(s, d, n) if op == "WRITE" else (d, s, n) for s, d, n in copies]
+                rdev = TORCH_GPUS - 1 if there == "VRAM" else 0
+                ldesc = freight.DescList([(base + lo, n, 0) for lo, _, n in pairs], kind=here)
+                rdesc = freight.DescList([(peer.base + ro, n, rdev) for _, ro, n in pairs], kind=there)
+                req = agent.transfer(op, ldesc, name, rdesc)
+                req.wait(timeout=60)
+                assert req.status() == "DONE"
+                if op == "WRITE":
+                    res = peer.call(op="check", seed=6, copies=copies)
+                    assert res["ok"], f"{here} -> {there}: {res['detail']}"
+                else:
+                    expected = torch.full((size,), 0xA5, dtype=torch.uint8)
+                    src = pattern(6, size)
+                    for s, d, n in copies:
+                        expected[d : d + n] = src[s : s + n]
+                    assert torch.equal(local.cpu(), expected), f"{there} -> {here}"
+        finally:
+            peer.close()
 
 
 @needs_gpu

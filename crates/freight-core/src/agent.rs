@@ -29,6 +29,7 @@ use crate::server::{self, Server};
 use crate::transport::cuda::{self as gpu, CudaConfig, CudaProgram};
 use crate::transport::pool::CopyPool;
 use crate::transport::shm::{ShmConfig, ShmProgram};
+use crate::transport::staged::{self, GpuRegions};
 use crate::transport::tcp::TcpConfig;
 use crate::transport::OpKind;
 use crate::wire::{self, Frame};
@@ -267,7 +268,8 @@ impl Agent {
         let local_end = local_gpu.or_else(|| self.inner.registry.snapshot().1.into_iter().next());
         let remote_end = remote_gpu.or_else(|| peer.md.regions.iter().find(|r| r.shared.is_some()).cloned());
         let gpu = gpu::path_facts(local_end.as_ref(), remote_end.as_ref(), peer.same_host);
-        self.inner.choose_path(&peer, local_kind, remote_kind, shared, gpu)
+        let staging = staged::path_facts(local_end.as_ref(), remote_end.as_ref());
+        self.inner.choose_path(&peer, local_kind, remote_kind, shared, gpu, staging)
     }
 
     // -- descriptors and requests ----------------------------------------------------
@@ -312,15 +314,18 @@ impl Agent {
                 })
                 .map_or(Ok(()), Err)
         };
-        let gpu = if local.kind() == MemKind::Vram || remote.list.kind() == MemKind::Vram {
+        let (gpu, staging) = if local.kind() == MemKind::Vram || remote.list.kind() == MemKind::Vram {
             let local_region =
                 local.regions().first().and_then(|&k| self.inner.registry.get(k)).map(|r| r.info.clone());
             let remote_region = remote.list.regions().first().and_then(|&k| peer.regions.read().get(k).cloned());
-            gpu::path_facts(local_region.as_ref(), remote_region.as_ref(), peer.same_host)
+            (
+                gpu::path_facts(local_region.as_ref(), remote_region.as_ref(), peer.same_host),
+                staged::path_facts(local_region.as_ref(), remote_region.as_ref()),
+            )
         } else {
-            Err("no GPU memory on either side".into())
+            (Err("no GPU memory on either side".into()), Ok(()))
         };
-        let path = self.inner.choose_path(&peer, local.kind(), remote.list.kind(), shared, gpu)?;
+        let path = self.inner.choose_path(&peer, local.kind(), remote.list.kind(), shared, gpu, staging)?;
         tracing::debug!(peer = %peer.name, transport = %path.transport, reason = %path.reason, ops = plan.ops.len(), bytes = plan.bytes, "request made");
         let request = Request {
             agent: self.inner.clone(),
@@ -333,6 +338,7 @@ impl Agent {
             shm: OnceLock::new(),
             cuda: OnceLock::new(),
             chunks: OnceLock::new(),
+            local_gpu: OnceLock::new(),
         };
         if request.path.transport == TransportKind::Cuda {
             // Compile now (map, pin, upload the work table): posting is then one launch.
@@ -432,6 +438,7 @@ impl AgentInner {
         remote: MemKind,
         shared: std::result::Result<(), String>,
         gpu: std::result::Result<String, String>,
+        staging: std::result::Result<(), String>,
     ) -> Result<Path> {
         let policy = PathPolicy { enabled: self.config.transports.clone(), require: self.config.require };
         let facts = PathFacts {
@@ -441,6 +448,7 @@ impl AgentInner {
             remote_kind: remote,
             remote_shared: shared,
             gpu,
+            staging,
         };
         path::choose(&policy, &facts)
     }
@@ -552,6 +560,8 @@ pub struct Request {
     shm: OnceLock<Arc<ShmProgram>>,
     cuda: OnceLock<Arc<CudaProgram>>,
     chunks: OnceLock<Arc<Vec<Chunk>>>,
+    /// For tcp: the local GPU regions, whose bytes are staged (`None`: host memory only).
+    local_gpu: OnceLock<Option<Arc<GpuRegions>>>,
 }
 
 impl Request {
@@ -622,8 +632,9 @@ impl Request {
                         Arc::new(chunk_ops(&self.plan.ops, self.agent.config.tcp.chunk_size, wire::MAX_SEGS))
                     })
                     .clone();
+                let gpu = self.local_gpu_regions()?;
                 self.tracker.begin(chunks.len() as u64, finisher)?;
-                conn.submit(self.op, chunks, &self.tracker);
+                conn.submit(self.op, chunks, &self.tracker, gpu);
                 Ok(())
             }
         }
@@ -663,6 +674,15 @@ impl Request {
             )?
         };
         Ok(self.cuda.get_or_init(|| Arc::new(program)).clone())
+    }
+
+    fn local_gpu_regions(&self) -> Result<Option<Arc<GpuRegions>>> {
+        if let Some(g) = self.local_gpu.get() {
+            return Ok(g.clone());
+        }
+        let regions: Vec<_> = self.plan.local_regions.iter().filter_map(|&k| self.agent.registry.get(k)).collect();
+        let found = GpuRegions::of(regions.iter().map(|r| &r.info))?;
+        Ok(self.local_gpu.get_or_init(|| found).clone())
     }
 
     fn shm_program(&self) -> Result<Arc<ShmProgram>> {

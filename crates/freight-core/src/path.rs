@@ -64,6 +64,9 @@ pub struct PathFacts {
     /// Whether the GPUs (and CUDA) can serve the path: how (`Ok`), or why not. Only
     /// asked where GPU memory is involved.
     pub gpu: std::result::Result<String, String>,
+    /// Whether the GPU memory of the path can pass through host memory on both sides
+    /// (for tcp), or why not.
+    pub staging: std::result::Result<(), String>,
 }
 
 /// The chosen transport and the reason, as reported to users and logs.
@@ -96,11 +99,21 @@ fn can_serve(t: TransportKind, policy: &PathPolicy, f: &PathFacts) -> std::resul
         }
         return f.gpu.clone();
     }
-    for kind in [f.local_kind, f.remote_kind] {
-        if kind != MemKind::Dram {
-            return Err(format!("moves host memory only, not {kind}"));
+    if t == TransportKind::Tcp {
+        if f.local_kind == MemKind::File || f.remote_kind == MemKind::File {
+            return Err("FILE memory has no transport in this build".into());
+        }
+        if gpu_involved {
+            f.staging.clone()?;
+        }
+    } else {
+        for kind in [f.local_kind, f.remote_kind] {
+            if kind != MemKind::Dram {
+                return Err(format!("moves host memory only, not {kind}"));
+            }
         }
     }
+    let staged = if gpu_involved { "; GPU memory staged through pinned host buffers" } else { "" };
     match t {
         TransportKind::Cuda => unreachable!("handled above"),
         TransportKind::Shm => {
@@ -111,9 +124,9 @@ fn can_serve(t: TransportKind, policy: &PathPolicy, f: &PathFacts) -> std::resul
             Ok("same host, remote memory in shared segments: one memcpy, no syscalls".into())
         }
         TransportKind::Tcp => Ok(if f.same_host {
-            "same host, but shared memory cannot serve this path".into()
+            format!("same host, but neither cuda nor shm can serve this path{staged}")
         } else {
-            "peer on another host".into()
+            format!("peer on another host{staged}")
         }),
     }
 }
@@ -152,6 +165,7 @@ mod tests {
             remote_kind: MemKind::Dram,
             remote_shared: Ok(()),
             gpu: Ok("same host, GPU 0 reaches GPU 1 over NVLink".into()),
+            staging: Ok(()),
         }
     }
     fn policy() -> PathPolicy {
@@ -191,9 +205,24 @@ mod tests {
         let p = choose(&policy(), &f).unwrap();
         assert_eq!(p.transport, TransportKind::Cuda);
         assert!(p.reason.contains("NVLink"), "{}", p.reason);
+        // Host memory the peer did not share: only tcp reaches it, staging the GPU side.
         let f = PathFacts { local_kind: MemKind::Vram, remote_shared: Err("no segment".into()), ..facts() };
+        let p = choose(&policy(), &f).unwrap();
+        assert_eq!(p.transport, TransportKind::Tcp);
+        assert!(p.reason.contains("staged through pinned host buffers"), "{}", p.reason);
+        let f = PathFacts { staging: Err("CUDA is not available here".into()), ..f };
         let e = choose(&policy(), &f).unwrap_err().to_string();
-        assert!(e.contains("cannot be mapped"), "{e}");
+        assert!(e.contains("cannot be mapped") && e.contains("CUDA is not available here"), "{e}");
+    }
+
+    #[test]
+    fn gpu_memory_on_another_host_goes_over_tcp_staged() {
+        let f = PathFacts { same_host: false, local_kind: MemKind::Vram, remote_kind: MemKind::Vram, ..facts() };
+        let p = choose(&policy(), &f).unwrap();
+        assert_eq!(p.transport, TransportKind::Tcp);
+        assert!(p.reason.contains("another host") && p.reason.contains("staged"), "{}", p.reason);
+        let f = PathFacts { local_kind: MemKind::File, ..f };
+        assert!(choose(&policy(), &f).unwrap_err().to_string().contains("FILE"));
     }
 
     #[test]
@@ -212,9 +241,15 @@ mod tests {
 
     #[test]
     fn gpu_memory_is_refused_with_a_reason() {
-        let f = PathFacts { remote_kind: MemKind::Vram, gpu: Err("CUDA is not available".into()), ..facts() };
+        let f = PathFacts {
+            remote_kind: MemKind::Vram,
+            gpu: Err("CUDA is not available".into()),
+            staging: Err("the peer registered GPU memory without CUDA".into()),
+            ..facts()
+        };
         let e = choose(&policy(), &f).unwrap_err().to_string();
         assert!(e.contains("VRAM") && e.contains("CUDA is not available"), "{e}");
+        assert!(e.contains("without CUDA"), "{e}");
         let pol = PathPolicy { enabled: vec![TransportKind::Shm], require: None };
         let f = PathFacts { same_host: false, ..facts() };
         assert!(choose(&pol, &f).is_err());

@@ -246,8 +246,13 @@ impl Event {
 
     /// Marks the end of the work queued so far on `device`'s stream.
     pub fn record(&self, device: &Device) -> Result<()> {
-        // SAFETY: valid event and stream.
-        check(unsafe { cu::cuEventRecord(self.0, device.stream()) }, "cuEventRecord")
+        self.record_on(device.stream())
+    }
+
+    /// Marks the end of the work queued so far on `stream`.
+    pub(crate) fn record_on(&self, stream: cu::CUstream) -> Result<()> {
+        // SAFETY: valid event; the caller passes a live stream of the event's context.
+        check(unsafe { cu::cuEventRecord(self.0, stream) }, "cuEventRecord")
     }
 
     /// `Ok(true)` when the work before the record has finished.

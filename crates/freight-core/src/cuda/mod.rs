@@ -7,7 +7,9 @@
 //! - [`ipc`]: exporting device memory to same-host peers and opening theirs.
 //! - [`pinned`]: page-locking host memory so that GPUs can reach it at PCIe speed.
 //! - [`completion`]: one thread that turns finished GPU work into finished requests.
+//! - [`bounce`]: pinned bounce buffers, where GPU memory must pass through host memory.
 
+pub mod bounce;
 pub mod completion;
 pub mod driver;
 pub mod ipc;

@@ -4,6 +4,7 @@
 pub mod cuda;
 pub mod pool;
 pub mod shm;
+pub mod staged;
 pub mod tcp;
 pub mod zerocopy;
 

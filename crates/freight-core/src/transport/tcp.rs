@@ -6,6 +6,10 @@
 //! Each stream has a sender thread (takes chunks, writes requests) and a receiver thread
 //! (reads the answers). A stream's answers come back in order, so the receiver learns
 //! what to expect from a bounded queue the sender fills: its capacity is the window.
+//!
+//! GPU memory, on either side, passes through pinned bounce buffers (see
+//! [`super::staged`]); such payloads are sent with ordinary copies, since a bounce
+//! buffer is reused as soon as its message is out.
 
 use std::io::{IoSlice, IoSliceMut};
 use std::net::{Shutdown, TcpStream};
@@ -17,10 +21,12 @@ use std::time::Duration;
 use crossbeam_channel::{bounded, unbounded, Receiver, Sender};
 use parking_lot::Mutex;
 
+use crate::cuda::bounce::Bounce;
 use crate::error::{Error, Result};
 use crate::memory::{MemKind, Registry};
 use crate::plan::Chunk;
 use crate::request::Tracker;
+use crate::transport::staged::{self, GpuRegions, Piece};
 use crate::transport::zerocopy::{self, ZeroCopySocket};
 use crate::transport::OpKind;
 use crate::wire::{self, Frame, Seg};
@@ -53,6 +59,24 @@ struct Job {
     chunks: Arc<Vec<Chunk>>,
     index: usize,
     tracker: Arc<Tracker>,
+    /// The request's local GPU regions, if it has any.
+    gpu: Option<Arc<GpuRegions>>,
+}
+
+impl Job {
+    fn chunk(&self) -> &Chunk {
+        &self.chunks[self.index]
+    }
+
+    /// The local side of the chunk, with the GPU of each piece.
+    fn local_pieces(&self) -> Vec<Piece> {
+        let gpu = |region| self.gpu.as_ref().and_then(|g| g.device(region));
+        self.chunk().segs.iter().map(|o| Piece { addr: o.local_addr, len: o.len, gpu: gpu(o.local_region) }).collect()
+    }
+
+    fn staged(&self) -> bool {
+        self.gpu.as_ref().is_some_and(|g| self.chunk().segs.iter().any(|o| g.device(o.local_region).is_some()))
+    }
 }
 
 /// Why a connection stopped working, shared by all its threads.
@@ -134,12 +158,13 @@ impl TcpConn {
     }
 
     /// Queues every chunk of a request; the tracker must expect `chunks.len()` parts.
-    pub fn submit(&self, op: OpKind, chunks: Arc<Vec<Chunk>>, tracker: &Arc<Tracker>) {
+    /// `gpu` names the request's local GPU regions, which are staged.
+    pub fn submit(&self, op: OpKind, chunks: Arc<Vec<Chunk>>, tracker: &Arc<Tracker>, gpu: Option<Arc<GpuRegions>>) {
         let n = self.streams.len();
         // Start where the previous request stopped so that small requests spread out.
         let start = self.next.fetch_add(chunks.len(), Ordering::Relaxed);
         for index in 0..chunks.len() {
-            let job = Job { op, chunks: chunks.clone(), index, tracker: tracker.clone() };
+            let job = Job { op, chunks: chunks.clone(), index, tracker: tracker.clone(), gpu: gpu.clone() };
             if let Err(e) = self.streams[(start + index) % n].send(job) {
                 e.0.tracker.finish_part(Err(self.disconnected("stream closed")));
             }
@@ -172,6 +197,36 @@ fn segs_of(chunk: &Chunk) -> Vec<Seg> {
     chunk.segs.iter().map(|o| Seg { region: o.remote_region, addr: o.remote_addr, len: o.len }).collect()
 }
 
+/// Two bounce buffers per sending thread: the next message is gathered into one while
+/// the other is on the wire.
+#[derive(Default)]
+struct SendStaging {
+    slots: [Option<Bounce>; 2],
+    next: usize,
+}
+
+impl SendStaging {
+    /// Starts gathering a WRITE chunk that holds GPU memory; returns its slot (`None`:
+    /// nothing to stage, the payload goes straight from registered memory).
+    fn start(&mut self, job: &Job) -> Result<Option<usize>> {
+        if job.op != OpKind::Write || !job.staged() {
+            return Ok(None);
+        }
+        let slot = self.next;
+        self.next ^= 1;
+        let pieces = job.local_pieces();
+        staged::gather(staged::bounce_for(&mut self.slots[slot], &pieces)?, &pieces)?;
+        Ok(Some(slot))
+    }
+
+    /// The gathered payload of `slot`, once its copies are done.
+    fn ready(&mut self, slot: usize, len: usize) -> Result<&[u8]> {
+        let bounce = self.slots[slot].as_mut().expect("a started slot");
+        bounce.wait()?;
+        Ok(bounce.bytes(len))
+    }
+}
+
 fn send_loop(
     mut sock: TcpStream,
     mut zc: ZeroCopySocket,
@@ -181,29 +236,60 @@ fn send_loop(
     peer: String,
 ) {
     let mut tag = 0u64;
-    for job in jobs {
+    let mut staging = SendStaging::default();
+    let mut ahead: Option<(Job, Result<Option<usize>>)> = None;
+    loop {
+        let (job, slot) = match ahead.take() {
+            Some(next) => next,
+            None => match jobs.recv() {
+                Ok(job) => {
+                    let slot = staging.start(&job);
+                    (job, slot)
+                }
+                Err(_) => break,
+            },
+        };
+        if matches!(slot, Ok(Some(_))) {
+            if let Ok(next) = jobs.try_recv() {
+                let next_slot = staging.start(&next);
+                ahead = Some((next, next_slot));
+            }
+        }
         if let Some(reason) = health.reason() {
             job.tracker.finish_part(Err(Error::PeerDisconnected { peer: peer.clone(), reason }));
             continue;
         }
-        tag += 1;
-        let chunk = &job.chunks[job.index];
-        let frame = match job.op {
-            OpKind::Write => Frame::Write { tag, segs: segs_of(chunk) },
-            OpKind::Read => Frame::Read { tag, segs: segs_of(chunk) },
-        };
-        // SAFETY: the request holds guards on the local regions until every chunk has
-        // been answered, so the memory stays registered and mapped while we read it.
-        let payload: Vec<IoSlice<'_>> = match job.op {
-            OpKind::Write => chunk
+        let chunk = job.chunk();
+        let payload = match slot.and_then(|s| s.map(|s| staging.ready(s, chunk.bytes as usize)).transpose()) {
+            Ok(Some(bytes)) => vec![IoSlice::new(bytes)],
+            // SAFETY: the request holds guards on the local regions until every chunk has
+            // been answered, so the memory stays registered and mapped while we read it.
+            Ok(None) if job.op == OpKind::Write => chunk
                 .segs
                 .iter()
                 .map(|o| IoSlice::new(unsafe { std::slice::from_raw_parts(o.local_addr as *const u8, o.len as usize) }))
                 .collect(),
-            OpKind::Read => Vec::new(),
+            Ok(None) => Vec::new(),
+            Err(e) => {
+                // Staging failed before anything was sent: only this chunk fails.
+                job.tracker.finish_part(Err(e));
+                continue;
+            }
         };
-        let result = zc.write_all(&mut sock, &wire::encode(&frame), &payload);
-        drop(payload);
+        tag += 1;
+        let frame = match job.op {
+            OpKind::Write => Frame::Write { tag, segs: segs_of(chunk) },
+            OpKind::Read => Frame::Read { tag, segs: segs_of(chunk) },
+        };
+        let header = wire::encode(&frame);
+        let result = if job.staged() {
+            // A bounce buffer is reused once this returns: no zero-copy for it.
+            let mut slices = vec![IoSlice::new(&header)];
+            slices.extend(payload);
+            wire::write_all_vectored(&mut sock, &mut slices)
+        } else {
+            zc.write_all(&mut sock, &header, &payload)
+        };
         // Hand the expectation over before anything else can fail: from here on the
         // receiver owns the job's completion (exactly one report per part).
         let job_tracker = job.tracker.clone();
@@ -219,26 +305,34 @@ fn send_loop(
 }
 
 fn receive_loop(mut sock: TcpStream, expect: Receiver<(u64, Job)>, health: Arc<Health>, peer: String) {
+    let mut bounce = None;
     for (tag, job) in expect.iter() {
         let outcome = match health.reason() {
             Some(reason) => Err(Error::PeerDisconnected { peer: peer.clone(), reason }),
-            None => receive_answer(&mut sock, tag, &job, &peer),
-        };
-        if let Err(e) = &outcome {
-            if !matches!(e, Error::RemoteRejected { .. }) {
+            // The peer's refusal or a failed local copy fails this chunk only; anything
+            // else leaves the stream out of step, so the connection goes.
+            None => receive_answer(&mut sock, tag, &job, &peer, &mut bounce).unwrap_or_else(|e| {
                 health.kill(e.to_string());
                 let _ = sock.shutdown(Shutdown::Both);
-            }
-        }
-        let outcome = outcome.map_err(|e| match e {
-            Error::RemoteRejected { .. } | Error::PeerDisconnected { .. } => e,
-            other => Error::PeerDisconnected { peer: peer.clone(), reason: other.to_string() },
-        });
+                Err(match e {
+                    Error::PeerDisconnected { .. } => e,
+                    other => Error::PeerDisconnected { peer: peer.clone(), reason: other.to_string() },
+                })
+            }),
+        };
         job.tracker.finish_part(outcome);
     }
 }
 
-fn receive_answer(sock: &mut TcpStream, tag: u64, job: &Job, peer: &str) -> Result<()> {
+/// Reads the answer for one chunk. The outer error means the stream failed; the inner
+/// one that only this chunk did.
+fn receive_answer(
+    sock: &mut TcpStream,
+    tag: u64,
+    job: &Job,
+    peer: &str,
+    bounce: &mut Option<Bounce>,
+) -> Result<Result<()>> {
     let frame = match wire::read_frame(sock) {
         Ok(Some(f)) => f,
         Ok(None) => return Err(Error::Io("the peer closed the connection".into())),
@@ -247,12 +341,17 @@ fn receive_answer(sock: &mut TcpStream, tag: u64, job: &Job, peer: &str) -> Resu
     };
     let rejected = |reason| Error::RemoteRejected { peer: peer.to_string(), reason };
     match (job.op, frame) {
-        (OpKind::Write, Frame::WriteAck { tag: t, error }) if t == tag => error.map_or(Ok(()), |r| Err(rejected(r))),
+        (OpKind::Write, Frame::WriteAck { tag: t, error }) if t == tag => {
+            Ok(error.map_or(Ok(()), |r| Err(rejected(r))))
+        }
         (OpKind::Read, Frame::ReadData { tag: t, error }) if t == tag => {
             if let Some(r) = error {
-                return Err(rejected(r));
+                return Ok(Err(rejected(r)));
             }
-            let chunk = &job.chunks[job.index];
+            let chunk = job.chunk();
+            if job.staged() {
+                return receive_staged(sock, bounce, &job.local_pieces(), chunk.bytes);
+            }
             // SAFETY: local destination regions are guarded for the request's lifetime.
             let mut slices: Vec<IoSliceMut<'_>> = chunk
                 .segs
@@ -262,16 +361,33 @@ fn receive_answer(sock: &mut TcpStream, tag: u64, job: &Job, peer: &str) -> Resu
                 })
                 .collect();
             wire::read_exact_vectored(sock, &mut slices)?;
-            Ok(())
+            Ok(Ok(()))
         }
         (_, other) => Err(Error::Protocol(format!("unexpected answer {other:?} for message {tag}"))),
     }
 }
 
+/// Receives a payload of `len` bytes that holds GPU pieces into a bounce buffer and
+/// scatters it. The outer error means the stream failed; the inner one that the bytes
+/// were read but could not be put in place.
+fn receive_staged(sock: &mut TcpStream, slot: &mut Option<Bounce>, pieces: &[Piece], len: u64) -> Result<Result<()>> {
+    let bounce = match staged::bounce_for(slot, pieces) {
+        Ok(b) => b,
+        Err(e) => {
+            wire::discard(sock, len)?;
+            return Ok(Err(e));
+        }
+    };
+    wire::read_exact_vectored(sock, &mut [IoSliceMut::new(bounce.bytes_mut(len as usize))])?;
+    Ok(staged::scatter(bounce, pieces))
+}
+
 /// The target's side of one data stream: checks every access against the registry and
-/// moves payload straight between the socket and registered memory.
+/// moves payload straight between the socket and registered host memory (through a
+/// bounce buffer where GPU memory is involved).
 pub fn serve_data_stream(mut sock: TcpStream, registry: &Registry, cfg: &TcpConfig, peer: &str) -> Result<()> {
     let mut zc = ZeroCopySocket::new(&sock, cfg.zerocopy && sock.peer_addr().is_ok_and(zerocopy::worthwhile));
+    let mut bounce: Option<Bounce> = None;
     loop {
         let frame = match wire::read_frame(&mut sock)? {
             Some(f) => f,
@@ -280,8 +396,13 @@ pub fn serve_data_stream(mut sock: TcpStream, registry: &Registry, cfg: &TcpConf
         match frame {
             Frame::Write { tag, segs } => {
                 let total = wire::seg_bytes(&segs)?;
-                match check_access(registry, &segs) {
-                    Ok(guards) => {
+                let outcome = match check_access(registry, &segs) {
+                    Ok((guards, pieces)) if staged::any_gpu(&pieces) => {
+                        let outcome = receive_staged(&mut sock, &mut bounce, &pieces, total)?;
+                        drop(guards);
+                        outcome
+                    }
+                    Ok((guards, _)) => {
                         // SAFETY: every segment lies in a registered region (checked above)
                         // that cannot be deregistered while `guards` lives.
                         let mut slices: Vec<IoSliceMut<'_>> = segs
@@ -297,19 +418,42 @@ pub fn serve_data_stream(mut sock: TcpStream, registry: &Registry, cfg: &TcpConf
                         // sees DONE, this agent's owner may deregister them at once.
                         drop(slices);
                         drop(guards);
-                        wire::write_frame(&mut sock, &Frame::WriteAck { tag, error: None }, &[])?;
+                        Ok(())
                     }
                     Err(e) => {
-                        tracing::warn!(peer, error = %e, "refused a remote write");
                         wire::discard(&mut sock, total)?;
-                        wire::write_frame(&mut sock, &Frame::WriteAck { tag, error: Some(e.to_string()) }, &[])?;
+                        Err(e)
                     }
+                };
+                if let Err(e) = &outcome {
+                    tracing::warn!(peer, error = %e, "refused a remote write");
                 }
+                let error = outcome.err().map(|e| e.to_string());
+                wire::write_frame(&mut sock, &Frame::WriteAck { tag, error }, &[])?;
             }
             Frame::Read { tag, segs } => {
-                wire::seg_bytes(&segs)?;
-                match check_access(registry, &segs) {
-                    Ok(_guards) => {
+                let total = wire::seg_bytes(&segs)? as usize;
+                let refused = match check_access(registry, &segs) {
+                    Ok((_guards, pieces)) if staged::any_gpu(&pieces) => {
+                        let gathered = staged::bounce_for(&mut bounce, &pieces).and_then(|b| {
+                            staged::gather(b, &pieces)?;
+                            b.wait()?;
+                            Ok(b)
+                        });
+                        match gathered {
+                            Ok(b) => {
+                                // The bounce buffer is reused at once: an ordinary send.
+                                let header = wire::encode(&Frame::ReadData { tag, error: None });
+                                wire::write_all_vectored(
+                                    &mut sock,
+                                    &mut [IoSlice::new(&header), IoSlice::new(b.bytes(total))],
+                                )?;
+                                None
+                            }
+                            Err(e) => Some(e),
+                        }
+                    }
+                    Ok((_guards, _)) => {
                         // SAFETY: as above, for reading.
                         let payload: Vec<IoSlice<'_>> = segs
                             .iter()
@@ -318,11 +462,13 @@ pub fn serve_data_stream(mut sock: TcpStream, registry: &Registry, cfg: &TcpConf
                             })
                             .collect();
                         zc.write_all(&mut sock, &wire::encode(&Frame::ReadData { tag, error: None }), &payload)?;
+                        None
                     }
-                    Err(e) => {
-                        tracing::warn!(peer, error = %e, "refused a remote read");
-                        wire::write_frame(&mut sock, &Frame::ReadData { tag, error: Some(e.to_string()) }, &[])?;
-                    }
+                    Err(e) => Some(e),
+                };
+                if let Some(e) = refused {
+                    tracing::warn!(peer, error = %e, "refused a remote read");
+                    wire::write_frame(&mut sock, &Frame::ReadData { tag, error: Some(e.to_string()) }, &[])?;
                 }
             }
             other => return Err(Error::Protocol(format!("unexpected message on a data stream: {other:?}"))),
@@ -330,19 +476,28 @@ pub fn serve_data_stream(mut sock: TcpStream, registry: &Registry, cfg: &TcpConf
     }
 }
 
-/// Every segment must lie in a registered host-memory region; returns the guards.
-fn check_access(registry: &Registry, segs: &[Seg]) -> Result<Vec<Arc<crate::memory::Region>>> {
+/// Every segment must lie in a registered region of host or GPU memory; returns the
+/// guards, and the segments as pieces with the GPU behind each one.
+fn check_access(registry: &Registry, segs: &[Seg]) -> Result<(Vec<Arc<crate::memory::Region>>, Vec<Piece>)> {
     let mut guards: Vec<Arc<crate::memory::Region>> = Vec::new();
+    let mut pieces = Vec::with_capacity(segs.len());
     for s in segs {
-        if let Some(g) = guards.iter().find(|g| g.info.key == s.region) {
-            g.info.check_contains(s.addr, s.len)?;
-            continue;
-        }
-        let g = registry.get_checked(s.region, s.addr, s.len)?;
-        if g.info.kind != MemKind::Dram {
-            return Err(Error::TransportUnavailable(format!("tcp cannot serve {} memory in this build", g.info.kind)));
-        }
-        guards.push(g);
+        let g = match guards.iter().find(|g| g.info.key == s.region) {
+            Some(g) => {
+                g.info.check_contains(s.addr, s.len)?;
+                g
+            }
+            None => {
+                guards.push(registry.get_checked(s.region, s.addr, s.len)?);
+                guards.last().expect("just pushed")
+            }
+        };
+        let gpu = match g.info.kind {
+            MemKind::Dram => None,
+            MemKind::Vram => Some(staged::gpu_of(&g.info)?),
+            other => return Err(Error::TransportUnavailable(format!("tcp cannot serve {other} memory in this build"))),
+        };
+        pieces.push(Piece { addr: s.addr, len: s.len, gpu });
     }
-    Ok(guards)
+    Ok((guards, pieces))
 }

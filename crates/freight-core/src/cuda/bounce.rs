@@ -1,0 +1,190 @@
+//! Pinned bounce buffers: where GPU memory has to pass through host memory (the tcp
+//! transport sends and receives from host memory only), it is copied into or out of a
+//! page-locked buffer by the copy engines, which reach pinned memory at PCIe speed.
+//!
+//! A [`Bounce`] holds one such buffer and a stream per GPU it has copied with. Copies are
+//! queued asynchronously; [`Bounce::wait`] returns once all of them are done, so a
+//! caller can queue the next buffer's copies before sending the previous one.
+
+use std::ffi::c_void;
+
+use cudarc::driver::sys as cu;
+
+use super::driver::{check, Device, Event};
+use crate::error::Result;
+
+/// Page-locked host memory allocated by freight, visible to every GPU.
+pub struct PinnedBuffer {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: plain host memory; access is synchronised by its owner.
+unsafe impl Send for PinnedBuffer {}
+
+impl PinnedBuffer {
+    pub fn new(device: &Device, len: usize) -> Result<PinnedBuffer> {
+        device.bind()?;
+        let mut ptr = std::ptr::null_mut();
+        // SAFETY: out-pointer to a local; PORTABLE makes the memory pinned for every
+        // context, not only the one current here.
+        check(unsafe { cu::cuMemHostAlloc(&mut ptr, len.max(1), cu::CU_MEMHOSTALLOC_PORTABLE) }, "cuMemHostAlloc")?;
+        Ok(PinnedBuffer { ptr: ptr.cast(), len })
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+}
+
+impl Drop for PinnedBuffer {
+    fn drop(&mut self) {
+        // SAFETY: we allocated it; every copy that used it was waited for by its owner.
+        unsafe { cu::cuMemFreeHost(self.ptr.cast()) };
+    }
+}
+
+/// A stream of this buffer's own on one GPU, so its copies do not queue behind other
+/// work of the agent (kernels of the cuda transport), and an event to wait on.
+struct Lane {
+    device: &'static Device,
+    stream: cu::CUstream,
+    event: Event,
+    busy: bool,
+}
+
+impl Lane {
+    fn new(device: &'static Device) -> Result<Lane> {
+        device.bind()?;
+        let mut stream = std::ptr::null_mut();
+        // SAFETY: out-pointer to a local.
+        check(
+            unsafe { cu::cuStreamCreate(&mut stream, cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) },
+            "cuStreamCreate",
+        )?;
+        let event = Event::new(device).inspect_err(|_| {
+            // SAFETY: created above, unused.
+            unsafe { cu::cuStreamDestroy_v2(stream) };
+        })?;
+        Ok(Lane { device, stream, event, busy: false })
+    }
+}
+
+impl Drop for Lane {
+    fn drop(&mut self) {
+        if self.busy {
+            let _ = self.event.synchronize();
+        }
+        // SAFETY: ours; nothing is queued on it any more.
+        unsafe { cu::cuStreamDestroy_v2(self.stream) };
+    }
+}
+
+/// Which way a staged copy goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    /// GPU memory into the buffer (before sending it).
+    ToBuffer,
+    /// The buffer into GPU memory (after receiving into it).
+    ToGpu,
+}
+
+/// A pinned buffer and the GPU copies in flight to or from it.
+pub struct Bounce {
+    buffer: PinnedBuffer,
+    lanes: Vec<Lane>,
+}
+
+impl Bounce {
+    pub fn new(device: &'static Device, capacity: usize) -> Result<Bounce> {
+        Ok(Bounce { buffer: PinnedBuffer::new(device, capacity)?, lanes: Vec::new() })
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.buffer.len()
+    }
+
+    /// Makes room for `len` bytes, dropping the contents (waits for copies in flight).
+    pub fn reserve(&mut self, device: &'static Device, len: usize) -> Result<()> {
+        if len > self.buffer.len() {
+            self.wait()?;
+            self.buffer = PinnedBuffer::new(device, len.next_power_of_two())?;
+        }
+        Ok(())
+    }
+
+    /// Queues a copy between `len` bytes of GPU memory at `gpu_addr` (of `device`) and the
+    /// buffer at `offset`. The range must lie in the buffer (checked) and in memory
+    /// the caller keeps registered until [`Bounce::wait`] returns.
+    pub fn copy(
+        &mut self,
+        device: &'static Device,
+        dir: Direction,
+        gpu_addr: u64,
+        offset: usize,
+        len: usize,
+    ) -> Result<()> {
+        assert!(offset.checked_add(len).is_some_and(|end| end <= self.buffer.len()), "staged copy out of the buffer");
+        let lane = match self.lanes.iter().position(|l| l.device.ordinal == device.ordinal) {
+            Some(i) => i,
+            None => {
+                self.lanes.push(Lane::new(device)?);
+                self.lanes.len() - 1
+            }
+        };
+        let lane = &mut self.lanes[lane];
+        lane.device.bind()?;
+        // SAFETY: the host side lies in our pinned buffer (asserted above); the GPU side
+        // is registered memory the caller keeps alive until `wait`.
+        let host = unsafe { self.buffer.as_ptr().add(offset) };
+        let r = unsafe {
+            match dir {
+                Direction::ToBuffer => cu::cuMemcpyDtoHAsync_v2(host as *mut c_void, gpu_addr, len, lane.stream),
+                Direction::ToGpu => cu::cuMemcpyHtoDAsync_v2(gpu_addr, host as *const c_void, len, lane.stream),
+            }
+        };
+        check(r, "cuMemcpyAsync (staging)")?;
+        lane.busy = true;
+        Ok(())
+    }
+
+    /// Waits for every queued copy.
+    pub fn wait(&mut self) -> Result<()> {
+        let mut first_error = None;
+        for lane in self.lanes.iter_mut().filter(|l| l.busy) {
+            lane.busy = false;
+            if let Err(e) = lane.event.record_on(lane.stream).and_then(|_| lane.event.synchronize()) {
+                first_error.get_or_insert(e);
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
+    /// The first `len` bytes of the buffer. Only meaningful after [`Bounce::wait`].
+    pub fn bytes(&self, len: usize) -> &[u8] {
+        assert!(len <= self.buffer.len());
+        // SAFETY: within our allocation; no copy writes it after `wait`.
+        unsafe { std::slice::from_raw_parts(self.buffer.as_ptr(), len) }
+    }
+
+    pub fn bytes_mut(&mut self, len: usize) -> &mut [u8] {
+        assert!(len <= self.buffer.len());
+        // SAFETY: as above, exclusively borrowed.
+        unsafe { std::slice::from_raw_parts_mut(self.buffer.as_ptr(), len) }
+    }
+}
+
+impl Drop for Bounce {
+    fn drop(&mut self) {
+        // Copies still in flight use the buffer: let them finish before it is freed.
+        let _ = self.wait();
+    }
+}

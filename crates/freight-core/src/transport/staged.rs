@@ -1,0 +1,163 @@
+//! GPU memory over tcp. Sockets read and write host memory only, so the GPU pieces of a
+//! message pass through a pinned bounce buffer: gathered into it by the copy engines
+//! before the message is sent, scattered out of it after its payload was received. Host
+//! pieces of the same message are copied alongside, so the payload stays one contiguous
+//! run in the buffer, laid out exactly as on the wire.
+//!
+//! The initiator's sending threads keep two buffers and gather the next message while
+//! the current one is on the wire (see `tcp::send_loop`).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use crate::cuda::bounce::{Bounce, Direction};
+use crate::cuda::driver::Device;
+use crate::error::{Error, Result};
+use crate::memory::{MemKind, RegionInfo};
+
+/// One piece of a message: where its bytes are here, and the GPU holding them (`None`
+/// for host memory).
+#[derive(Clone, Copy)]
+pub struct Piece {
+    pub addr: u64,
+    pub len: u64,
+    pub gpu: Option<&'static Device>,
+}
+
+/// The GPUs behind a request's local GPU regions, by region key.
+#[derive(Default)]
+pub struct GpuRegions(HashMap<u64, &'static Device>);
+
+impl GpuRegions {
+    /// `None` when none of `regions` is GPU memory: the tcp path then never stages.
+    pub fn of<'a>(regions: impl IntoIterator<Item = &'a RegionInfo>) -> Result<Option<Arc<GpuRegions>>> {
+        let mut map = HashMap::new();
+        for r in regions.into_iter().filter(|r| r.kind == MemKind::Vram) {
+            map.insert(r.key, gpu_of(r)?);
+        }
+        Ok((!map.is_empty()).then(|| Arc::new(GpuRegions(map))))
+    }
+
+    pub fn device(&self, region: u64) -> Option<&'static Device> {
+        self.0.get(&region).copied()
+    }
+}
+
+/// The GPU of a GPU region, or why tcp cannot reach it here.
+pub fn gpu_of(r: &RegionInfo) -> Result<&'static Device> {
+    crate::cuda::driver::init()
+        .and_then(|_| Device::get(r.dev as usize))
+        .map_err(|e| Error::TransportUnavailable(format!("tcp cannot stage GPU region {} (GPU {}): {e}", r.key, r.dev)))
+}
+
+/// Whether any piece needs staging.
+pub fn any_gpu(pieces: &[Piece]) -> bool {
+    pieces.iter().any(|p| p.gpu.is_some())
+}
+
+fn total(pieces: &[Piece]) -> usize {
+    pieces.iter().map(|p| p.len as usize).sum()
+}
+
+/// The buffer in `slot`, made (or grown) to hold `len` bytes.
+pub fn bounce_for<'a>(slot: &'a mut Option<Bounce>, pieces: &[Piece]) -> Result<&'a mut Bounce> {
+    let device = pieces.iter().find_map(|p| p.gpu).expect("staging is only asked for GPU pieces");
+    let len = total(pieces);
+    match slot {
+        Some(b) => b.reserve(device, len)?,
+        None => *slot = Some(Bounce::new(device, len.next_power_of_two())?),
+    }
+    Ok(slot.as_mut().expect("just filled"))
+}
+
+/// Lays the pieces back to back into the buffer: GPU pieces by queued copies (wait on
+/// the buffer before sending), host pieces at once. Returns the payload's length.
+pub fn gather(bounce: &mut Bounce, pieces: &[Piece]) -> Result<usize> {
+    let mut off = 0usize;
+    for p in pieces {
+        let len = p.len as usize;
+        match p.gpu {
+            Some(dev) => bounce.copy(dev, Direction::ToBuffer, p.addr, off, len)?,
+            // SAFETY: host pieces lie in registered memory the caller holds guards on.
+            None => bounce.bytes_mut(off + len)[off..]
+                .copy_from_slice(unsafe { std::slice::from_raw_parts(p.addr as *const u8, len) }),
+        }
+        off += len;
+    }
+    Ok(off)
+}
+
+/// Copies a received payload (the first bytes of the buffer) out to the pieces and
+/// waits until the GPU copies are done, so the data is in place when this returns.
+pub fn scatter(bounce: &mut Bounce, pieces: &[Piece]) -> Result<()> {
+    let mut off = 0usize;
+    for p in pieces {
+        let len = p.len as usize;
+        match p.gpu {
+            Some(dev) => bounce.copy(dev, Direction::ToGpu, p.addr, off, len)?,
+            // SAFETY: as in `gather`, for writing.
+            None => unsafe { std::slice::from_raw_parts_mut(p.addr as *mut u8, len) }
+                .copy_from_slice(&bounce.bytes(off + len)[off..]),
+        }
+        off += len;
+    }
+    bounce.wait()
+}
+
+/// Whether tcp can stage the GPU memory at the ends of a path, or why not: local GPU
+/// memory needs CUDA here; the peer's needs CUDA there, which its regions show (GPU
+/// memory registered with CUDA carries an export).
+pub fn path_facts(local: Option<&RegionInfo>, remote: Option<&RegionInfo>) -> std::result::Result<(), String> {
+    if let Some(l) = local.filter(|r| r.kind == MemKind::Vram) {
+        gpu_of(l).map_err(|e| e.to_string())?;
+    }
+    match remote.filter(|r| r.kind == MemKind::Vram) {
+        Some(r) if r.gpu.is_none() => {
+            Err(format!("the peer registered GPU region {} without CUDA, so it cannot stage it", r.key))
+        }
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::GpuLocation;
+
+    fn region(key: u64, kind: MemKind, gpu: bool) -> RegionInfo {
+        let gpu = gpu.then(|| GpuLocation {
+            bus_id: "0000:1b:00.0".into(),
+            alloc_base: 0x7000_0000,
+            alloc_len: 1 << 20,
+            handle: vec![0; 64],
+        });
+        RegionInfo { key, kind, addr: 0x7000_0000, len: 1 << 20, dev: 0, shared: None, gpu }
+    }
+
+    #[test]
+    fn host_memory_is_never_staged() {
+        let regions = [region(1, MemKind::Dram, false), region(2, MemKind::Dram, false)];
+        assert!(GpuRegions::of(&regions).unwrap().is_none());
+        assert_eq!(path_facts(Some(&regions[0]), Some(&regions[1])), Ok(()));
+    }
+
+    #[test]
+    fn the_peers_gpu_memory_needs_cuda_there() {
+        let host = region(1, MemKind::Dram, false);
+        let e = path_facts(Some(&host), Some(&region(7, MemKind::Vram, false))).unwrap_err();
+        assert!(e.contains("region 7") && e.contains("without CUDA"), "{e}");
+        assert_eq!(path_facts(Some(&host), Some(&region(7, MemKind::Vram, true))), Ok(()));
+    }
+
+    #[test]
+    fn local_gpu_memory_needs_cuda_here() {
+        if crate::cuda::driver::init().is_ok() {
+            eprintln!("SKIPPED: CUDA is present; this checks the behaviour without it");
+            return;
+        }
+        let gpu = region(3, MemKind::Vram, false);
+        let e = path_facts(Some(&gpu), None).unwrap_err();
+        assert!(e.contains("tcp cannot stage GPU region 3"), "{e}");
+        assert!(matches!(GpuRegions::of([&gpu]), Err(Error::TransportUnavailable(_))));
+    }
+}
