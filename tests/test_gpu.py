@@ -136,21 +136,22 @@ def random_copies(rng: random.Random, space: int, total_max: int, count: int):
     return copies
 
 
-def over(transport: str, agent, name, peer):
-    """The initiator for `transport`: the fixture's agent for cuda, else a second agent
-    that must use `transport` (tcp stages GPU memory through pinned host buffers)."""
-    if transport == "cuda":
-        return agent, name
-    other = freight.Agent(f"via-{transport}", freight.AgentConfig(require=transport))
-    return other, other.connect(peer.addr)
+@pytest.fixture(params=["cuda", "tcp"])
+def gpu_pair_over(request, gpu_pair):
+    """gpu_pair, with the initiator on each transport in turn: the fixture's agent for
+    cuda, a second agent that must use tcp (staging GPU memory through pinned buffers)."""
+    agent, name, peer = gpu_pair
+    if request.param == "cuda":
+        yield agent, name, peer
+        return
+    with freight.Agent("via-tcp", freight.AgentConfig(require="tcp")) as other:
+        yield other, other.connect(peer.addr), peer
 
 
 @needs_gpu
-@pytest.mark.parametrize("transport", ["cuda", "tcp"])
 @pytest.mark.parametrize("op", ["WRITE", "READ"])
-def test_random_descriptor_lists_move_every_byte(gpu_pair, op, transport):
-    agent, name, peer = over(transport, *gpu_pair)
-    assert agent.path_to(name).transport == transport
+def test_random_descriptor_lists_move_every_byte(gpu_pair_over, op):
+    agent, name, peer = gpu_pair_over
     size = peer.size
     local = torch.empty(size, dtype=torch.uint8, device="cuda:0")
     agent.register(local)
@@ -385,3 +386,37 @@ def test_a_revoked_gpu_region_fails_the_next_post(gpu_pair):
         time.sleep(0.05)
     else:
         pytest.fail("the revoked region was still written to")
+
+
+@needs_gpu
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["cuda", "tcp"])
+def test_a_killed_peer_fails_gpu_transfers_instead_of_hanging(transport):
+    """Transfers in flight when the target dies finish or fail with
+    PeerDisconnectedError; later ones fail; nothing hangs."""
+    size = 64 * MIB
+    peer = Peer(size, gpu=TORCH_GPUS - 1)
+    try:
+        config = freight.AgentConfig(require=transport, peer_timeout=2.0)
+        with freight.Agent("initiator", config) as agent:
+            name = agent.connect(peer.addr)
+            local = torch.zeros(size, dtype=torch.uint8, device="cuda:0")
+            agent.register(local)
+            ldesc, rdesc = vram([(local.data_ptr(), size, 0)]), vram([(peer.base, size, TORCH_GPUS - 1)])
+            agent.transfer("WRITE", ldesc, name, rdesc).wait(timeout=30)
+            in_flight = [agent.transfer("WRITE", ldesc, name, rdesc, notif=b"x") for _ in range(4)]
+            peer.proc.kill()
+            peer.proc.wait(timeout=20)
+            for r in in_flight:
+                try:
+                    r.wait(timeout=30)
+                except freight.PeerDisconnectedError:
+                    pass
+            start = time.monotonic()
+            with pytest.raises(freight.PeerDisconnectedError):
+                for _ in range(200):
+                    agent.transfer("WRITE", ldesc, name, rdesc, notif=b"y").wait(timeout=30)
+                    time.sleep(0.05)
+            assert time.monotonic() - start < 30
+    finally:
+        peer.close()
