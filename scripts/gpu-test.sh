@@ -6,7 +6,8 @@
 #   - test tools come from .carry/wheels (pip download pytest) when pip cannot fetch;
 #   - NIXL comes from .carry/nixl_trim.tar.xz (bench/peers/fetch_nixl.sh); without it the
 #     NIXL columns say "not measured".
-# Results go to $OUT (default: build/gpu-results).
+# Results go to $OUT (default: build/gpu-results). SWEEP=1 also tries the copy kernel's
+# launch shapes (bench/gpu_sweep.py); QUICK=1 runs fewer iterations.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-build/gpu-results}"
@@ -28,7 +29,7 @@ fi
 rm -rf "$SITE"
 "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$wheel" || exit 1
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-if ! "$PY" -c "import pytest" 2>/dev/null; then
+if ! "$PY" -c "import pytest, pytest_timeout" 2>/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --target "$SITE" .carry/wheels/*.whl || exit 1
 fi
 nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader | sed 's/^/[gpu-test] /'
@@ -52,6 +53,10 @@ log "ceilings"
 timeout 300 "$PY" bench/peers/ceilings.py --out "$OUT/ceilings.json" ${QUICK:+--quick}
 log "freight"
 timeout 400 "$PY" bench/gpu.py --out "$OUT/freight.json" ${QUICK:+--quick}
+if [ "${SWEEP:-0}" = 1 ]; then
+    log "kernel launch shapes (SWEEP=1)"
+    timeout 300 "$PY" bench/gpu_sweep.py --out "$OUT/sweep.json" ${QUICK:+--quick}
+fi
 
 "$PY" bench/gpu_report.py --freight "$OUT/freight.json" ${nixl_json:+--nixl "$nixl_json"} \
     --ceilings "$OUT/ceilings.json" --out-md "$OUT/report.md" --plot "$OUT/gpu.png" --machine "$machine"
