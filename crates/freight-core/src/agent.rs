@@ -91,7 +91,7 @@ impl AgentConfig {
         if self.peer_timeout.is_zero() || self.connect_timeout.is_zero() {
             return Err(invalid("timeouts must be positive"));
         }
-        Ok(())
+        self.cuda.validate()
     }
 }
 
@@ -480,7 +480,7 @@ impl AgentInner {
         if let Some(c) = self.completions.get() {
             return Ok(c);
         }
-        let c = Completions::start(&self.name)?;
+        let c = Completions::start(&self.name, self.config.cuda.completion)?;
         Ok(self.completions.get_or_init(|| c))
     }
 
