@@ -9,6 +9,8 @@ prints ``{"addr": "127.0.0.1:PORT", "base": ADDRESS, "size": N, "kind": "VRAM"}`
 ready, then serves:
 
     {"op": "fill", "seed": S}                 buffer := pattern(S)
+    {"op": "scramble", "seed": S}             buffer := random bytes made on this GPU (fast,
+                                              but not the same on other GPU models)
     {"op": "poison"}                          buffer := 0xA5 everywhere
     {"op": "check", "seed": S, "copies": [[src_off, dst_off, len], ...]}
         -> {"ok": bool, "detail": str}: the buffer is poison except where the copies
@@ -16,6 +18,8 @@ ready, then serves:
     {"op": "notifs", "count": N, "timeout": T}
         -> {"seen": [[monotonic_ns, message_hex, data_ok], ...]}; data_ok checks, when
            the message is "check:S:OFF:LEN", that the bytes had landed when it arrived
+    {"op": "fingerprint", "block": B, "indices": [i, ...]}
+        -> {"fp": hex}: fingerprint() of blocks i (bytes [i*B, (i+1)*B)) of the buffer
     {"op": "deregister"}                      -> {"ok": true}
     {"op": "quit"}
 
@@ -39,6 +43,25 @@ def pattern(seed: int, size: int):
 
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g)
+
+
+def fingerprint(buf, block: int, indices) -> str:
+    """One number per block of `buf` named in `indices` (block i: bytes [i*block,
+    (i+1)*block)), as the hex of their int64 array: the sum of each byte times a weight
+    that depends on its place in the block. Any changed byte changes it, so do moved
+    bytes (with all but negligible odds). Computed where `buf` is (on its GPU), so that
+    gigabytes can be compared between processes without moving them."""
+    import torch
+
+    rows = buf[: buf.numel() // block * block].view(-1, block)
+    idx = torch.as_tensor(list(indices), dtype=torch.int64, device=buf.device)
+    # Weights 1 to 65521 (a prime): byte x weight < 2^24 fits int32; a block's sum fits
+    # int64 up to 2^39 bytes.
+    weight = (torch.arange(block, dtype=torch.int64, device=buf.device) * 40503 % 65521 + 1).to(torch.int32)
+    per = max(1, (64 << 20) // block)  # blocks per step: 64 MiB, 256 MiB of int32
+    sums = [(rows[idx[i : i + per]].to(torch.int32) * weight).sum(dim=1, dtype=torch.int64)
+            for i in range(0, len(idx), per)]
+    return torch.cat(sums).cpu().numpy().tobytes().hex() if sums else ""
 
 
 def main() -> None:
@@ -80,6 +103,13 @@ def main() -> None:
             buf.copy_(pattern(cmd["seed"], args.size).to(buf.device))
             sync()
             reply = {"ok": True}
+        elif op == "scramble":
+            g = torch.Generator(device=buf.device).manual_seed(cmd["seed"])
+            buf.random_(0, 256, generator=g)
+            sync()
+            reply = {"ok": True}
+        elif op == "fingerprint":
+            reply = {"fp": fingerprint(buf, cmd["block"], cmd["indices"])}
         elif op == "poison":
             buf.fill_(POISON)
             sync()

@@ -148,16 +148,14 @@ def gpu_pair_over(request, gpu_pair):
         yield other, other.connect(peer.addr), peer
 
 
-@needs_gpu
-@pytest.mark.parametrize("op", ["WRITE", "READ"])
-def test_random_descriptor_lists_move_every_byte(gpu_pair_over, op):
-    agent, name, peer = gpu_pair_over
+def move_random_copies(agent, name, peer, op: str, rng: random.Random, rounds: int):
+    """Rounds of random copies (see random_copies) between a local GPU buffer and the
+    peer's; checks every byte of the destination, poison where nothing was copied."""
     size = peer.size
     local = torch.empty(size, dtype=torch.uint8, device="cuda:0")
     agent.register(local)
-    rng = random.Random(7 if op == "WRITE" else 8)
-    for round_ in range(4):
-        seed = 1000 + round_
+    for round_ in range(rounds):
+        seed = rng.randrange(1 << 30)
         copies = random_copies(rng, size, 160 * MIB, 200)
         if op == "WRITE":
             local.copy_(pattern(seed, size).cuda())
@@ -175,13 +173,62 @@ def test_random_descriptor_lists_move_every_byte(gpu_pair_over, op):
         assert req.status() == "DONE"
         if op == "WRITE":
             res = peer.call(op="check", seed=seed, copies=copies)
-            assert res["ok"], res["detail"]
+            assert res["ok"], f"round {round_}: {res['detail']}"
         else:
             expected = torch.full((size,), 0xA5, dtype=torch.uint8)
             src = pattern(seed, size)
             for s, d, n in copies:
                 expected[d : d + n] = src[s : s + n]
-            assert torch.equal(local.cpu(), expected)
+            assert torch.equal(local.cpu(), expected), f"round {round_}"
+
+
+@needs_gpu
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+def test_random_descriptor_lists_move_every_byte(gpu_pair_over, op):
+    agent, name, peer = gpu_pair_over
+    move_random_copies(agent, name, peer, op, random.Random(7 if op == "WRITE" else 8), rounds=4)
+
+
+# Launch shapes and item sizes other than the default, with the other completion mode:
+# every combination must move the same bytes (sizes from 1 byte, odd alignments).
+KERNEL_KNOBS = {
+    "block-1024x2": dict(cuda_kernel_mode="block", cuda_kernel_threads=1024, cuda_kernel_blocks_per_sm=2),
+    "block-128-small-items": dict(cuda_kernel_mode="block", cuda_kernel_threads=128, cuda_kernel_item_bytes=1040),
+    "warp-512x4-16k-poll": dict(cuda_kernel_threads=512, cuda_kernel_blocks_per_sm=4,
+                                cuda_kernel_item_bytes=16 << 10, cuda_completion="poll"),
+    "warp-128-small-items": dict(cuda_kernel_threads=128, cuda_kernel_blocks_per_sm=32, cuda_kernel_item_bytes=1040),
+}
+
+
+@pytest.fixture(scope="module")
+def shared_peer():
+    """One peer process for the tests of kernel knobs (starting one takes seconds)."""
+    peer = Peer(256 * MIB, gpu=TORCH_GPUS - 1)
+    yield peer
+    peer.close()
+
+
+@needs_gpu
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+@pytest.mark.parametrize("knobs", list(KERNEL_KNOBS))
+def test_every_kernel_shape_moves_every_byte(shared_peer, knobs, op):
+    with freight.Agent(f"initiator-{knobs}-{op}", freight.AgentConfig(**KERNEL_KNOBS[knobs])) as agent:
+        name = agent.connect(shared_peer.addr)
+        move_random_copies(agent, name, shared_peer, op, random.Random(f"{knobs}-{op}"), rounds=2)
+        agent.remove_peer(name)
+
+
+def test_kernel_occupancy_is_reported_for_every_shape():
+    if not CUDA_OK:
+        with pytest.raises(freight.TransportUnavailableError):
+            freight.copy_kernel_occupancy()
+        return
+    try:
+        occupancy = freight.copy_kernel_occupancy(0)
+    except freight.TransportUnavailableError as e:
+        pytest.skip(f"NVRTC is not installed: {e}")
+    assert set(occupancy) == {(m, t) for m in ("warp", "block") for t in (128, 256, 512, 1024)}
+    assert all(blocks >= 1 for blocks in occupancy.values()), occupancy
 
 
 @needs_gpu

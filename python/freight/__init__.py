@@ -52,6 +52,7 @@ from ._native import (  # noqa: E402
     SharedSegment,
     __version__,
     compile_copy_kernel,
+    copy_kernel_occupancy,
     cuda_status,
     inspect_metadata,
 )
@@ -121,6 +122,7 @@ __all__ = [
     "SharedSegment",
     "TRANSPORTS",
     "compile_copy_kernel",
+    "copy_kernel_occupancy",
     "cuda_status",
     "set_log_level",
     "inspect_metadata",

@@ -14,6 +14,13 @@ __all__ = ["AgentConfig", "TRANSPORTS"]
 #: Transports this build knows, in order of preference.
 TRANSPORTS: Tuple[str, ...] = ("cuda", "shm", "tcp")
 
+# What the copy kernel accepts (crates/freight-core/src/cuda/kernel.rs checks the same).
+_KERNEL_THREADS = (128, 256, 512, 1024)
+_KERNEL_MAX_BLOCKS_PER_SM = 32
+_KERNEL_MIN_ITEM_BYTES = 1024
+_KERNEL_MODES = ("warp", "block")
+_COMPLETIONS = ("event", "poll")
+
 
 def _type_error(field: str, expected: str, value: Any) -> TypeError:
     return TypeError(f"AgentConfig.{field} must be {expected}, got {type(value).__name__} {value!r}")
@@ -37,6 +44,14 @@ def _int(field: str, value: Any, minimum: int) -> int:
     if value < minimum:
         raise InvalidArgumentError(f"AgentConfig.{field} must be >= {minimum}, got {value}")
     return value
+
+
+def _choice(field: str, value: Any, choices: Tuple[str, ...]) -> str:
+    if not isinstance(value, str):
+        raise _type_error(field, f"one of {choices}", value)
+    if value.lower() not in choices:
+        raise InvalidArgumentError(f"AgentConfig.{field} must be one of {choices}, got {value!r}")
+    return value.lower()
 
 
 def _seconds(field: str, value: Any) -> float:
@@ -87,6 +102,25 @@ class AgentConfig:
         GPU copies at least this long (bytes) go to the copy engines instead of the
         batched copy kernel: between GPU and host memory (None: 4 MiB) and between
         GPUs (None: never; over NVLink the kernel keeps up with the copy engines).
+    cuda_kernel_mode:
+        How the batched copy kernel shares out its work items: ``"warp"`` (None: one
+        warp per item, eight 16-byte loads in flight per thread) or ``"block"`` (one
+        CUDA block per item, four loads in flight per thread).
+    cuda_kernel_threads, cuda_kernel_blocks_per_sm:
+        The kernel's launch shape: threads per CUDA block, one of 128, 256, 512, 1024
+        (None: 256), and blocks per SM, 1 to 32 (None: 8; fewer where an SM cannot hold
+        that many, see :func:`freight.copy_kernel_occupancy`).
+    cuda_kernel_item_bytes:
+        Longest work item of the kernel, a multiple of 16 and at least 1024 (None:
+        64 KiB). Requests with too few items for the GPU have their copies cut finer
+        (down to 4 KiB) so that every SM gets work.
+    cuda_completion:
+        How the agent learns that a request's GPU work is done. ``"event"`` (None):
+        polls the work's event for up to 100 us (on hosts with 8 cores or more), then
+        sleeps in the driver until it fires. ``"poll"``: sleeps until the earliest time
+        the work can be done (from its size and the best rate seen on the GPU), then
+        looks every 10 us, sleeping in between; on hosts with fewer than 8 cores it acts
+        as ``"event"``.
     peer_timeout:
         Seconds without an answer after which a peer is declared dead (its requests
         fail with :class:`freight.PeerDisconnectedError`).
@@ -110,6 +144,11 @@ class AgentConfig:
     shm_inline_bytes: Optional[int] = None
     cuda_copy_engine_min_host: Optional[int] = None
     cuda_copy_engine_min_peer: Optional[int] = None
+    cuda_kernel_mode: Optional[str] = None
+    cuda_kernel_threads: Optional[int] = None
+    cuda_kernel_blocks_per_sm: Optional[int] = None
+    cuda_kernel_item_bytes: Optional[int] = None
+    cuda_completion: Optional[str] = None
     peer_timeout: float = 30.0
     connect_timeout: float = 5.0
     metadata_token: Optional[Union[bytes, str]] = None
@@ -150,6 +189,24 @@ class AgentConfig:
         for field in ("cuda_copy_engine_min_host", "cuda_copy_engine_min_peer"):
             if getattr(self, field) is not None:
                 put(field, _int(field, getattr(self, field), 1))
+        if self.cuda_kernel_mode is not None:
+            put("cuda_kernel_mode", _choice("cuda_kernel_mode", self.cuda_kernel_mode, _KERNEL_MODES))
+        if self.cuda_kernel_threads is not None:
+            threads = _int("cuda_kernel_threads", self.cuda_kernel_threads, 1)
+            if threads not in _KERNEL_THREADS:
+                raise InvalidArgumentError(f"AgentConfig.cuda_kernel_threads must be one of {_KERNEL_THREADS}, got {threads}")
+        if self.cuda_kernel_blocks_per_sm is not None:
+            blocks = _int("cuda_kernel_blocks_per_sm", self.cuda_kernel_blocks_per_sm, 1)
+            if blocks > _KERNEL_MAX_BLOCKS_PER_SM:
+                raise InvalidArgumentError(
+                    f"AgentConfig.cuda_kernel_blocks_per_sm must be at most {_KERNEL_MAX_BLOCKS_PER_SM}, got {blocks}"
+                )
+        if self.cuda_kernel_item_bytes is not None:
+            item = _int("cuda_kernel_item_bytes", self.cuda_kernel_item_bytes, _KERNEL_MIN_ITEM_BYTES)
+            if item % 16:
+                raise InvalidArgumentError(f"AgentConfig.cuda_kernel_item_bytes must be a multiple of 16, got {item}")
+        if self.cuda_completion is not None:
+            put("cuda_completion", _choice("cuda_completion", self.cuda_completion, _COMPLETIONS))
         put("peer_timeout", _seconds("peer_timeout", self.peer_timeout))
         put("connect_timeout", _seconds("connect_timeout", self.connect_timeout))
         token = self.metadata_token
@@ -182,6 +239,11 @@ class AgentConfig:
             "shm_inline_bytes": self.shm_inline_bytes,
             "cuda_copy_engine_min_host": self.cuda_copy_engine_min_host,
             "cuda_copy_engine_min_peer": self.cuda_copy_engine_min_peer,
+            "cuda_kernel_mode": self.cuda_kernel_mode,
+            "cuda_kernel_threads": self.cuda_kernel_threads,
+            "cuda_kernel_blocks_per_sm": self.cuda_kernel_blocks_per_sm,
+            "cuda_kernel_item_bytes": self.cuda_kernel_item_bytes,
+            "cuda_completion": self.cuda_completion,
             "peer_timeout": self.peer_timeout,
             "connect_timeout": self.connect_timeout,
             "metadata_token": self.metadata_token,

@@ -92,7 +92,7 @@ impl AgentConfig {
         if self.peer_timeout.is_zero() || self.connect_timeout.is_zero() {
             return Err(invalid("timeouts must be positive"));
         }
-        Ok(())
+        self.cuda.validate()
     }
 }
 
@@ -488,7 +488,7 @@ impl AgentInner {
         if let Some(c) = self.completions.get() {
             return Ok(c);
         }
-        let c = Completions::start(&self.name)?;
+        let c = Completions::start(&self.name, self.config.cuda.completion)?;
         Ok(self.completions.get_or_init(|| c))
     }
 

@@ -27,6 +27,8 @@ mod poll;
 mod server;
 
 pub use agent::{Agent, AgentConfig, RemoteList, Request};
+pub use cuda::completion::CompletionMode;
+pub use cuda::kernel::{KernelMode, LaunchShape};
 pub use desc::{Desc, DescList};
 pub use error::{Error, Result};
 pub use memory::{MemKind, SharedSegment};

@@ -7,7 +7,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
 use freight_core::{
-    Agent, AgentConfig, CudaConfig, MemKind, OpKind, SharedSegment, ShmConfig, TcpConfig, TransportKind,
+    Agent, AgentConfig, CompletionMode, CudaConfig, KernelMode, LaunchShape, MemKind, OpKind, SharedSegment, ShmConfig,
+    TcpConfig, TransportKind,
 };
 use numpy::ndarray::ArrayView1;
 use numpy::PyArray1;
@@ -69,7 +70,8 @@ impl PyAgent {
         transports = vec!["shm".to_string(), "tcp".to_string()], require = None,
         tcp_streams = 4, tcp_chunk_size = 1 << 20, tcp_window = 8, tcp_local_addrs = Vec::new(), tcp_zerocopy = true,
         shm_threads = None, shm_inline_bytes = None, cuda_copy_engine_min_host = None,
-        cuda_copy_engine_min_peer = None, peer_timeout = 30.0,
+        cuda_copy_engine_min_peer = None, cuda_kernel_item_bytes = None, cuda_kernel_blocks_per_sm = None,
+        cuda_kernel_threads = None, cuda_kernel_mode = None, cuda_completion = None, peer_timeout = 30.0,
         connect_timeout = 5.0, metadata_token = None,
     ))]
     #[allow(clippy::too_many_arguments)]
@@ -89,6 +91,11 @@ impl PyAgent {
         shm_inline_bytes: Option<u64>,
         cuda_copy_engine_min_host: Option<u64>,
         cuda_copy_engine_min_peer: Option<u64>,
+        cuda_kernel_item_bytes: Option<u64>,
+        cuda_kernel_blocks_per_sm: Option<u32>,
+        cuda_kernel_threads: Option<u32>,
+        cuda_kernel_mode: Option<String>,
+        cuda_completion: Option<String>,
         peer_timeout: f64,
         connect_timeout: f64,
         metadata_token: Option<Vec<u8>>,
@@ -130,6 +137,23 @@ impl PyAgent {
                 CudaConfig {
                     copy_engine_min_host: cuda_copy_engine_min_host.unwrap_or(d.copy_engine_min_host),
                     copy_engine_min_peer: cuda_copy_engine_min_peer.unwrap_or(d.copy_engine_min_peer),
+                    kernel_item_bytes: cuda_kernel_item_bytes.unwrap_or(d.kernel_item_bytes),
+                    kernel_shape: LaunchShape {
+                        mode: cuda_kernel_mode
+                            .as_deref()
+                            .map(KernelMode::parse)
+                            .transpose()
+                            .or_raise()?
+                            .unwrap_or(d.kernel_shape.mode),
+                        threads: cuda_kernel_threads.unwrap_or(d.kernel_shape.threads),
+                        blocks_per_sm: cuda_kernel_blocks_per_sm.unwrap_or(d.kernel_shape.blocks_per_sm),
+                    },
+                    completion: cuda_completion
+                        .as_deref()
+                        .map(CompletionMode::parse)
+                        .transpose()
+                        .or_raise()?
+                        .unwrap_or(d.completion),
                 }
             },
             peer_timeout: seconds(peer_timeout, "peer_timeout")?,

@@ -2,11 +2,19 @@
 //! number and sizes. CUDA C++ compiled by NVRTC at run time, once per GPU architecture.
 //!
 //! A request becomes a table of work items (source, destination, length), long copies
-//! cut into items of at most [`ITEM_BYTES`]. Each warp takes items in turn and copies
-//! with 16-byte loads and stores, eight in flight per lane, when source and destination
-//! share their alignment (byte copies otherwise). The kernel runs on the initiator's GPU
-//! and reaches the peer's memory through an IPC mapping: it pushes for a WRITE and pulls
-//! for a READ.
+//! cut into items of at most the configured item size, and smaller where a request has
+//! too few items to keep every SM busy ([`cut`]). Two kernels share the source and the
+//! copy loop, which moves 16-byte vectors with several loads in flight per thread when
+//! source and destination share their alignment (bytes otherwise):
+//!
+//! - [`KernelMode::Warp`]: each warp takes items in turn, eight loads in flight per lane.
+//! - [`KernelMode::Block`]: each CUDA block takes items in turn and all its threads copy
+//!   the item together, four loads in flight per thread (the shape of the SM ceiling in
+//!   `bench/peers/ceilings.py`).
+//!
+//! The launch shape (mode, threads per block, blocks per SM) is a [`LaunchShape`]. The
+//! kernel runs on the initiator's GPU and reaches the peer's memory through an IPC
+//! mapping: it pushes for a WRITE and pulls for a READ.
 
 use std::collections::HashMap;
 use std::ffi::{c_void, CStr, CString};
@@ -19,9 +27,30 @@ use parking_lot::Mutex;
 use super::driver::{check, Device};
 use crate::error::{Error, Result};
 
-/// Largest piece of a copy that one warp moves: small enough that a few large copies
-/// still spread over every SM, large enough that the item table stays small.
+/// Default longest work item: small enough that a few large copies still spread over
+/// every SM, large enough that the item table stays small.
 pub const ITEM_BYTES: u64 = 64 << 10;
+
+/// Smallest item size that may be configured: below that the table (24 bytes an item)
+/// and the per-item overhead grow out of proportion to the bytes moved.
+pub const MIN_ITEM_BYTES: u64 = 1 << 10;
+
+/// Adaptive cutting ([`cut`]) makes items no smaller than this, in whole multiples of
+/// it: one round of a warp (eight 16-byte loads per lane), so that warps move cut items
+/// in whole rounds.
+pub const ADAPTIVE_ITEM_GRANULE: u64 = 4 << 10;
+
+/// Items wanted per worker (a warp, or a block in block mode, that the GPU runs at
+/// once): with two, a worker whose first item finishes early finds more work instead of
+/// idling while others finish theirs.
+const ITEMS_PER_WORKER: usize = 2;
+
+/// Threads per block a launch may use. The kernels' `__launch_bounds__` allows the
+/// largest (see [`SOURCE`]).
+pub const THREADS: [u32; 4] = [128, 256, 512, 1024];
+
+/// Most blocks an SM may be asked to hold (the hardware limit on Ampere and Hopper).
+pub const MAX_BLOCKS_PER_SM: u32 = 32;
 
 /// One work item as the kernel reads it.
 #[repr(C)]
@@ -32,82 +61,230 @@ pub struct Item {
     pub len: u64,
 }
 
-pub const KERNEL_NAME: &str = "freight_batched_copy";
+/// How the threads of a launch share the items.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum KernelMode {
+    /// One warp per item.
+    #[default]
+    Warp,
+    /// One CUDA block per item.
+    Block,
+}
+
+impl KernelMode {
+    pub const ALL: [KernelMode; 2] = [KernelMode::Warp, KernelMode::Block];
+
+    pub fn parse(s: &str) -> Result<KernelMode> {
+        match s.to_ascii_lowercase().as_str() {
+            "warp" => Ok(KernelMode::Warp),
+            "block" => Ok(KernelMode::Block),
+            _ => Err(Error::InvalidArgument(format!("cuda kernel mode must be \"warp\" or \"block\", got {s:?}"))),
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KernelMode::Warp => "warp",
+            KernelMode::Block => "block",
+        }
+    }
+
+    /// The kernel's name in [`SOURCE`].
+    pub fn function_name(self) -> &'static str {
+        match self {
+            KernelMode::Warp => "freight_copy_warp",
+            KernelMode::Block => "freight_copy_block",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// How a launch is laid out on the GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LaunchShape {
+    pub mode: KernelMode,
+    /// Threads per block: one of [`THREADS`].
+    pub threads: u32,
+    /// Blocks per SM at most (fewer where an SM cannot hold that many: see
+    /// [`Kernel::resident_per_sm`]).
+    pub blocks_per_sm: u32,
+}
+
+impl Default for LaunchShape {
+    /// One warp per item, eight warps per block, eight blocks per SM asked for (an SM
+    /// holds only four of the warp kernel's: 64 registers a thread). Measured on H200
+    /// over NVLink, asking for half as many blocks moved 4 KiB and 16 KiB items 5 to 15%
+    /// slower; large items do not care. `bench/gpu_sweep.py` compares the other shapes.
+    fn default() -> Self {
+        LaunchShape { mode: KernelMode::Warp, threads: 256, blocks_per_sm: 8 }
+    }
+}
+
+impl LaunchShape {
+    pub fn validate(&self) -> Result<()> {
+        if !THREADS.contains(&self.threads) {
+            return Err(Error::InvalidArgument(format!(
+                "cuda kernel threads per block must be one of {THREADS:?}, got {}",
+                self.threads
+            )));
+        }
+        if !(1..=MAX_BLOCKS_PER_SM).contains(&self.blocks_per_sm) {
+            return Err(Error::InvalidArgument(format!(
+                "cuda kernel blocks per SM must be 1 to {MAX_BLOCKS_PER_SM}, got {}",
+                self.blocks_per_sm
+            )));
+        }
+        Ok(())
+    }
+
+    /// Items one block works on at once.
+    fn items_per_block(&self) -> usize {
+        match self.mode {
+            KernelMode::Warp => (self.threads / 32) as usize,
+            KernelMode::Block => 1,
+        }
+    }
+
+    fn threads_index(&self) -> Option<usize> {
+        THREADS.iter().position(|&t| t == self.threads)
+    }
+}
+
+/// Checks a configured item size.
+pub fn validate_item_bytes(item_bytes: u64) -> Result<()> {
+    if item_bytes < MIN_ITEM_BYTES || item_bytes & 15 != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "cuda kernel item bytes must be a multiple of 16 and at least {MIN_ITEM_BYTES}, got {item_bytes}"
+        )));
+    }
+    Ok(())
+}
 
 pub const SOURCE: &str = r#"
 struct Item { unsigned long long src, dst, len; };
 
-__device__ __forceinline__ void copy_bytes(const unsigned char* s, unsigned char* d,
-                                           unsigned long long n, unsigned lane) {
-    for (unsigned long long i = lane; i < n; i += 32) d[i] = s[i];
+// `width` threads, this one ranked `rank` among them, copy bytes one at a time (ends of
+// an item that are not 16-byte aligned, items whose ends differ in alignment). Not
+// unrolled: rare, and unrolling would take registers from the vector loop.
+__device__ __forceinline__ void copy_bytes(const unsigned char* s, unsigned char* d, unsigned long long n,
+                                           unsigned rank, unsigned width) {
+#pragma unroll 1
+    for (unsigned long long i = rank; i < n; i += width) d[i] = s[i];
 }
 
-__device__ __forceinline__ void copy_item(const Item it, unsigned lane) {
+// `width` threads copy one item together, DEPTH 16-byte loads in flight per thread
+// before any store: the item crosses the link in as few round trips as possible. Every
+// round is predicated, so that the last, partial one keeps its loads in flight too (a
+// 16 KiB item is one round trip for 512 threads, not two).
+template <int DEPTH>
+__device__ __forceinline__ void copy_item(const Item it, unsigned rank, unsigned width) {
     const unsigned char* s = (const unsigned char*)it.src;
     unsigned char* d = (unsigned char*)it.dst;
-    unsigned long long n = it.len;
+    const unsigned long long n = it.len;
     if (((it.src ^ it.dst) & 15) != 0) {  // alignments differ: no vector access is safe
-        copy_bytes(s, d, n, lane);
+        copy_bytes(s, d, n, rank, width);
         return;
     }
     unsigned long long head = (16 - (it.src & 15)) & 15;
     if (head > n) head = n;
-    copy_bytes(s, d, head, lane);
-    const uint4* vs = (const uint4*)(s + head);
-    uint4* vd = (uint4*)(d + head);
+    copy_bytes(s, d, head, rank, width);
     const unsigned long long vectors = (n - head) >> 4;
-    unsigned long long i = lane;
-    // Eight 16-byte loads in flight per lane before any store: a 4 KiB item is one
-    // round trip over the link, not two.
-    for (; i + 224 < vectors; i += 256) {
-        uint4 v[8];
+    const uint4* end = (const uint4*)(s + head) + vectors;
+    const uint4* p = (const uint4*)(s + head) + rank;
+    uint4* q = (uint4*)(d + head) + rank;
+    const unsigned long long round = (unsigned long long)DEPTH * width;
+    for (; p < end; p += round, q += round) {
+        uint4 v[DEPTH];
 #pragma unroll
-        for (int k = 0; k < 8; ++k) v[k] = vs[i + 32 * k];
+        for (int k = 0; k < DEPTH; ++k) if (p + k * width < end) v[k] = p[k * width];
 #pragma unroll
-        for (int k = 0; k < 8; ++k) vd[i + 32 * k] = v[k];
+        for (int k = 0; k < DEPTH; ++k) if (p + k * width < end) q[k * width] = v[k];
     }
-    for (; i < vectors; i += 32) vd[i] = vs[i];
     const unsigned long long done = head + (vectors << 4);
-    copy_bytes(s + done, d + done, n - done, lane);
+    copy_bytes(s + done, d + done, n - done, rank, width);
 }
 
-extern "C" __global__ void __launch_bounds__(256) freight_batched_copy(const Item* items, unsigned long long count) {
+// Both kernels allow 1024 threads per block, the largest launch shape. That caps them
+// at 64 registers a thread: the warp kernel's eight loads in flight fit without
+// spilling (a test checks), and an SM holds 1024 of its threads.
+
+// One warp per item; the warps of the grid take the items in turn.
+extern "C" __global__ void __launch_bounds__(1024) freight_copy_warp(const Item* items, unsigned long long count) {
     const unsigned lane = threadIdx.x & 31;
     const unsigned long long warps = ((unsigned long long)gridDim.x * blockDim.x) >> 5;
     for (unsigned long long w = ((unsigned long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; w < count; w += warps) {
-        copy_item(items[w], lane);
+        copy_item<8>(items[w], lane, 32);
+    }
+}
+
+// One block per item, four loads in flight per thread; the blocks of the grid take the
+// items in turn.
+extern "C" __global__ void __launch_bounds__(1024) freight_copy_block(const Item* items, unsigned long long count) {
+    for (unsigned long long b = blockIdx.x; b < count; b += gridDim.x) {
+        copy_item<4>(items[b], threadIdx.x, blockDim.x);
     }
 }
 "#;
 
-/// Threads per block: eight warps.
-pub const BLOCK_THREADS: u32 = 256;
-
-/// Blocks per SM: as many as an SM holds (64 warps). Measured on H200 over NVLink, half
-/// as many moved 4 KiB and 16 KiB items 5 to 15% slower; large items do not care.
-pub const BLOCKS_PER_SM: usize = 8;
-
-/// Blocks to launch for `items` work items on a GPU with `multiprocessors` SMs: one
-/// warp per item, at most [`BLOCKS_PER_SM`] per SM (the grid loop does the rest).
-pub fn grid_size(items: usize, multiprocessors: u32) -> u32 {
-    let warps_per_block = (BLOCK_THREADS / 32) as usize;
-    let wanted = items.div_ceil(warps_per_block).max(1);
-    let most = multiprocessors.max(1) as usize * BLOCKS_PER_SM;
-    wanted.min(most) as u32
+/// Items the GPU works on at once with `shape`, on `multiprocessors` SMs that each hold
+/// `resident_per_sm` blocks of that shape.
+pub fn concurrency(shape: &LaunchShape, multiprocessors: u32, resident_per_sm: u32) -> usize {
+    blocks_at_once(shape, multiprocessors, resident_per_sm) * shape.items_per_block()
 }
 
-/// Cuts copies (src, dst, len) into work items of at most [`ITEM_BYTES`].
-pub fn items_of(copies: impl IntoIterator<Item = (u64, u64, u64)>) -> Vec<Item> {
-    let mut items = Vec::new();
-    for (src, dst, len) in copies {
+fn blocks_at_once(shape: &LaunchShape, multiprocessors: u32, resident_per_sm: u32) -> usize {
+    multiprocessors.max(1) as usize * shape.blocks_per_sm.min(resident_per_sm.max(1)) as usize
+}
+
+/// Blocks to launch for `items` work items: enough for one item each, at most as many
+/// as the GPU holds at once. Blocks beyond that would run in a second wave, after the
+/// first, with the same share of items each: the grid loop spreads the items over the
+/// blocks that are there instead.
+pub fn grid_size(items: usize, shape: &LaunchShape, multiprocessors: u32, resident_per_sm: u32) -> u32 {
+    let wanted = items.div_ceil(shape.items_per_block()).max(1);
+    wanted.min(blocks_at_once(shape, multiprocessors, resident_per_sm)) as u32
+}
+
+/// Cuts copies (src, dst, len) into work items of at most `item_bytes`.
+pub fn items_of(copies: &[(u64, u64, u64)], item_bytes: u64) -> Vec<Item> {
+    let mut items = Vec::with_capacity(count_items(copies, item_bytes));
+    for &(src, dst, len) in copies {
         let mut off = 0;
         while off < len {
-            let n = (len - off).min(ITEM_BYTES);
+            let n = (len - off).min(item_bytes);
             items.push(Item { src: src + off, dst: dst + off, len: n });
             off += n;
         }
     }
     items
+}
+
+fn count_items(copies: &[(u64, u64, u64)], item_bytes: u64) -> usize {
+    copies.iter().map(|&(_, _, len)| len.div_ceil(item_bytes) as usize).sum()
+}
+
+/// The item size for `copies` on a GPU that works on `workers` items at once: the
+/// configured `item_bytes`, unless that yields fewer than about two items per worker.
+/// Then smaller, so that every SM gets work (one 256 MiB copy in 64 KiB items is 4096
+/// items, one per warp of an H200 at most), but no smaller than
+/// [`ADAPTIVE_ITEM_GRANULE`] and in whole multiples of it (so cuts stay 16-byte aligned
+/// relative to the copy's start).
+pub fn item_size_for(copies: &[(u64, u64, u64)], item_bytes: u64, workers: usize) -> u64 {
+    let wanted = workers.max(1) * ITEMS_PER_WORKER;
+    if item_bytes <= ADAPTIVE_ITEM_GRANULE || count_items(copies, item_bytes) >= wanted {
+        return item_bytes;
+    }
+    let total: u64 = copies.iter().map(|&(_, _, len)| len).sum();
+    let even = total / wanted as u64 / ADAPTIVE_ITEM_GRANULE * ADAPTIVE_ITEM_GRANULE;
+    even.clamp(ADAPTIVE_ITEM_GRANULE, item_bytes)
+}
+
+/// [`items_of`] with the item size of [`item_size_for`].
+pub fn cut(copies: &[(u64, u64, u64)], item_bytes: u64, workers: usize) -> Vec<Item> {
+    items_of(copies, item_size_for(copies, item_bytes, workers))
 }
 
 /// NVRTC, loaded on first use. Wheels of NVRTC (PyPI's nvidia-cuda-nvrtc) live outside
@@ -171,14 +348,20 @@ fn nvrtc_check(r: nvrtc::nvrtcResult, call: &'static str) -> Result<()> {
     }
 }
 
-/// Compiles the kernel for one architecture ("sm_90") into a cubin. Needs NVRTC only,
+/// Compiles the kernels for one architecture ("sm_90") into a cubin. Needs NVRTC only,
 /// no GPU: this is also the compile check that runs where there is none.
 pub fn compile(arch: &str) -> Result<Vec<u8>> {
+    build(arch, &[]).map(|(cubin, _)| cubin)
+}
+
+/// Compiles with `extra` NVRTC options; returns the cubin and the compiler's log.
+fn build(arch: &str, extra: &[&str]) -> Result<(Vec<u8>, String)> {
     nvrtc_init()?;
     let src = CString::new(SOURCE).expect("no NUL in the source");
     let name = CString::new("freight_copy.cu").expect("no NUL");
     let options: Vec<CString> = [format!("--gpu-architecture={arch}"), "--std=c++17".into(), "-lineinfo".into()]
         .into_iter()
+        .chain(extra.iter().map(|o| o.to_string()))
         .map(|o| CString::new(o).expect("no NUL"))
         .collect();
     let option_ptrs: Vec<*const std::ffi::c_char> = options.iter().map(|o| o.as_ptr()).collect();
@@ -191,6 +374,11 @@ pub fn compile(arch: &str) -> Result<Vec<u8>> {
             "nvrtcCreateProgram",
         )?;
         let compiled = nvrtc::nvrtcCompileProgram(prog, option_ptrs.len() as i32, option_ptrs.as_ptr());
+        let mut size = 0;
+        nvrtc::nvrtcGetProgramLogSize(prog, &mut size);
+        let mut log = vec![0u8; size.max(1)];
+        nvrtc::nvrtcGetProgramLog(prog, log.as_mut_ptr().cast());
+        let log = CStr::from_bytes_until_nul(&log).map(|c| c.to_string_lossy().into_owned()).unwrap_or_default();
         let result = if compiled == nvrtc::nvrtcResult::NVRTC_SUCCESS {
             let mut size = 0;
             nvrtc_check(nvrtc::nvrtcGetCUBINSize(prog, &mut size), "nvrtcGetCUBINSize").and_then(|_| {
@@ -198,21 +386,20 @@ pub fn compile(arch: &str) -> Result<Vec<u8>> {
                 nvrtc_check(nvrtc::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast()), "nvrtcGetCUBIN").map(|_| cubin)
             })
         } else {
-            let mut size = 0;
-            nvrtc::nvrtcGetProgramLogSize(prog, &mut size);
-            let mut log = vec![0u8; size.max(1)];
-            nvrtc::nvrtcGetProgramLog(prog, log.as_mut_ptr().cast());
-            let log = CStr::from_bytes_until_nul(&log).map(|c| c.to_string_lossy().into_owned()).unwrap_or_default();
             Err(Error::Cuda { call: "nvrtcCompileProgram".into(), code: format!("{compiled:?} for {arch}: {log}") })
         };
         nvrtc::nvrtcDestroyProgram(&mut prog);
-        result
+        result.map(|cubin| (cubin, log))
     }
 }
 
-/// The kernel loaded on one GPU.
+/// The kernels loaded on one GPU.
 pub struct Kernel {
-    function: cu::CUfunction,
+    /// By [`KernelMode`].
+    functions: [cu::CUfunction; 2],
+    /// Blocks an SM holds at once, by mode and by entry of [`THREADS`] (the registers
+    /// each thread needs decide it).
+    resident: [[u32; THREADS.len()]; 2],
     device: &'static Device,
 }
 
@@ -221,7 +408,7 @@ unsafe impl Send for Kernel {}
 unsafe impl Sync for Kernel {}
 
 impl Kernel {
-    /// The kernel on `device`: compiled once per architecture, loaded once per GPU.
+    /// The kernels on `device`: compiled once per architecture, loaded once per GPU.
     pub fn on(device: &'static Device) -> Result<Arc<Kernel>> {
         static CUBINS: OnceLock<Mutex<HashMap<String, Arc<Vec<u8>>>>> = OnceLock::new();
         static LOADED: OnceLock<Mutex<HashMap<usize, Arc<Kernel>>>> = OnceLock::new();
@@ -238,7 +425,7 @@ impl Kernel {
                 None => {
                     let t = std::time::Instant::now();
                     let c = Arc::new(compile(&arch)?);
-                    tracing::info!(%arch, bytes = c.len(), ms = t.elapsed().as_millis() as u64, "compiled the copy kernel");
+                    tracing::info!(%arch, bytes = c.len(), ms = t.elapsed().as_millis() as u64, "compiled the copy kernels");
                     cubins.insert(arch.clone(), c.clone());
                     c
                 }
@@ -246,43 +433,94 @@ impl Kernel {
         };
         device.bind()?;
         let mut module = std::ptr::null_mut();
-        let mut function = std::ptr::null_mut();
-        let fname = CString::new(KERNEL_NAME).expect("no NUL");
         // SAFETY: a cubin NVRTC produced for this architecture; the module is kept for
         // the life of the process.
-        unsafe {
-            check(cu::cuModuleLoadData(&mut module, cubin.as_ptr() as *const c_void), "cuModuleLoadData")?;
-            check(cu::cuModuleGetFunction(&mut function, module, fname.as_ptr()), "cuModuleGetFunction")?;
+        check(unsafe { cu::cuModuleLoadData(&mut module, cubin.as_ptr() as *const c_void) }, "cuModuleLoadData")?;
+        let mut functions = [std::ptr::null_mut(); 2];
+        let mut resident = [[0; THREADS.len()]; 2];
+        for mode in KernelMode::ALL {
+            let name = CString::new(mode.function_name()).expect("no NUL");
+            let f = &mut functions[mode.index()];
+            // SAFETY: out-pointer to a local; the name is NUL-terminated.
+            check(unsafe { cu::cuModuleGetFunction(f, module, name.as_ptr()) }, "cuModuleGetFunction")?;
+            for (slot, &threads) in resident[mode.index()].iter_mut().zip(&THREADS) {
+                let mut n = 0;
+                // SAFETY: out-pointer to a local; a loaded function.
+                check(
+                    unsafe { cu::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut n, *f, threads as i32, 0) },
+                    "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+                )?;
+                *slot = n.max(0) as u32;
+            }
+            let attr = |a: cu::CUfunction_attribute| {
+                let mut v = 0;
+                // SAFETY: out-pointer to a local; a loaded function.
+                unsafe { cu::cuFuncGetAttribute(&mut v, a, *f) };
+                v
+            };
+            use cu::CUfunction_attribute as A;
+            tracing::debug!(
+                gpu = device.ordinal,
+                mode = mode.as_str(),
+                registers = attr(A::CU_FUNC_ATTRIBUTE_NUM_REGS),
+                spilled_bytes = attr(A::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES),
+                resident_blocks_per_sm = ?resident[mode.index()],
+                threads = ?THREADS,
+                "loaded a copy kernel"
+            );
         }
-        let k = Arc::new(Kernel { function, device });
+        let k = Arc::new(Kernel { functions, resident, device });
         loaded.lock().insert(device.ordinal, k.clone());
         Ok(k)
     }
 
-    /// Launches the kernel over `count` items at device address `table`, on the
+    /// Blocks of `shape` one SM holds at once (0 for a shape that is not valid).
+    pub fn resident_per_sm(&self, shape: &LaunchShape) -> u32 {
+        shape.threads_index().map_or(0, |t| self.resident[shape.mode.index()][t])
+    }
+
+    /// Items the GPU works on at once with `shape` (see [`concurrency`]).
+    pub fn concurrency(&self, shape: &LaunchShape) -> usize {
+        concurrency(shape, self.device.multiprocessors, self.resident_per_sm(shape))
+    }
+
+    /// Launches the default shape over `count` items at device address `table`, on the
     /// device's stream.
     pub fn launch(&self, table: u64, count: usize) -> Result<()> {
+        // SAFETY: the device's own stream lives as long as the process.
+        unsafe { self.launch_on(self.device.stream(), table, count, &LaunchShape::default()) }
+    }
+
+    /// Launches `shape` over `count` items at device address `table`, on `stream`.
+    ///
+    /// # Safety
+    ///
+    /// `stream` must be a live stream of this kernel's GPU (or null, its legacy default
+    /// stream).
+    pub unsafe fn launch_on(&self, stream: cu::CUstream, table: u64, count: usize, shape: &LaunchShape) -> Result<()> {
+        shape.validate()?;
         if count == 0 {
             return Ok(());
         }
-        let grid = grid_size(count, self.device.multiprocessors);
+        let grid = grid_size(count, shape, self.device.multiprocessors, self.resident_per_sm(shape));
         let (mut table, mut count) = (table, count as u64);
         let mut params: [*mut c_void; 2] = [(&mut table as *mut u64).cast(), (&mut count as *mut u64).cast()];
         self.device.bind()?;
-        // SAFETY: the parameters match the kernel's signature; the table holds `count`
-        // items whose ranges the plan bounds-checked.
+        // SAFETY: the parameters match the kernels' signature; the table holds `count`
+        // items whose ranges the plan bounds-checked; the shape's block size is within
+        // the kernels' launch bounds.
         check(
             unsafe {
                 cu::cuLaunchKernel(
-                    self.function,
+                    self.functions[shape.mode.index()],
                     grid,
                     1,
                     1,
-                    BLOCK_THREADS,
+                    shape.threads,
                     1,
                     1,
                     0,
-                    self.device.stream(),
+                    stream,
                     params.as_mut_ptr(),
                     std::ptr::null_mut(),
                 )
@@ -296,9 +534,11 @@ impl Kernel {
 mod tests {
     use super::*;
 
+    const H200_SMS: u32 = 132;
+
     #[test]
     fn long_copies_are_cut_into_items() {
-        let items = items_of([(0, 1 << 30, ITEM_BYTES * 2 + 5), (100, 200, 3)]);
+        let items = items_of(&[(0, 1 << 30, ITEM_BYTES * 2 + 5), (100, 200, 3)], ITEM_BYTES);
         assert_eq!(items.len(), 4);
         assert_eq!(items[0], Item { src: 0, dst: 1 << 30, len: ITEM_BYTES });
         assert_eq!(items[2], Item { src: 2 * ITEM_BYTES, dst: (1 << 30) + 2 * ITEM_BYTES, len: 5 });
@@ -308,22 +548,99 @@ mod tests {
 
     #[test]
     fn the_grid_fills_the_gpu_and_no_more() {
-        assert_eq!(grid_size(1, 132), 1);
-        assert_eq!(grid_size(9, 132), 2);
-        assert_eq!(grid_size(1 << 20, 132), 132 * BLOCKS_PER_SM as u32);
+        let warp = LaunchShape::default();
+        assert_eq!(grid_size(1, &warp, H200_SMS, 8), 1);
+        assert_eq!(grid_size(9, &warp, H200_SMS, 8), 2);
+        assert_eq!(grid_size(1 << 20, &warp, H200_SMS, 8), H200_SMS * 8);
+        // An SM that holds fewer blocks than asked gets only those.
+        assert_eq!(grid_size(1 << 20, &warp, H200_SMS, 5), H200_SMS * 5);
+        let block = LaunchShape { mode: KernelMode::Block, threads: 512, blocks_per_sm: 2 };
+        assert_eq!(grid_size(9, &block, H200_SMS, 4), 9);
+        assert_eq!(grid_size(1 << 20, &block, H200_SMS, 4), H200_SMS * 2);
+        assert_eq!(concurrency(&warp, H200_SMS, 8), 8448);
+        assert_eq!(concurrency(&block, H200_SMS, 4), 264);
     }
 
-    /// Compiles the kernel where NVRTC is installed (CI installs it from PyPI); says
-    /// why it skips where it is not.
     #[test]
-    fn the_kernel_compiles_for_hopper_and_ampere() {
+    fn a_lone_long_copy_is_cut_finer_to_reach_every_sm() {
+        let workers = concurrency(&LaunchShape::default(), H200_SMS, 8);
+        let copy = [(0u64, 1u64 << 40, 256u64 << 20)];
+        let items = cut(&copy, ITEM_BYTES, workers);
+        assert!(items.len() >= 2 * workers, "{} items for {workers} warps", items.len());
+        assert_eq!(items.iter().map(|i| i.len).sum::<u64>(), 256 << 20);
+        for w in items.windows(2) {
+            assert_eq!(w[0].src + w[0].len, w[1].src, "items tile the copy");
+        }
+        assert!(items.iter().all(|i| i.len % ADAPTIVE_ITEM_GRANULE == 0 && i.len <= ITEM_BYTES));
+        // Block mode runs fewer items at once: 64 KiB items are enough there.
+        let block = LaunchShape { mode: KernelMode::Block, threads: 512, blocks_per_sm: 2 };
+        assert_eq!(item_size_for(&copy, ITEM_BYTES, concurrency(&block, H200_SMS, 4)), ITEM_BYTES);
+    }
+
+    #[test]
+    fn many_small_copies_and_tiny_requests_are_left_alone_or_floored() {
+        let workers = concurrency(&LaunchShape::default(), H200_SMS, 8);
+        let small: Vec<_> = (0..65536u64).map(|i| (i * 4096, (1 << 40) + i * 8192, 4096)).collect();
+        assert_eq!(item_size_for(&small, ITEM_BYTES, workers), ITEM_BYTES);
+        assert_eq!(cut(&small, ITEM_BYTES, workers).len(), 65536);
+        // A 100 KiB copy: as many 4 KiB items as it has, no smaller.
+        let one = [(0u64, 1u64 << 40, 100u64 << 10)];
+        assert_eq!(item_size_for(&one, ITEM_BYTES, workers), ADAPTIVE_ITEM_GRANULE);
+        assert_eq!(cut(&one, ITEM_BYTES, workers).len(), 25);
+        // A configured size at or below the granule is never changed.
+        assert_eq!(item_size_for(&one, 1024, workers), 1024);
+        // Nor is a size that already makes enough items.
+        let big = [(0u64, 1u64 << 40, 4u64 << 30)];
+        assert_eq!(item_size_for(&big, 16 << 10, workers), 16 << 10);
+    }
+
+    #[test]
+    fn bad_shapes_and_item_sizes_are_refused_with_the_reason() {
+        assert!(LaunchShape::default().validate().is_ok());
+        for threads in THREADS {
+            for mode in KernelMode::ALL {
+                assert!(LaunchShape { mode, threads, blocks_per_sm: 1 }.validate().is_ok());
+            }
+        }
+        let e = LaunchShape { threads: 384, ..Default::default() }.validate().unwrap_err();
+        assert!(matches!(&e, Error::InvalidArgument(m) if m.contains("threads") && m.contains("384")), "{e}");
+        let e = LaunchShape { blocks_per_sm: 0, ..Default::default() }.validate().unwrap_err();
+        assert!(matches!(&e, Error::InvalidArgument(m) if m.contains("blocks per SM")), "{e}");
+        assert!(LaunchShape { blocks_per_sm: MAX_BLOCKS_PER_SM + 1, ..Default::default() }.validate().is_err());
+        assert!(validate_item_bytes(ITEM_BYTES).is_ok() && validate_item_bytes(MIN_ITEM_BYTES).is_ok());
+        for bad in [0, 16, MIN_ITEM_BYTES - 16, ITEM_BYTES + 8] {
+            let e = validate_item_bytes(bad).unwrap_err();
+            assert!(matches!(&e, Error::InvalidArgument(m) if m.contains("multiple of 16")), "{e}");
+        }
+        assert_eq!(KernelMode::parse("Block").unwrap(), KernelMode::Block);
+        assert!(matches!(KernelMode::parse("thread"), Err(Error::InvalidArgument(m)) if m.contains("\"warp\"")));
+    }
+
+    #[test]
+    fn the_launch_bounds_allow_every_shape() {
+        let largest = THREADS.iter().max().unwrap();
+        assert_eq!(SOURCE.matches(&format!("__launch_bounds__({largest})")).count(), KernelMode::ALL.len());
+    }
+
+    /// Compiles the kernels where NVRTC is installed (CI installs it from PyPI); says
+    /// why it skips where it is not. The launch bounds cap registers at 64 a thread: the
+    /// copy loops must fit without spilling to local memory.
+    #[test]
+    fn the_kernels_compile_for_hopper_and_ampere_without_spills() {
         if let Err(e) = nvrtc_init() {
             eprintln!("SKIPPED: {e}");
             return;
         }
         for arch in ["sm_90", "sm_80"] {
-            let cubin = compile(arch).unwrap_or_else(|e| panic!("{arch}: {e}"));
+            let (cubin, log) = build(arch, &["--ptxas-options=--verbose"]).unwrap_or_else(|e| panic!("{arch}: {e}"));
             assert_eq!(&cubin[..4], b"\x7fELF", "{arch}: not a cubin");
+            for mode in KernelMode::ALL {
+                let name = mode.function_name().as_bytes();
+                assert!(cubin.windows(name.len()).any(|w| w == name), "{arch}: no {}", mode.function_name());
+            }
+            eprintln!("{arch}:\n{log}");
+            let spilling = log.lines().any(|l| l.contains("spill stores") && !l.contains(" 0 bytes spill stores"));
+            assert!(!spilling, "{arch}: a kernel spills registers:\n{log}");
         }
     }
 }

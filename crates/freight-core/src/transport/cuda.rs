@@ -7,15 +7,19 @@
 //! long copies to or from host memory, where the copy engines beat SM loads over PCIe)
 //! and one event; the agent's completion thread finishes the request when the event
 //! fires, and only then does its notification go out.
+//!
+//! [`CudaConfig`] holds the kernel's launch shape and item size and how completion is
+//! learned; `bench/gpu_sweep.py` measures the choices.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use cudarc::driver::sys as cu;
 
-use crate::cuda::completion::Completions;
+use crate::cuda::completion::{CompletionMode, Completions, Work};
 use crate::cuda::driver::{check, Device, DeviceBuffer, Event};
 use crate::cuda::ipc::{ImportCache, Imported};
-use crate::cuda::kernel::{items_of, Item, Kernel};
+use crate::cuda::kernel::{self, Item, Kernel, LaunchShape};
 use crate::cuda::pinned;
 use crate::error::{Error, Result};
 use crate::memory::{MemKind, RegionInfo};
@@ -40,11 +44,32 @@ pub struct CudaConfig {
     /// the kernel moves 32 MiB copies as fast as the copy engines do, and it needs one
     /// launch for any number of copies.
     pub copy_engine_min_peer: u64,
+    /// Longest work item of the copy kernel (a multiple of 16, at least 1 KiB); copies of
+    /// a request with too few items for the GPU are cut finer (see [`kernel::cut`]).
+    pub kernel_item_bytes: u64,
+    /// How the copy kernel is launched.
+    pub kernel_shape: LaunchShape,
+    /// How the completion thread learns that a request's GPU work is done.
+    pub completion: CompletionMode,
 }
 
 impl Default for CudaConfig {
     fn default() -> Self {
-        CudaConfig { copy_engine_min_host: 4 << 20, copy_engine_min_peer: u64::MAX }
+        CudaConfig {
+            copy_engine_min_host: 4 << 20,
+            copy_engine_min_peer: u64::MAX,
+            kernel_item_bytes: kernel::ITEM_BYTES,
+            kernel_shape: LaunchShape::default(),
+            completion: CompletionMode::default(),
+        }
+    }
+}
+
+impl CudaConfig {
+    /// Refuses values the kernel cannot run with (InvalidArgument, saying which).
+    pub fn validate(&self) -> Result<()> {
+        kernel::validate_item_bytes(self.kernel_item_bytes)?;
+        self.kernel_shape.validate()
     }
 }
 
@@ -65,8 +90,11 @@ struct Side<'a> {
 pub struct CudaProgram {
     device: &'static Device,
     kernel: Option<(Arc<Kernel>, DeviceBuffer, usize)>,
+    shape: LaunchShape,
     /// (destination, source, length) for the copy engines.
     engine_copies: Vec<(u64, u64, u64)>,
+    /// Bytes moved per post.
+    bytes: u64,
     /// Small enough that the posting thread waits for it itself (see `execute`).
     small: bool,
     event: Arc<Event>,
@@ -154,19 +182,29 @@ impl CudaProgram {
         let kernel = if kernel_copies.is_empty() {
             None
         } else {
-            let items = items_of(kernel_copies);
+            let kernel = Kernel::on(device)?;
+            let workers = kernel.concurrency(&cfg.kernel_shape);
+            let items = kernel::cut(&kernel_copies, cfg.kernel_item_bytes, workers);
+            tracing::debug!(
+                copies = kernel_copies.len(),
+                items = items.len(),
+                workers,
+                "cut a request into work items"
+            );
             // SAFETY: Item is repr(C) plain data; viewing it as bytes for the upload.
-            let bytes = unsafe {
+            let table_bytes = unsafe {
                 std::slice::from_raw_parts(items.as_ptr() as *const u8, std::mem::size_of_val(items.as_slice()))
             };
-            let table = DeviceBuffer::upload(device, bytes)?;
-            Some((Kernel::on(device)?, table, items.len()))
+            let table = DeviceBuffer::upload(device, table_bytes)?;
+            Some((kernel, table, items.len()))
         };
         debug_assert_eq!(std::mem::size_of::<Item>(), 24);
         Ok(CudaProgram {
             device,
             kernel,
+            shape: cfg.kernel_shape,
             engine_copies,
+            bytes,
             small: bytes <= SMALL_BYTES,
             event: Arc::new(Event::new(device)?),
             _imports: imports,
@@ -187,6 +225,7 @@ impl CudaProgram {
         completions: &Completions,
     ) -> Result<()> {
         tracker.begin(1, finisher)?;
+        let launched = Instant::now();
         match self.launch() {
             // A small copy is done within microseconds of its launch: handing it to the
             // completion thread would add that thread's wake-up to its latency.
@@ -196,6 +235,7 @@ impl CudaProgram {
                 completions.watch(
                     self.device,
                     self.event.clone(),
+                    Work { bytes: self.bytes, launched },
                     Box::new(move |outcome| {
                         drop(keep);
                         t.finish_part(outcome);
@@ -216,7 +256,8 @@ impl CudaProgram {
         self.device.bind()?;
         let stream = self.device.stream();
         if let Some((kernel, table, count)) = &self.kernel {
-            kernel.launch(table.addr(), *count)?;
+            // SAFETY: the device's own stream, which lives as long as the process.
+            unsafe { kernel.launch_on(stream, table.addr(), *count, &self.shape)? };
         }
         for &(dst, src, len) in &self.engine_copies {
             // SAFETY: both ranges were bounds-checked against registered regions and are
