@@ -40,9 +40,10 @@ pub struct CudaConfig {
     /// Copies between GPU and host memory at least this long go to the copy engines
     /// (shorter ones ride in the kernel with the rest).
     pub copy_engine_min_host: u64,
-    /// The same for GPU-to-GPU copies; by default never. Measured on H200 over NVLink,
-    /// the kernel moves 32 MiB copies as fast as the copy engines do, and it needs one
-    /// launch for any number of copies.
+    /// The same for GPU-to-GPU copies (default 16 MiB). Measured on H200 over NVLink,
+    /// the copy engines move copies of 32 MiB and more 2 to 6% faster than the kernel
+    /// (one merged 4 GiB copy: 386 against 364 GB/s); shorter copies stay in the
+    /// kernel, which needs one launch for any number of them.
     pub copy_engine_min_peer: u64,
     /// Longest work item of the copy kernel (a multiple of 16, at least 1 KiB); copies of
     /// a request with too few items for the GPU are cut finer (see [`kernel::cut`]).
@@ -57,7 +58,7 @@ impl Default for CudaConfig {
     fn default() -> Self {
         CudaConfig {
             copy_engine_min_host: 4 << 20,
-            copy_engine_min_peer: u64::MAX,
+            copy_engine_min_peer: 16 << 20,
             kernel_item_bytes: kernel::ITEM_BYTES,
             kernel_shape: LaunchShape::default(),
             completion: CompletionMode::default(),
