@@ -90,9 +90,11 @@ class Config:
     def agent_config(self):
         import freight
 
+        # Every copy in the kernel, however long: the sweep measures the kernel.
         return freight.AgentConfig(cuda_kernel_mode=self.mode, cuda_kernel_threads=self.threads,
                                    cuda_kernel_blocks_per_sm=self.blocks_per_sm,
-                                   cuda_kernel_item_bytes=self.item_bytes, cuda_completion=self.completion)
+                                   cuda_kernel_item_bytes=self.item_bytes, cuda_completion=self.completion,
+                                   cuda_copy_engine_min_peer=1 << 62)
 
 
 # Today's defaults first: it is the baseline, and shapes that launch like it are skipped.
