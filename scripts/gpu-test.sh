@@ -55,7 +55,7 @@ log "freight"
 timeout 400 "$PY" bench/gpu.py --out "$OUT/freight.json" ${QUICK:+--quick}
 if [ "${SWEEP:-0}" = 1 ]; then
     log "kernel launch shapes (SWEEP=1)"
-    timeout 300 "$PY" bench/gpu_sweep.py --out "$OUT/sweep.json" ${QUICK:+--quick}
+    timeout 300 "$PY" bench/gpu_sweep.py --out "$OUT/sweep.json" --ceilings "$OUT/ceilings.json" ${QUICK:+--quick}
 fi
 
 "$PY" bench/gpu_report.py --freight "$OUT/freight.json" ${nixl_json:+--nixl "$nixl_json"} \
