@@ -22,6 +22,7 @@ pub mod wire;
 
 mod inbox;
 mod net;
+mod outbox;
 mod peer;
 mod poll;
 mod server;
