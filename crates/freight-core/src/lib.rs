@@ -20,6 +20,7 @@ pub mod request;
 pub mod transport;
 pub mod wire;
 
+mod doorbell;
 mod inbox;
 mod net;
 mod outbox;
