@@ -360,6 +360,8 @@ impl Agent {
     // -- notifications ---------------------------------------------------------------
 
     /// Sends a standalone notification (ordered with the peer's other notifications).
+    /// Fails with `Timeout` when a same-host peer leaves its notification ring full for
+    /// the peer timeout (the peer does not run).
     pub fn notify(&self, peer: &str, msg: Vec<u8>) -> Result<()> {
         if msg.len() > wire::MAX_NOTIF {
             return Err(invalid(format!("notification larger than {} bytes", wire::MAX_NOTIF)));

@@ -86,7 +86,7 @@ pub enum Frame {
         bytes: Vec<u8>,
     },
     /// The sender's notification ring for this control connection, in a shared segment
-    /// that `host.pid` holds open as `fd` (same host only; see [`crate::doorbell`]).
+    /// that `host.pid` holds open as `fd` (same host only; see docs/engine.md).
     /// Every later notification on this connection goes through the ring.
     Outbox {
         host: HostIdentity,
