@@ -501,6 +501,52 @@ mod tests {
         assert!(c.drain(|_| ()).is_err(), "...but the consumer refuses messages over its limit");
     }
 
+    /// A consumer that drains only when rung, as the target's connection thread does,
+    /// racing a producer: if a needed wake-up were ever skipped, the last messages would
+    /// stay in the ring and the consumer would wait forever.
+    #[test]
+    fn no_wake_up_is_lost_between_threads() {
+        const N: u32 = 200_000;
+        let mut mem = Mem::new(4096);
+        let (mut p, mut c) = mem.pair(1 << 20);
+        let (bell, rung) = crossbeam_channel::unbounded::<()>();
+        std::thread::scope(|s| {
+            let consumer = s.spawn(move || {
+                let mut next = 0u32;
+                while next < N {
+                    if rung.recv_timeout(std::time::Duration::from_secs(10)).is_err() {
+                        return Err(format!("stuck at {next} of {N}: a wake-up was lost"));
+                    }
+                    c.drain(|m| {
+                        assert_eq!(m[..4], next.to_le_bytes());
+                        next += 1;
+                    })
+                    .unwrap();
+                }
+                Ok(())
+            });
+            'producing: for i in 0..N {
+                let mut msg = i.to_le_bytes().to_vec();
+                msg.resize(4 + i as usize % 50, 7);
+                let mut sent = 0;
+                loop {
+                    let w = p.write(&msg, &mut sent);
+                    if w.wake {
+                        let _ = bell.send(());
+                    }
+                    if w.done {
+                        break;
+                    }
+                    if consumer.is_finished() {
+                        break 'producing;
+                    }
+                    std::thread::yield_now();
+                }
+            }
+            consumer.join().unwrap().unwrap();
+        });
+    }
+
     proptest! {
         /// Messages of random sizes (a few larger than the ring) through a small ring, the
         /// consumer draining at random moments: each comes out once, whole, in order.
