@@ -2,8 +2,8 @@
 """Engine benchmarks of freight, with their peers, in one run.
 
 Runs `freight bench p2p` and `freight bench descriptors` (and iperf3 for the tcp
-reference) on this host, checks every figure against its target, writes one JSON
-document and prints a short table last.
+reference) on this host, and bench/peers/notif_latency.py for notifications, checks
+every figure against its target, writes one JSON document and prints a short table last.
 
     python3 bench/engine.py --machine "laptop, 8 cores" --out bench/results/engine-laptop.json
 
@@ -14,8 +14,12 @@ Targets (from the engine issue):
   tcp   one stream over loopback >= 90% of iperf3 with its default settings (same run)
   tcp   several streams >= 3x one stream (on hosts with 16+ cores)
   desc  preparing 65536 descriptors <= 0.5 ms; registering 10,000 regions: reported
+  notif 4 KiB shm WRITE with a notification, post to seen by a target polling
+        get_notifs, p50 <= 20 us (the GPU hosts' target, for host memory)
 
-Only the standard library is used, so the script runs wherever the binary does.
+Only the standard library is used, so the script runs wherever the binary does; the
+notification suite needs freight's Python module (--python, default .venv's) and is
+reported as not measured without it.
 """
 
 from __future__ import annotations
@@ -230,6 +234,31 @@ def descriptor_suite(r: Runner) -> tuple[dict, list]:
     return {"descriptors": doc}, checks
 
 
+def notif_suite(r: Runner, python: str | None) -> tuple[dict, list]:
+    name = "shm 4 KiB WRITE's notification, post to seen by a polling target, p50"
+    if not python:
+        return {}, [check(name, 0.0, "<= 20 us", None, "us",
+                          "freight's Python module not found (scripts/setup.sh, or --python): not measured")]
+    cmd = [python, str(ROOT / "bench" / "peers" / "notif_latency.py"), "--count", r.iters(5000, 500)]
+    log(" ".join(cmd[1:]))
+    doc = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=900).stdout)
+    seen = doc["post_to_seen_us"]
+    return {"latency_4k_write_notif": doc}, [check(
+        name, seen["p50"], "<= 20 us", seen["p50"] <= 20.0, "us",
+        f"p99 {seen['p99']} us over {doc['count']} notifications; post to done p50 "
+        f"{doc['post_to_done_us']['p50']} us")]
+
+
+def freight_python(given: str | None) -> str | None:
+    """An interpreter that can import freight: `given`, else the repository's .venv, else
+    this one."""
+    venv = ROOT / ".venv" / "bin" / "python"
+    for py in [given] if given else [str(venv), sys.executable]:
+        if py and subprocess.run([py, "-c", "import freight"], capture_output=True).returncode == 0:
+            return py
+    return None
+
+
 def table(checks: list) -> str:
     verdict = {True: "met", False: "MISSED", None: "-"}
     rows = [("Check", "Value", "Target", "Result")] + [
@@ -250,13 +279,15 @@ def main() -> int:
     ap.add_argument("--iperf3", default=shutil.which("iperf3"), help="iperf3 binary (default: from PATH)")
     ap.add_argument("--streams", type=int, default=8, help="streams of the multi-stream tcp run")
     ap.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run, not a report)")
-    ap.add_argument("--only", choices=["shm", "tcp", "descriptors"], action="append",
+    ap.add_argument("--python", help="interpreter with freight installed, for the notification suite "
+                    "(default: .venv/bin/python, else this one)")
+    ap.add_argument("--only", choices=["shm", "tcp", "descriptors", "notif"], action="append",
                     help="run only these suites (repeatable)")
     args = ap.parse_args()
 
     if not (Path(args.freight).is_file() and os.access(args.freight, os.X_OK)):
         ap.error(f"no freight binary at {args.freight} (build it with cargo build --release -p freight-cli)")
-    suites = args.only or ["shm", "tcp", "descriptors"]
+    suites = args.only or ["shm", "tcp", "descriptors", "notif"]
     r = Runner(args.freight, args.quick)
     doc = {"tool": "bench/engine.py", "machine": machine_info(args.machine),
            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "quick": args.quick,
@@ -267,6 +298,8 @@ def main() -> int:
             raw, checks = shm_suite(r)
         elif name == "tcp":
             raw, checks = tcp_suite(r, args.iperf3, args.streams)
+        elif name == "notif":
+            raw, checks = notif_suite(r, freight_python(args.python))
         else:
             raw, checks = descriptor_suite(r)
         doc["results"][name] = raw

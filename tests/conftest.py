@@ -3,6 +3,7 @@
 Helpers (importable from tests as ``from conftest import free_port, spawn_python``):
     free_port()                      -> an unused TCP port on 127.0.0.1
     spawn_python(code, *args, ...)   -> subprocess.Popen running ``code`` in a new process
+                                        (``stdin=True``: a pipe to its stdin)
 
 Fixtures:
     etcd_endpoint   (session) URL of a private etcd server, e.g. "http://127.0.0.1:40123"
@@ -51,10 +52,12 @@ def spawn_python(
     env: Optional[dict] = None,
     cwd: Optional[str] = None,
     text: bool = True,
+    stdin: bool = False,
 ) -> subprocess.Popen:
     """Run a Python snippet in a separate, real process (``sys.executable -c code args...``).
 
-    stdout and stderr are pipes (text mode by default); output is unbuffered.
+    stdout and stderr are pipes (text mode by default); output is unbuffered. stdin is
+    empty, or with ``stdin=True`` a pipe for the test to write to.
     The child runs in its own session so that it and its own children can be
     killed together; whatever a test leaves running is killed when it ends.
     """
@@ -64,7 +67,7 @@ def spawn_python(
         [sys.executable, "-c", code, *[str(a) for a in args]],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
+        stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
         env=child_env,
         cwd=cwd,
         text=text,

@@ -316,7 +316,10 @@ class Agent:
 
     def notify(self, peer: str, msg: BytesLike) -> None:
         """Sends a notification (bytes; str is sent UTF-8 encoded). Notifications to one
-        peer arrive in the order they were sent."""
+        peer arrive in the order they were sent. To a peer on this host they go through
+        shared memory; if it takes none for ``peer_timeout`` (it does not run) this raises
+        :class:`freight.TimeoutError`, and :class:`freight.PeerDisconnectedError` once it is
+        gone."""
         self._core.notify(peer, to_bytes(msg, "msg"))
 
     def get_notifs(self) -> List[Tuple[str, bytes]]:

@@ -100,7 +100,7 @@ pub struct AgentInner {
     pub(crate) name: String,
     pub(crate) id: u64,
     pub(crate) secret: [u8; 16],
-    host: HostIdentity,
+    pub(crate) host: Arc<HostIdentity>,
     pub(crate) config: AgentConfig,
     pub(crate) registry: Registry,
     peers: RwLock<HashMap<String, Arc<Peer>>>,
@@ -126,7 +126,7 @@ impl Agent {
             name: name.to_string(),
             id: rand::random::<u64>() | 1,
             secret: rand::random(),
-            host: HostIdentity::current(),
+            host: Arc::new(HostIdentity::current()),
             config,
             registry: Registry::new(),
             peers: RwLock::new(HashMap::new()),
@@ -366,12 +366,14 @@ impl Agent {
     // -- notifications ---------------------------------------------------------------
 
     /// Sends a standalone notification (ordered with the peer's other notifications).
+    /// Fails with `Timeout` when a same-host peer leaves its notification ring full for
+    /// the peer timeout (the peer does not run).
     pub fn notify(&self, peer: &str, msg: Vec<u8>) -> Result<()> {
         if msg.len() > wire::MAX_NOTIF {
             return Err(invalid(format!("notification larger than {} bytes", wire::MAX_NOTIF)));
         }
         let peer = self.inner.peer(peer)?;
-        peer.control(&self.inner.dial_context())?.send(&Frame::Notify { msg })
+        peer.control(&self.inner.dial_context())?.notify(msg)
     }
 
     /// Notifications received so far, oldest first (non-blocking).
@@ -428,6 +430,7 @@ impl AgentInner {
             intro: Introduction { from_name: self.name.clone(), from_id: self.id, target_id: 0, token: Vec::new() },
             timeout: self.config.connect_timeout,
             peer_timeout: self.config.peer_timeout,
+            host: self.host.clone(),
         }
     }
 
@@ -476,7 +479,7 @@ impl AgentInner {
             name: self.name.clone(),
             agent_id: self.id,
             secret: self.secret,
-            host: self.host.clone(),
+            host: (*self.host).clone(),
             addresses: self.advertised(),
             transports: self.config.transports.iter().map(|t| t.as_str().to_string()).collect(),
             regions,
@@ -611,7 +614,7 @@ impl Request {
             drop(guards);
             result?;
             if let (Some(msg), Some(link)) = (notif, control) {
-                link.send(&Frame::Notify { msg })?;
+                link.notify(msg)?;
             }
             Ok(())
         });

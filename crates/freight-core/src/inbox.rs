@@ -6,43 +6,75 @@
 //! (`get_notifs`) also pull whatever the kernel has received, without blocking; the
 //! connection's lock keeps frames whole and in order, so a sender's notifications still
 //! arrive in the order it sent them.
+//!
+//! A same-host sender may move its notifications to an outbox in shared memory (see
+//! [`crate::doorbell`]). Polling calls read outboxes first, with a few loads and no
+//! syscall; the connection's thread drains one when its sender rings.
 
 use std::io;
-use std::net::TcpStream;
+use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 
+use crate::doorbell::Doorbell;
 use crate::error::{Error, Result};
+use crate::metadata::HostIdentity;
 use crate::notify::{NotifQueue, Notification};
 use crate::wire::{self, Frame};
 
-/// One incoming control connection and the bytes received on it but not yet parsed.
+/// The writing half of a control connection, locked for a whole frame.
+pub type ControlWriter = Arc<Mutex<TcpStream>>;
+
+/// One incoming control connection.
 pub struct Inbox {
     from: String,
+    /// The socket and the bytes received on it but not yet parsed.
+    reader: Mutex<Reader>,
+    /// The sender's outbox, once it announced one and it was mapped.
+    doorbell: OnceLock<Doorbell>,
+    /// Frames back to the sender; revocations are written under the same lock.
+    writer: ControlWriter,
+    /// This agent's host: outboxes from elsewhere are refused.
+    host: Arc<HostIdentity>,
+    fd: RawFd,
+}
+
+struct Reader {
     stream: TcpStream,
     pending: Vec<u8>,
 }
 
 impl Inbox {
-    pub fn new(from: &str, stream: TcpStream) -> Inbox {
-        Inbox { from: from.to_string(), stream, pending: Vec::new() }
+    pub fn new(from: &str, stream: TcpStream, writer: ControlWriter, host: Arc<HostIdentity>) -> Inbox {
+        Inbox {
+            from: from.to_string(),
+            fd: stream.as_raw_fd(),
+            reader: Mutex::new(Reader { stream, pending: Vec::new() }),
+            doorbell: OnceLock::new(),
+            writer,
+            host,
+        }
     }
 
     /// Receives what has arrived without blocking and queues every complete
-    /// notification. `Ok(false)` once the peer closed the connection.
-    pub fn pump(&mut self, queue: &NotifQueue) -> Result<bool> {
+    /// notification, from the socket and, when the sender rang, from its outbox.
+    /// `Ok(false)` once the peer closed the connection.
+    pub fn pump(&self, queue: &NotifQueue) -> Result<bool> {
+        self.pump_locked(&mut self.reader.lock(), queue)
+    }
+
+    fn pump_locked(&self, r: &mut Reader, queue: &NotifQueue) -> Result<bool> {
         let mut open = true;
         let mut chunk = [0u8; 16 << 10];
         loop {
             // SAFETY: recv into a local buffer; MSG_DONTWAIT leaves the socket's own
             // (blocking) mode alone for the other users of this connection.
-            let n = unsafe {
-                libc::recv(self.stream.as_raw_fd(), chunk.as_mut_ptr().cast(), chunk.len(), libc::MSG_DONTWAIT)
-            };
+            let n =
+                unsafe { libc::recv(r.stream.as_raw_fd(), chunk.as_mut_ptr().cast(), chunk.len(), libc::MSG_DONTWAIT) };
             if n > 0 {
-                self.pending.extend_from_slice(&chunk[..n as usize]);
+                r.pending.extend_from_slice(&chunk[..n as usize]);
                 continue;
             }
             if n == 0 {
@@ -56,20 +88,59 @@ impl Inbox {
                 _ => return Err(e.into()),
             }
         }
-        while let Some(frame) = wire::take_frame(&mut self.pending)? {
-            let Frame::Notify { msg } = frame else {
-                return Err(Error::Protocol(format!("unexpected message on a control connection: {frame:?}")));
-            };
-            queue.push(Notification { from: self.from.clone(), msg });
+        // A sender that closes may have written records it did not ring for.
+        let mut woken = !open;
+        while let Some(frame) = wire::take_frame(&mut r.pending)? {
+            match frame {
+                Frame::Notify { msg } => queue.push(Notification { from: self.from.clone(), msg }),
+                Frame::Outbox { host, fd, len } => self.accept_outbox(&host, fd, len)?,
+                Frame::Wake if self.doorbell.get().is_some() => woken = true,
+                other => return Err(Error::Protocol(format!("unexpected message on a control connection: {other:?}"))),
+            }
         }
-        if !open && !self.pending.is_empty() {
+        if let (true, Some(d)) = (woken, self.doorbell.get()) {
+            d.drain(queue)?;
+        }
+        if !open && !r.pending.is_empty() {
             return Err(Error::Io("connection closed inside a frame".into()));
         }
         Ok(open)
     }
 
+    /// Maps the sender's outbox, or refuses it (the sender then stays on tcp), and
+    /// answers. Only a failure to answer ends the connection.
+    fn accept_outbox(&self, host: &HostIdentity, fd: i32, len: u64) -> Result<()> {
+        let outcome = match self.doorbell.get() {
+            Some(_) => Err(Error::Protocol("a second outbox on one connection".into())),
+            None => Doorbell::attach(&self.from, &self.host, host, fd, len),
+        };
+        let error = match outcome {
+            Ok(d) => {
+                // Set before answering: the sender writes to it only once answered.
+                let _ = self.doorbell.set(d);
+                tracing::debug!(from = %self.from, pid = host.pid, fd, len, "reading notifications from the sender's outbox");
+                None
+            }
+            Err(e) => {
+                tracing::error!(from = %self.from, pid = host.pid, fd, len, error = %e, "refused a notification outbox");
+                Some(e.to_string())
+            }
+        };
+        wire::write_frame(&mut *self.writer.lock(), &Frame::OutboxReply { error }, &[])
+    }
+
+    /// Drains the outbox, if there is one and no other thread is at it.
+    fn poll_outbox(&self, queue: &NotifQueue) {
+        if let Some(d) = self.doorbell.get() {
+            if d.try_drain(queue).is_err() {
+                // The connection's thread reports it once woken, and the connection ends.
+                let _ = self.writer.lock().shutdown(Shutdown::Both);
+            }
+        }
+    }
+
     pub fn fd(&self) -> RawFd {
-        self.stream.as_raw_fd()
+        self.fd
     }
 }
 
@@ -93,25 +164,30 @@ pub fn wait_readable(fd: RawFd) -> Result<()> {
 /// The agent's incoming control connections.
 #[derive(Default)]
 pub struct Inboxes {
-    open: Mutex<Vec<Arc<Mutex<Inbox>>>>,
+    open: Mutex<Vec<Arc<Inbox>>>,
 }
 
 impl Inboxes {
-    pub fn add(&self, inbox: Arc<Mutex<Inbox>>) {
+    pub fn add(&self, inbox: Arc<Inbox>) {
         self.open.lock().push(inbox);
     }
 
-    pub fn remove(&self, inbox: &Arc<Mutex<Inbox>>) {
+    pub fn remove(&self, inbox: &Arc<Inbox>) {
         self.open.lock().retain(|i| !Arc::ptr_eq(i, inbox));
     }
 
-    /// Pulls what has arrived on every connection nobody else is reading right now.
+    /// Pulls what has arrived on every connection nobody else is reading right now:
+    /// outboxes first (no syscall), then the sockets of senders without one (a sender
+    /// with an outbox sends nothing else but wake-ups, which its thread handles).
     /// Errors are left to the connection's own thread, which reads again and reports.
     pub fn pump(&self, queue: &NotifQueue) {
         let open: Vec<_> = self.open.lock().clone();
-        for inbox in open {
-            if let Some(mut i) = inbox.try_lock() {
-                let _ = i.pump(queue);
+        for inbox in &open {
+            inbox.poll_outbox(queue);
+        }
+        for inbox in open.iter().filter(|i| i.doorbell.get().is_none()) {
+            if let Some(mut r) = inbox.reader.try_lock() {
+                let _ = inbox.pump_locked(&mut r, queue);
             }
         }
     }
@@ -120,15 +196,37 @@ impl Inboxes {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::doorbell::Outbox;
     use std::io::Write;
     use std::net::TcpListener;
+    use std::time::Duration;
+
+    /// An inbox on one end of a fresh connection, and the sender's end.
+    fn connection() -> (Inbox, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let tx = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (rx, _) = listener.accept().unwrap();
+        let writer = Arc::new(Mutex::new(rx.try_clone().unwrap()));
+        (Inbox::new("peer", rx, writer, Arc::new(HostIdentity::current())), tx)
+    }
+
+    /// Pumps until `n` notifications are queued (the bytes may take a moment).
+    fn pump_until(inbox: &Inbox, q: &NotifQueue, n: usize) -> Vec<Vec<u8>> {
+        let mut got = Vec::new();
+        for _ in 0..500 {
+            inbox.pump(q).unwrap();
+            got.extend(q.drain().into_iter().map(|n| n.msg));
+            if got.len() >= n {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        got
+    }
 
     #[test]
     fn pumping_delivers_whole_frames_in_order_and_notices_the_end() {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let mut tx = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-        let (rx, _) = listener.accept().unwrap();
-        let mut inbox = Inbox::new("peer", rx);
+        let (inbox, mut tx) = connection();
         let q = NotifQueue::default();
         assert!(inbox.pump(&q).unwrap(), "nothing sent yet: open, no frames");
         let mut bytes = Vec::new();
@@ -150,12 +248,88 @@ mod tests {
 
     #[test]
     fn a_stray_frame_is_a_protocol_error() {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let mut tx = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-        let (rx, _) = listener.accept().unwrap();
-        let mut inbox = Inbox::new("peer", rx);
+        let (inbox, mut tx) = connection();
         tx.write_all(&wire::encode(&Frame::Revoke { region: 1 })).unwrap();
         std::thread::sleep(std::time::Duration::from_millis(20));
         assert!(matches!(inbox.pump(&NotifQueue::default()), Err(Error::Protocol(_))));
+    }
+
+    #[test]
+    fn a_wake_up_without_an_outbox_is_a_protocol_error() {
+        let (inbox, mut tx) = connection();
+        tx.write_all(&wire::encode(&Frame::Wake)).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert!(matches!(inbox.pump(&NotifQueue::default()), Err(Error::Protocol(_))));
+    }
+
+    #[test]
+    fn an_outbox_is_answered_and_read_after_what_came_before_it() {
+        let (inbox, mut tx) = connection();
+        let inboxes = Inboxes::default();
+        let inbox = Arc::new(inbox);
+        inboxes.add(inbox.clone());
+        let q = NotifQueue::default();
+        let mut out = Outbox::create().unwrap();
+        tx.write_all(&wire::encode(&Frame::Notify { msg: b"tcp".to_vec() })).unwrap();
+        tx.write_all(&wire::encode(&out.announcement(&HostIdentity::current()))).unwrap();
+        assert_eq!(pump_until(&inbox, &q, 1), vec![b"tcp".to_vec()]);
+        let reply = wire::read_frame(&mut tx).unwrap().unwrap();
+        assert_eq!(reply, Frame::OutboxReply { error: None });
+
+        // A polling caller finds records without any wake-up...
+        let mut woken = 0;
+        out.send(
+            "p",
+            b"ring 1",
+            Duration::from_secs(1),
+            || {
+                woken += 1;
+                Ok(())
+            },
+            || Ok(()),
+        )
+        .unwrap();
+        inboxes.pump(&q);
+        assert_eq!(
+            q.drain().iter().map(|n| (n.from.as_str(), n.msg.as_slice())).collect::<Vec<_>>(),
+            vec![("peer", &b"ring 1"[..])]
+        );
+        // ...and the connection's own pump drains on one.
+        out.send(
+            "p",
+            b"ring 2",
+            Duration::from_secs(1),
+            || {
+                woken += 1;
+                Ok(())
+            },
+            || Ok(()),
+        )
+        .unwrap();
+        assert_eq!(woken, 2, "each record found the ring drained");
+        tx.write_all(&wire::encode(&Frame::Wake)).unwrap();
+        assert_eq!(pump_until(&inbox, &q, 1), vec![b"ring 2".to_vec()]);
+
+        // Records written before the sender closes are delivered, rung for or not.
+        out.send("p", b"last", Duration::from_secs(1), || Ok(()), || Ok(())).unwrap();
+        drop(tx);
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(!inbox.pump(&q).unwrap());
+        assert_eq!(q.drain()[0].msg, b"last");
+    }
+
+    #[test]
+    fn a_bad_outbox_is_refused_and_the_connection_goes_on() {
+        let (inbox, mut tx) = connection();
+        let q = NotifQueue::default();
+        let host = HostIdentity::current();
+        let bad = Frame::Outbox { host, fd: 1 << 20, len: 1 << 20 };
+        tx.write_all(&wire::encode(&bad)).unwrap();
+        tx.write_all(&wire::encode(&Frame::Notify { msg: b"still here".to_vec() })).unwrap();
+        assert_eq!(pump_until(&inbox, &q, 1), vec![b"still here".to_vec()]);
+        let Frame::OutboxReply { error: Some(reason) } = wire::read_frame(&mut tx).unwrap().unwrap() else {
+            panic!("expected a refusal")
+        };
+        assert!(reason.contains("/proc/"), "{reason}");
     }
 }

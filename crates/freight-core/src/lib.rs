@@ -20,8 +20,10 @@ pub mod request;
 pub mod transport;
 pub mod wire;
 
+mod doorbell;
 mod inbox;
 mod net;
+mod outbox;
 mod peer;
 mod poll;
 mod server;

@@ -4,12 +4,14 @@ use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread;
+use std::time::{Duration, Instant};
 
-use parking_lot::{Mutex, RwLock};
+use parking_lot::{Condvar, Mutex, RwLock};
 
+use crate::doorbell::Outbox;
 use crate::error::{Error, Result};
 use crate::memory::RemoteRegions;
-use crate::metadata::AgentMetadata;
+use crate::metadata::{AgentMetadata, HostIdentity};
 use crate::net::{self, Introduction};
 use crate::transport::cuda::CudaPeer;
 use crate::transport::shm::ShmPeer;
@@ -20,8 +22,10 @@ use crate::wire::{self, Frame, Role};
 #[derive(Debug, Clone)]
 pub struct DialContext {
     pub intro: Introduction,
-    pub timeout: std::time::Duration,
-    pub peer_timeout: std::time::Duration,
+    pub timeout: Duration,
+    pub peer_timeout: Duration,
+    /// This agent's host, for the peer to check an outbox against.
+    pub host: Arc<HostIdentity>,
 }
 
 pub struct Peer {
@@ -41,17 +45,135 @@ struct Links {
     tcp: Option<Arc<TcpConn>>,
 }
 
+fn disconnected(peer: &str, reason: impl Into<String>) -> Error {
+    Error::PeerDisconnected { peer: peer.to_string(), reason: reason.into() }
+}
+
+/// The error for a connection that broke (rather than one never made).
+fn broken(peer: &str, reason: &str) -> Error {
+    disconnected(peer, format!("{reason}; add the peer again to reconnect"))
+}
+
 /// The connection notifications travel on; its reader learns of revocations and of the
-/// peer's death.
+/// peer's death. To a same-host peer that accepts it, notifications go through an outbox
+/// in shared memory instead, and this connection carries only wake-ups (see
+/// [`crate::doorbell`]).
 pub struct ControlLink {
+    peer: String,
     writer: Mutex<TcpStream>,
     health: Arc<Health>,
+    /// How notifications travel. Held for a whole notification: that keeps them in
+    /// order and makes this process the ring's one producer.
+    route: Mutex<Route>,
+    /// The peer's answer to our outbox, posted by the link's reader.
+    answer: Answer,
+    same_host: bool,
+    host: Arc<HostIdentity>,
+    handshake_timeout: Duration,
+    peer_timeout: Duration,
+}
+
+enum Route {
+    /// Nothing sent yet: a same-host peer is offered an outbox with the first notification.
+    Undecided,
+    /// For good: another host, an outbox the peer refused, or a link that broke.
+    Tcp,
+    Ring(Outbox),
+}
+
+/// A reply awaited by one thread and delivered by another.
+#[derive(Default)]
+struct Answer {
+    slot: Mutex<Option<std::result::Result<(), String>>>,
+    cv: Condvar,
+}
+
+impl Answer {
+    fn post(&self, answer: std::result::Result<(), String>) {
+        self.slot.lock().get_or_insert(answer);
+        self.cv.notify_all();
+    }
+
+    fn wait(&self, timeout: Duration) -> Option<std::result::Result<(), String>> {
+        let deadline = Instant::now() + timeout;
+        let mut slot = self.slot.lock();
+        while slot.is_none() {
+            if self.cv.wait_until(&mut slot, deadline).timed_out() {
+                break;
+            }
+        }
+        slot.clone()
+    }
 }
 
 impl ControlLink {
     pub fn send(&self, frame: &Frame) -> Result<()> {
         let mut w = self.writer.lock();
-        wire::write_frame(&mut *w, frame, &[]).inspect_err(|e| self.health.kill(format!("write failed: {e}")))
+        wire::write_frame(&mut *w, frame, &[]).map_err(|e| {
+            let reason = format!("write failed: {e}");
+            self.health.kill(reason.clone());
+            broken(&self.peer, &reason)
+        })
+    }
+
+    fn check_alive(&self) -> Result<()> {
+        match self.health.reason() {
+            Some(reason) => Err(broken(&self.peer, &reason)),
+            None => Ok(()),
+        }
+    }
+
+    /// Sends a notification, after everything sent before it on this link.
+    pub fn notify(&self, msg: Vec<u8>) -> Result<()> {
+        self.check_alive()?;
+        let mut route = self.route.lock();
+        if matches!(*route, Route::Undecided) {
+            *route = self.choose_route()?;
+        }
+        match &mut *route {
+            Route::Ring(outbox) => {
+                outbox.send(&self.peer, &msg, self.peer_timeout, || self.send(&Frame::Wake), || self.check_alive())
+            }
+            Route::Tcp | Route::Undecided => self.send(&Frame::Notify { msg }),
+        }
+    }
+
+    /// Offers a same-host peer an outbox and waits for its answer: nothing goes into
+    /// the ring before the peer reads it, so a refusal loses nothing. Fails only when
+    /// the link itself does.
+    fn choose_route(&self) -> Result<Route> {
+        if !self.same_host {
+            return Ok(Route::Tcp);
+        }
+        let outbox = match Outbox::create() {
+            Ok(o) => o,
+            Err(e) => {
+                tracing::warn!(peer = %self.peer, error = %e, "cannot create a notification outbox; notifying this peer over tcp");
+                return Ok(Route::Tcp);
+            }
+        };
+        self.send(&outbox.announcement(&self.host))?;
+        match self.answer.wait(self.handshake_timeout) {
+            Some(Ok(())) => {
+                tracing::debug!(peer = %self.peer, "notifying this peer through a shared-memory outbox");
+                Ok(Route::Ring(outbox))
+            }
+            Some(Err(reason)) => {
+                self.check_alive()?;
+                tracing::warn!(peer = %self.peer, %reason, "the peer refused our notification outbox; notifying it over tcp");
+                Ok(Route::Tcp)
+            }
+            None => {
+                tracing::warn!(peer = %self.peer, timeout = ?self.handshake_timeout, "the peer did not answer our notification outbox; notifying it over tcp");
+                Ok(Route::Tcp)
+            }
+        }
+    }
+
+    /// The link broke: frees the outbox, and wakes a notifier waiting for the handshake.
+    fn retire(&self, reason: &str) {
+        self.answer.post(Err(reason.to_string()));
+        *self.route.lock() = Route::Tcp;
     }
 }
 
@@ -70,7 +192,7 @@ impl Peer {
     }
 
     fn disconnected(&self, reason: impl Into<String>) -> Error {
-        Error::PeerDisconnected { peer: self.name.clone(), reason: reason.into() }
+        disconnected(&self.name, reason)
     }
 
     /// Fails when the peer was removed or a connection to it broke.
@@ -85,7 +207,7 @@ impl Peer {
             .and_then(|c| c.health.reason())
             .or_else(|| links.tcp.as_ref().and_then(|t| t.dead_reason()));
         match dead {
-            Some(reason) => Err(self.disconnected(format!("{reason}; add the peer again to reconnect"))),
+            Some(reason) => Err(broken(&self.name, &reason)),
             None => Ok(()),
         }
     }
@@ -100,11 +222,20 @@ impl Peer {
         let intro = self.intro(ctx);
         let stream = net::dial(&self.md.addresses, None, Role::Control, &intro, ctx.timeout)
             .map_err(|e| self.disconnected(format!("cannot open control connection: {e}")))?;
-        let health = Arc::new(Health::default());
         let reader = stream.try_clone()?;
-        let link = Arc::new(ControlLink { writer: Mutex::new(stream), health: health.clone() });
-        let peer = self.clone();
-        thread::Builder::new().name("freight-ctl-rx".into()).spawn(move || peer.watch_control(reader, health))?;
+        let link = Arc::new(ControlLink {
+            peer: self.name.clone(),
+            writer: Mutex::new(stream),
+            health: Arc::new(Health::default()),
+            route: Mutex::new(Route::Undecided),
+            answer: Answer::default(),
+            same_host: self.same_host,
+            host: ctx.host.clone(),
+            handshake_timeout: ctx.timeout,
+            peer_timeout: ctx.peer_timeout,
+        });
+        let (peer, l) = (self.clone(), link.clone());
+        thread::Builder::new().name("freight-ctl-rx".into()).spawn(move || peer.watch_control(reader, l))?;
         links.control = Some(link.clone());
         Ok(link)
     }
@@ -114,7 +245,8 @@ impl Peer {
     }
 
     /// Reads what the peer sends back on the control link until it closes.
-    fn watch_control(self: Arc<Self>, mut reader: TcpStream, health: Arc<Health>) {
+    fn watch_control(self: Arc<Self>, mut reader: TcpStream, link: Arc<ControlLink>) {
+        let health = &link.health;
         loop {
             match wire::read_frame(&mut reader) {
                 Ok(Some(Frame::Revoke { region })) => {
@@ -126,6 +258,7 @@ impl Peer {
                     drop(regions);
                     self.cuda.imports.retain(|base| live.contains(&base));
                 }
+                Ok(Some(Frame::OutboxReply { error })) => link.answer.post(error.map_or(Ok(()), Err)),
                 Ok(Some(other)) => {
                     health.kill(format!("protocol error: unexpected {other:?} on the control link"));
                     break;
@@ -144,9 +277,11 @@ impl Peer {
             }
         }
         // The peer is gone: fail the data path too, so that nothing waits for it.
+        let reason = health.reason().unwrap_or_default();
         if let Some(t) = self.links.lock().tcp.clone() {
-            t.shutdown(&health.reason().unwrap_or_default());
+            t.shutdown(&reason);
         }
+        link.retire(&reason);
     }
 
     /// The tcp data streams, dialled on first use.

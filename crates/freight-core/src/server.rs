@@ -12,7 +12,7 @@ use parking_lot::Mutex;
 
 use crate::agent::AgentInner;
 use crate::error::{Error, Result};
-use crate::inbox::{Inbox, Inboxes};
+use crate::inbox::{ControlWriter, Inbox, Inboxes};
 use crate::net::{same_secret, tune};
 use crate::transport::tcp::serve_data_stream;
 use crate::wire::{self, Frame, Role, PROTOCOL_VERSION};
@@ -23,8 +23,9 @@ pub struct Server {
     listeners: Mutex<Vec<(SocketAddr, TcpListener)>>,
     /// Live inbound connections by id (removed when they end).
     inbound: Mutex<HashMap<u64, TcpStream>>,
-    /// Control connections from peers: revocations are sent back on them.
-    controls: Mutex<HashMap<u64, (String, TcpStream)>>,
+    /// Control connections from peers: revocations are sent back on them (each writer
+    /// is locked for a whole frame: its inbox answers on it too).
+    controls: Mutex<HashMap<u64, (String, ControlWriter)>>,
     /// The same connections, as sources of notifications.
     pub(crate) inboxes: Inboxes,
     next_id: AtomicU64,
@@ -39,7 +40,7 @@ impl Server {
     pub fn broadcast(&self, frame: &Frame) {
         let bytes = wire::encode(frame);
         let mut controls = self.controls.lock();
-        controls.retain(|_, (peer, s)| match std::io::Write::write_all(s, &bytes) {
+        controls.retain(|_, (peer, s)| match std::io::Write::write_all(&mut *s.lock(), &bytes) {
             Ok(()) => true,
             Err(e) => {
                 tracing::debug!(%peer, error = %e, "dropping dead control connection");
@@ -155,10 +156,15 @@ fn refuse(stream: &mut TcpStream, reason: &str) -> Result<()> {
 
 /// Delivers notifications in the order they arrive on this (ordered) connection.
 fn serve_control(stream: TcpStream, agent: &Weak<AgentInner>, from: &str, id: u64) -> Result<()> {
-    if let Some(a) = agent.upgrade() {
-        a.server.controls.lock().insert(id, (from.to_string(), stream.try_clone()?));
-    }
-    let inbox = Arc::new(Mutex::new(Inbox::new(from, stream)));
+    let writer = Arc::new(Mutex::new(stream.try_clone()?));
+    let host = match agent.upgrade() {
+        Some(a) => {
+            a.server.controls.lock().insert(id, (from.to_string(), writer.clone()));
+            a.host.clone()
+        }
+        None => return Ok(()),
+    };
+    let inbox = Arc::new(Inbox::new(from, stream, writer, host));
     let result = read_notifications(&inbox, agent);
     if let Some(a) = agent.upgrade() {
         a.server.inboxes.remove(&inbox);
@@ -168,16 +174,16 @@ fn serve_control(stream: TcpStream, agent: &Weak<AgentInner>, from: &str, id: u6
 
 /// Sleeps until bytes arrive, then reads them (unless an application thread polling for
 /// notifications got there first), until the peer closes the connection.
-fn read_notifications(inbox: &Arc<Mutex<Inbox>>, agent: &Weak<AgentInner>) -> Result<()> {
+fn read_notifications(inbox: &Arc<Inbox>, agent: &Weak<AgentInner>) -> Result<()> {
     match agent.upgrade() {
         Some(a) => a.server.inboxes.add(inbox.clone()),
         None => return Ok(()),
     }
-    let fd = inbox.lock().fd();
+    let fd = inbox.fd();
     loop {
         crate::inbox::wait_readable(fd)?;
         let Some(a) = agent.upgrade() else { return Ok(()) };
-        if !inbox.lock().pump(&a.notifs)? {
+        if !inbox.pump(&a.notifs)? {
             return Ok(());
         }
     }

@@ -9,8 +9,10 @@ use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::metadata::HostIdentity;
 
-pub const PROTOCOL_VERSION: u16 = 1;
+/// 2: notification outboxes in shared memory (`Outbox`, `OutboxReply`, `Wake`).
+pub const PROTOCOL_VERSION: u16 = 2;
 /// Headers larger than this are a protocol violation (metadata replies are the largest).
 pub const MAX_HEADER: usize = 130 << 20;
 /// A single frame may carry at most this much payload.
@@ -83,6 +85,21 @@ pub enum Frame {
     Metadata {
         bytes: Vec<u8>,
     },
+    /// The sender's notification ring for this control connection, in a shared segment
+    /// that `host.pid` holds open as `fd` (same host only; see docs/engine.md).
+    /// Every later notification on this connection goes through the ring.
+    Outbox {
+        host: HostIdentity,
+        fd: i32,
+        len: u64,
+    },
+    /// The target's answer to `Outbox`: `None` once it reads the ring, else why not.
+    OutboxReply {
+        error: Option<String>,
+    },
+    /// The sender wrote to its ring after the target had drained it: the target may be
+    /// asleep and must look.
+    Wake,
 }
 
 impl Frame {
@@ -297,6 +314,29 @@ mod tests {
             let f = Frame::Notify { msg };
             let bytes = encode(&f);
             prop_assert_eq!(read_frame(&mut &bytes[..]).unwrap().unwrap(), f);
+        }
+
+        #[test]
+        fn doorbell_frames_roundtrip(
+            hostname in ".{0,40}",
+            boot_id in "[0-9a-f-]{0,36}",
+            pid_namespace in any::<u64>(),
+            pid in any::<u32>(),
+            fd in any::<i32>(),
+            len in any::<u64>(),
+            error in proptest::option::of(".{0,80}"),
+        ) {
+            let host = HostIdentity { hostname, boot_id, pid_namespace, pid };
+            for f in [Frame::Outbox { host, fd, len }, Frame::OutboxReply { error }, Frame::Wake] {
+                let bytes = encode(&f);
+                prop_assert_eq!(read_frame(&mut &bytes[..]).unwrap().unwrap(), f.clone());
+                prop_assert_eq!(f.payload_len().unwrap(), 0);
+                // Cut anywhere, it is an error, not a panic.
+                prop_assert!(matches!(read_frame(&mut &bytes[..0]), Ok(None)));
+                for cut in 1..bytes.len() {
+                    prop_assert!(read_frame(&mut &bytes[..cut]).is_err());
+                }
+            }
         }
     }
 }

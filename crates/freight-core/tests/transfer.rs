@@ -173,3 +173,44 @@ fn wrong_secret_is_refused() {
     let e = a.notify("target", b"hi".to_vec()).unwrap_err();
     assert!(e.to_string().contains("wrong secret"), "{e}");
 }
+
+#[test]
+fn a_target_asleep_in_wait_notifs_is_woken_by_a_same_host_sender() {
+    let (a, b) = agents(AgentConfig::default());
+    a.add_peer(&b.metadata()).unwrap();
+    // The first notification sets the outbox up; the later ones find it drained, with the
+    // target asleep again, and must ring. (`wait_notifs` looks at the outbox only when it
+    // starts: without the ring it would sleep the whole 10 s.)
+    std::thread::scope(|s| {
+        for round in 0..5u8 {
+            let waiter = s.spawn(|| {
+                let start = std::time::Instant::now();
+                (b.wait_notifs(Duration::from_secs(10)), start.elapsed())
+            });
+            std::thread::sleep(Duration::from_millis(100));
+            a.notify("target", vec![round]).unwrap();
+            let (got, waited) = waiter.join().unwrap();
+            assert_eq!(got.len(), 1);
+            assert_eq!((got[0].from.as_str(), got[0].msg.as_slice()), ("initiator", &[round][..]));
+            assert!(waited < Duration::from_secs(2), "round {round}: woke after {waited:?}");
+        }
+    });
+}
+
+#[test]
+fn notifications_to_another_host_go_over_tcp_in_order() {
+    let (a, b) = agents(AgentConfig::default());
+    let mut md = freight_core::metadata::AgentMetadata::decode(&b.metadata()).unwrap();
+    md.host.boot_id = "another-kernel".into();
+    a.add_peer(&md.encode()).unwrap();
+    for i in 0..100u8 {
+        a.notify("target", vec![i]).unwrap();
+    }
+    let mut got = Vec::new();
+    while got.len() < 100 {
+        let n = b.wait_notifs(Duration::from_secs(5));
+        assert!(!n.is_empty(), "only {} of 100 arrived", got.len());
+        got.extend(n.into_iter().map(|n| n.msg[0]));
+    }
+    assert_eq!(got, (0..100).collect::<Vec<u8>>());
+}

@@ -70,10 +70,23 @@ impl Mapping {
         self.len == 0
     }
 
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
     /// Opens the peer's memfd through /proc and maps it.
     fn open(pid: u32, loc: &SharedLocation) -> Result<Mapping> {
-        let path = format!("/proc/{pid}/fd/{}", loc.fd);
+        Mapping::open_fd(pid, loc.fd, loc.segment_len)
+    }
+
+    /// Maps the first `len` bytes of the shared segment that process `pid` (of this pid
+    /// namespace) holds open as descriptor `fd`, read/write.
+    pub fn open_fd(pid: u32, fd: i32, len: u64) -> Result<Mapping> {
+        let path = format!("/proc/{pid}/fd/{fd}");
         let unavailable = |why: String| Error::TransportUnavailable(format!("cannot map {path}: {why}"));
+        if len == 0 || usize::try_from(len).is_err() {
+            return Err(unavailable(format!("{len} bytes cannot be mapped")));
+        }
         let cpath = std::ffi::CString::new(path.clone()).expect("no NUL");
         // SAFETY: plain syscalls; results checked; the fd is closed before returning.
         unsafe {
@@ -82,12 +95,12 @@ impl Mapping {
                 return Err(unavailable(std::io::Error::last_os_error().to_string()));
             }
             let mut st: libc::stat = std::mem::zeroed();
-            let size_ok = libc::fstat(fd, &mut st) == 0 && st.st_size as u64 >= loc.segment_len;
+            let size_ok = libc::fstat(fd, &mut st) == 0 && st.st_size as u64 >= len;
             if !size_ok {
                 libc::close(fd);
-                return Err(unavailable(format!("file is smaller than the advertised {} bytes", loc.segment_len)));
+                return Err(unavailable(format!("file is smaller than the advertised {len} bytes")));
             }
-            let len = loc.segment_len as usize;
+            let len = len as usize;
             let ptr =
                 libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0);
             libc::close(fd);
