@@ -136,6 +136,30 @@ def random_copies(rng: random.Random, space: int, total_max: int, count: int):
     return copies
 
 
+def seed_source(op: str, local, peer, seed: int):
+    """The source side gets pattern(seed), the destination side poison."""
+    if op == "WRITE":
+        local.copy_(pattern(seed, peer.size).to(local.device))
+        peer.call(op="poison")
+    else:
+        peer.call(op="fill", seed=seed)
+        local.fill_(0xA5)
+        torch.cuda.synchronize()
+
+
+def check_destination(op: str, local, peer, seed: int, copies, what: str = ""):
+    """Every byte of the destination: the copies' bytes where they landed, poison elsewhere."""
+    if op == "WRITE":
+        res = peer.call(op="check", seed=seed, copies=copies)
+        assert res["ok"], f"{what}: {res['detail']}"
+    else:
+        expected = torch.full((peer.size,), 0xA5, dtype=torch.uint8)
+        src = pattern(seed, peer.size)
+        for s, d, n in copies:
+            expected[d : d + n] = src[s : s + n]
+        assert torch.equal(local.cpu(), expected), what
+
+
 @pytest.fixture(params=["cuda", "tcp"])
 def gpu_pair_over(request, gpu_pair):
     """gpu_pair, with the initiator on each transport in turn: the fixture's agent for
@@ -157,29 +181,17 @@ def move_random_copies(agent, name, peer, op: str, rng: random.Random, rounds: i
     for round_ in range(rounds):
         seed = rng.randrange(1 << 30)
         copies = random_copies(rng, size, 160 * MIB, 200)
+        seed_source(op, local, peer, seed)
         if op == "WRITE":
-            local.copy_(pattern(seed, size).cuda())
-            peer.call(op="poison")
             ldesc = [(local.data_ptr() + s, n, 0) for s, _, n in copies]
             rdesc = [(peer.base + d, n, TORCH_GPUS - 1) for _, d, n in copies]
         else:
-            peer.call(op="fill", seed=seed)
-            local.fill_(0xA5)
-            torch.cuda.synchronize()
             ldesc = [(local.data_ptr() + d, n, 0) for _, d, n in copies]
             rdesc = [(peer.base + s, n, TORCH_GPUS - 1) for s, _, n in copies]
         req = agent.transfer(op, freight.DescList(ldesc, kind="VRAM"), name, freight.DescList(rdesc, kind="VRAM"))
         req.wait(timeout=60)
         assert req.status() == "DONE"
-        if op == "WRITE":
-            res = peer.call(op="check", seed=seed, copies=copies)
-            assert res["ok"], f"round {round_}: {res['detail']}"
-        else:
-            expected = torch.full((size,), 0xA5, dtype=torch.uint8)
-            src = pattern(seed, size)
-            for s, d, n in copies:
-                expected[d : d + n] = src[s : s + n]
-            assert torch.equal(local.cpu(), expected), f"round {round_}"
+        check_destination(op, local, peer, seed, copies, f"round {round_}")
 
 
 @needs_gpu
@@ -293,13 +305,7 @@ def test_gpu_to_a_peers_host_memory_and_back(op):
             local = torch.empty(size, dtype=torch.uint8, device="cuda:0")
             agent.register(local)
             copies = [(0, 0, 64 * MIB), (64 * MIB + 3, 64 * MIB + 1, 65536), (70 * MIB, 80 * MIB, 5 * MIB)]
-            if op == "WRITE":
-                local.copy_(pattern(3, size).cuda())
-                peer.call(op="poison")
-            else:
-                peer.call(op="fill", seed=3)
-                local.fill_(0xA5)
-                torch.cuda.synchronize()
+            seed_source(op, local, peer, 3)
             pairs = [(s, d, n) if op == "WRITE" else (d, s, n) for s, d, n in copies]
             ldesc = freight.DescList([(local.data_ptr() + lo, n, 0) for lo, _, n in pairs], kind="VRAM")
             rdesc = freight.DescList([(peer.base + ro, n, 0) for _, ro, n in pairs], kind="DRAM")
@@ -307,15 +313,7 @@ def test_gpu_to_a_peers_host_memory_and_back(op):
             req = agent.transfer(op, ldesc, name, rdesc)
             req.wait(timeout=60)
             assert req.status() == "DONE"
-            if op == "WRITE":
-                res = peer.call(op="check", seed=3, copies=copies)
-                assert res["ok"], res["detail"]
-            else:
-                expected = torch.full((size,), 0xA5, dtype=torch.uint8)
-                src = pattern(3, size)
-                for s, d, n in copies:
-                    expected[d : d + n] = src[s : s + n]
-                assert torch.equal(local.cpu(), expected)
+            check_destination(op, local, peer, 3, copies)
     finally:
         peer.close()
 
@@ -342,13 +340,7 @@ def test_gpu_memory_over_tcp_to_and_from_host_memory(op):
                 base = local.data_ptr()
                 path = agent.path_to(name)
                 assert path.transport == "tcp" and "staged" in path.reason, path
-                if op == "WRITE":
-                    local.copy_(pattern(6, size).to(local.device))
-                    peer.call(op="poison")
-                else:
-                    peer.call(op="fill", seed=6)
-                    local.fill_(0xA5)
-                    torch.cuda.synchronize()
+                seed_source(op, local, peer, 6)
                 pairs = [(s, d, n) if op == "WRITE" else (d, s, n) for s, d, n in copies]
                 rdev = TORCH_GPUS - 1 if there == "VRAM" else 0
                 ldesc = freight.DescList([(base + lo, n, 0) for lo, _, n in pairs], kind=here)
@@ -356,15 +348,7 @@ def test_gpu_memory_over_tcp_to_and_from_host_memory(op):
                 req = agent.transfer(op, ldesc, name, rdesc)
                 req.wait(timeout=60)
                 assert req.status() == "DONE"
-                if op == "WRITE":
-                    res = peer.call(op="check", seed=6, copies=copies)
-                    assert res["ok"], f"{here} -> {there}: {res['detail']}"
-                else:
-                    expected = torch.full((size,), 0xA5, dtype=torch.uint8)
-                    src = pattern(6, size)
-                    for s, d, n in copies:
-                        expected[d : d + n] = src[s : s + n]
-                    assert torch.equal(local.cpu(), expected), f"{there} -> {here}"
+                check_destination(op, local, peer, 6, copies, f"{here} {op} {there}")
         finally:
             peer.close()
 

@@ -278,34 +278,17 @@ mod tests {
 
         // A polling caller finds records without any wake-up...
         let mut woken = 0;
-        out.send(
-            "p",
-            b"ring 1",
-            Duration::from_secs(1),
-            || {
-                woken += 1;
-                Ok(())
-            },
-            || Ok(()),
-        )
-        .unwrap();
+        let mut send = |out: &mut crate::doorbell::Outbox, msg: &[u8]| {
+            out.send("p", msg, Duration::from_secs(1), || Ok(woken += 1), || Ok(())).unwrap();
+        };
+        send(&mut out, b"ring 1");
         inboxes.pump(&q);
         assert_eq!(
             q.drain().iter().map(|n| (n.from.as_str(), n.msg.as_slice())).collect::<Vec<_>>(),
             vec![("peer", &b"ring 1"[..])]
         );
         // ...and the connection's own pump drains on one.
-        out.send(
-            "p",
-            b"ring 2",
-            Duration::from_secs(1),
-            || {
-                woken += 1;
-                Ok(())
-            },
-            || Ok(()),
-        )
-        .unwrap();
+        send(&mut out, b"ring 2");
         assert_eq!(woken, 2, "each record found the ring drained");
         tx.write_all(&wire::encode(&Frame::Wake)).unwrap();
         assert_eq!(pump_until(&inbox, &q, 1), vec![b"ring 2".to_vec()]);
