@@ -279,7 +279,11 @@ mod tests {
         // A polling caller finds records without any wake-up...
         let mut woken = 0;
         let mut send = |out: &mut crate::doorbell::Outbox, msg: &[u8]| {
-            out.send("p", msg, Duration::from_secs(1), || Ok(woken += 1), || Ok(())).unwrap();
+            let ring = || {
+                woken += 1;
+                Ok(())
+            };
+            out.send("p", msg, Duration::from_secs(1), ring, || Ok(())).unwrap();
         };
         send(&mut out, b"ring 1");
         inboxes.pump(&q);

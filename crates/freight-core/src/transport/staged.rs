@@ -50,11 +50,6 @@ pub fn gpu_of(r: &RegionInfo) -> Result<&'static Device> {
         .map_err(|e| Error::TransportUnavailable(format!("tcp cannot stage GPU region {} (GPU {}): {e}", r.key, r.dev)))
 }
 
-/// Whether any piece needs staging.
-pub fn any_gpu(pieces: &[Piece]) -> bool {
-    pieces.iter().any(|p| p.gpu.is_some())
-}
-
 fn total(pieces: &[Piece]) -> usize {
     pieces.iter().map(|p| p.len as usize).sum()
 }

@@ -260,6 +260,7 @@ fn send_loop(
             continue;
         }
         let chunk = job.chunk();
+        let staged_payload = matches!(slot, Ok(Some(_)));
         let payload = match slot.and_then(|s| s.map(|s| staging.ready(s, chunk.bytes as usize)).transpose()) {
             Ok(Some(bytes)) => vec![IoSlice::new(bytes)],
             // SAFETY: the request holds guards on the local regions until every chunk has
@@ -282,7 +283,7 @@ fn send_loop(
             OpKind::Read => Frame::Read { tag, segs: segs_of(chunk) },
         };
         let header = wire::encode(&frame);
-        let result = if job.staged() {
+        let result = if staged_payload {
             // A bounce buffer is reused once this returns: no zero-copy for it.
             let mut slices = vec![IoSlice::new(&header)];
             slices.extend(payload);
@@ -397,7 +398,7 @@ pub fn serve_data_stream(mut sock: TcpStream, registry: &Registry, cfg: &TcpConf
             Frame::Write { tag, segs } => {
                 let total = wire::seg_bytes(&segs)?;
                 let outcome = match check_access(registry, &segs) {
-                    Ok((guards, pieces)) if staged::any_gpu(&pieces) => {
+                    Ok((guards, Some(pieces))) => {
                         let outcome = receive_staged(&mut sock, &mut bounce, &pieces, total)?;
                         drop(guards);
                         outcome
@@ -434,7 +435,7 @@ pub fn serve_data_stream(mut sock: TcpStream, registry: &Registry, cfg: &TcpConf
             Frame::Read { tag, segs } => {
                 let total = wire::seg_bytes(&segs)? as usize;
                 let refused = match check_access(registry, &segs) {
-                    Ok((_guards, pieces)) if staged::any_gpu(&pieces) => {
+                    Ok((_guards, Some(pieces))) => {
                         let gathered = staged::bounce_for(&mut bounce, &pieces).and_then(|b| {
                             staged::gather(b, &pieces)?;
                             b.wait()?;
@@ -476,28 +477,37 @@ pub fn serve_data_stream(mut sock: TcpStream, registry: &Registry, cfg: &TcpConf
     }
 }
 
+/// The guards on a message's regions, and its pieces where GPU memory is involved.
+type Access = (Vec<Arc<crate::memory::Region>>, Option<Vec<Piece>>);
+
 /// Every segment must lie in a registered region of host or GPU memory; returns the
-/// guards, and the segments as pieces with the GPU behind each one.
-fn check_access(registry: &Registry, segs: &[Seg]) -> Result<(Vec<Arc<crate::memory::Region>>, Vec<Piece>)> {
+/// guards and, where GPU memory is involved, the segments as pieces with the GPU behind
+/// each one (host-memory messages, the common case, need no pieces).
+fn check_access(registry: &Registry, segs: &[Seg]) -> Result<Access> {
     let mut guards: Vec<Arc<crate::memory::Region>> = Vec::new();
+    for s in segs {
+        match guards.iter().find(|g| g.info.key == s.region) {
+            Some(g) => g.info.check_contains(s.addr, s.len)?,
+            None => {
+                let g = registry.get_checked(s.region, s.addr, s.len)?;
+                if !matches!(g.info.kind, MemKind::Dram | MemKind::Vram) {
+                    return Err(Error::TransportUnavailable(format!(
+                        "tcp cannot serve {} memory in this build",
+                        g.info.kind
+                    )));
+                }
+                guards.push(g);
+            }
+        }
+    }
+    if guards.iter().all(|g| g.info.kind == MemKind::Dram) {
+        return Ok((guards, None));
+    }
     let mut pieces = Vec::with_capacity(segs.len());
     for s in segs {
-        let g = match guards.iter().find(|g| g.info.key == s.region) {
-            Some(g) => {
-                g.info.check_contains(s.addr, s.len)?;
-                g
-            }
-            None => {
-                guards.push(registry.get_checked(s.region, s.addr, s.len)?);
-                guards.last().expect("just pushed")
-            }
-        };
-        let gpu = match g.info.kind {
-            MemKind::Dram => None,
-            MemKind::Vram => Some(staged::gpu_of(&g.info)?),
-            other => return Err(Error::TransportUnavailable(format!("tcp cannot serve {other} memory in this build"))),
-        };
+        let g = guards.iter().find(|g| g.info.key == s.region).expect("every segment has its guard");
+        let gpu = if g.info.kind == MemKind::Vram { Some(staged::gpu_of(&g.info)?) } else { None };
         pieces.push(Piece { addr: s.addr, len: s.len, gpu });
     }
-    Ok((guards, pieces))
+    Ok((guards, Some(pieces)))
 }
