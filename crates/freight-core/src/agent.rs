@@ -17,7 +17,7 @@ use parking_lot::RwLock;
 use crate::cuda::completion::Completions;
 use crate::desc::DescList;
 use crate::error::{invalid, Error, Result};
-use crate::memory::{MemKind, Registry, SharedSegment};
+use crate::memory::{MemKind, Registry, RemoteRegions, SharedSegment};
 use crate::metadata::{AgentMetadata, HostIdentity};
 use crate::net::{self, Introduction};
 use crate::notify::{NotifQueue, Notification};
@@ -201,11 +201,22 @@ impl Agent {
         self.inner.metadata_bytes()
     }
 
-    /// Adds (or replaces) a peer from its metadata; returns its name.
+    /// Adds a peer from its metadata; returns its name. Metadata of a peer already known
+    /// and connected refreshes its regions in place; metadata of a restarted peer (a new
+    /// agent id) or of one whose connection broke replaces it.
     pub fn add_peer(&self, metadata: &[u8]) -> Result<String> {
         self.inner.check_open()?;
         let md = AgentMetadata::decode(metadata)?;
         let name = md.name.clone();
+        // The same live agent again (a refresh): take its new regions and keep the
+        // connections, so that transfers in flight to it carry on.
+        if let Some(known) = self.inner.peers.read().get(&name) {
+            if known.md.agent_id == md.agent_id && known.check_alive().is_ok() {
+                *known.regions.write() = RemoteRegions::new(&md.regions);
+                tracing::debug!(agent = %self.inner.name, peer = %name, regions = md.regions.len(), "refreshed peer");
+                return Ok(name);
+            }
+        }
         let same_host = self.inner.host.same_host(&md.host);
         let peer = Arc::new(Peer::new(md, same_host));
         let old = self.inner.peers.write().insert(name.clone(), peer);
@@ -221,6 +232,12 @@ impl Agent {
         peer.shutdown("removed");
         tracing::info!(agent = %self.inner.name, peer = %name, "removed peer");
         Ok(())
+    }
+
+    /// Fails with `PeerDisconnected` when a connection to `peer` broke or it was removed
+    /// (a cheap check for code that waits on a peer, such as a stream's receiver).
+    pub fn check_peer(&self, peer: &str) -> Result<()> {
+        self.inner.peer(peer)?.check_alive()
     }
 
     pub fn peers(&self) -> Vec<String> {
@@ -257,16 +274,16 @@ impl Agent {
         let kind = |r: &Option<_>| if r.is_some() { MemKind::Vram } else { MemKind::Dram };
         let (local_kind, remote_kind) = (kind(&local_gpu), kind(&remote_gpu));
         let shared = {
-            let regions = peer.md.regions.iter().find(|r| r.shared.is_some());
-            match regions {
+            let shared_region = peer.regions.read().iter().find(|r| r.shared.is_some()).cloned();
+            match shared_region {
                 None => Err("the peer has no memory in shared segments".to_string()),
-                Some(r) if peer.same_host => peer.shm.probe(r).map_err(|e| e.to_string()),
+                Some(r) if peer.same_host => peer.shm.probe(&r).map_err(|e| e.to_string()),
                 Some(_) => Ok(()),
             }
         };
         // Where one side has no GPU memory, its host memory is the other end.
         let local_end = local_gpu.or_else(|| self.inner.registry.snapshot().1.into_iter().next());
-        let remote_end = remote_gpu.or_else(|| peer.md.regions.iter().find(|r| r.shared.is_some()).cloned());
+        let remote_end = remote_gpu.or_else(|| peer.regions.read().iter().find(|r| r.shared.is_some()).cloned());
         let gpu = gpu::path_facts(local_end.as_ref(), remote_end.as_ref(), peer.same_host);
         let staging = staged::path_facts(local_end.as_ref(), remote_end.as_ref());
         self.inner.choose_path(&peer, local_kind, remote_kind, shared, gpu, staging)

@@ -4,10 +4,18 @@
 //!
 //! The sender writes each message straight into free space of the receiver's buffer
 //! (one copy end to end) and tells the receiver where it is; the receiver consumes
-//! messages in order and hands space back with credits. This crate starts with that
-//! bookkeeping, kept apart from I/O so that it is tested on its own:
+//! messages in order and hands space back with credits. Everything is built on the
+//! engine's public API ([`freight_core::Agent`]).
 //!
 //! - [`window`]: where the next message goes in the buffer, which space is free, and
-//!   when the receiver owes the sender a credit.
+//!   when the receiver owes the sender a credit (pure bookkeeping, property-tested).
+//! - [`proto`]: what the two ends tell each other, in engine notifications.
+//! - [`router`]: sorts an agent's notifications by pipe.
+//! - [`pipe`]: the two ends of a pipe.
 
+pub mod pipe;
+pub mod proto;
+pub mod router;
 pub mod window;
+
+pub use pipe::{Buffer, BufferInfo, Message, PipeConfig, PipeListener, PipeReceiver, PipeSender};

@@ -103,6 +103,11 @@ impl SendWindow {
         self.capacity
     }
 
+    /// Messages reserved so far.
+    pub fn sent(&self) -> u64 {
+        self.next_seq
+    }
+
     /// Bytes written that the receiver has not handed back yet (gaps included).
     pub fn in_flight(&self) -> u64 {
         self.head - self.credit
@@ -168,6 +173,15 @@ impl RecvWindow {
             credited: 0,
             batch: batch.clamp(1, capacity),
         })
+    }
+
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    /// The sequence number of the next message to accept.
+    pub fn next_seq(&self) -> u64 {
+        self.next_seq
     }
 
     /// Messages accepted and not yet released.

@@ -1,0 +1,356 @@
+//! The receiving end: accepts pipes, hands out messages in order, returns space.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::Receiver;
+use freight_core::{Agent, Desc, DescList, Error, MemKind, Result, SharedSegment};
+use parking_lot::Mutex;
+
+use super::{check_buffer, wait_message, window_error, Buffer, BufferInfo, PipeConfig};
+use crate::proto::Msg;
+use crate::router::Router;
+use crate::window::{RecvWindow, Slot};
+
+/// Accepts pipes that senders open to this agent.
+pub struct PipeListener {
+    router: Arc<Router>,
+}
+
+impl PipeListener {
+    pub fn new(agent: &Arc<Agent>) -> PipeListener {
+        PipeListener { router: Router::of(agent) }
+    }
+
+    /// Waits up to `config.timeout` for a sender to open a pipe, and sets it up with
+    /// `buffer`. A sender that cannot be served is told why (`Refuse`).
+    pub fn accept(&self, buffer: Buffer, config: &PipeConfig) -> Result<PipeReceiver> {
+        config.validate()?;
+        let (peer, msg) = self.router.opens().recv_timeout(config.timeout).map_err(|_| {
+            Error::Timeout(format!("no sender opened a pipe within {:.1}s", config.timeout.as_secs_f64()))
+        })?;
+        let Msg::Open { pipe, addresses } = msg else {
+            return Err(Error::Protocol(format!("'{peer}' sent {msg:?} where a pipe request was due")));
+        };
+        RecvEnd::set_up(&self.router, &peer, pipe, &addresses, buffer, config)
+            .map(|end| PipeReceiver { end: Arc::new(end) })
+            .inspect_err(|e| {
+                let _ = self.router.send(&peer, &Msg::Refuse { pipe, reason: e.to_string() });
+            })
+    }
+}
+
+/// The receiving end of one pipe. Dropping it before the stream ended tells the sender.
+pub struct PipeReceiver {
+    end: Arc<RecvEnd>,
+}
+
+/// A message in the receiver's buffer. Its bytes stay put until it is released
+/// (explicitly or by dropping it); then the sender may write over them.
+pub struct Message {
+    end: Arc<RecvEnd>,
+    seq: u64,
+    start: u64,
+    offset: u64,
+    len: u64,
+    tag: Vec<u8>,
+    released: bool,
+}
+
+struct RecvEnd {
+    router: Arc<Router>,
+    peer: String,
+    pipe: u64,
+    inbox: Receiver<Msg>,
+    buffer: BufferInfo,
+    /// The buffer when this end allocated it: the segment and its registration.
+    owned: Option<(Arc<SharedSegment>, u64)>,
+    timeout: Duration,
+    state: Mutex<RecvState>,
+    /// One reader at a time hands out messages.
+    reading: Mutex<()>,
+}
+
+struct RecvState {
+    window: RecvWindow,
+    /// Announced messages not handed out yet (writes may finish out of order): seq ->
+    /// (slot, payload length, tag).
+    pending: BTreeMap<u64, (Slot, u64, Vec<u8>)>,
+    /// Messages in the stream, once the sender closed it.
+    end: Option<u64>,
+    broken: Option<Error>,
+}
+
+impl RecvEnd {
+    fn set_up(
+        router: &Arc<Router>,
+        peer: &str,
+        pipe: u64,
+        addresses: &[String],
+        buffer: Buffer,
+        config: &PipeConfig,
+    ) -> Result<RecvEnd> {
+        let agent = router.agent();
+        know_peer(agent, peer, addresses)?;
+        let (buffer, owned) = match buffer {
+            Buffer::Host { capacity } => {
+                let len = usize::try_from(capacity).map_err(|_| Error::InvalidArgument("buffer too large".into()))?;
+                let info = BufferInfo { kind: MemKind::Dram, addr: 0, len: capacity, dev: 0 };
+                check_buffer(&info)?;
+                let segment = agent.alloc(len)?;
+                let key = agent.register(MemKind::Dram, segment.addr(), capacity, 0)?;
+                (BufferInfo { addr: segment.addr(), ..info }, Some((segment, key)))
+            }
+            Buffer::Registered(info) => {
+                check_buffer(&info)?;
+                let whole = DescList::from_descs(info.kind, [Desc { addr: info.addr, len: info.len, dev: info.dev }])?;
+                agent.prepare_local(&whole)?;
+                (info, None)
+            }
+        };
+        let batch = config.credit_batch.unwrap_or(buffer.len / 4);
+        let window = RecvWindow::new(buffer.len, batch).map_err(|e| window_error(peer, e))?;
+        let inbox = router.subscribe(peer, pipe);
+        let end = RecvEnd {
+            router: router.clone(),
+            peer: peer.to_string(),
+            pipe,
+            inbox,
+            buffer: buffer.clone(),
+            owned,
+            timeout: config.timeout,
+            state: Mutex::new(RecvState { window, pending: BTreeMap::new(), end: None, broken: None }),
+            reading: Mutex::new(()),
+        };
+        router.send(peer, &Msg::Accept { pipe, buffer, credit_batch: batch })?;
+        tracing::info!(peer, pipe, capacity = end.buffer.len, kind = %end.buffer.kind.as_str(), "pipe accepted");
+        Ok(end)
+    }
+
+    fn agent(&self) -> &Agent {
+        self.router.agent()
+    }
+
+    /// Files a message from the sender.
+    fn take(&self, msg: Msg) {
+        let mut st = self.state.lock();
+        match msg {
+            Msg::Data { slot, len, tag, .. } => {
+                let slot = Slot::from(slot);
+                if slot.seq < st.window.next_seq() || st.pending.contains_key(&slot.seq) || len > slot.len {
+                    st.broken = Some(Error::Protocol(format!(
+                        "pipe from '{}': message {} announced twice or with {len} bytes in a {}-byte slot",
+                        self.peer, slot.seq, slot.len
+                    )));
+                } else {
+                    st.pending.insert(slot.seq, (slot, len, tag));
+                }
+            }
+            Msg::Close { messages, .. } => st.end = Some(messages),
+            Msg::Abort { reason, .. } => {
+                st.broken = Some(Error::PeerDisconnected {
+                    peer: self.peer.clone(),
+                    reason: format!("the sender aborted the pipe: {reason}"),
+                })
+            }
+            other => {
+                tracing::warn!(peer = %self.peer, pipe = self.pipe, msg = ?other, "unexpected message on a receiving pipe")
+            }
+        }
+    }
+
+    fn fail(&self, st: &mut RecvState, e: Error) -> Error {
+        st.broken = Some(e.clone());
+        let _ = self.router.send(&self.peer, &Msg::Abort { pipe: self.pipe, reason: e.to_string() });
+        e
+    }
+
+    fn recv(self: &Arc<Self>, timeout: Option<Duration>) -> Result<Option<Message>> {
+        let _reader = self.reading.lock();
+        let deadline = Instant::now() + timeout.unwrap_or(self.timeout);
+        loop {
+            let credit = {
+                let mut st = self.state.lock();
+                if let Some(e) = &st.broken {
+                    return Err(e.clone());
+                }
+                let next = st.window.next_seq();
+                if let Some((slot, len, tag)) = st.pending.remove(&next) {
+                    if let Err(e) = st.window.accept(slot) {
+                        let e = window_error(&self.peer, e);
+                        return Err(self.fail(&mut st, e));
+                    }
+                    let offset = slot.offset(self.buffer.len);
+                    return Ok(Some(Message {
+                        end: self.clone(),
+                        seq: slot.seq,
+                        start: slot.start,
+                        offset,
+                        len,
+                        tag,
+                        released: false,
+                    }));
+                }
+                if st.end == Some(next) {
+                    return Ok(None);
+                }
+                // About to wait: space freed but not yet credited must not stay hidden
+                // from a sender that may be waiting for it.
+                st.window.flush()
+            };
+            if let Some(upto) = credit {
+                self.router.send(&self.peer, &Msg::Credit { pipe: self.pipe, upto })?;
+            }
+            let waited = wait_message(self.agent(), &self.peer, &self.inbox, deadline);
+            match waited {
+                Ok(Some(msg)) => self.take(msg),
+                Ok(None) => {
+                    let st = self.state.lock();
+                    return Err(Error::Timeout(format!(
+                        "no message {} from '{}' within {:.1}s",
+                        st.window.next_seq(),
+                        self.peer,
+                        timeout.unwrap_or(self.timeout).as_secs_f64()
+                    )));
+                }
+                Err(e) => {
+                    let mut st = self.state.lock();
+                    st.broken = Some(e.clone());
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    fn release(&self, start: u64) -> Result<()> {
+        let credit = self.state.lock().window.release(start).map_err(|e| window_error(&self.peer, e))?;
+        match credit {
+            Some(upto) => self.router.send(&self.peer, &Msg::Credit { pipe: self.pipe, upto }),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for RecvEnd {
+    fn drop(&mut self) {
+        self.router.unsubscribe(&self.peer, self.pipe);
+        if let Some((_, key)) = &self.owned {
+            if let Err(e) = self.agent().deregister(*key) {
+                tracing::warn!(error = %e, "could not deregister a pipe buffer");
+            }
+        }
+    }
+}
+
+/// Makes sure this agent can talk back to the sender (for credits).
+fn know_peer(agent: &Agent, peer: &str, addresses: &[String]) -> Result<()> {
+    if agent.peers().iter().any(|p| p == peer) {
+        return Ok(());
+    }
+    let mut last = Error::TransportUnavailable(format!("the sender '{peer}' gave no address to answer at"));
+    for a in addresses {
+        match agent.connect(a, None) {
+            Ok(name) if name == peer => return Ok(()),
+            Ok(name) => last = Error::Protocol(format!("{a} is agent '{name}', not the sender '{peer}'")),
+            Err(e) => last = e,
+        }
+    }
+    Err(last)
+}
+
+impl PipeReceiver {
+    /// The next message in order; `Ok(None)` once the sender closed the stream and
+    /// every message was handed out. Waits up to `timeout` (the pipe's, by default).
+    pub fn recv(&self, timeout: Option<Duration>) -> Result<Option<Message>> {
+        self.end.recv(timeout)
+    }
+
+    pub fn peer(&self) -> &str {
+        &self.end.peer
+    }
+
+    pub fn buffer(&self) -> &BufferInfo {
+        &self.end.buffer
+    }
+
+    /// Messages handed out and not yet released.
+    pub fn held(&self) -> usize {
+        self.end.state.lock().window.held()
+    }
+
+    /// True once the sender closed the stream and every message was handed out.
+    pub fn finished(&self) -> bool {
+        let st = self.end.state.lock();
+        st.end == Some(st.window.next_seq()) && st.pending.is_empty()
+    }
+}
+
+impl Drop for PipeReceiver {
+    fn drop(&mut self) {
+        let unfinished = {
+            let st = self.end.state.lock();
+            st.broken.is_none() && st.end != Some(st.window.next_seq())
+        };
+        if unfinished {
+            let reason = "the receiver closed the pipe before the end of the stream".to_string();
+            let _ = self.end.router.send(&self.end.peer, &Msg::Abort { pipe: self.end.pipe, reason });
+        }
+    }
+}
+
+impl Message {
+    /// Messages are numbered from 0 in the order they were sent.
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// What the sender attached to the message.
+    pub fn tag(&self) -> &[u8] {
+        &self.tag
+    }
+
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Where the message lies: (kind, address, device).
+    pub fn location(&self) -> (MemKind, u64, u64) {
+        let b = &self.end.buffer;
+        (b.kind, b.addr + self.offset, b.dev)
+    }
+
+    /// Offset of the message in the pipe's buffer.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    /// The bytes, when the buffer is host memory.
+    pub fn bytes(&self) -> Option<&[u8]> {
+        let (kind, addr, _) = self.location();
+        // SAFETY: the buffer is registered host memory that outlives `self` (the
+        // message holds its end, which owns or borrows the registration), and the
+        // sender writes nowhere in this slot until the message is released.
+        (kind == MemKind::Dram).then(|| unsafe { std::slice::from_raw_parts(addr as *const u8, self.len as usize) })
+    }
+
+    /// Frees the message's space for the sender.
+    pub fn release(mut self) -> Result<()> {
+        self.released = true;
+        self.end.release(self.start)
+    }
+}
+
+impl Drop for Message {
+    fn drop(&mut self) {
+        if !self.released {
+            if let Err(e) = self.end.release(self.start) {
+                tracing::warn!(error = %e, seq = self.seq, "could not release a pipe message");
+            }
+        }
+    }
+}

@@ -1,0 +1,324 @@
+//! The sending end: opens a pipe, writes messages into free slots, follows credits.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::Receiver;
+use freight_core::{Agent, Desc, DescList, Error, OpKind, PreparedList, Request, Result, Status};
+use parking_lot::Mutex;
+
+use super::{align_up, wait_message, window_error, BufferInfo, PipeConfig, HEALTH_CHECK};
+use crate::proto::Msg;
+use crate::router::Router;
+use crate::window::{SendWindow, Slot, WindowError};
+
+/// The sending end of one pipe. Dropping it closes the stream after the messages sent.
+pub struct PipeSender {
+    router: Arc<Router>,
+    peer: String,
+    pipe: u64,
+    inbox: Receiver<Msg>,
+    buffer: BufferInfo,
+    config: PipeConfig,
+    state: Mutex<SendState>,
+}
+
+struct SendState {
+    window: SendWindow,
+    /// Writes posted, oldest first.
+    in_flight: VecDeque<Request>,
+    closed: bool,
+    broken: Option<Error>,
+}
+
+impl PipeSender {
+    /// Opens a pipe to the agent listening at `addr` (which must accept it with
+    /// [`super::PipeListener::accept`] within `config.timeout`).
+    pub fn connect(agent: &Arc<Agent>, addr: &str, config: &PipeConfig) -> Result<PipeSender> {
+        config.validate()?;
+        let router = Router::of(agent);
+        let peer = agent.connect(addr, None)?;
+        let pipe = rand::random::<u64>();
+        let inbox = router.subscribe(&peer, pipe);
+        let opened = Self::open(&router, &peer, pipe, &inbox, config);
+        let (buffer, window) = match opened {
+            Ok(x) => x,
+            Err(e) => {
+                router.unsubscribe(&peer, pipe);
+                return Err(e);
+            }
+        };
+        tracing::info!(peer = %peer, pipe, capacity = buffer.len, kind = %buffer.kind.as_str(), "pipe opened");
+        let state = SendState { window, in_flight: VecDeque::new(), closed: false, broken: None };
+        Ok(PipeSender { router, peer, pipe, inbox, buffer, config: config.clone(), state: Mutex::new(state) })
+    }
+
+    fn open(
+        router: &Router,
+        peer: &str,
+        pipe: u64,
+        inbox: &Receiver<Msg>,
+        config: &PipeConfig,
+    ) -> Result<(BufferInfo, SendWindow)> {
+        let agent = router.agent();
+        router.send(peer, &Msg::Open { pipe, addresses: agent.addresses() })?;
+        let deadline = Instant::now() + config.timeout;
+        loop {
+            let msg = wait_message(agent, peer, inbox, deadline)?.ok_or_else(|| {
+                Error::Timeout(format!("'{peer}' did not accept the pipe within {:.1}s", config.timeout.as_secs_f64()))
+            })?;
+            match msg {
+                Msg::Accept { buffer, .. } => {
+                    // The buffer was registered after this agent read the receiver's
+                    // metadata: read it again to see the new region.
+                    agent.refresh_peer(peer, None)?;
+                    let whole = DescList::from_descs(
+                        buffer.kind,
+                        [Desc { addr: buffer.addr, len: buffer.len, dev: buffer.dev }],
+                    )?;
+                    agent.prepare_remote(peer, &whole)?;
+                    let window = SendWindow::new(buffer.len).map_err(|e| window_error(peer, e))?;
+                    return Ok((buffer, window));
+                }
+                Msg::Refuse { reason, .. } => {
+                    return Err(Error::RemoteRejected {
+                        peer: peer.to_string(),
+                        reason: format!("pipe refused: {reason}"),
+                    })
+                }
+                other => tracing::warn!(peer, pipe, msg = ?other, "unexpected message while opening a pipe"),
+            }
+        }
+    }
+
+    pub fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    /// The receiver's buffer.
+    pub fn buffer(&self) -> &BufferInfo {
+        &self.buffer
+    }
+
+    /// The largest message the pipe carries (the buffer's size).
+    pub fn capacity(&self) -> u64 {
+        self.buffer.len
+    }
+
+    fn agent(&self) -> &Agent {
+        self.router.agent()
+    }
+
+    /// Sends the bytes of `local` (registered memory of this agent, gathered in order)
+    /// as one message with `tag` attached. Returns the message's number once its write
+    /// is posted; the memory must stay unchanged until [`PipeSender::flush`] returns.
+    /// Waits up to the pipe's timeout for room in the receiver's buffer.
+    pub fn send(&self, local: &DescList, tag: Vec<u8>) -> Result<u64> {
+        let len = local.total_bytes();
+        self.send_scattered(local, &[(0, len)], tag)
+    }
+
+    /// Like [`PipeSender::send`], but the bytes land in pieces of the message: `pieces`
+    /// are (offset in the message, length) in the order of `local`'s bytes. The
+    /// message is as long as its furthest piece.
+    pub fn send_scattered(&self, local: &DescList, pieces: &[(u64, u64)], tag: Vec<u8>) -> Result<u64> {
+        let piece_bytes: u64 = pieces.iter().map(|p| p.1).sum();
+        if piece_bytes != local.total_bytes() {
+            return Err(Error::InvalidArgument(format!(
+                "the pieces hold {piece_bytes} bytes but the local memory has {}",
+                local.total_bytes()
+            )));
+        }
+        let len = pieces.iter().map(|(o, l)| o + l).max().unwrap_or(0);
+        if len == 0 {
+            return Err(window_error(&self.peer, WindowError::Empty));
+        }
+        if len > self.buffer.len {
+            return Err(window_error(&self.peer, WindowError::TooLarge { len, capacity: self.buffer.len }));
+        }
+        // Everything that can fail on the caller's input fails before a slot is taken.
+        let prepared = self.agent().prepare_local(local)?;
+        let mut st = self.state.lock();
+        if st.closed {
+            return Err(Error::InvalidState("the pipe is closed".into()));
+        }
+        let slot = self.reserve(&mut st, align_up(len).min(self.buffer.len))?;
+        // From here a failure leaves a hole in the stream: the pipe is broken.
+        match self.post(&prepared, slot, len, pieces, tag) {
+            Ok(req) => {
+                st.in_flight.push_back(req);
+                Ok(slot.seq)
+            }
+            Err(e) => {
+                let e = self.explain(e);
+                Err(self.fail(&mut st, e))
+            }
+        }
+    }
+
+    /// A write the engine refused (the buffer's region gone, say) is usually the trace
+    /// of a receiver that closed its end: its own word on why, when it comes, is clearer.
+    fn explain(&self, e: Error) -> Error {
+        match self.inbox.recv_timeout(HEALTH_CHECK) {
+            Ok(Msg::Abort { reason, .. }) => Error::PeerDisconnected {
+                peer: self.peer.clone(),
+                reason: format!("the receiver aborted the pipe: {reason}"),
+            },
+            _ => e,
+        }
+    }
+
+    fn post(&self, local: &PreparedList, slot: Slot, len: u64, pieces: &[(u64, u64)], tag: Vec<u8>) -> Result<Request> {
+        let base = self.buffer.addr + slot.offset(self.buffer.len);
+        let b = &self.buffer;
+        let remote =
+            DescList::from_descs(b.kind, pieces.iter().map(|&(o, l)| Desc { addr: base + o, len: l, dev: b.dev }))?;
+        let remote = self.agent().prepare_remote(&self.peer, &remote)?;
+        let notif = Msg::Data { pipe: self.pipe, slot: slot.into(), len, tag }.encode();
+        let req = self.agent().make_request(OpKind::Write, local, None, &remote, None, Some(notif))?;
+        req.post()?;
+        Ok(req)
+    }
+
+    /// Takes the next slot, waiting for credits while the buffer is full.
+    fn reserve(&self, st: &mut SendState, len: u64) -> Result<Slot> {
+        let deadline = Instant::now() + self.config.timeout;
+        loop {
+            self.absorb(st)?;
+            self.reap(st, self.config.max_in_flight - 1, deadline)?;
+            if let Some(slot) = st.window.reserve(len).map_err(|e| window_error(&self.peer, e))? {
+                return Ok(slot);
+            }
+            match wait_message(self.agent(), &self.peer, &self.inbox, deadline) {
+                Ok(Some(msg)) => self.handle(st, msg)?,
+                Ok(None) => {
+                    return Err(Error::Timeout(format!(
+                        "no room for {len} bytes in the receiver's buffer within {:.1}s ('{}' holds {} of {} bytes)",
+                        self.config.timeout.as_secs_f64(),
+                        self.peer,
+                        st.window.in_flight(),
+                        self.buffer.len
+                    )))
+                }
+                Err(e) => return Err(self.fail(st, e)),
+            }
+        }
+    }
+
+    /// Applies whatever the receiver said since last time.
+    fn absorb(&self, st: &mut SendState) -> Result<()> {
+        if let Some(e) = &st.broken {
+            return Err(e.clone());
+        }
+        while let Ok(msg) = self.inbox.try_recv() {
+            self.handle(st, msg)?;
+        }
+        Ok(())
+    }
+
+    fn handle(&self, st: &mut SendState, msg: Msg) -> Result<()> {
+        match msg {
+            Msg::Credit { upto, .. } => match st.window.credit(upto) {
+                // Credits from releases on several threads may arrive out of order.
+                Ok(()) | Err(WindowError::CreditBackwards { .. }) => Ok(()),
+                Err(e) => {
+                    let e = window_error(&self.peer, e);
+                    Err(self.fail(st, e))
+                }
+            },
+            Msg::Abort { reason, .. } => {
+                let e = Error::PeerDisconnected {
+                    peer: self.peer.clone(),
+                    reason: format!("the receiver aborted the pipe: {reason}"),
+                };
+                st.broken = Some(e.clone());
+                Err(e)
+            }
+            other => {
+                tracing::warn!(peer = %self.peer, pipe = self.pipe, msg = ?other, "unexpected message on a sending pipe");
+                Ok(())
+            }
+        }
+    }
+
+    /// Forgets finished writes, and waits for the oldest while more than `keep` are
+    /// in flight. A failed write breaks the pipe.
+    fn reap(&self, st: &mut SendState, keep: usize, deadline: Instant) -> Result<()> {
+        while let Some(req) = st.in_flight.front() {
+            let status = if st.in_flight.len() > keep {
+                req.wait(Some(deadline.saturating_duration_since(Instant::now())))
+            } else {
+                req.status()
+            };
+            match status {
+                Status::Done => {
+                    st.in_flight.pop_front();
+                }
+                Status::Error(e) => return Err(self.fail(st, e)),
+                _ if st.in_flight.len() > keep => {
+                    let e = Error::Timeout(format!(
+                        "a write to '{}' did not finish within {:.1}s",
+                        self.peer,
+                        self.config.timeout.as_secs_f64()
+                    ));
+                    return Err(self.fail(st, e));
+                }
+                _ => break,
+            }
+        }
+        Ok(())
+    }
+
+    /// Marks the pipe broken and tells the receiver.
+    fn fail(&self, st: &mut SendState, e: Error) -> Error {
+        if st.broken.is_none() {
+            st.broken = Some(e.clone());
+            let _ = self.router.send(&self.peer, &Msg::Abort { pipe: self.pipe, reason: e.to_string() });
+        }
+        e
+    }
+
+    /// Waits until every message sent so far is written into the receiver's buffer
+    /// (the sender's memory may then change).
+    pub fn flush(&self) -> Result<()> {
+        let mut st = self.state.lock();
+        let deadline = Instant::now() + self.config.timeout;
+        self.absorb(&mut st)?;
+        self.reap(&mut st, 0, deadline)
+    }
+
+    /// Flushes, then ends the stream: the receiver's `recv` returns `None` after the
+    /// last message. Closing twice is harmless.
+    pub fn close(&self) -> Result<()> {
+        self.flush()?;
+        let mut st = self.state.lock();
+        if !st.closed {
+            st.closed = true;
+            self.router.send(&self.peer, &Msg::Close { pipe: self.pipe, messages: st.window.sent() })?;
+        }
+        Ok(())
+    }
+
+    /// Messages sent so far.
+    pub fn sent(&self) -> u64 {
+        self.state.lock().window.sent()
+    }
+
+    /// The pipe's timeout.
+    pub fn timeout(&self) -> Duration {
+        self.config.timeout
+    }
+}
+
+impl Drop for PipeSender {
+    fn drop(&mut self) {
+        let healthy = self.state.lock().broken.is_none();
+        if healthy {
+            if let Err(e) = self.close() {
+                tracing::warn!(peer = %self.peer, error = %e, "closing a pipe on drop failed");
+            }
+        }
+        self.router.unsubscribe(&self.peer, self.pipe);
+    }
+}

@@ -1,0 +1,182 @@
+//! Two agents in one process, over real sockets: a pipe carries far more than its
+//! buffer, in order and intact, over shm and tcp; bad input and a vanished end give
+//! errors, not hangs.
+
+use std::sync::Arc;
+use std::thread;
+use std::time::Duration;
+
+use freight_core::{Agent, AgentConfig, Desc, DescList, Error, MemKind, SharedSegment, TransportKind};
+use freight_stream::{Buffer, PipeConfig, PipeListener, PipeSender};
+
+fn agent(name: &str, require: Option<TransportKind>) -> Arc<Agent> {
+    Arc::new(Agent::new(name, AgentConfig { require, ..AgentConfig::default() }).unwrap())
+}
+
+fn config(timeout_ms: u64) -> PipeConfig {
+    PipeConfig { timeout: Duration::from_millis(timeout_ms), ..PipeConfig::default() }
+}
+
+/// Registered host memory filled with a pattern that differs per message.
+fn source(agent: &Agent, len: usize) -> (Arc<SharedSegment>, DescList) {
+    let seg = agent.alloc(len).unwrap();
+    agent.register(MemKind::Dram, seg.addr(), len as u64, 0).unwrap();
+    let list = DescList::from_descs(MemKind::Dram, [Desc { addr: seg.addr(), len: len as u64, dev: 0 }]).unwrap();
+    (seg, list)
+}
+
+fn fill(seg: &SharedSegment, len: usize, seed: u64) {
+    // SAFETY: the segment is this test's and at least `len` long.
+    let bytes = unsafe { std::slice::from_raw_parts_mut(seg.as_ptr(), len) };
+    for (i, b) in bytes.iter_mut().enumerate() {
+        *b = (i as u64).wrapping_mul(31).wrapping_add(seed * 7) as u8;
+    }
+}
+
+fn expected(len: usize, seed: u64) -> Vec<u8> {
+    (0..len).map(|i| (i as u64).wrapping_mul(31).wrapping_add(seed * 7) as u8).collect()
+}
+
+fn stream_through(require: Option<TransportKind>) {
+    const MSG: usize = 300_000; // not a multiple of the alignment, so slots have gaps
+    const COUNT: u64 = 40;
+    let rx_agent = agent("rx", require);
+    let tx_agent = agent("tx", require);
+    let addr = rx_agent.addresses()[0].clone();
+    let listener = PipeListener::new(&rx_agent);
+    let receiver = thread::spawn(move || {
+        let pipe = listener.accept(Buffer::Host { capacity: 1 << 20 }, &config(10_000)).unwrap();
+        let mut got = 0;
+        while let Some(m) = pipe.recv(None).unwrap() {
+            assert_eq!(m.seq(), got);
+            assert_eq!(m.tag(), format!("m{got}").as_bytes());
+            assert!(m.bytes().unwrap() == expected(MSG, got).as_slice(), "message {got} is corrupt");
+            m.release().unwrap();
+            got += 1;
+        }
+        assert!(pipe.finished());
+        got
+    });
+    let pipe = PipeSender::connect(&tx_agent, &addr, &config(10_000)).unwrap();
+    let (seg, list) = source(&tx_agent, MSG);
+    for i in 0..COUNT {
+        fill(&seg, MSG, i);
+        pipe.send(&list, format!("m{i}").into_bytes()).unwrap();
+        // The source is refilled next round: wait for this write.
+        pipe.flush().unwrap();
+    }
+    pipe.close().unwrap();
+    assert_eq!(receiver.join().unwrap(), COUNT);
+}
+
+#[test]
+fn far_more_than_the_buffer_arrives_in_order_over_shm() {
+    stream_through(Some(TransportKind::Shm));
+}
+
+#[test]
+fn far_more_than_the_buffer_arrives_in_order_over_tcp() {
+    stream_through(Some(TransportKind::Tcp));
+}
+
+#[test]
+fn a_receiver_that_keeps_messages_makes_the_sender_wait_then_time_out() {
+    let rx_agent = agent("rx-hold", None);
+    let tx_agent = agent("tx-hold", None);
+    let addr = rx_agent.addresses()[0].clone();
+    let listener = PipeListener::new(&rx_agent);
+    let receiver = thread::spawn(move || {
+        let pipe = listener.accept(Buffer::Host { capacity: 4096 }, &config(5_000)).unwrap();
+        // Hold both messages: the buffer stays full.
+        let a = pipe.recv(None).unwrap().unwrap();
+        let b = pipe.recv(None).unwrap().unwrap();
+        thread::sleep(Duration::from_millis(800));
+        drop((a, b));
+        pipe
+    });
+    let pipe = PipeSender::connect(&tx_agent, &addr, &config(300)).unwrap();
+    let (_seg, list) = source(&tx_agent, 2048);
+    pipe.send(&list, vec![]).unwrap();
+    pipe.send(&list, vec![]).unwrap();
+    let e = pipe.send(&list, vec![]).unwrap_err();
+    assert!(matches!(e, Error::Timeout(_)), "{e}");
+    assert!(e.to_string().contains("no room"), "{e}");
+    let _ = receiver.join().unwrap();
+}
+
+#[test]
+fn bad_input_is_refused_before_anything_is_sent() {
+    let rx_agent = agent("rx-bad", None);
+    let tx_agent = agent("tx-bad", None);
+    let addr = rx_agent.addresses()[0].clone();
+    let listener = PipeListener::new(&rx_agent);
+    let receiver = thread::spawn(move || {
+        let pipe = listener.accept(Buffer::Host { capacity: 8192 }, &config(5_000)).unwrap();
+        let m = pipe.recv(None).unwrap().unwrap();
+        assert_eq!((m.seq(), m.len()), (0, 10), "the refused sends left no hole in the stream");
+        drop(m);
+        assert!(pipe.recv(None).unwrap().is_none());
+    });
+    let pipe = PipeSender::connect(&tx_agent, &addr, &config(5_000)).unwrap();
+    let (_seg, list) = source(&tx_agent, 16384);
+    let too_big = pipe.send(&list, vec![]).unwrap_err();
+    assert!(matches!(too_big, Error::InvalidArgument(_)), "{too_big}");
+    let unregistered = DescList::from_descs(MemKind::Dram, [Desc { addr: 0x1000, len: 10, dev: 0 }]).unwrap();
+    assert!(matches!(pipe.send(&unregistered, vec![]).unwrap_err(), Error::NotRegistered { .. }));
+    let empty = DescList::new(MemKind::Dram);
+    assert!(matches!(pipe.send(&empty, vec![]).unwrap_err(), Error::InvalidArgument(_)));
+    let ten = DescList::from_descs(MemKind::Dram, [Desc { addr: list.get(0).unwrap().addr, len: 10, dev: 0 }]).unwrap();
+    pipe.send(&ten, vec![]).unwrap();
+    pipe.close().unwrap();
+    receiver.join().unwrap();
+}
+
+#[test]
+fn a_receiver_that_goes_away_fails_the_sender_and_vice_versa() {
+    // The receiver drops its end mid-stream: the sender learns it.
+    let rx_agent = agent("rx-gone", None);
+    let tx_agent = agent("tx-gone", None);
+    let addr = rx_agent.addresses()[0].clone();
+    let listener = PipeListener::new(&rx_agent);
+    let receiver = thread::spawn(move || {
+        let pipe = listener.accept(Buffer::Host { capacity: 4096 }, &config(5_000)).unwrap();
+        drop(pipe.recv(None).unwrap().unwrap());
+    });
+    let pipe = PipeSender::connect(&tx_agent, &addr, &config(5_000)).unwrap();
+    let (_seg, list) = source(&tx_agent, 4096);
+    pipe.send(&list, vec![]).unwrap();
+    receiver.join().unwrap();
+    let e = (0..3).find_map(|_| pipe.send(&list, vec![]).err()).expect("the sender must notice");
+    assert!(matches!(e, Error::PeerDisconnected { .. }), "{e}");
+    assert!(e.to_string().contains("receiver"), "{e}");
+
+    // A sender agent that closes mid-stream: the receiver does not hang.
+    let rx_agent = agent("rx-orphan", None);
+    let tx_agent = agent("tx-orphan", None);
+    let addr = rx_agent.addresses()[0].clone();
+    let listener = PipeListener::new(&rx_agent);
+    let receiver = thread::spawn(move || {
+        let pipe = listener.accept(Buffer::Host { capacity: 4096 }, &config(3_000)).unwrap();
+        drop(pipe.recv(None).unwrap().unwrap());
+        pipe.recv(None).map(|m| m.is_some())
+    });
+    let pipe = PipeSender::connect(&tx_agent, &addr, &config(5_000)).unwrap();
+    let (_seg, list) = source(&tx_agent, 1024);
+    pipe.send(&list, vec![]).unwrap();
+    pipe.flush().unwrap();
+    thread::sleep(Duration::from_millis(200));
+    tx_agent.close();
+    let e = receiver.join().unwrap().unwrap_err();
+    assert!(matches!(e, Error::PeerDisconnected { .. } | Error::Timeout(_)), "{e}");
+}
+
+#[test]
+fn nobody_opening_a_pipe_times_out() {
+    let rx_agent = agent("rx-lonely", None);
+    let e = PipeListener::new(&rx_agent).accept(Buffer::Host { capacity: 4096 }, &config(200)).err().unwrap();
+    assert!(matches!(e, Error::Timeout(_)), "{e}");
+    let tx_agent = agent("tx-lonely", None);
+    // The receiver agent exists but nobody accepts.
+    let e = PipeSender::connect(&tx_agent, &rx_agent.addresses()[0], &config(300)).err().unwrap();
+    assert!(matches!(e, Error::Timeout(_)), "{e}");
+}
