@@ -12,10 +12,15 @@
 //! - [`proto`]: what the two ends tell each other, in engine notifications.
 //! - [`router`]: sorts an agent's notifications by pipe.
 //! - [`pipe`]: the two ends of a pipe.
+//! - [`layout`]: how a batch of keyed objects fills pipe messages (pure, property-tested).
+//! - [`channel`]: keyed objects over pipes, many senders to one receiver.
 
+pub mod channel;
+pub mod layout;
 pub mod pipe;
 pub mod proto;
 pub mod router;
 pub mod window;
 
+pub use channel::{ChannelReceiver, ChannelSender, Outgoing, Received};
 pub use pipe::{Buffer, BufferInfo, Message, PipeConfig, PipeListener, PipeReceiver, PipeSender};

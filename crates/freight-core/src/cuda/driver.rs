@@ -225,6 +225,15 @@ pub fn allocation_range(addr: u64) -> Result<(u64, u64)> {
     Ok((base, size as u64))
 }
 
+/// Copies `len` bytes from `src` to `dst`, either of which may be device or host memory
+/// (unified addressing tells which), and returns when the copy is complete. For copies
+/// off the hot path: reassembling objects, filling and checking benchmark buffers.
+pub fn copy_sync(device: &Device, dst: u64, src: u64, len: usize) -> Result<()> {
+    device.bind()?;
+    // SAFETY: the caller vouches for both ranges; the driver checks the pointers.
+    check(unsafe { cu::cuMemcpy(dst, src, len) }, "cuMemcpy")
+}
+
 /// A completion marker on a stream. Waiting on it sleeps in the driver (blocking sync)
 /// instead of spinning a core.
 pub struct Event(cu::CUevent);
@@ -290,20 +299,29 @@ unsafe impl Send for DeviceBuffer {}
 unsafe impl Sync for DeviceBuffer {}
 
 impl DeviceBuffer {
+    /// Allocates `len` bytes (at least 16) on `device`, uninitialised.
+    pub fn alloc(device: &'static Device, len: usize) -> Result<DeviceBuffer> {
+        device.bind()?;
+        let len = len.max(16);
+        let mut ptr = 0;
+        // SAFETY: out-pointer to a local.
+        check(unsafe { cu::cuMemAlloc_v2(&mut ptr, len) }, "cuMemAlloc")?;
+        Ok(DeviceBuffer { ptr, len, device })
+    }
+
     /// Allocates `bytes.len()` bytes on `device` and copies `bytes` there.
     pub fn upload(device: &'static Device, bytes: &[u8]) -> Result<DeviceBuffer> {
-        device.bind()?;
-        let len = bytes.len().max(16);
-        let mut ptr = 0;
-        // SAFETY: out-pointer; then a synchronous copy of `bytes` into the new allocation.
-        unsafe {
-            check(cu::cuMemAlloc_v2(&mut ptr, len), "cuMemAlloc")?;
-            let buf = DeviceBuffer { ptr, len, device };
-            if !bytes.is_empty() {
-                check(cu::cuMemcpyHtoD_v2(ptr, bytes.as_ptr() as *const c_void, bytes.len()), "cuMemcpyHtoD")?;
-            }
-            Ok(buf)
+        let buf = DeviceBuffer::alloc(device, bytes.len())?;
+        if !bytes.is_empty() {
+            // SAFETY: a synchronous copy of `bytes` into the new, large enough allocation.
+            let r = unsafe { cu::cuMemcpyHtoD_v2(buf.ptr, bytes.as_ptr() as *const c_void, bytes.len()) };
+            check(r, "cuMemcpyHtoD")?;
         }
+        Ok(buf)
+    }
+
+    pub fn device(&self) -> &'static Device {
+        self.device
     }
 
     pub fn addr(&self) -> u64 {

@@ -1,0 +1,408 @@
+//! The channel: keyed objects over pipes.
+//!
+//! A sender sends objects (a key, bytes in its registered memory, and opaque metadata
+//! such as a dtype and shape) in batches; each batch is laid out in pipe messages by
+//! [`crate::layout`], and each message carries a header naming the objects in it. The
+//! receiver reads one or more pipes (several senders may feed one receiver) and hands
+//! out objects as zero-copy views of its pipe buffers; an object cut across messages
+//! is reassembled into memory of the buffer's kind.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::Receiver;
+use freight_core::cuda::driver::{copy_sync, DeviceBuffer};
+use freight_core::cuda::Device;
+use freight_core::{Desc, DescList, Error, MemKind, Result};
+use serde::{Deserialize, Serialize};
+
+use crate::layout;
+use crate::pipe::{Message, PipeReceiver, PipeSender, ALIGN};
+
+/// Headers larger than this are refused before anything is sent (a message's header
+/// travels in its notification).
+pub const MAX_HEADER: usize = 1 << 20;
+
+/// An object to send: its key, where its bytes are (registered memory of the sending
+/// agent), and metadata the receiver gets back unchanged.
+#[derive(Debug, Clone)]
+pub struct Outgoing {
+    pub key: String,
+    pub kind: MemKind,
+    pub local: Desc,
+    pub meta: Vec<u8>,
+}
+
+/// One object's piece in a message, as the header describes it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct Entry {
+    key: String,
+    meta: Vec<u8>,
+    /// Where the piece lies in the message.
+    offset: u64,
+    len: u64,
+    /// The whole object's size, and where the piece belongs in it.
+    object_len: u64,
+    object_at: u64,
+}
+
+pub struct ChannelSender {
+    pipe: PipeSender,
+    batch_size: usize,
+    max_message: u64,
+}
+
+impl ChannelSender {
+    /// `batch_size`: objects per batch (a batch fills one or more messages).
+    /// `max_message`: the largest message [a quarter of the pipe's buffer, so that
+    /// several are in flight while the receiver works on others].
+    pub fn new(pipe: PipeSender, batch_size: usize, max_message: Option<u64>) -> Result<ChannelSender> {
+        if batch_size == 0 {
+            return Err(Error::InvalidArgument("the batch size must be at least 1".into()));
+        }
+        let capacity = pipe.capacity();
+        let max_message = max_message.unwrap_or((capacity / 4 / ALIGN * ALIGN).max(ALIGN)).min(capacity);
+        if max_message < ALIGN {
+            return Err(Error::InvalidArgument(format!("a channel needs a pipe buffer of at least {ALIGN} bytes")));
+        }
+        Ok(ChannelSender { pipe, batch_size, max_message })
+    }
+
+    pub fn pipe(&self) -> &PipeSender {
+        &self.pipe
+    }
+
+    /// Sends `objects` in batches of the channel's batch size. Keys must be unique
+    /// within a call and not empty; the memory must stay unchanged until
+    /// [`ChannelSender::flush`] returns. Returns the number of pipe messages used.
+    pub fn send(&self, objects: &[Outgoing]) -> Result<usize> {
+        check_batch(objects)?;
+        let mut messages = 0;
+        for batch in objects.chunks(self.batch_size) {
+            let sizes: Vec<u64> = batch.iter().map(|o| o.local.len).collect();
+            let plans = layout::plan(&sizes, self.max_message);
+            // Encode every header first: a batch is refused whole or sent whole.
+            let mut encoded = Vec::with_capacity(plans.len());
+            for pieces in &plans {
+                encoded.push(self.encode(batch, pieces)?);
+            }
+            for (pieces, (local, spans, header)) in plans.iter().zip(encoded) {
+                debug_assert_eq!(pieces.len(), spans.len());
+                self.pipe.send_scattered(&local, &spans, header)?;
+                messages += 1;
+            }
+        }
+        Ok(messages)
+    }
+
+    /// A message's local memory list, its pieces' places, and its header.
+    #[allow(clippy::type_complexity)]
+    fn encode(&self, batch: &[Outgoing], pieces: &[layout::Piece]) -> Result<(DescList, Vec<(u64, u64)>, Vec<u8>)> {
+        let kind = batch[pieces[0].object].kind;
+        let mut local = DescList::new(kind);
+        let mut spans = Vec::with_capacity(pieces.len());
+        let mut entries = Vec::with_capacity(pieces.len());
+        for p in pieces {
+            let o = &batch[p.object];
+            if p.len > 0 {
+                local.push(Desc { addr: o.local.addr + p.object_at, len: p.len, dev: o.local.dev })?;
+            }
+            spans.push((p.offset, p.len));
+            entries.push(Entry {
+                key: o.key.clone(),
+                meta: o.meta.clone(),
+                offset: p.offset,
+                len: p.len,
+                object_len: o.local.len,
+                object_at: p.object_at,
+            });
+        }
+        let header = postcard::to_allocvec(&entries).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        if header.len() > MAX_HEADER {
+            return Err(Error::InvalidArgument(format!(
+                "the keys and metadata of one message take {} bytes (at most {MAX_HEADER}); use a smaller batch",
+                header.len()
+            )));
+        }
+        // Empty objects take no bytes, but a message needs at least one.
+        if local.is_empty() {
+            let o = &batch[pieces[0].object];
+            return Err(Error::InvalidArgument(format!("object '{}' is empty; send at least one byte", o.key)));
+        }
+        Ok((local, spans.into_iter().filter(|s| s.1 > 0).collect(), header))
+    }
+
+    pub fn flush(&self) -> Result<()> {
+        self.pipe.flush()
+    }
+
+    pub fn close(&self) -> Result<()> {
+        self.pipe.close()
+    }
+}
+
+fn check_batch(objects: &[Outgoing]) -> Result<()> {
+    let mut seen = std::collections::HashSet::with_capacity(objects.len());
+    let kind = objects.first().map(|o| o.kind);
+    for o in objects {
+        if o.key.is_empty() {
+            return Err(Error::InvalidArgument("object keys must not be empty".into()));
+        }
+        if !seen.insert(o.key.as_str()) {
+            return Err(Error::InvalidArgument(format!("key '{}' appears twice in one send", o.key)));
+        }
+        if o.local.len == 0 {
+            return Err(Error::InvalidArgument(format!("object '{}' is empty; send at least one byte", o.key)));
+        }
+        if Some(o.kind) != kind {
+            return Err(Error::InvalidArgument("all objects of one send must be in the same kind of memory".into()));
+        }
+    }
+    Ok(())
+}
+
+/// Where a received object's bytes are.
+pub enum Data {
+    /// In a pipe buffer: the message's space is freed when every view of it is gone.
+    View { message: Arc<Message>, offset: u64 },
+    /// Reassembled in host memory.
+    Host(Vec<u8>),
+    /// Reassembled in GPU memory.
+    Device(DeviceBuffer),
+}
+
+/// An object that arrived whole.
+pub struct Received {
+    pub key: String,
+    pub meta: Vec<u8>,
+    /// Which of the receiver's pipes it came through.
+    pub sender: usize,
+    len: u64,
+    data: Data,
+}
+
+impl Received {
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// (kind, address, device) of the bytes.
+    pub fn location(&self) -> (MemKind, u64, u64) {
+        match &self.data {
+            Data::View { message, offset } => {
+                let (kind, addr, dev) = message.location();
+                (kind, addr + offset, dev)
+            }
+            Data::Host(v) => (MemKind::Dram, v.as_ptr() as u64, 0),
+            Data::Device(b) => (MemKind::Vram, b.addr(), b.device().ordinal as u64),
+        }
+    }
+
+    /// True when the bytes are a view of a pipe buffer (not reassembled).
+    pub fn is_view(&self) -> bool {
+        matches!(self.data, Data::View { .. })
+    }
+
+    /// The bytes, when they are in host memory.
+    pub fn bytes(&self) -> Option<&[u8]> {
+        match &self.data {
+            Data::View { message, offset } => {
+                message.bytes().map(|b| &b[*offset as usize..(*offset + self.len) as usize])
+            }
+            Data::Host(v) => Some(v),
+            Data::Device(_) => None,
+        }
+    }
+
+    /// Copies the bytes to `dst` (host memory, or device memory of `dst_kind`).
+    pub fn copy_to(&self, dst_kind: MemKind, dst: u64) -> Result<()> {
+        let (kind, src, dev) = self.location();
+        copy_bytes(kind, dev, dst_kind, dst, src, self.len)
+    }
+}
+
+/// Copies between host and device memory in any direction, synchronously.
+fn copy_bytes(src_kind: MemKind, src_dev: u64, dst_kind: MemKind, dst: u64, src: u64, len: u64) -> Result<()> {
+    if src_kind == MemKind::Dram && dst_kind == MemKind::Dram {
+        // SAFETY: the caller vouches for `dst`; `src` is live memory of a message or a
+        // reassembled object, `len` bytes long.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, len as usize) };
+        return Ok(());
+    }
+    let device = Device::get(src_dev as usize)?;
+    copy_sync(device, dst, src, len as usize)
+}
+
+/// An object whose pieces are still arriving.
+struct Assembly {
+    meta: Vec<u8>,
+    data: Data,
+    len: u64,
+    filled: u64,
+}
+
+enum Event {
+    Message(usize, Message),
+    End(usize),
+    Failed(Error),
+}
+
+/// Reads one or more pipes and hands out whole objects.
+pub struct ChannelReceiver {
+    events: Receiver<Event>,
+    readers: Vec<JoinHandle<()>>,
+    stop: Arc<AtomicBool>,
+    live: usize,
+    partial: HashMap<(usize, String), Assembly>,
+    timeout: Duration,
+}
+
+/// How often a pipe reader looks whether the channel was dropped.
+const READER_SLICE: Duration = Duration::from_millis(200);
+
+impl ChannelReceiver {
+    /// Receives from `pipes` (one per sender); `timeout` bounds each `recv`.
+    pub fn new(pipes: Vec<PipeReceiver>, timeout: Duration) -> ChannelReceiver {
+        let (tx, events) = crossbeam_channel::unbounded();
+        let stop = Arc::new(AtomicBool::new(false));
+        let live = pipes.len();
+        let readers = pipes
+            .into_iter()
+            .enumerate()
+            .map(|(i, pipe)| {
+                let (tx, stop) = (tx.clone(), stop.clone());
+                std::thread::Builder::new()
+                    .name(format!("freight-channel-{i}"))
+                    .spawn(move || read_pipe(i, pipe, tx, stop))
+                    .expect("cannot start a channel reader thread")
+            })
+            .collect();
+        ChannelReceiver { events, readers, stop, live, partial: HashMap::new(), timeout }
+    }
+
+    /// The objects of the next message that completes any (whole objects only; the
+    /// pieces of a cut object are kept until its last one arrives). `Ok(None)` once
+    /// every sender closed its stream.
+    pub fn recv(&mut self, timeout: Option<Duration>) -> Result<Option<Vec<Received>>> {
+        let timeout = timeout.unwrap_or(self.timeout);
+        let deadline = Instant::now() + timeout;
+        loop {
+            if self.live == 0 {
+                return Ok(None);
+            }
+            let event = self
+                .events
+                .recv_deadline(deadline)
+                .map_err(|_| Error::Timeout(format!("no object arrived within {:.1}s", timeout.as_secs_f64())))?;
+            match event {
+                Event::Message(sender, m) => {
+                    let objects = self.unpack(sender, m)?;
+                    if !objects.is_empty() {
+                        return Ok(Some(objects));
+                    }
+                }
+                Event::End(sender) => {
+                    self.live -= 1;
+                    if let Some((_, key)) = self.partial.keys().find(|(s, _)| *s == sender) {
+                        return Err(Error::Protocol(format!(
+                            "sender {sender} closed its stream before the last piece of '{key}'"
+                        )));
+                    }
+                }
+                Event::Failed(e) => return Err(e),
+            }
+        }
+    }
+
+    fn unpack(&mut self, sender: usize, message: Message) -> Result<Vec<Received>> {
+        let entries: Vec<Entry> = postcard::from_bytes(message.tag())
+            .map_err(|e| Error::Protocol(format!("malformed channel header from sender {sender}: {e}")))?;
+        let message = Arc::new(message);
+        let mut out = Vec::new();
+        for e in entries {
+            let bad = |why: &str| Error::Protocol(format!("object '{}' from sender {sender}: {why}", e.key));
+            if e.offset.checked_add(e.len).is_none_or(|end| end > message.len()) {
+                return Err(bad("a piece lies outside its message"));
+            }
+            if e.object_at.checked_add(e.len).is_none_or(|end| end > e.object_len) {
+                return Err(bad("a piece lies outside its object"));
+            }
+            if e.len == e.object_len {
+                out.push(Received {
+                    key: e.key,
+                    meta: e.meta,
+                    sender,
+                    len: e.len,
+                    data: Data::View { message: message.clone(), offset: e.offset },
+                });
+                continue;
+            }
+            let slot = (sender, e.key.clone());
+            if !self.partial.contains_key(&slot) {
+                let data = allocate_like(&message, e.object_len)?;
+                self.partial
+                    .insert(slot.clone(), Assembly { meta: e.meta.clone(), data, len: e.object_len, filled: 0 });
+            }
+            let a = self.partial.get_mut(&slot).expect("inserted above");
+            if a.len != e.object_len || a.filled != e.object_at {
+                return Err(bad("pieces disagree on the object's size or arrive out of order"));
+            }
+            let (kind, src, dev) = message.location();
+            let (dst_kind, dst) = match &mut a.data {
+                Data::Host(v) => (MemKind::Dram, v.as_mut_ptr() as u64),
+                Data::Device(b) => (MemKind::Vram, b.addr()),
+                Data::View { .. } => unreachable!("assemblies own their memory"),
+            };
+            copy_bytes(kind, dev, dst_kind, dst + e.object_at, src + e.offset, e.len)?;
+            a.filled += e.len;
+            if a.filled == a.len {
+                let a = self.partial.remove(&slot).expect("present");
+                out.push(Received { key: e.key, meta: a.meta, sender, len: a.len, data: a.data });
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Memory for an object being reassembled, of the same kind as the message's buffer.
+fn allocate_like(message: &Message, len: u64) -> Result<Data> {
+    let (kind, _, dev) = message.location();
+    let n = usize::try_from(len).map_err(|_| Error::InvalidArgument("object too large".into()))?;
+    match kind {
+        MemKind::Vram => Ok(Data::Device(DeviceBuffer::alloc(Device::get(dev as usize)?, n)?)),
+        _ => Ok(Data::Host(vec![0; n])),
+    }
+}
+
+fn read_pipe(i: usize, pipe: PipeReceiver, tx: crossbeam_channel::Sender<Event>, stop: Arc<AtomicBool>) {
+    while !stop.load(Ordering::Acquire) {
+        let event = match pipe.recv(Some(READER_SLICE)) {
+            Ok(Some(m)) => Event::Message(i, m),
+            Ok(None) => Event::End(i),
+            // Quiet, but the other end is alive (a dead one is an error): keep waiting.
+            Err(Error::Timeout(_)) => continue,
+            Err(e) => Event::Failed(e),
+        };
+        let last = !matches!(event, Event::Message(..));
+        if tx.send(event).is_err() || last {
+            break;
+        }
+    }
+}
+
+impl Drop for ChannelReceiver {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        // Readers notice within a slice; their pipes then tell unfinished senders.
+        for r in self.readers.drain(..) {
+            let _ = r.join();
+        }
+    }
+}

@@ -1,0 +1,136 @@
+//! Keyed objects over pipes between agents in one process, over real sockets: mixed
+//! sizes, objects larger than the buffer, several senders to one receiver, bad input.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::thread;
+use std::time::Duration;
+
+use freight_core::{Agent, AgentConfig, Desc, Error, MemKind, SharedSegment, TransportKind};
+use freight_stream::{Buffer, ChannelReceiver, ChannelSender, Outgoing, PipeConfig, PipeListener, PipeSender};
+
+fn agent(name: &str, require: Option<TransportKind>) -> Arc<Agent> {
+    Arc::new(Agent::new(name, AgentConfig { require, ..AgentConfig::default() }).unwrap())
+}
+
+fn config() -> PipeConfig {
+    PipeConfig { timeout: Duration::from_secs(10), ..PipeConfig::default() }
+}
+
+fn pattern(key: &str, len: usize) -> Vec<u8> {
+    let seed = key.bytes().fold(7u8, |a, b| a.wrapping_mul(31).wrapping_add(b));
+    (0..len).map(|i| (i as u8).wrapping_mul(13).wrapping_add(seed)).collect()
+}
+
+/// Objects of the given sizes, laid out in one registered segment of `agent`.
+fn objects(agent: &Agent, prefix: &str, sizes: &[usize]) -> (Arc<SharedSegment>, Vec<Outgoing>) {
+    let total: usize = sizes.iter().sum();
+    let seg = agent.alloc(total).unwrap();
+    agent.register(MemKind::Dram, seg.addr(), total as u64, 0).unwrap();
+    let mut at = 0;
+    let mut out = Vec::new();
+    for (i, &len) in sizes.iter().enumerate() {
+        let key = format!("{prefix}{i}");
+        // SAFETY: within the segment, which this test owns.
+        unsafe { std::ptr::copy_nonoverlapping(pattern(&key, len).as_ptr(), seg.as_ptr().add(at), len) };
+        let local = Desc { addr: seg.addr() + at as u64, len: len as u64, dev: 0 };
+        out.push(Outgoing { key, kind: MemKind::Dram, local, meta: format!("len={len}").into_bytes() });
+        at += len;
+    }
+    (seg, out)
+}
+
+fn run(require: Option<TransportKind>, senders: usize, sizes: &[usize], capacity: u64, batch: usize) {
+    let rx_agent = agent("ch-rx", require);
+    let addr = rx_agent.addresses()[0].clone();
+    let listener = PipeListener::new(&rx_agent);
+    let handles: Vec<_> = (0..senders)
+        .map(|s| {
+            let addr = addr.clone();
+            let sizes = sizes.to_vec();
+            thread::spawn(move || {
+                let tx_agent = agent(&format!("ch-tx{s}"), require);
+                let pipe = PipeSender::connect(&tx_agent, &addr, &config()).unwrap();
+                let channel = ChannelSender::new(pipe, batch, None).unwrap();
+                let (_seg, objs) = objects(&tx_agent, &format!("s{s}-"), &sizes);
+                channel.send(&objs).unwrap();
+                channel.close().unwrap();
+            })
+        })
+        .collect();
+    let pipes = (0..senders).map(|_| listener.accept(Buffer::Host { capacity }, &config()).unwrap()).collect();
+    let mut receiver = ChannelReceiver::new(pipes, Duration::from_secs(10));
+    let mut seen: HashMap<String, (usize, bool)> = HashMap::new();
+    while let Some(batch) = receiver.recv(None).unwrap() {
+        for o in batch {
+            let len = o.len() as usize;
+            assert_eq!(o.meta, format!("len={len}").into_bytes());
+            assert!(o.bytes().unwrap() == pattern(&o.key, len).as_slice(), "object {} is corrupt", o.key);
+            assert!(seen.insert(o.key.clone(), (len, o.is_view())).is_none(), "{} arrived twice", o.key);
+        }
+    }
+    for h in handles {
+        h.join().unwrap();
+    }
+    assert_eq!(seen.len(), senders * sizes.len(), "every object arrives");
+    for (key, (len, view)) in seen {
+        assert_eq!(view, len as u64 <= capacity / 4, "{key}: views for objects that fit a message");
+    }
+}
+
+#[test]
+fn mixed_sizes_and_objects_larger_than_the_buffer_over_shm() {
+    let sizes = [1, 1000, 70_000, 5, 300_000, 4096, 123_457, 999, 65_536, 250_000];
+    run(Some(TransportKind::Shm), 1, &sizes, 128 << 10, 3);
+}
+
+#[test]
+fn mixed_sizes_and_objects_larger_than_the_buffer_over_tcp() {
+    let sizes = [1, 1000, 70_000, 5, 300_000, 4096, 123_457, 999, 65_536, 250_000];
+    run(Some(TransportKind::Tcp), 1, &sizes, 128 << 10, 4);
+}
+
+#[test]
+fn three_senders_feed_one_receiver() {
+    let sizes: Vec<usize> = (0..30).map(|i| 1000 + i * 3000).collect();
+    run(None, 3, &sizes, 256 << 10, 5);
+}
+
+#[test]
+fn bad_batches_are_refused_whole() {
+    let rx_agent = agent("ch-bad-rx", None);
+    let tx_agent = agent("ch-bad-tx", None);
+    let addr = rx_agent.addresses()[0].clone();
+    let listener = PipeListener::new(&rx_agent);
+    let receiver = thread::spawn(move || {
+        let pipe = listener.accept(Buffer::Host { capacity: 1 << 16 }, &config()).unwrap();
+        let mut channel = ChannelReceiver::new(vec![pipe], Duration::from_secs(10));
+        let mut keys = Vec::new();
+        while let Some(batch) = channel.recv(None).unwrap() {
+            keys.extend(batch.into_iter().map(|o| o.key));
+        }
+        keys
+    });
+    let pipe = PipeSender::connect(&tx_agent, &addr, &config()).unwrap();
+    let channel = ChannelSender::new(pipe, 2, None).unwrap();
+    let (_seg, objs) = objects(&tx_agent, "k", &[10, 20, 30]);
+    let mut dup = objs.clone();
+    dup[2].key = "k0".into();
+    let e = channel.send(&dup).unwrap_err();
+    assert!(e.to_string().contains("twice"), "{e}");
+    let mut empty = objs.clone();
+    empty[1].key = String::new();
+    assert!(matches!(channel.send(&empty).unwrap_err(), Error::InvalidArgument(_)));
+    let mut zero = objs.clone();
+    zero[1].local.len = 0;
+    assert!(channel.send(&zero).unwrap_err().to_string().contains("empty"));
+    let mut mixed = objs.clone();
+    mixed[1].kind = MemKind::Vram;
+    assert!(channel.send(&mixed).unwrap_err().to_string().contains("same kind"));
+    let mut huge_meta = objs.clone();
+    huge_meta[0].meta = vec![0; 2 << 20];
+    assert!(channel.send(&huge_meta).unwrap_err().to_string().contains("smaller batch"));
+    channel.send(&objs).unwrap();
+    channel.close().unwrap();
+    assert_eq!(receiver.join().unwrap(), vec!["k0", "k1", "k2"], "only the good batch arrived");
+}
