@@ -321,6 +321,24 @@ pub fn parse_chunk_size(s: &str) -> Result<u64, String> {
 }
 
 impl EngineOpts {
+    /// The options again, as a command line (for a child process started alike).
+    pub fn to_args(&self) -> Vec<String> {
+        let mut v = vec!["--transport".to_string(), self.transport.as_str().to_string()];
+        let mut push = |flag: &str, value: Option<String>| {
+            if let Some(value) = value {
+                v.extend([flag.to_string(), value]);
+            }
+        };
+        push("--streams", self.streams.map(|n| n.to_string()));
+        push("--chunk-size", self.chunk_size.map(|n| n.to_string()));
+        push("--window", self.window.map(|n| n.to_string()));
+        push("--shm-threads", self.shm_threads.map(|n| n.to_string()));
+        if self.no_zerocopy {
+            v.push("--no-zerocopy".into());
+        }
+        v
+    }
+
     /// The agent configuration these options describe, listening on `listen`.
     pub fn agent_config(&self, listen: &str, require: Option<TransportKind>) -> AgentConfig {
         let tcp = TcpConfig::default();

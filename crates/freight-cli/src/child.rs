@@ -30,11 +30,18 @@ pub struct TargetProcess {
 
 impl TargetProcess {
     pub fn spawn(self_command: &[String], log_level: Option<&str>) -> CliResult<TargetProcess> {
+        let args = [target::SUBCOMMAND, "--listen", "127.0.0.1:0"].map(String::from);
+        TargetProcess::spawn_with(self_command, &args, log_level)
+    }
+
+    /// Starts this CLI again with `args`; the child must print a
+    /// [`target::listen_line`] first.
+    pub fn spawn_with(self_command: &[String], args: &[String], log_level: Option<&str>) -> CliResult<TargetProcess> {
         let (prog, rest) = self_command
             .split_first()
             .ok_or_else(|| CliError::runtime("no command to start the target process with"))?;
         let mut cmd = std::process::Command::new(prog);
-        cmd.args(rest).args([target::SUBCOMMAND, "--listen", "127.0.0.1:0"]);
+        cmd.args(rest).args(args);
         if let Some(level) = log_level {
             cmd.args(["--log-level", level]);
         }
@@ -50,10 +57,13 @@ impl TargetProcess {
                 let mut tx = Some(tx);
                 // Keep reading after the address so that the child never blocks on a full pipe.
                 for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                    if let Some(found) = target::parse_listen_line(&line) {
-                        if let Some(tx) = tx.take() {
-                            let _ = tx.send(found);
+                    match target::parse_listen_line(&line) {
+                        Some(found) if tx.is_some() => {
+                            let _ = tx.take().map(|tx| tx.send(found));
                         }
+                        // What the child narrates after that, the user sees, marked.
+                        _ if tx.is_none() => eprintln!("  child | {line}"),
+                        _ => {}
                     }
                 }
             })

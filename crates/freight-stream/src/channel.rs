@@ -139,6 +139,11 @@ impl ChannelSender {
         self.pipe.flush()
     }
 
+    /// Waits until the receiver has released every object sent so far.
+    pub fn drain(&self) -> Result<()> {
+        self.pipe.drain()
+    }
+
     pub fn close(&self) -> Result<()> {
         self.pipe.close()
     }

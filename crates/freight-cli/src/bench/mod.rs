@@ -4,6 +4,7 @@ mod descriptors;
 mod measure;
 mod p2p;
 mod report;
+mod stream;
 
 use clap::Subcommand;
 
@@ -18,11 +19,18 @@ pub enum BenchCommand {
     /// Descriptor handling in one process: registering regions, preparing local, remote
     /// and strided descriptor lists, building requests.
     Descriptors(descriptors::DescriptorArgs),
+    /// Disaggregated prefill's pipe: objects streamed through a bounded buffer in the
+    /// receiver's memory (a second process), verified, timed over rounds.
+    Pipe(Box<stream::StreamArgs>),
+    /// The same run as keyed objects over a channel, sent in batches.
+    Channel(Box<stream::StreamArgs>),
 }
 
 pub fn run(cmd: &BenchCommand, ctx: &Context) -> CliResult<()> {
     match cmd {
         BenchCommand::P2p(a) => p2p::run(a, ctx),
         BenchCommand::Descriptors(a) => descriptors::run(a),
+        BenchCommand::Pipe(a) => stream::run(stream::Product::Pipe, a, ctx),
+        BenchCommand::Channel(a) => stream::run(stream::Product::Channel, a, ctx),
     }
 }

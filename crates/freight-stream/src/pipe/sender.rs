@@ -288,6 +288,29 @@ impl PipeSender {
         self.reap(&mut st, 0, deadline)
     }
 
+    /// Flushes, then waits until the receiver has released every message sent so far
+    /// (its buffer is empty again): the end of a stream's work, end to end.
+    pub fn drain(&self) -> Result<()> {
+        self.flush()?;
+        let mut st = self.state.lock();
+        let deadline = Instant::now() + self.config.timeout;
+        while st.window.in_flight() > 0 {
+            match wait_message(self.agent(), &self.peer, &self.inbox, deadline) {
+                Ok(Some(msg)) => self.handle(&mut st, msg)?,
+                Ok(None) => {
+                    return Err(Error::Timeout(format!(
+                        "'{}' did not release {} bytes within {:.1}s",
+                        self.peer,
+                        st.window.in_flight(),
+                        self.config.timeout.as_secs_f64()
+                    )))
+                }
+                Err(e) => return Err(self.fail(&mut st, e)),
+            }
+        }
+        Ok(())
+    }
+
     /// Flushes, then ends the stream: the receiver's `recv` returns `None` after the
     /// last message. Closing twice is harmless.
     pub fn close(&self) -> Result<()> {

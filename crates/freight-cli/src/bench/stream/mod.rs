@@ -1,0 +1,316 @@
+//! `freight bench pipe` and `freight bench channel`: the disaggregated-prefill stream
+//! benchmarks. A sender streams `--num-objs` objects of `--obj-size` bytes per round to a
+//! receiver, through a pipe whose buffer (`--buffer-size`, in the receiver's memory) may
+//! be far smaller than a round; `channel` sends them as keyed objects in batches.
+//!
+//! A run starts with a verification round, whose every byte the receiver checks, then
+//! times `--num-rounds` rounds. With `--simulate-work` both sides also pretend to
+//! compute (the sender 50 ms per 10 objects, the receiver 20 ms per 10), and a round of
+//! transfers alone is timed first, so that the overlap shows: a round with work should
+//! take about max(work, transfer), not their sum.
+
+mod memory;
+mod receiver;
+mod sender;
+
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+use serde::{Deserialize, Serialize};
+
+use crate::args::{parse_duration, parse_positive_size, CliError, CliResult, EngineOpts};
+use crate::child::TargetProcess;
+use crate::Context;
+
+pub use memory::Device;
+
+const AFTER_HELP: &str = "\
+Sizes take an optional unit: B, K/KiB (1024), KB (1000), M/MiB, MB, G/GiB, GB.
+
+The seed's runs (two GPUs; the receiver is started as a child process on the next GPU):
+  freight bench pipe --num-objs 500 --obj-size 32MiB --buffer-size 4GiB
+  freight bench pipe --num-rounds 5 --num-objs 500 --simulate-work
+  freight bench channel --num-objs 1000 --batch-size 30 --simulate-work
+
+Two shells or two hosts: start the receiver, then the sender:
+  freight bench pipe --role receiver --listen 0.0.0.0:7100 --device cuda:1
+  freight bench pipe --role sender --connect RECEIVER_IP:7100 --device cuda:0
+
+The receiver takes the run's shape (objects, sizes, rounds, work) from the sender.";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum StreamRole {
+    /// Send, and start the receiver as a child process (or use --connect).
+    Auto,
+    /// Send to a receiver given with --connect.
+    Sender,
+    /// Own the pipe's buffer and receive one sender's run, then exit.
+    Receiver,
+}
+
+/// Which product carries the objects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Product {
+    Pipe,
+    Channel,
+}
+
+impl Product {
+    fn command(self) -> &'static str {
+        match self {
+            Product::Pipe => "pipe",
+            Product::Channel => "channel",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Args)]
+#[command(after_help = AFTER_HELP)]
+pub struct StreamArgs {
+    /// auto: send, with a receiver started as a child process; sender; receiver.
+    #[arg(long, value_enum, default_value_t = StreamRole::Auto)]
+    pub role: StreamRole,
+
+    /// Receiver: address to listen on.
+    #[arg(long, value_name = "IP:PORT", default_value = "127.0.0.1:0")]
+    pub listen: String,
+
+    /// Sender: the receiver's address, as it printed it (implies --role sender).
+    #[arg(long, value_name = "IP:PORT")]
+    pub connect: Option<String>,
+
+    /// Objects per round.
+    #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub num_objs: u64,
+
+    /// Size of each object.
+    #[arg(long, value_name = "SIZE", default_value = "32MiB", value_parser = parse_positive_size)]
+    pub obj_size: u64,
+
+    /// Receiver: size of the pipe's buffer, in the receiver's memory.
+    #[arg(long, value_name = "SIZE", default_value = "4GiB", value_parser = parse_positive_size)]
+    pub buffer_size: u64,
+
+    /// Timed rounds.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub num_rounds: u32,
+
+    /// channel: objects per send call (a batch fills one or more pipe messages).
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..=100_000))]
+    pub batch_size: u64,
+
+    /// Pretend to compute: the sender 50 ms per 10 objects, the receiver 20 ms per 10.
+    #[arg(long, alias = "simulate-workload")]
+    pub simulate_work: bool,
+
+    /// Where this process keeps its data: cpu, cuda, cuda:N, or auto (a GPU when there
+    /// is one: the sender's first, the receiver child's second).
+    #[arg(long, default_value = "auto")]
+    pub device: String,
+
+    /// Skip the verification round (every byte of it is checked by default).
+    #[arg(long)]
+    pub no_verify: bool,
+
+    /// Bound on every wait (a pipe to open, room in the buffer, the next message).
+    #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_duration)]
+    pub timeout: Duration,
+
+    #[command(flatten)]
+    pub engine: EngineOpts,
+
+    /// Print the results as JSON on stdout (the narration goes to stderr).
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// What kind of round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Round {
+    /// Every byte checked by the receiver; not timed.
+    Verify,
+    /// Transfers alone, timed.
+    Transfer,
+    /// Transfers with simulated work on both sides, timed.
+    Work,
+}
+
+/// The run's shape, sent by the sender in the pipe's first message.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Shape {
+    pub product: Product,
+    pub num_objs: u64,
+    pub obj_size: u64,
+    pub batch_size: u64,
+    pub rounds: Vec<Round>,
+}
+
+impl Shape {
+    pub fn from_args(product: Product, a: &StreamArgs) -> Shape {
+        let mut rounds = Vec::new();
+        if !a.no_verify {
+            rounds.push(Round::Verify);
+        }
+        if a.simulate_work {
+            rounds.push(Round::Transfer);
+        }
+        let timed = if a.simulate_work { Round::Work } else { Round::Transfer };
+        rounds.extend(std::iter::repeat_n(timed, a.num_rounds as usize));
+        Shape { product, num_objs: a.num_objs, obj_size: a.obj_size, batch_size: a.batch_size, rounds }
+    }
+
+    pub fn round_bytes(&self) -> u64 {
+        self.num_objs * self.obj_size
+    }
+}
+
+/// The pattern seed of object `i` (objects differ, so a misplaced one is caught).
+pub fn seed_of(i: u64) -> u64 {
+    0x5eed_0000 + i
+}
+
+/// Simulated work: `ms_per_10` milliseconds for every 10 objects.
+pub fn work_after(objects_done: u64, ms_per_10: u64) -> Option<Duration> {
+    (objects_done % 10 == 0).then(|| Duration::from_millis(ms_per_10))
+}
+
+/// What this process does, after the role options were checked against each other.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Plan {
+    Receiver,
+    Sender { connect: Option<String> },
+}
+
+fn plan(a: &StreamArgs) -> CliResult<Plan> {
+    match (a.role, &a.connect) {
+        (StreamRole::Receiver, Some(_)) => Err(CliError::usage("--role receiver listens; --connect is for the sender")),
+        (StreamRole::Receiver, None) => Ok(Plan::Receiver),
+        (StreamRole::Sender, None) => {
+            Err(CliError::usage("--role sender needs --connect IP:PORT (the address a --role receiver printed)"))
+        }
+        (_, connect) => Ok(Plan::Sender { connect: connect.clone() }),
+    }
+}
+
+pub fn run(product: Product, a: &StreamArgs, ctx: &Context) -> CliResult<()> {
+    if a.obj_size.checked_mul(a.num_objs).is_none() {
+        return Err(CliError::usage("--num-objs x --obj-size is too large"));
+    }
+    match plan(a)? {
+        Plan::Receiver => receiver::run(product, a),
+        Plan::Sender { connect: Some(addr) } => sender::run(product, a, &addr),
+        Plan::Sender { connect: None } => {
+            let child = spawn_receiver(product, a, ctx)?;
+            let sent = sender::run(product, a, &child.addr);
+            // The receiver's verdict counts as much as ours.
+            let received = child.finish();
+            sent.and(received)
+        }
+    }
+}
+
+fn spawn_receiver(product: Product, a: &StreamArgs, ctx: &Context) -> CliResult<TargetProcess> {
+    let device = match Device::parse(&a.device, 1)? {
+        Device::Cpu => "cpu".to_string(),
+        Device::Cuda(n) if a.device.trim().eq_ignore_ascii_case("auto") => Device::Cuda(n).name(),
+        // An explicit GPU for the sender: the receiver takes the next one, as in the seed.
+        Device::Cuda(n) => {
+            let count = freight_core::cuda::driver::device_count().unwrap_or(1).max(1);
+            Device::Cuda((n + 1) % count).name()
+        }
+    };
+    let mut args: Vec<String> = vec!["bench".into(), product.command().into(), "--role".into(), "receiver".into()];
+    args.extend(["--listen".into(), "127.0.0.1:0".into(), "--device".into(), device]);
+    args.extend(["--buffer-size".into(), a.buffer_size.to_string()]);
+    args.extend(["--timeout".into(), format!("{}ms", a.timeout.as_millis())]);
+    args.extend(a.engine.to_args());
+    TargetProcess::spawn_with(&ctx.self_command, &args, ctx.log_level.as_deref())
+}
+
+/// Gigabytes (10^9) per second.
+pub fn gbps(bytes: u64, secs: f64) -> f64 {
+    if secs > 0.0 {
+        bytes as f64 / secs / 1e9
+    } else {
+        0.0
+    }
+}
+
+/// Mean and sample standard deviation.
+pub fn mean_std(v: &[f64]) -> (f64, f64) {
+    if v.is_empty() {
+        return (0.0, 0.0);
+    }
+    let mean = v.iter().sum::<f64>() / v.len() as f64;
+    let var = if v.len() > 1 { v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (v.len() - 1) as f64 } else { 0.0 };
+    (mean, var.sqrt())
+}
+
+/// Narration: stdout, or stderr when stdout carries JSON.
+pub fn say(json: bool, line: &str) {
+    use std::io::Write;
+    if json {
+        eprintln!("{line}");
+    } else {
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "{line}").and_then(|()| out.flush());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        a: StreamArgs,
+    }
+
+    fn args(v: &[&str]) -> StreamArgs {
+        Cli::try_parse_from(std::iter::once("x").chain(v.iter().copied())).unwrap().a
+    }
+
+    #[test]
+    fn roles_are_checked() {
+        assert_eq!(plan(&args(&[])).unwrap(), Plan::Sender { connect: None });
+        assert_eq!(plan(&args(&["--role", "receiver"])).unwrap(), Plan::Receiver);
+        assert_eq!(
+            plan(&args(&["--connect", "1.2.3.4:5"])).unwrap(),
+            Plan::Sender { connect: Some("1.2.3.4:5".into()) }
+        );
+        assert!(matches!(plan(&args(&["--role", "sender"])), Err(CliError::Usage(_))));
+        assert!(matches!(plan(&args(&["--role", "receiver", "--connect", "1.2.3.4:5"])), Err(CliError::Usage(_))));
+    }
+
+    #[test]
+    fn the_shape_lists_verification_transfer_and_work_rounds() {
+        let s = Shape::from_args(Product::Pipe, &args(&["--num-rounds", "2"]));
+        assert_eq!(s.rounds, vec![Round::Verify, Round::Transfer, Round::Transfer]);
+        let s = Shape::from_args(Product::Channel, &args(&["--num-rounds", "2", "--simulate-work", "--no-verify"]));
+        assert_eq!(s.rounds, vec![Round::Transfer, Round::Work, Round::Work]);
+        assert_eq!(s.round_bytes(), 500 * (32 << 20));
+        let s = Shape::from_args(Product::Pipe, &args(&["--simulate-workload"]));
+        assert_eq!(s.rounds, vec![Round::Verify, Round::Transfer, Round::Work]);
+    }
+
+    #[test]
+    fn bad_options_are_usage_errors() {
+        for bad in [&["--num-objs", "0"][..], &["--obj-size", "0"], &["--num-rounds", "0"], &["--batch-size", "0"]] {
+            assert!(Cli::try_parse_from(std::iter::once("x").chain(bad.iter().copied())).is_err(), "{bad:?}");
+        }
+        assert!(Device::parse("tpu", 0).is_err());
+        assert_eq!(Device::parse("cuda:3", 0).unwrap(), Device::Cuda(3));
+        assert_eq!(Device::parse("CPU", 0).unwrap(), Device::Cpu);
+    }
+
+    #[test]
+    fn statistics() {
+        assert_eq!(mean_std(&[2.0, 4.0]), (3.0, 2f64.sqrt()));
+        assert_eq!(mean_std(&[5.0]), (5.0, 0.0));
+        assert_eq!(gbps(2_000_000_000, 2.0), 1.0);
+        assert_eq!(work_after(20, 50), Some(Duration::from_millis(50)));
+        assert_eq!(work_after(21, 50), None);
+    }
+}

@@ -1,0 +1,143 @@
+//! The receiving side of `bench pipe` / `bench channel`: owns the pipe's buffer, takes
+//! the run's shape from the sender's first message, receives (and in the verification
+//! round checks) every object.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use freight_core::Agent;
+use freight_stream::{Buffer, BufferInfo, ChannelReceiver, PipeConfig, PipeListener, PipeReceiver};
+
+use super::memory::{check, Device, Memory};
+use super::sender::key_of;
+use super::{gbps, say, seed_of, work_after, Product, Round, Shape, StreamArgs};
+use crate::args::{format_size, CliError, CliResult};
+use crate::target;
+
+/// The receiver's simulated work per 10 objects.
+pub const RECEIVER_WORK_MS: u64 = 20;
+
+pub const AGENT_NAME: &str = "freight-stream-receiver";
+
+pub fn run(product: Product, a: &StreamArgs) -> CliResult<()> {
+    let device = Device::parse(&a.device, 1)?;
+    let agent = Arc::new(Agent::new(AGENT_NAME, a.engine.agent_config(&a.listen, a.engine.transport.require()))?);
+    // The line a parent process (or a person) reads the address from.
+    say(a.json, &target::listen_line(&agent.addresses(), std::process::id()));
+    let (buffer, _memory) = match device {
+        Device::Cpu => (Buffer::Host { capacity: a.buffer_size }, None),
+        Device::Cuda(_) => {
+            let m = Memory::alloc(&agent, device, a.buffer_size)?;
+            (Buffer::Registered(BufferInfo { kind: m.kind, addr: m.addr, len: m.len, dev: m.dev }), Some(m))
+        }
+    };
+    let config = PipeConfig { timeout: a.timeout, ..PipeConfig::default() };
+    let pipe = PipeListener::new(&agent)
+        .accept(buffer, &config)
+        .map_err(|e| CliError::runtime(format!("no pipe was opened: {e}")))?;
+    say(
+        a.json,
+        &format!("Pipe from '{}' with a {} buffer on {}", pipe.peer(), format_size(a.buffer_size), device.name()),
+    );
+    say(a.json, "Waiting to receive data...");
+    let hello = pipe.recv(None)?.ok_or_else(|| CliError::runtime("the sender closed the pipe at once"))?;
+    let shape: Shape = serde_json::from_slice(hello.tag())
+        .map_err(|e| CliError::runtime(format!("the sender's first message is not a run description: {e}")))?;
+    drop(hello);
+    if shape.product != product {
+        return Err(CliError::runtime(format!(
+            "the sender runs bench {:?}, this receiver bench {product:?}",
+            shape.product
+        )));
+    }
+    let mut source = match product {
+        Product::Pipe => Source::Pipe(pipe),
+        Product::Channel => Source::Channel(ChannelReceiver::new(vec![pipe], a.timeout)),
+    };
+    for (r, &round) in shape.rounds.iter().enumerate() {
+        let secs = receive_round(&mut source, &shape, r, round)?;
+        say(a.json, &format!("Received all {} objects (round {r}, {round:?})", shape.num_objs));
+        if round == Round::Verify {
+            say(a.json, "All data verified successfully!");
+        }
+        say(a.json, &format!("Receiver throughput: {:.2} GB/s over {secs:.6} s", gbps(shape.round_bytes(), secs)));
+    }
+    source.expect_end()?;
+    say(a.json, "Test completed");
+    Ok(())
+}
+
+enum Source {
+    Pipe(PipeReceiver),
+    Channel(ChannelReceiver),
+}
+
+/// One received object: (key, kind, address, device, length), and what keeps it alive.
+type Object = (String, freight_core::MemKind, u64, u64, u64);
+
+impl Source {
+    /// The next objects, with whatever must live while they are looked at.
+    fn next(&mut self) -> CliResult<(Vec<Object>, Box<dyn std::any::Any>)> {
+        let ended = || CliError::runtime("the sender closed the stream early");
+        match self {
+            Source::Pipe(p) => {
+                let m = p.recv(None)?.ok_or_else(ended)?;
+                let (kind, addr, dev) = m.location();
+                let key = String::from_utf8_lossy(m.tag()).into_owned();
+                Ok((vec![(key, kind, addr, dev, m.len())], Box::new(m)))
+            }
+            Source::Channel(c) => {
+                let batch = c.recv(None)?.ok_or_else(ended)?;
+                let objects = batch
+                    .iter()
+                    .map(|o| {
+                        let (kind, addr, dev) = o.location();
+                        (o.key.clone(), kind, addr, dev, o.len())
+                    })
+                    .collect();
+                Ok((objects, Box::new(batch)))
+            }
+        }
+    }
+
+    fn expect_end(&mut self) -> CliResult<()> {
+        let more = match self {
+            Source::Pipe(p) => p.recv(None)?.is_some(),
+            Source::Channel(c) => c.recv(None)?.is_some(),
+        };
+        if more {
+            return Err(CliError::runtime("the sender sent more than the run it announced"));
+        }
+        Ok(())
+    }
+}
+
+fn receive_round(source: &mut Source, shape: &Shape, r: usize, round: Round) -> CliResult<f64> {
+    let mut start = None;
+    let mut next = 0u64;
+    while next < shape.num_objs {
+        let (objects, keep) = source.next()?;
+        start.get_or_insert_with(Instant::now);
+        for (key, kind, addr, dev, len) in objects {
+            let expected = key_of(r, next);
+            if key != expected {
+                return Err(CliError::runtime(format!("expected object '{expected}', got '{key}'")));
+            }
+            if len != shape.obj_size {
+                return Err(CliError::runtime(format!("object '{key}' has {len} bytes, {} were sent", shape.obj_size)));
+            }
+            if round == Round::Verify {
+                check(kind, addr, dev, len, seed_of(next))
+                    .map_err(|e| CliError::runtime(format!("object '{key}' is corrupt: {e}")))?;
+            }
+            next += 1;
+            if round == Round::Work {
+                if let Some(d) = work_after(next, RECEIVER_WORK_MS) {
+                    std::thread::sleep(d);
+                }
+            }
+        }
+        drop(keep);
+    }
+    Ok(start.map_or(Duration::ZERO, |s| s.elapsed()).as_secs_f64())
+}
