@@ -451,3 +451,83 @@ def test_a_killed_peer_fails_gpu_transfers_instead_of_hanging(transport):
             assert time.monotonic() - start < 30
     finally:
         peer.close()
+
+
+# ----------------------------------------------------------------------------- pipe and channel
+
+
+def _stream_helpers():
+    """The process helpers of the stream tests (imported lazily: this module also runs
+    where they are not needed)."""
+    from stream_peer import objects as stream_objects, pattern as np_pattern
+    from test_py_stream import finish, line, start
+
+    return start, line, finish, stream_objects, np_pattern
+
+
+@needs_gpu
+@pytest.mark.timeout(120)
+def test_pipe_into_a_gpu_buffer_from_cuda_tensors(spawn):
+    """A sender process streams CUDA tensors (GPU 0) through a 1 MiB VRAM buffer (the
+    last GPU) four times its size; every message is read in place with torch."""
+    start, line, finish, _, np_pattern = _stream_helpers()
+    gpu = TORCH_GPUS - 1
+    buf = torch.empty(MIB, dtype=torch.uint8, device=f"cuda:{gpu}")
+    size, count = 256 << 10, 16
+    with freight.Agent("rx") as rx:
+        listener = freight.PipeListener(rx)
+        peer = start(spawn, role="pipe-send", name="tx", addr=rx.addresses[0], count=count, size=size, seed=11,
+                     device="cuda:0", timeout=60)
+        with listener.accept(buffer=buf, timeout=60) as pipe:
+            assert (pipe.kind, pipe.device, pipe.capacity) == ("VRAM", gpu, MIB)
+            seqs = []
+            for msg in pipe:
+                with msg:
+                    assert (msg.kind, msg.device, len(msg)) == ("VRAM", gpu, size)
+                    view = msg.view()
+                    assert view.__cuda_array_interface__["typestr"] == "|u1"
+                    t = torch.as_tensor(view, device=f"cuda:{gpu}")
+                    assert t.dtype == torch.uint8 and t.shape == (size,)
+                    assert buf.data_ptr() <= t.data_ptr() < buf.data_ptr() + MIB, "not a view of the buffer"
+                    assert torch.equal(t.cpu(), torch.from_numpy(np_pattern(11 + msg.seq, size))), f"message {msg.seq}"
+                    seqs.append(msg.seq)
+            assert seqs == list(range(count))
+        assert line(peer)["done"]
+        finish(peer)
+
+
+@needs_gpu
+@pytest.mark.timeout(120)
+def test_channel_into_a_gpu_buffer_from_cuda_tensors(spawn):
+    """Mixed dtypes and shapes as CUDA tensors into a VRAM buffer: views keep dtype and
+    shape for torch, an object larger than the buffer is reassembled on the GPU, and
+    copy_to fills caller tensors (GPU and host) or refuses them clearly."""
+    start, line, finish, stream_objects, _ = _stream_helpers()
+    gpu = TORCH_GPUS - 1
+    dev = f"cuda:{gpu}"
+    buf = torch.empty(MIB, dtype=torch.uint8, device=dev)
+    want = stream_objects("mixed")
+    with freight.Agent("rx") as rx:
+        peer = start(spawn, role="chan-send", name="tx", addr=rx.addresses[0], set="mixed", batch=3,
+                     device="cuda:0", timeout=60)
+        seen = {}
+        with freight.ChannelReceiver(rx, buffer=buf, timeout=60) as ch:
+            for batch in ch:
+                for r in batch:
+                    with r:
+                        exp = want[r.key]
+                        assert (r.kind, r.device, r.dtype, r.shape) == ("VRAM", gpu, exp.dtype.name, exp.shape)
+                        t = torch.as_tensor(r.view(), device=dev)
+                        assert tuple(t.shape) == exp.shape and str(t.dtype) == f"torch.{exp.dtype.name}"
+                        # Bytes, not values: the patterns hold NaNs.
+                        assert t.cpu().numpy().tobytes() == exp.tobytes(), r.key
+                        on_gpu = torch.empty(exp.shape, dtype=t.dtype, device=dev)
+                        assert r.copy_to(on_gpu).cpu().numpy().tobytes() == exp.tobytes(), r.key
+                        on_host = np.empty_like(exp)
+                        assert r.copy_to(on_host).tobytes() == exp.tobytes(), r.key
+                        with pytest.raises(freight.InvalidArgumentError):
+                            r.copy_to(torch.empty(exp.size + 1, dtype=t.dtype, device=dev))
+                        seen[r.key] = r.is_view
+        assert seen == {k: k != "big" for k in want}
+        assert line(peer)["done"]
+        finish(peer)

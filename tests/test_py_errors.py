@@ -45,10 +45,11 @@ def test_exception_hierarchy():
         "PeerDisconnectedError": ConnectionError,
         "TimeoutError": builtins.TimeoutError,
         "IoError": OSError,
+        "NoSpaceError": MemoryError,
         "CudaError": RuntimeError,
     }
     names = [n for n in freight.errors.__all__ if n != "FreightError"]
-    assert len(names) == 18
+    assert len(names) == 19
     for n in names:
         cls = getattr(freight, n)
         assert issubclass(cls, freight.FreightError) and cls is getattr(freight.errors, n)

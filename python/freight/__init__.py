@@ -12,6 +12,9 @@ Main names:
 * :class:`Agent`, :class:`AgentConfig` -- the engine and its configuration;
 * :class:`DescList` -- which bytes a transfer touches;
 * :class:`Request` -- a posted/reusable transfer (``post``, ``status``, ``wait``);
+* :class:`PipeListener`, :class:`PipeSender` -- ordered streams of messages through a
+  bounded buffer in the receiver's memory; :class:`ChannelSender`,
+  :class:`ChannelReceiver` -- keyed arrays and tensors over them (see :mod:`freight.stream`);
 * :class:`EtcdDirectory` -- metadata exchange through etcd;
 * :func:`inspect_metadata` -- what metadata bytes advertise (regions, addresses);
 * :func:`set_log_level` -- engine logs to stderr (or set ``FREIGHT_LOG``);
@@ -59,6 +62,16 @@ from ._native import (  # noqa: E402
 from .agent import Agent, Path
 from .config import TRANSPORTS, AgentConfig
 from .descs import DescList
+from .stream import (  # noqa: E402
+    ChannelReceiver,
+    ChannelSender,
+    CudaView,
+    Message,
+    PipeListener,
+    PipeReceiver,
+    PipeSender,
+    Received,
+)
 from .errors import (
     AuthError,
     EtcdError,
@@ -67,6 +80,7 @@ from .errors import (
     InvalidArgumentError,
     InvalidStateError,
     IoError,
+    NoSpaceError,
     MetadataError,
     NotRegisteredError,
     OutOfBoundsError,
@@ -113,11 +127,19 @@ _LEVELS = ("error", "warn", "info", "debug", "trace", "off")
 __all__ = [
     "Agent",
     "AgentConfig",
+    "ChannelReceiver",
+    "ChannelSender",
+    "CudaView",
     "DescList",
     "EtcdDirectory",
+    "Message",
     "Path",
+    "PipeListener",
+    "PipeReceiver",
+    "PipeSender",
     "PreparedLocal",
     "PreparedRemote",
+    "Received",
     "Request",
     "SharedSegment",
     "TRANSPORTS",

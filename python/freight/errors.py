@@ -44,6 +44,7 @@ __all__ = [
     "TimeoutError",
     "InvalidStateError",
     "IoError",
+    "NoSpaceError",
     "EtcdError",
     "CudaError",
 ]
@@ -128,6 +129,11 @@ class InvalidStateError(FreightError):
 
 class IoError(FreightError, OSError):
     """An operating-system error (sockets, memfd, mmap)."""
+
+
+class NoSpaceError(FreightError, MemoryError):
+    """A pool, store or buffer has no room left for what was asked of it (a receiver's
+    store at its capacity, say); nothing already stored is lost."""
 
 
 class EtcdError(FreightError):

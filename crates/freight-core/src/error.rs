@@ -69,6 +69,10 @@ pub enum Error {
     #[error("I/O error: {0}")]
     Io(String),
 
+    /// A pool, store or buffer has no room left for what was asked of it.
+    #[error("out of space: {0}")]
+    NoSpace(String),
+
     #[error("etcd: {0}")]
     Etcd(String),
 

@@ -3,13 +3,14 @@
 use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Instant;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock};
+use std::time::{Duration, Instant};
 
 use freight_core::{
     Agent, AgentConfig, CompletionMode, CudaConfig, KernelMode, LaunchShape, MemKind, OpKind, SharedSegment, ShmConfig,
     TcpConfig, TransportKind,
 };
+use freight_stream::router::Router;
 use numpy::ndarray::ArrayView1;
 use numpy::PyArray1;
 use pyo3::prelude::*;
@@ -26,12 +27,19 @@ static NEXT_AGENT_ID: AtomicU64 = AtomicU64::new(1);
 /// Native agent (use `freight.Agent`, which wraps it with Python conveniences).
 #[pyclass(frozen, name = "Agent", module = "freight._native")]
 pub struct PyAgent {
-    inner: Agent,
+    pub(crate) inner: Arc<Agent>,
     /// Identifies this agent in prepared lists (so that they are not used with another).
     id: u64,
     /// Python objects whose memory is registered, by region key: they stay alive while
     /// registered (and while any request of this agent exists).
     keep: Mutex<HashMap<u64, Py<PyAny>>>,
+    /// The pipe router, once a pipe end was made here: from then on it owns the engine's
+    /// notification queue, and the agent's own notifications are read from it. Held
+    /// for the agent's life so that notifications it keeps are never dropped with it.
+    router: OnceLock<Arc<Router>>,
+    /// Readers of the engine's queue hold this shared; starting the router takes it
+    /// exclusively, so that no reader can take a pipe message meant for the router.
+    queue_gate: RwLock<()>,
 }
 
 type PyNotif = (String, Py<PyBytes>);
@@ -39,6 +47,33 @@ type PyNotif = (String, Py<PyBytes>);
 impl PyAgent {
     fn keep(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Py<PyAny>>> {
         self.keep.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The agent's pipe router, started on first use.
+    pub(crate) fn router(&self) -> Arc<Router> {
+        if let Some(r) = self.router.get() {
+            return r.clone();
+        }
+        let _gate = self.queue_gate.write().unwrap_or_else(PoisonError::into_inner);
+        self.router.get_or_init(|| Router::of(&self.inner)).clone()
+    }
+
+    /// Waits up to `timeout` for notifications that are not pipe messages: from the
+    /// engine's queue, or from the router once it took the queue over.
+    fn take_notifs(&self, timeout: Duration) -> Vec<freight_core::Notification> {
+        if let Some(r) = self.router.get() {
+            return r.wait_foreign(timeout);
+        }
+        let gate = self.queue_gate.read().unwrap_or_else(PoisonError::into_inner);
+        if let Some(r) = self.router.get() {
+            drop(gate);
+            return r.wait_foreign(timeout);
+        }
+        if timeout.is_zero() {
+            self.inner.get_notifs()
+        } else {
+            self.inner.wait_notifs(timeout)
+        }
     }
 
     fn notifs(py: Python<'_>, v: Vec<freight_core::Notification>) -> Vec<PyNotif> {
@@ -160,8 +195,14 @@ impl PyAgent {
             connect_timeout: seconds(connect_timeout, "connect_timeout")?,
             metadata_token,
         };
-        let inner = py.detach(|| Agent::new(&name, config)).or_raise()?;
-        Ok(PyAgent { inner, id: NEXT_AGENT_ID.fetch_add(1, Ordering::Relaxed), keep: Mutex::default() })
+        let inner = Arc::new(py.detach(|| Agent::new(&name, config)).or_raise()?);
+        Ok(PyAgent {
+            inner,
+            id: NEXT_AGENT_ID.fetch_add(1, Ordering::Relaxed),
+            keep: Mutex::default(),
+            router: OnceLock::new(),
+            queue_gate: RwLock::new(()),
+        })
     }
 
     /// The agent's name (unique among the peers it talks to).
@@ -398,12 +439,15 @@ impl PyAgent {
     }
 
     /// Notifications received so far as [(peer, bytes)], oldest first (non-blocking).
+    /// Pipe messages are not among them: they are the pipes' own.
     fn get_notifs(&self, py: Python<'_>) -> Vec<PyNotif> {
-        Self::notifs(py, self.inner.get_notifs())
+        let got = py.detach(|| self.take_notifs(Duration::ZERO));
+        Self::notifs(py, got)
     }
 
     /// Waits up to `timeout` seconds (None: no limit) for at least one notification;
-    /// returns everything received, oldest first ([] on timeout).
+    /// returns everything received, oldest first ([] on timeout). Pipe messages are not
+    /// among them.
     #[pyo3(signature = (timeout = None))]
     fn wait_notifs(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Vec<PyNotif>> {
         let deadline = timeout_arg(timeout)?.map(|t| Instant::now() + t);
@@ -412,7 +456,7 @@ impl PyAgent {
                 Some(d) => d.saturating_duration_since(Instant::now()).min(SIGNAL_SLICE),
                 None => SIGNAL_SLICE,
             };
-            let got = py.detach(|| self.inner.wait_notifs(slice));
+            let got = py.detach(|| self.take_notifs(slice));
             if !got.is_empty() {
                 return Ok(Self::notifs(py, got));
             }

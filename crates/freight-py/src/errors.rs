@@ -92,6 +92,7 @@ fn build(py: Python<'_>, e: Error) -> PyResult<PyErr> {
         Error::Timeout(_) => "TimeoutError",
         Error::InvalidState(_) => "InvalidStateError",
         Error::Io(_) => "IoError",
+        Error::NoSpace(_) => "NoSpaceError",
         Error::Etcd(_) => "EtcdError",
         Error::Cuda { .. } => "CudaError",
     };

@@ -14,6 +14,7 @@ mod logging;
 mod memory;
 mod metadata;
 mod request;
+mod stream;
 mod util;
 
 /// Native core of freight. Use the `freight` package instead of this module.
@@ -27,6 +28,13 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<request::PyRequest>()?;
     m.add_class::<memory::PySharedSegment>()?;
     m.add_class::<etcd::PyEtcdDirectory>()?;
+    m.add_class::<stream::PyPipeListener>()?;
+    m.add_class::<stream::PyPipeReceiver>()?;
+    m.add_class::<stream::PyMessage>()?;
+    m.add_class::<stream::PyPipeSender>()?;
+    m.add_class::<stream::PyChannelSender>()?;
+    m.add_class::<stream::PyChannelReceiver>()?;
+    m.add_class::<stream::PyReceived>()?;
     m.add_function(wrap_pyfunction!(logging::set_log_level, m)?)?;
     m.add_function(wrap_pyfunction!(logging::_init_logging_from_env, m)?)?;
     m.add_function(wrap_pyfunction!(cli::cli_main, m)?)?;

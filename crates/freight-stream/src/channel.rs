@@ -187,6 +187,10 @@ pub struct Received {
     pub sender: usize,
     len: u64,
     data: Data,
+    /// For a reassembled object, the message that brought its last piece: its space is
+    /// freed only when the object is dropped, so a sender draining the pipe knows that
+    /// every object was consumed, not only copied together.
+    _last_piece: Option<Arc<Message>>,
 }
 
 impl Received {
@@ -233,6 +237,86 @@ impl Received {
     }
 }
 
+/// An object's bytes in memory of their own.
+pub enum Owned {
+    Host(Vec<u8>),
+    Device(DeviceBuffer),
+}
+
+impl Owned {
+    /// (kind, address, device) of the bytes.
+    pub fn location(&self) -> (MemKind, u64, u64) {
+        match self {
+            Owned::Host(v) => (MemKind::Dram, v.as_ptr() as u64, 0),
+            Owned::Device(b) => (MemKind::Vram, b.addr(), b.device().ordinal as u64),
+        }
+    }
+
+    pub fn len(&self) -> u64 {
+        match self {
+            Owned::Host(v) => v.len() as u64,
+            Owned::Device(b) => b.len() as u64,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The bytes, when they are in host memory.
+    pub fn bytes(&self) -> Option<&[u8]> {
+        match self {
+            Owned::Host(v) => Some(v),
+            Owned::Device(_) => None,
+        }
+    }
+
+    /// Copies the bytes to `dst` (host memory, or device memory of `dst_kind`).
+    pub fn copy_to(&self, dst_kind: MemKind, dst: u64) -> Result<()> {
+        let (kind, src, dev) = self.location();
+        copy_bytes(kind, dev, dst_kind, dst, src, self.len())
+    }
+}
+
+impl Received {
+    /// The bytes in memory of their own: a view is copied out of its pipe buffer, a
+    /// reassembled object's memory is moved out (leaving this one empty). The pipe
+    /// space stays taken until this object is dropped: drop it once the bytes are
+    /// where they belong, and a sender draining the pipe knows they are.
+    pub fn take_owned(&mut self) -> Result<Owned> {
+        let (kind, addr, dev) = self.location();
+        let len = self.len;
+        match std::mem::replace(&mut self.data, Data::Host(Vec::new())) {
+            Data::Host(v) => {
+                self.len = 0;
+                Ok(Owned::Host(v))
+            }
+            Data::Device(b) => {
+                self.len = 0;
+                Ok(Owned::Device(b))
+            }
+            Data::View { message, offset } => {
+                let owned = copy_view(&message, offset, len, (kind, addr, dev));
+                self.data = Data::View { message, offset };
+                owned
+            }
+        }
+    }
+}
+
+/// A copy of `len` bytes of a message, in memory of the message's kind.
+fn copy_view(message: &Message, offset: u64, len: u64, (kind, addr, dev): (MemKind, u64, u64)) -> Result<Owned> {
+    match message.bytes() {
+        Some(b) => Ok(Owned::Host(b[offset as usize..(offset + len) as usize].to_vec())),
+        None => {
+            let n = usize::try_from(len).map_err(|_| Error::InvalidArgument("object too large".into()))?;
+            let copy = DeviceBuffer::alloc(Device::get(dev as usize)?, n)?;
+            copy_bytes(kind, dev, MemKind::Vram, copy.addr(), addr, len)?;
+            Ok(Owned::Device(copy))
+        }
+    }
+}
+
 /// Copies between host and device memory in any direction, synchronously.
 fn copy_bytes(src_kind: MemKind, src_dev: u64, dst_kind: MemKind, dst: u64, src: u64, len: u64) -> Result<()> {
     if src_kind == MemKind::Dram && dst_kind == MemKind::Dram {
@@ -264,6 +348,8 @@ pub struct ChannelReceiver {
     events: Receiver<Event>,
     readers: Vec<JoinHandle<()>>,
     stop: Arc<AtomicBool>,
+    /// Why the receiver gave up, for the readers to tell the senders.
+    abort: Arc<parking_lot::Mutex<Option<String>>>,
     live: usize,
     partial: HashMap<(usize, String), Assembly>,
     timeout: Duration,
@@ -277,19 +363,36 @@ impl ChannelReceiver {
     pub fn new(pipes: Vec<PipeReceiver>, timeout: Duration) -> ChannelReceiver {
         let (tx, events) = crossbeam_channel::unbounded();
         let stop = Arc::new(AtomicBool::new(false));
+        let abort = Arc::new(parking_lot::Mutex::new(None));
         let live = pipes.len();
         let readers = pipes
             .into_iter()
             .enumerate()
             .map(|(i, pipe)| {
-                let (tx, stop) = (tx.clone(), stop.clone());
+                let (tx, stop, abort) = (tx.clone(), stop.clone(), abort.clone());
                 std::thread::Builder::new()
                     .name(format!("freight-channel-{i}"))
-                    .spawn(move || read_pipe(i, pipe, tx, stop))
+                    .spawn(move || read_pipe(i, pipe, tx, stop, abort))
                     .expect("cannot start a channel reader thread")
             })
             .collect();
-        ChannelReceiver { events, readers, stop, live, partial: HashMap::new(), timeout }
+        ChannelReceiver { events, readers, stop, abort, live, partial: HashMap::new(), timeout }
+    }
+
+    /// Stops receiving and tells every sender still streaming why: their next call
+    /// fails with `reason`. Objects already handed out stay valid.
+    pub fn abort(&mut self, reason: &str) {
+        *self.abort.lock() = Some(reason.to_string());
+        self.stop_readers();
+        self.live = 0;
+    }
+
+    fn stop_readers(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        // Readers notice within a slice; their pipes then tell unfinished senders.
+        for r in self.readers.drain(..) {
+            let _ = r.join();
+        }
     }
 
     /// The objects of the next message that completes any (whole objects only; the
@@ -333,10 +436,10 @@ impl ChannelReceiver {
         let mut out = Vec::new();
         for e in entries {
             let bad = |why: &str| Error::Protocol(format!("object '{}' from sender {sender}: {why}", e.key));
-            if e.offset.checked_add(e.len).is_none_or(|end| end > message.len()) {
+            if e.offset.checked_add(e.len).map_or(true, |end| end > message.len()) {
                 return Err(bad("a piece lies outside its message"));
             }
-            if e.object_at.checked_add(e.len).is_none_or(|end| end > e.object_len) {
+            if e.object_at.checked_add(e.len).map_or(true, |end| end > e.object_len) {
                 return Err(bad("a piece lies outside its object"));
             }
             if e.len == e.object_len {
@@ -346,6 +449,7 @@ impl ChannelReceiver {
                     sender,
                     len: e.len,
                     data: Data::View { message: message.clone(), offset: e.offset },
+                    _last_piece: None,
                 });
                 continue;
             }
@@ -369,7 +473,8 @@ impl ChannelReceiver {
             a.filled += e.len;
             if a.filled == a.len {
                 let a = self.partial.remove(&slot).expect("present");
-                out.push(Received { key: e.key, meta: a.meta, sender, len: a.len, data: a.data });
+                let last = Some(message.clone());
+                out.push(Received { key: e.key, meta: a.meta, sender, len: a.len, data: a.data, _last_piece: last });
             }
         }
         Ok(out)
@@ -386,7 +491,13 @@ fn allocate_like(message: &Message, len: u64) -> Result<Data> {
     }
 }
 
-fn read_pipe(i: usize, pipe: PipeReceiver, tx: crossbeam_channel::Sender<Event>, stop: Arc<AtomicBool>) {
+fn read_pipe(
+    i: usize,
+    pipe: PipeReceiver,
+    tx: crossbeam_channel::Sender<Event>,
+    stop: Arc<AtomicBool>,
+    abort: Arc<parking_lot::Mutex<Option<String>>>,
+) {
     while !stop.load(Ordering::Acquire) {
         let event = match pipe.recv(Some(READER_SLICE)) {
             Ok(Some(m)) => Event::Message(i, m),
@@ -400,14 +511,13 @@ fn read_pipe(i: usize, pipe: PipeReceiver, tx: crossbeam_channel::Sender<Event>,
             break;
         }
     }
+    if let Some(reason) = abort.lock().as_deref() {
+        pipe.abort(reason);
+    }
 }
 
 impl Drop for ChannelReceiver {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
-        // Readers notice within a slice; their pipes then tell unfinished senders.
-        for r in self.readers.drain(..) {
-            let _ = r.join();
-        }
+        self.stop_readers();
     }
 }

@@ -14,13 +14,16 @@
 //! - [`pipe`]: the two ends of a pipe.
 //! - [`layout`]: how a batch of keyed objects fills pipe messages (pure, property-tested).
 //! - [`channel`]: keyed objects over pipes, many senders to one receiver.
+//! - [`storage`]: a keyed store over the channel: puts committed in batches, gets by key.
 
 pub mod channel;
 pub mod layout;
 pub mod pipe;
 pub mod proto;
 pub mod router;
+pub mod storage;
 pub mod window;
 
-pub use channel::{ChannelReceiver, ChannelSender, Outgoing, Received};
+pub use channel::{ChannelReceiver, ChannelSender, Outgoing, Owned, Received};
 pub use pipe::{Buffer, BufferInfo, Message, PipeConfig, PipeListener, PipeReceiver, PipeSender};
+pub use storage::{CommitStats, StoreReceiver, StoreSender, StoredObject, DEFAULT_COMMIT_SIZE};

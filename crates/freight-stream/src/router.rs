@@ -9,11 +9,11 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 use freight_core::{Agent, Notification, Result};
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 use crate::proto::Msg;
 
@@ -22,6 +22,9 @@ const POLL: Duration = Duration::from_millis(50);
 
 /// Where a pipe's messages go: (sending peer, pipe id).
 type Route = (String, u64);
+
+/// A request to open a pipe: (sending peer, its `Open` message).
+type Open = (String, Msg);
 
 #[derive(Default)]
 struct Table {
@@ -35,7 +38,9 @@ struct Table {
 
 struct Shared {
     table: Mutex<Table>,
-    opens: (Sender<(String, Msg)>, Receiver<(String, Msg)>),
+    /// Signalled when foreign notifications arrive.
+    foreign_ready: Condvar,
+    opens: (Sender<Open>, Receiver<Open>),
     stop: AtomicBool,
 }
 
@@ -58,6 +63,7 @@ impl Router {
         }
         let shared = Arc::new(Shared {
             table: Mutex::new(Table::default()),
+            foreign_ready: Condvar::new(),
             opens: crossbeam_channel::unbounded(),
             stop: AtomicBool::new(false),
         });
@@ -105,6 +111,19 @@ impl Router {
         self.shared.table.lock().foreign.drain(..).collect()
     }
 
+    /// Like [`Router::foreign`], but waits up to `timeout` for at least one (the
+    /// engine's `wait_notifs` for an agent whose queue the router took over).
+    pub fn wait_foreign(&self, timeout: Duration) -> Vec<Notification> {
+        let deadline = Instant::now() + timeout;
+        let mut table = self.shared.table.lock();
+        while table.foreign.is_empty() {
+            if self.shared.foreign_ready.wait_until(&mut table, deadline).timed_out() {
+                break;
+            }
+        }
+        table.foreign.drain(..).collect()
+    }
+
     /// Sends a pipe message to `peer`.
     pub fn send(&self, peer: &str, msg: &Msg) -> Result<()> {
         self.agent.notify(peer, msg.encode())
@@ -128,7 +147,10 @@ fn route(agent: Weak<Agent>, shared: Arc<Shared>) {
         let mut table = shared.table.lock();
         for n in notifs {
             match Msg::decode(&n.msg) {
-                None => table.foreign.push_back(n),
+                None => {
+                    table.foreign.push_back(n);
+                    shared.foreign_ready.notify_all();
+                }
                 Some(Err(e)) => tracing::warn!(peer = %n.from, error = %e, "dropped a malformed pipe message"),
                 Some(Ok(msg @ Msg::Open { .. })) => {
                     let _ = shared.opens.0.send((n.from, msg));

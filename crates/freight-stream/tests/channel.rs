@@ -2,42 +2,17 @@
 //! sizes, objects larger than the buffer, several senders to one receiver, bad input.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
 
-use freight_core::{Agent, AgentConfig, Desc, Error, MemKind, SharedSegment, TransportKind};
-use freight_stream::{Buffer, ChannelReceiver, ChannelSender, Outgoing, PipeConfig, PipeListener, PipeSender};
+use freight_core::{Error, MemKind, TransportKind};
+use freight_stream::{Buffer, ChannelReceiver, ChannelSender, PipeConfig, PipeListener, PipeSender};
 
-fn agent(name: &str, require: Option<TransportKind>) -> Arc<Agent> {
-    Arc::new(Agent::new(name, AgentConfig { require, ..AgentConfig::default() }).unwrap())
-}
+mod common;
+use common::{agent, objects, pattern};
 
 fn config() -> PipeConfig {
     PipeConfig { timeout: Duration::from_secs(10), ..PipeConfig::default() }
-}
-
-fn pattern(key: &str, len: usize) -> Vec<u8> {
-    let seed = key.bytes().fold(7u8, |a, b| a.wrapping_mul(31).wrapping_add(b));
-    (0..len).map(|i| (i as u8).wrapping_mul(13).wrapping_add(seed)).collect()
-}
-
-/// Objects of the given sizes, laid out in one registered segment of `agent`.
-fn objects(agent: &Agent, prefix: &str, sizes: &[usize]) -> (Arc<SharedSegment>, Vec<Outgoing>) {
-    let total: usize = sizes.iter().sum();
-    let seg = agent.alloc(total).unwrap();
-    agent.register(MemKind::Dram, seg.addr(), total as u64, 0).unwrap();
-    let mut at = 0;
-    let mut out = Vec::new();
-    for (i, &len) in sizes.iter().enumerate() {
-        let key = format!("{prefix}{i}");
-        // SAFETY: within the segment, which this test owns.
-        unsafe { std::ptr::copy_nonoverlapping(pattern(&key, len).as_ptr(), seg.as_ptr().add(at), len) };
-        let local = Desc { addr: seg.addr() + at as u64, len: len as u64, dev: 0 };
-        out.push(Outgoing { key, kind: MemKind::Dram, local, meta: format!("len={len}").into_bytes() });
-        at += len;
-    }
-    (seg, out)
 }
 
 fn run(require: Option<TransportKind>, senders: usize, sizes: &[usize], capacity: u64, batch: usize) {

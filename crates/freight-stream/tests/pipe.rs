@@ -6,12 +6,11 @@ use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
 
-use freight_core::{Agent, AgentConfig, Desc, DescList, Error, MemKind, SharedSegment, TransportKind};
+use freight_core::{Agent, Desc, DescList, Error, MemKind, SharedSegment, TransportKind};
 use freight_stream::{Buffer, PipeConfig, PipeListener, PipeSender};
 
-fn agent(name: &str, require: Option<TransportKind>) -> Arc<Agent> {
-    Arc::new(Agent::new(name, AgentConfig { require, ..AgentConfig::default() }).unwrap())
-}
+mod common;
+use common::agent;
 
 fn config(timeout_ms: u64) -> PipeConfig {
     PipeConfig { timeout: Duration::from_millis(timeout_ms), ..PipeConfig::default() }

@@ -24,6 +24,9 @@ pub enum BenchCommand {
     Pipe(Box<stream::StreamArgs>),
     /// The same run as keyed objects over a channel, sent in batches.
     Channel(Box<stream::StreamArgs>),
+    /// The same run put into a keyed store on the receiver, committed in batches
+    /// (--commit-size), with per-commit transfer and wait-for-receiver times.
+    Storage(Box<stream::StreamArgs>),
 }
 
 pub fn run(cmd: &BenchCommand, ctx: &Context) -> CliResult<()> {
@@ -32,5 +35,6 @@ pub fn run(cmd: &BenchCommand, ctx: &Context) -> CliResult<()> {
         BenchCommand::Descriptors(a) => descriptors::run(a),
         BenchCommand::Pipe(a) => stream::run(stream::Product::Pipe, a, ctx),
         BenchCommand::Channel(a) => stream::run(stream::Product::Channel, a, ctx),
+        BenchCommand::Storage(a) => stream::run(stream::Product::Storage, a, ctx),
     }
 }

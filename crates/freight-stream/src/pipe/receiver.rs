@@ -170,6 +170,11 @@ impl RecvEnd {
         let _reader = self.reading.lock();
         let deadline = Instant::now() + timeout.unwrap_or(self.timeout);
         loop {
+            // File what already arrived first: a Close among it tells `send_credit` that
+            // a sender which has since gone needs no credit.
+            while let Ok(msg) = self.inbox.try_recv() {
+                self.take(msg);
+            }
             let credit = {
                 let mut st = self.state.lock();
                 if let Some(e) = &st.broken {
@@ -200,7 +205,7 @@ impl RecvEnd {
                 st.window.flush()
             };
             if let Some(upto) = credit {
-                self.router.send(&self.peer, &Msg::Credit { pipe: self.pipe, upto })?;
+                self.send_credit(upto)?;
             }
             let waited = wait_message(self.agent(), &self.peer, &self.inbox, deadline);
             match waited {
@@ -226,8 +231,21 @@ impl RecvEnd {
     fn release(&self, start: u64) -> Result<()> {
         let credit = self.state.lock().window.release(start).map_err(|e| window_error(&self.peer, e))?;
         match credit {
-            Some(upto) => self.router.send(&self.peer, &Msg::Credit { pipe: self.pipe, upto }),
+            Some(upto) => self.send_credit(upto),
             None => Ok(()),
+        }
+    }
+
+    /// Tells the sender that space up to `upto` is free. Once it closed the stream it
+    /// needs no more space and may be gone (a sender process exits after `close`): a
+    /// credit that cannot be delivered then is no error.
+    fn send_credit(&self, upto: u64) -> Result<()> {
+        match self.router.send(&self.peer, &Msg::Credit { pipe: self.pipe, upto }) {
+            Err(e) if self.state.lock().end.is_some() => {
+                tracing::debug!(peer = %self.peer, pipe = self.pipe, error = %e, "credit after the end of the stream not delivered");
+                Ok(())
+            }
+            other => other,
         }
     }
 }
@@ -277,6 +295,17 @@ impl PipeReceiver {
     /// Messages handed out and not yet released.
     pub fn held(&self) -> usize {
         self.end.state.lock().window.held()
+    }
+
+    /// Ends the stream from this side: the sender's next call fails with `reason`.
+    /// Messages already handed out stay valid. Aborting twice is harmless.
+    pub fn abort(&self, reason: &str) {
+        let mut st = self.end.state.lock();
+        if st.broken.is_none() {
+            st.broken = Some(Error::InvalidState(format!("the pipe was aborted here: {reason}")));
+            let abort = Msg::Abort { pipe: self.end.pipe, reason: reason.to_string() };
+            let _ = self.end.router.send(&self.end.peer, &abort);
+        }
     }
 
     /// True once the sender closed the stream and every message was handed out.

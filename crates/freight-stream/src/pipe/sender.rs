@@ -30,6 +30,8 @@ struct SendState {
     in_flight: VecDeque<Request>,
     closed: bool,
     broken: Option<Error>,
+    /// Time spent waiting for room in the receiver's buffer, since the pipe opened.
+    credit_wait: Duration,
 }
 
 impl PipeSender {
@@ -50,7 +52,8 @@ impl PipeSender {
             }
         };
         tracing::info!(peer = %peer, pipe, capacity = buffer.len, kind = %buffer.kind.as_str(), "pipe opened");
-        let state = SendState { window, in_flight: VecDeque::new(), closed: false, broken: None };
+        let state =
+            SendState { window, in_flight: VecDeque::new(), closed: false, broken: None, credit_wait: Duration::ZERO };
         Ok(PipeSender { router, peer, pipe, inbox, buffer, config: config.clone(), state: Mutex::new(state) })
     }
 
@@ -190,7 +193,10 @@ impl PipeSender {
             if let Some(slot) = st.window.reserve(len).map_err(|e| window_error(&self.peer, e))? {
                 return Ok(slot);
             }
-            match wait_message(self.agent(), &self.peer, &self.inbox, deadline) {
+            let waiting = Instant::now();
+            let outcome = wait_message(self.agent(), &self.peer, &self.inbox, deadline);
+            st.credit_wait += waiting.elapsed();
+            match outcome {
                 Ok(Some(msg)) => self.handle(st, msg)?,
                 Ok(None) => {
                     return Err(Error::Timeout(format!(
@@ -326,6 +332,11 @@ impl PipeSender {
     /// Messages sent so far.
     pub fn sent(&self) -> u64 {
         self.state.lock().window.sent()
+    }
+
+    /// Time `send` spent waiting for the receiver to free room, since the pipe opened.
+    pub fn credit_wait(&self) -> Duration {
+        self.state.lock().credit_wait
     }
 
     /// The pipe's timeout.

@@ -1,7 +1,9 @@
-//! `freight bench pipe` and `freight bench channel`: the disaggregated-prefill stream
+//! `freight bench pipe | channel | storage`: the disaggregated-prefill stream
 //! benchmarks. A sender streams `--num-objs` objects of `--obj-size` bytes per round to a
 //! receiver, through a pipe whose buffer (`--buffer-size`, in the receiver's memory) may
-//! be far smaller than a round; `channel` sends them as keyed objects in batches.
+//! be far smaller than a round; `channel` sends them as keyed objects in batches;
+//! `storage` puts them into a keyed store on the receiver, committed `--commit-size` at
+//! a time, and the receiver gets each by key.
 //!
 //! A run starts with a verification round, whose every byte the receiver checks, then
 //! times `--num-rounds` rounds. With `--simulate-work` both sides also pretend to
@@ -31,6 +33,7 @@ The seed's runs (two GPUs; the receiver is started as a child process on the nex
   freight bench pipe --num-objs 500 --obj-size 32MiB --buffer-size 4GiB
   freight bench pipe --num-rounds 5 --num-objs 500 --simulate-work
   freight bench channel --num-objs 1000 --batch-size 30 --simulate-work
+  freight bench storage --num-objs 500
 
 Two shells or two hosts: start the receiver, then the sender:
   freight bench pipe --role receiver --listen 0.0.0.0:7100 --device cuda:1
@@ -53,6 +56,7 @@ pub enum StreamRole {
 pub enum Product {
     Pipe,
     Channel,
+    Storage,
 }
 
 impl Product {
@@ -60,6 +64,7 @@ impl Product {
         match self {
             Product::Pipe => "pipe",
             Product::Channel => "channel",
+            Product::Storage => "storage",
         }
     }
 }
@@ -95,9 +100,13 @@ pub struct StreamArgs {
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub num_rounds: u32,
 
-    /// channel: objects per send call (a batch fills one or more pipe messages).
+    /// channel, storage: objects per send call (a batch fills one or more pipe messages).
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..=100_000))]
     pub batch_size: u64,
+
+    /// storage: objects per commit (a commit returns once the receiver holds them all).
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub commit_size: u64,
 
     /// Pretend to compute: the sender 50 ms per 10 objects, the receiver 20 ms per 10.
     #[arg(long, alias = "simulate-workload")]
@@ -142,6 +151,7 @@ pub struct Shape {
     pub num_objs: u64,
     pub obj_size: u64,
     pub batch_size: u64,
+    pub commit_size: u64,
     pub rounds: Vec<Round>,
 }
 
@@ -155,8 +165,15 @@ impl Shape {
             rounds.push(Round::Transfer);
         }
         let timed = if a.simulate_work { Round::Work } else { Round::Transfer };
-        rounds.extend(std::iter::repeat_n(timed, a.num_rounds as usize));
-        Shape { product, num_objs: a.num_objs, obj_size: a.obj_size, batch_size: a.batch_size, rounds }
+        rounds.extend(std::iter::repeat(timed).take(a.num_rounds as usize));
+        Shape {
+            product,
+            num_objs: a.num_objs,
+            obj_size: a.obj_size,
+            batch_size: a.batch_size,
+            commit_size: a.commit_size,
+            rounds,
+        }
     }
 
     pub fn round_bytes(&self) -> u64 {
@@ -297,7 +314,13 @@ mod tests {
 
     #[test]
     fn bad_options_are_usage_errors() {
-        for bad in [&["--num-objs", "0"][..], &["--obj-size", "0"], &["--num-rounds", "0"], &["--batch-size", "0"]] {
+        for bad in [
+            &["--num-objs", "0"][..],
+            &["--obj-size", "0"],
+            &["--num-rounds", "0"],
+            &["--batch-size", "0"],
+            &["--commit-size", "0"],
+        ] {
             assert!(Cli::try_parse_from(std::iter::once("x").chain(bad.iter().copied())).is_err(), "{bad:?}");
         }
         assert!(Device::parse("tpu", 0).is_err());

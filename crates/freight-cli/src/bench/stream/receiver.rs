@@ -1,12 +1,13 @@
-//! The receiving side of `bench pipe` / `bench channel`: owns the pipe's buffer, takes
-//! the run's shape from the sender's first message, receives (and in the verification
-//! round checks) every object.
+//! The receiving side of `bench pipe` / `channel` / `storage`: owns the pipe's buffer,
+//! takes the run's shape from the sender's first message, receives (and in the
+//! verification round checks) every object; the store's objects are got by key and
+//! removed once looked at.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use freight_core::Agent;
-use freight_stream::{Buffer, BufferInfo, ChannelReceiver, PipeConfig, PipeListener, PipeReceiver};
+use freight_stream::{Buffer, BufferInfo, ChannelReceiver, PipeConfig, PipeListener, PipeReceiver, StoreReceiver};
 
 use super::memory::{check, Device, Memory};
 use super::sender::key_of;
@@ -53,6 +54,9 @@ pub fn run(product: Product, a: &StreamArgs) -> CliResult<()> {
     let mut source = match product {
         Product::Pipe => Source::Pipe(pipe),
         Product::Channel => Source::Channel(ChannelReceiver::new(vec![pipe], a.timeout)),
+        Product::Storage => {
+            Source::Store(StoreReceiver::new(ChannelReceiver::new(vec![pipe], a.timeout), None), a.timeout)
+        }
     };
     for (r, &round) in shape.rounds.iter().enumerate() {
         let secs = receive_round(&mut source, &shape, r, round)?;
@@ -70,14 +74,17 @@ pub fn run(product: Product, a: &StreamArgs) -> CliResult<()> {
 enum Source {
     Pipe(PipeReceiver),
     Channel(ChannelReceiver),
+    /// The store, and how long to wait for a key.
+    Store(StoreReceiver, Duration),
 }
 
 /// One received object: (key, kind, address, device, length), and what keeps it alive.
 type Object = (String, freight_core::MemKind, u64, u64, u64);
 
 impl Source {
-    /// The next objects, with whatever must live while they are looked at.
-    fn next(&mut self) -> CliResult<(Vec<Object>, Box<dyn std::any::Any>)> {
+    /// The next objects (the store: the one under `key`), with whatever must live
+    /// while they are looked at.
+    fn next(&mut self, key: &str) -> CliResult<(Vec<Object>, Box<dyn std::any::Any>)> {
         let ended = || CliError::runtime("the sender closed the stream early");
         match self {
             Source::Pipe(p) => {
@@ -97,6 +104,13 @@ impl Source {
                     .collect();
                 Ok((objects, Box::new(batch)))
             }
+            Source::Store(store, timeout) => {
+                store.wait_for(&[key], *timeout)?;
+                let o =
+                    store.remove(key).ok_or_else(|| CliError::runtime(format!("'{key}' vanished from the store")))?;
+                let (kind, addr, dev) = o.data.location();
+                Ok((vec![(o.key.clone(), kind, addr, dev, o.len())], Box::new(o)))
+            }
         }
     }
 
@@ -104,6 +118,10 @@ impl Source {
         let more = match self {
             Source::Pipe(p) => p.recv(None)?.is_some(),
             Source::Channel(c) => c.recv(None)?.is_some(),
+            Source::Store(store, timeout) => {
+                store.wait_closed(*timeout)?;
+                !store.is_empty()
+            }
         };
         if more {
             return Err(CliError::runtime("the sender sent more than the run it announced"));
@@ -116,7 +134,7 @@ fn receive_round(source: &mut Source, shape: &Shape, r: usize, round: Round) -> 
     let mut start = None;
     let mut next = 0u64;
     while next < shape.num_objs {
-        let (objects, keep) = source.next()?;
+        let (objects, keep) = source.next(&key_of(r, next))?;
         start.get_or_insert_with(Instant::now);
         for (key, kind, addr, dev, len) in objects {
             let expected = key_of(r, next);

@@ -1,10 +1,10 @@
-//! The sending side of `bench pipe` / `bench channel`.
+//! The sending side of `bench pipe` / `channel` / `storage`.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use freight_core::{Agent, DescList};
-use freight_stream::{ChannelSender, Outgoing, PipeConfig, PipeSender};
+use freight_stream::{ChannelSender, CommitStats, Outgoing, PipeConfig, PipeSender, StoreSender};
 use serde_json::json;
 
 use super::memory::{Device, Memory};
@@ -22,6 +22,8 @@ struct RoundResult {
     round: Round,
     secs: f64,
     work_secs: f64,
+    /// storage: the round's commits.
+    commits: Vec<CommitStats>,
 }
 
 pub fn run(product: Product, a: &StreamArgs, addr: &str) -> CliResult<()> {
@@ -58,14 +60,18 @@ pub fn run(product: Product, a: &StreamArgs, addr: &str) -> CliResult<()> {
     let hello = serde_json::to_vec(&shape).expect("the shape always encodes");
     let first_byte = DescList::from_descs(source.kind, [source.desc(0, 1)])?;
     pipe.send(&first_byte, hello)?;
-    let sink = match product {
+    let mut sink = match product {
         Product::Pipe => Sink::Pipe(pipe),
         Product::Channel => Sink::Channel(ChannelSender::new(pipe, shape.batch_size as usize, None)?),
+        Product::Storage => Sink::Store(StoreSender::new(
+            ChannelSender::new(pipe, shape.batch_size as usize, None)?,
+            shape.commit_size as usize,
+        )?),
     };
     let mut results = Vec::new();
     for (r, &round) in shape.rounds.iter().enumerate() {
         say(a.json, &format!("Round {r} ({round:?}): sending {} objects...", shape.num_objs));
-        let result = send_round(&sink, &source, &shape, r, round)?;
+        let result = send_round(&mut sink, &source, &shape, r, round, a.json)?;
         let rate = gbps(total, result.secs);
         say(
             a.json,
@@ -87,24 +93,54 @@ pub fn run(product: Product, a: &StreamArgs, addr: &str) -> CliResult<()> {
 enum Sink {
     Pipe(PipeSender),
     Channel(ChannelSender),
+    Store(StoreSender),
 }
 
 impl Sink {
-    /// Until the receiver has released everything: a round ends end to end.
-    fn drain(&self) -> CliResult<()> {
+    /// Until the receiver has released (or, for the store, taken) everything: a round
+    /// ends end to end.
+    fn end_round(&mut self, commits: &mut Vec<CommitStats>, json: bool) -> CliResult<()> {
         match self {
             Sink::Pipe(p) => p.drain(),
             Sink::Channel(c) => c.drain(),
+            Sink::Store(s) => s.commit().map(|c| commits.extend(c.inspect(|c| say_commit(json, c)))),
         }
         .map_err(|e| CliError::runtime(format!("the stream failed: {e}")))
     }
 
-    fn close(&self) -> CliResult<()> {
+    fn close(self) -> CliResult<()> {
         match self {
             Sink::Pipe(p) => p.close(),
             Sink::Channel(c) => c.close(),
+            Sink::Store(s) => s.close(),
         }
         .map_err(|e| CliError::runtime(format!("closing the stream failed: {e}")))
+    }
+}
+
+fn say_commit(json: bool, c: &CommitStats) {
+    say(
+        json,
+        &format!(
+            "Committed {} objects ({:.2} MB) in {:.4} ms: transfer time {:.4} ms, wait for receiver {:.4} ms; \
+             pure transfer throughput {:.2} GB/s",
+            c.objects,
+            c.bytes as f64 / 1e6,
+            c.total().as_secs_f64() * 1e3,
+            c.transfer.as_secs_f64() * 1e3,
+            c.wait_receiver.as_secs_f64() * 1e3,
+            c.transfer_gbps()
+        ),
+    );
+}
+
+/// Object `k` of round `r`, as the channel and the store send it.
+fn outgoing(source: &Memory, shape: &Shape, r: usize, k: u64) -> Outgoing {
+    Outgoing {
+        key: key_of(r, k),
+        kind: source.kind,
+        local: source.desc(k * shape.obj_size, shape.obj_size),
+        meta: Vec::new(),
     }
 }
 
@@ -113,11 +149,19 @@ pub fn key_of(round: usize, i: u64) -> String {
     format!("r{round}-{i}")
 }
 
-fn send_round(sink: &Sink, source: &Memory, shape: &Shape, r: usize, round: Round) -> CliResult<RoundResult> {
+fn send_round(
+    sink: &mut Sink,
+    source: &Memory,
+    shape: &Shape,
+    r: usize,
+    round: Round,
+    json: bool,
+) -> CliResult<RoundResult> {
     let failed = |e: freight_core::Error| CliError::runtime(format!("round {r}: {e}"));
     let mut work = Duration::ZERO;
+    let mut commits = Vec::new();
     let step = match sink {
-        Sink::Pipe(_) => 1,
+        Sink::Pipe(_) | Sink::Store(_) => 1,
         Sink::Channel(_) => shape.batch_size,
     };
     let start = Instant::now();
@@ -130,15 +174,14 @@ fn send_round(sink: &Sink, source: &Memory, shape: &Shape, r: usize, round: Roun
                 p.send(&local, key_of(r, i).into_bytes()).map_err(failed)?;
             }
             Sink::Channel(c) => {
-                let batch: Vec<Outgoing> = (i..end)
-                    .map(|k| Outgoing {
-                        key: key_of(r, k),
-                        kind: source.kind,
-                        local: source.desc(k * shape.obj_size, shape.obj_size),
-                        meta: Vec::new(),
-                    })
-                    .collect();
+                let batch: Vec<Outgoing> = (i..end).map(|k| outgoing(source, shape, r, k)).collect();
                 c.send(&batch).map_err(failed)?;
+            }
+            Sink::Store(s) => {
+                if let Some(c) = s.put(outgoing(source, shape, r, i)).map_err(failed)? {
+                    say_commit(json, &c);
+                    commits.push(c);
+                }
             }
         }
         if round == Round::Work {
@@ -151,8 +194,8 @@ fn send_round(sink: &Sink, source: &Memory, shape: &Shape, r: usize, round: Roun
         }
         i = end;
     }
-    sink.drain()?;
-    Ok(RoundResult { round, secs: start.elapsed().as_secs_f64(), work_secs: work.as_secs_f64() })
+    sink.end_round(&mut commits, json)?;
+    Ok(RoundResult { round, secs: start.elapsed().as_secs_f64(), work_secs: work.as_secs_f64(), commits })
 }
 
 fn report(product: Product, a: &StreamArgs, shape: &Shape, results: &[RoundResult], device: Device) -> CliResult<()> {
@@ -183,7 +226,7 @@ fn report(product: Product, a: &StreamArgs, shape: &Shape, results: &[RoundResul
     }
     if a.json {
         let doc = json!({
-            "benchmark": format!("freight bench {}", if product == Product::Pipe { "pipe" } else { "channel" }),
+            "benchmark": format!("freight bench {}", product.command()),
             "host": host_json(),
             "device": device.name(),
             "num_objs": shape.num_objs,
@@ -198,11 +241,35 @@ fn report(product: Product, a: &StreamArgs, shape: &Shape, results: &[RoundResul
                 "seconds": r.secs,
                 "gbps": gbps(bytes, r.secs),
                 "sender_work_seconds": r.work_secs,
+                "commits": r.commits.iter().map(commit_json).collect::<Vec<_>>(),
             })).collect::<Vec<_>>(),
             "throughput_gbps": { "mean": mean, "std": std, "rounds": main },
             "transfer_only_seconds": transfer_only,
+            "commit_size": (product == Product::Storage).then_some(shape.commit_size),
+            "pure_transfer_gbps": pure_transfer(&timed),
         });
         emit(&(serde_json::to_string_pretty(&doc).expect("json values always print") + "\n"))?;
     }
     Ok(())
+}
+
+fn commit_json(c: &CommitStats) -> serde_json::Value {
+    json!({
+        "objects": c.objects,
+        "bytes": c.bytes,
+        "transfer_seconds": c.transfer.as_secs_f64(),
+        "wait_receiver_seconds": c.wait_receiver.as_secs_f64(),
+        "transfer_gbps": c.transfer_gbps(),
+    })
+}
+
+/// storage: the timed rounds' bytes over their commits' transfer time (None for the
+/// other products).
+fn pure_transfer(timed: &[&RoundResult]) -> Option<f64> {
+    let commits: Vec<&CommitStats> = timed.iter().flat_map(|r| &r.commits).collect();
+    if commits.is_empty() {
+        return None;
+    }
+    let bytes = commits.iter().map(|c| c.bytes).sum();
+    Some(gbps(bytes, commits.iter().map(|c| c.transfer.as_secs_f64()).sum()))
 }

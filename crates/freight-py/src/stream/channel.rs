@@ -1,0 +1,303 @@
+//! The channel's bindings: sending end, receiving end and the objects it hands out.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use freight_core::{Desc, Error};
+use freight_stream::{ChannelReceiver, ChannelSender, Outgoing, PipeListener, PipeSender, Received};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+use super::{buffer_arg, drop_detached, lock, pipe_config, sliced, wait_arg, with_sender, Place, Region};
+use crate::agent::PyAgent;
+use crate::descs::parse_kind;
+use crate::errors::{invalid, OrRaise};
+
+/// An object to send: (key, kind, addr, length, device, meta).
+type PyOutgoing = (String, String, u64, u64, u64, Vec<u8>);
+
+/// The sending end of a channel (use `freight.ChannelSender`).
+#[pyclass(frozen, name = "ChannelSender", module = "freight._native")]
+pub struct PyChannelSender {
+    inner: Mutex<Option<ChannelSender>>,
+    peer: String,
+    capacity: u64,
+}
+
+#[pymethods]
+impl PyChannelSender {
+    #[new]
+    #[pyo3(signature = (agent, addr, batch_size = 32, timeout = 30.0, max_message = None, max_in_flight = 16))]
+    fn new(
+        py: Python<'_>,
+        agent: &Bound<'_, PyAgent>,
+        addr: &str,
+        batch_size: usize,
+        timeout: f64,
+        max_message: Option<u64>,
+        max_in_flight: usize,
+    ) -> PyResult<Self> {
+        let a = agent.get();
+        a.router();
+        let config = pipe_config(timeout, None, max_in_flight)?;
+        let inner = a.inner.clone();
+        let tx = py
+            .detach(|| {
+                PipeSender::connect(&inner, addr, &config).and_then(|p| ChannelSender::new(p, batch_size, max_message))
+            })
+            .or_raise()?;
+        let (peer, capacity) = (tx.pipe().peer().to_string(), tx.pipe().capacity());
+        Ok(PyChannelSender { inner: Mutex::new(Some(tx)), peer, capacity })
+    }
+
+    /// Sends objects (key, kind, addr, length, device, meta) in batches; returns the
+    /// number of pipe messages used.
+    fn send(&self, py: Python<'_>, objects: Vec<PyOutgoing>) -> PyResult<usize> {
+        let objects = objects
+            .into_iter()
+            .map(|(key, kind, addr, len, dev, meta)| {
+                Ok(Outgoing { key, kind: parse_kind(&kind)?, local: Desc { addr, len, dev }, meta })
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        with_sender(py, &self.inner, |s| s.send(&objects))
+    }
+
+    fn flush(&self, py: Python<'_>) -> PyResult<()> {
+        with_sender(py, &self.inner, |s| s.flush())
+    }
+
+    fn drain(&self, py: Python<'_>) -> PyResult<()> {
+        with_sender(py, &self.inner, |s| s.drain())
+    }
+
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let tx = py.detach(|| lock(&self.inner).take());
+        match tx {
+            Some(tx) => py.detach(move || tx.close()).or_raise(),
+            None => Ok(()),
+        }
+    }
+
+    #[getter]
+    fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    /// Size of the receiver's buffer for this sender.
+    #[getter]
+    fn capacity(&self) -> u64 {
+        self.capacity
+    }
+}
+
+impl Drop for PyChannelSender {
+    fn drop(&mut self) {
+        if let Some(tx) = lock(&self.inner).take() {
+            drop_detached(tx);
+        }
+    }
+}
+
+/// The receiving end of a channel (use `freight.ChannelReceiver`).
+#[pyclass(frozen, name = "ChannelReceiver", module = "freight._native")]
+pub struct PyChannelReceiver {
+    inner: Mutex<Option<ChannelReceiver>>,
+    timeout: Duration,
+    peers: Vec<String>,
+    _keep: Option<Py<PyAny>>,
+}
+
+#[pymethods]
+impl PyChannelReceiver {
+    /// Accepts `num_senders` pipes, each with a host buffer of `capacity` bytes or the
+    /// next of `regions` (registered by the caller; `keep` is held meanwhile).
+    #[new]
+    #[pyo3(signature = (agent, num_senders = 1, capacity = None, regions = None, keep = None, timeout = 30.0, credit_batch = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        agent: &Bound<'_, PyAgent>,
+        num_senders: usize,
+        capacity: Option<u64>,
+        regions: Option<Vec<Region>>,
+        keep: Option<Py<PyAny>>,
+        timeout: f64,
+        credit_batch: Option<u64>,
+    ) -> PyResult<Self> {
+        if num_senders == 0 {
+            return Err(invalid("a channel needs at least one sender"));
+        }
+        let buffers = match regions {
+            Some(r) if r.len() != num_senders => {
+                return Err(invalid(format!("{} buffer regions for {num_senders} senders", r.len())))
+            }
+            Some(r) => r.into_iter().map(|r| buffer_arg(None, Some(r))).collect::<PyResult<Vec<_>>>()?,
+            None => (0..num_senders).map(|_| buffer_arg(capacity, None)).collect::<PyResult<Vec<_>>>()?,
+        };
+        let a = agent.get();
+        a.router();
+        let config = pipe_config(timeout, credit_batch, 1)?;
+        let listener = PipeListener::new(&a.inner);
+        let pipes = py
+            .detach(|| {
+                buffers.into_iter().map(|b| listener.accept(b, &config)).collect::<freight_core::Result<Vec<_>>>()
+            })
+            .or_raise()?;
+        let peers = pipes.iter().map(|p| p.peer().to_string()).collect();
+        let rx = ChannelReceiver::new(pipes, config.timeout);
+        Ok(PyChannelReceiver { inner: Mutex::new(Some(rx)), timeout: config.timeout, peers, _keep: keep })
+    }
+
+    /// The objects of the next message that completes any, or None once every sender
+    /// closed its stream. Waits up to `timeout` seconds (None: the channel's timeout).
+    #[pyo3(signature = (timeout = None))]
+    fn recv(slf: &Bound<'_, Self>, timeout: Option<f64>) -> PyResult<Option<Vec<PyReceived>>> {
+        let py = slf.py();
+        let this = slf.get();
+        let timeout = wait_arg(timeout, this.timeout)?;
+        let got = sliced(py, timeout, "no object arrived", |slice| match lock(&this.inner).as_mut() {
+            Some(rx) => rx.recv(Some(slice)),
+            None => Err(Error::InvalidState("the channel receiver is closed".into())),
+        })?;
+        Ok(got.map(|objects| objects.into_iter().map(|r| PyReceived::new(py, r)).collect()))
+    }
+
+    /// Stops receiving; senders still sending are told. Objects handed out stay valid.
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| drop(lock(&self.inner).take()));
+    }
+
+    /// The senders' agent names, in the order of `Received.sender`.
+    #[getter]
+    fn peers(&self) -> Vec<String> {
+        self.peers.clone()
+    }
+}
+
+impl Drop for PyChannelReceiver {
+    fn drop(&mut self) {
+        if let Some(rx) = lock(&self.inner).take() {
+            drop_detached(rx);
+        }
+    }
+}
+
+/// An object received whole (use `freight.Received`): a view of a pipe buffer, or
+/// reassembled memory, until `release()`.
+#[pyclass(frozen, name = "Received", module = "freight._native")]
+pub struct PyReceived {
+    inner: Mutex<Option<Received>>,
+    key: String,
+    meta: Py<PyBytes>,
+    sender: usize,
+    is_view: bool,
+    place: Place,
+}
+
+impl PyReceived {
+    fn new(py: Python<'_>, r: Received) -> Self {
+        let (kind, addr, dev) = r.location();
+        PyReceived {
+            key: r.key.clone(),
+            meta: PyBytes::new(py, &r.meta).unbind(),
+            sender: r.sender,
+            is_view: r.is_view(),
+            place: Place { kind, addr, len: r.len(), dev },
+            inner: Mutex::new(Some(r)),
+        }
+    }
+
+    fn is_live(&self) -> bool {
+        lock(&self.inner).is_some()
+    }
+}
+
+#[pymethods]
+impl PyReceived {
+    #[getter]
+    fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// The metadata the sender attached, unchanged.
+    #[getter]
+    fn meta(&self, py: Python<'_>) -> Py<PyBytes> {
+        self.meta.clone_ref(py)
+    }
+
+    /// Which of the receiver's pipes it came through.
+    #[getter]
+    fn sender(&self) -> usize {
+        self.sender
+    }
+
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        self.place.len
+    }
+
+    fn __len__(&self) -> usize {
+        self.place.len as usize
+    }
+
+    /// True when the bytes are a view of a pipe buffer (not reassembled).
+    #[getter]
+    fn is_view(&self) -> bool {
+        self.is_view
+    }
+
+    #[getter]
+    fn kind(&self) -> &'static str {
+        self.place.kind.as_str()
+    }
+
+    #[getter]
+    fn device(&self) -> u64 {
+        self.place.dev
+    }
+
+    #[getter]
+    fn addr(&self) -> u64 {
+        self.place.addr
+    }
+
+    #[getter]
+    fn live(&self) -> bool {
+        self.is_live()
+    }
+
+    #[getter]
+    fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        self.place.host_interface(py, self.is_live(), "object")
+    }
+
+    #[getter]
+    fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        self.place.cuda_interface(py, self.is_live(), "object")
+    }
+
+    /// Copies the bytes to `addr` (memory of `kind`, at least as long as the object).
+    fn copy_to(&self, py: Python<'_>, kind: &str, addr: u64) -> PyResult<()> {
+        let kind = parse_kind(kind)?;
+        py.detach(|| match lock(&self.inner).as_ref() {
+            Some(r) => r.copy_to(kind, addr),
+            None => Err(Error::InvalidState("the object was released".into())),
+        })
+        .or_raise()
+    }
+
+    /// Frees the object's space (its message's, once every object of it is released).
+    /// Views must not be used after. Releasing twice is harmless.
+    fn release(&self, py: Python<'_>) {
+        let r = lock(&self.inner).take();
+        py.detach(move || drop(r));
+    }
+}
+
+impl Drop for PyReceived {
+    fn drop(&mut self) {
+        if let Some(r) = lock(&self.inner).take() {
+            drop_detached(r);
+        }
+    }
+}

@@ -1,0 +1,153 @@
+//! Pipe and channel bindings (`freight_stream`), wrapped by `freight.stream`.
+//!
+//! Blocking calls release the GIL; the long waits (`recv`) run in slices so that Ctrl-C
+//! interrupts them. Mutexes that a blocking call holds are only ever locked with the
+//! GIL released, so that a thread waiting for one never holds up the thread that owns it.
+//! Messages and received objects expose their bytes zero-copy, through
+//! `__array_interface__` (host memory) or `__cuda_array_interface__` (GPU memory): the
+//! consumer (numpy, torch, cupy) keeps the Python object, and with it the bytes, alive.
+
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use freight_core::{Error, MemKind};
+use freight_stream::{Buffer, BufferInfo, PipeConfig};
+use pyo3::exceptions::PyAttributeError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::descs::parse_kind;
+use crate::errors::{invalid, to_py_err, OrRaise};
+use crate::request::SIGNAL_SLICE;
+use crate::util::{seconds, timeout_arg};
+
+mod channel;
+mod pipe;
+
+pub(crate) use channel::{PyChannelReceiver, PyChannelSender, PyReceived};
+pub(crate) use pipe::{PyMessage, PyPipeListener, PyPipeReceiver, PyPipeSender};
+
+/// A memory region as Python passes it: (kind, address, length, device).
+type Region = (String, u64, u64, u64);
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn released(what: &str) -> PyErr {
+    to_py_err(Error::InvalidState(format!("the {what} was released")))
+}
+
+/// Drops `v` with the GIL released: dropping pipe ends and messages talks to the peer.
+fn drop_detached<T: Send>(v: T) {
+    Python::attach(|py| py.detach(move || drop(v)));
+}
+
+fn pipe_config(timeout: f64, credit_batch: Option<u64>, max_in_flight: usize) -> PyResult<PipeConfig> {
+    Ok(PipeConfig { timeout: seconds(timeout, "timeout")?, credit_batch, max_in_flight })
+}
+
+/// The receiver's buffer: host memory the pipe allocates (`capacity` bytes), or a
+/// region the caller registered.
+fn buffer_arg(capacity: Option<u64>, region: Option<Region>) -> PyResult<Buffer> {
+    match (capacity, region) {
+        (Some(capacity), None) => Ok(Buffer::Host { capacity }),
+        (None, Some((kind, addr, len, dev))) => {
+            Ok(Buffer::Registered(BufferInfo { kind: parse_kind(&kind)?, addr, len, dev }))
+        }
+        _ => Err(invalid("give either a capacity or a registered region for the pipe buffer")),
+    }
+}
+
+/// A `recv` timeout: None is the end's own, +inf practically forever.
+fn wait_arg(timeout: Option<f64>, default: Duration) -> PyResult<Duration> {
+    match timeout {
+        None => Ok(default),
+        Some(t) => Ok(timeout_arg(Some(t))?.unwrap_or(FOREVER)),
+    }
+}
+
+/// "No limit", short enough to add to an `Instant`.
+const FOREVER: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// Runs `f` with the GIL released in slices of at most `SIGNAL_SLICE` until it returns
+/// something other than a timeout, or `timeout` passes; Ctrl-C interrupts between slices.
+fn sliced<T: Send>(
+    py: Python<'_>,
+    timeout: Duration,
+    what: &str,
+    mut f: impl FnMut(Duration) -> freight_core::Result<T> + Send,
+) -> PyResult<T> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let slice = deadline.saturating_duration_since(Instant::now()).min(SIGNAL_SLICE);
+        match py.detach(|| f(slice)) {
+            Err(Error::Timeout(_)) if Instant::now() < deadline => {}
+            Err(Error::Timeout(_)) => {
+                return Err(to_py_err(Error::Timeout(format!("{what} within {:.1}s", timeout.as_secs_f64()))))
+            }
+            other => return other.or_raise(),
+        }
+        py.check_signals()?;
+    }
+}
+
+/// `__array_interface__` (host) or `__cuda_array_interface__` (GPU) of `len` bytes at
+/// `addr`, as a flat uint8 array.
+fn interface<'py>(py: Python<'py>, addr: u64, len: u64, cuda: bool) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("shape", (len,))?;
+    d.set_item("typestr", "|u1")?;
+    d.set_item("data", (addr, false))?;
+    d.set_item("version", 3)?;
+    if cuda {
+        d.set_item("strides", py.None())?;
+    }
+    Ok(d)
+}
+
+/// Where some bytes lie, for the array interfaces.
+#[derive(Clone, Copy)]
+struct Place {
+    kind: MemKind,
+    addr: u64,
+    len: u64,
+    dev: u64,
+}
+
+impl Place {
+    fn host_interface<'py>(&self, py: Python<'py>, live: bool, what: &str) -> PyResult<Bound<'py, PyDict>> {
+        if self.kind != MemKind::Dram {
+            return Err(PyAttributeError::new_err(format!(
+                "this {what} is in GPU memory: use __cuda_array_interface__"
+            )));
+        }
+        if !live {
+            return Err(released(what));
+        }
+        interface(py, self.addr, self.len, false)
+    }
+
+    fn cuda_interface<'py>(&self, py: Python<'py>, live: bool, what: &str) -> PyResult<Bound<'py, PyDict>> {
+        if self.kind != MemKind::Vram {
+            return Err(PyAttributeError::new_err(format!("this {what} is in host memory: use __array_interface__")));
+        }
+        if !live {
+            return Err(released(what));
+        }
+        interface(py, self.addr, self.len, true)
+    }
+}
+
+/// Runs `f` on a live sender, with the GIL released (the lock is taken there too).
+fn with_sender<T: Send, S: Send>(
+    py: Python<'_>,
+    cell: &Mutex<Option<S>>,
+    f: impl FnOnce(&S) -> freight_core::Result<T> + Send,
+) -> PyResult<T> {
+    py.detach(|| match lock(cell).as_ref() {
+        Some(s) => f(s),
+        None => Err(Error::InvalidState("the sender is closed".into())),
+    })
+    .or_raise()
+}

@@ -1,0 +1,336 @@
+//! The pipe's bindings: listener, receiving end and its messages, sending end.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use freight_core::Error;
+use freight_stream::{BufferInfo, Message, PipeListener, PipeReceiver, PipeSender};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+use super::{buffer_arg, drop_detached, lock, pipe_config, sliced, wait_arg, with_sender, Place, Region};
+use crate::agent::PyAgent;
+use crate::descs::PyDescList;
+use crate::errors::{to_py_err, OrRaise};
+
+/// Accepts pipes that senders open to an agent (use `freight.PipeListener`).
+#[pyclass(frozen, name = "PipeListener", module = "freight._native")]
+pub struct PyPipeListener {
+    inner: PipeListener,
+}
+
+#[pymethods]
+impl PyPipeListener {
+    #[new]
+    fn new(agent: &Bound<'_, PyAgent>) -> Self {
+        let a = agent.get();
+        // The agent holds its router first, so that its own notifications survive.
+        a.router();
+        PyPipeListener { inner: PipeListener::new(&a.inner) }
+    }
+
+    /// Waits up to `timeout` seconds for a sender and sets its pipe up, with a host
+    /// buffer of `capacity` bytes or the registered `region` (kind, addr, length,
+    /// device); `keep` is held while the receiver lives.
+    #[pyo3(signature = (capacity = None, region = None, keep = None, timeout = 30.0, credit_batch = None))]
+    fn accept(
+        &self,
+        py: Python<'_>,
+        capacity: Option<u64>,
+        region: Option<Region>,
+        keep: Option<Py<PyAny>>,
+        timeout: f64,
+        credit_batch: Option<u64>,
+    ) -> PyResult<PyPipeReceiver> {
+        let buffer = buffer_arg(capacity, region)?;
+        let config = pipe_config(timeout, credit_batch, 1)?;
+        let rx = py.detach(|| self.inner.accept(buffer, &config)).or_raise()?;
+        Ok(PyPipeReceiver::new(rx, config.timeout, keep))
+    }
+}
+
+/// The receiving end of a pipe (use `freight.PipeReceiver`).
+#[pyclass(frozen, name = "PipeReceiver", module = "freight._native")]
+pub struct PyPipeReceiver {
+    inner: Mutex<Option<Arc<PipeReceiver>>>,
+    peer: String,
+    buffer: BufferInfo,
+    timeout: Duration,
+    _keep: Option<Py<PyAny>>,
+}
+
+impl PyPipeReceiver {
+    fn new(rx: PipeReceiver, timeout: Duration, keep: Option<Py<PyAny>>) -> Self {
+        let (peer, buffer) = (rx.peer().to_string(), rx.buffer().clone());
+        PyPipeReceiver { inner: Mutex::new(Some(Arc::new(rx))), peer, buffer, timeout, _keep: keep }
+    }
+
+    fn get(&self) -> PyResult<Arc<PipeReceiver>> {
+        lock(&self.inner).clone().ok_or_else(|| to_py_err(Error::InvalidState("the pipe receiver is closed".into())))
+    }
+}
+
+#[pymethods]
+impl PyPipeReceiver {
+    /// The next message, or None once the sender closed the stream and every message
+    /// was handed out. Waits up to `timeout` seconds (None: the pipe's timeout).
+    #[pyo3(signature = (timeout = None))]
+    fn recv(slf: &Bound<'_, Self>, timeout: Option<f64>) -> PyResult<Option<PyMessage>> {
+        let py = slf.py();
+        let this = slf.get();
+        let rx = this.get()?;
+        let timeout = wait_arg(timeout, this.timeout)?;
+        let what = format!("no message from '{}'", this.peer);
+        let got = sliced(py, timeout, &what, |slice| rx.recv(Some(slice)))?;
+        Ok(got.map(|m| PyMessage::new(py, m, slf.clone().unbind())))
+    }
+
+    /// Ends this side: a sender still sending is told the receiver went away. Messages
+    /// already handed out stay valid until released.
+    fn close(&self, py: Python<'_>) {
+        let rx = lock(&self.inner).take();
+        py.detach(move || drop(rx));
+    }
+
+    /// The sending agent's name.
+    #[getter]
+    fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    /// Size of the pipe's buffer in bytes.
+    #[getter]
+    fn capacity(&self) -> u64 {
+        self.buffer.len
+    }
+
+    /// "DRAM" or "VRAM": where the buffer is.
+    #[getter]
+    fn kind(&self) -> &'static str {
+        self.buffer.kind.as_str()
+    }
+
+    /// The GPU of a VRAM buffer (0 for host memory).
+    #[getter]
+    fn device(&self) -> u64 {
+        self.buffer.dev
+    }
+
+    /// Messages handed out and not yet released.
+    #[getter]
+    fn held(&self) -> PyResult<usize> {
+        Ok(self.get()?.held())
+    }
+
+    /// True once the sender closed the stream and every message was handed out.
+    #[getter]
+    fn finished(&self) -> PyResult<bool> {
+        Ok(self.get()?.finished())
+    }
+}
+
+impl Drop for PyPipeReceiver {
+    fn drop(&mut self) {
+        if let Some(rx) = lock(&self.inner).take() {
+            drop_detached(rx);
+        }
+    }
+}
+
+/// A message in a pipe's buffer (use `freight.Message`). Its bytes are a view of the
+/// buffer until `release()`.
+#[pyclass(frozen, name = "Message", module = "freight._native")]
+pub struct PyMessage {
+    inner: Mutex<Option<Message>>,
+    seq: u64,
+    tag: Py<PyBytes>,
+    place: Place,
+    _pipe: Py<PyPipeReceiver>,
+}
+
+impl PyMessage {
+    fn new(py: Python<'_>, m: Message, pipe: Py<PyPipeReceiver>) -> Self {
+        let (kind, addr, dev) = m.location();
+        let place = Place { kind, addr, len: m.len(), dev };
+        let tag = PyBytes::new(py, m.tag()).unbind();
+        PyMessage { seq: m.seq(), tag, place, inner: Mutex::new(Some(m)), _pipe: pipe }
+    }
+
+    fn is_live(&self) -> bool {
+        lock(&self.inner).is_some()
+    }
+}
+
+#[pymethods]
+impl PyMessage {
+    /// Messages are numbered from 0 in the order they were sent.
+    #[getter]
+    fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// What the sender attached.
+    #[getter]
+    fn tag(&self, py: Python<'_>) -> Py<PyBytes> {
+        self.tag.clone_ref(py)
+    }
+
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        self.place.len
+    }
+
+    fn __len__(&self) -> usize {
+        self.place.len as usize
+    }
+
+    /// "DRAM" or "VRAM".
+    #[getter]
+    fn kind(&self) -> &'static str {
+        self.place.kind.as_str()
+    }
+
+    /// The GPU of a VRAM message (0 for host memory).
+    #[getter]
+    fn device(&self) -> u64 {
+        self.place.dev
+    }
+
+    /// Address of the first byte.
+    #[getter]
+    fn addr(&self) -> u64 {
+        self.place.addr
+    }
+
+    /// False once released.
+    #[getter]
+    fn live(&self) -> bool {
+        self.is_live()
+    }
+
+    #[getter]
+    fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        self.place.host_interface(py, self.is_live(), "message")
+    }
+
+    #[getter]
+    fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        self.place.cuda_interface(py, self.is_live(), "message")
+    }
+
+    /// Frees the message's space for the sender. Views of it must not be used after.
+    /// Releasing twice is harmless.
+    fn release(&self, py: Python<'_>) -> PyResult<()> {
+        match lock(&self.inner).take() {
+            Some(m) => py.detach(|| m.release()).or_raise(),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for PyMessage {
+    fn drop(&mut self) {
+        if let Some(m) = lock(&self.inner).take() {
+            drop_detached(m);
+        }
+    }
+}
+
+// -- pipe: sending end ------------------------------------------------------------------
+
+/// The sending end of a pipe (use `freight.PipeSender`).
+#[pyclass(frozen, name = "PipeSender", module = "freight._native")]
+pub struct PyPipeSender {
+    inner: Mutex<Option<PipeSender>>,
+    peer: String,
+    buffer: BufferInfo,
+}
+
+#[pymethods]
+impl PyPipeSender {
+    /// Opens a pipe to the agent listening at `addr` (it must accept within `timeout`).
+    #[staticmethod]
+    #[pyo3(signature = (agent, addr, timeout = 30.0, max_in_flight = 16))]
+    fn connect(
+        py: Python<'_>,
+        agent: &Bound<'_, PyAgent>,
+        addr: &str,
+        timeout: f64,
+        max_in_flight: usize,
+    ) -> PyResult<Self> {
+        let a = agent.get();
+        a.router();
+        let config = pipe_config(timeout, None, max_in_flight)?;
+        let inner = a.inner.clone();
+        let tx = py.detach(|| PipeSender::connect(&inner, addr, &config)).or_raise()?;
+        Ok(PyPipeSender { peer: tx.peer().to_string(), buffer: tx.buffer().clone(), inner: Mutex::new(Some(tx)) })
+    }
+
+    /// Sends the bytes of `descs` (registered memory, gathered in order) as one message
+    /// tagged `tag`; returns its number. `pieces` (offset, length) scatter them in the message.
+    #[pyo3(signature = (descs, tag = Vec::new(), pieces = None))]
+    fn send(
+        &self,
+        py: Python<'_>,
+        descs: PyRef<'_, PyDescList>,
+        tag: Vec<u8>,
+        pieces: Option<Vec<(u64, u64)>>,
+    ) -> PyResult<u64> {
+        let list = &descs.inner;
+        with_sender(py, &self.inner, |s| match &pieces {
+            Some(p) => s.send_scattered(list, p, tag),
+            None => s.send(list, tag),
+        })
+    }
+
+    /// Waits until every message sent so far is written into the receiver's buffer.
+    fn flush(&self, py: Python<'_>) -> PyResult<()> {
+        with_sender(py, &self.inner, |s| s.flush())
+    }
+
+    /// Flushes, then waits until the receiver released every message sent so far.
+    fn drain(&self, py: Python<'_>) -> PyResult<()> {
+        with_sender(py, &self.inner, |s| s.drain())
+    }
+
+    /// Flushes and ends the stream; closing twice is harmless.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let tx = py.detach(|| lock(&self.inner).take());
+        match tx {
+            Some(tx) => py.detach(move || tx.close()).or_raise(),
+            None => Ok(()),
+        }
+    }
+
+    /// The receiving agent's name.
+    #[getter]
+    fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    /// The largest message: the receiver's buffer size.
+    #[getter]
+    fn capacity(&self) -> u64 {
+        self.buffer.len
+    }
+
+    /// "DRAM" or "VRAM": where the receiver's buffer is.
+    #[getter]
+    fn kind(&self) -> &'static str {
+        self.buffer.kind.as_str()
+    }
+
+    /// Messages sent so far.
+    #[getter]
+    fn sent(&self, py: Python<'_>) -> PyResult<u64> {
+        with_sender(py, &self.inner, |s| Ok(s.sent()))
+    }
+}
+
+impl Drop for PyPipeSender {
+    fn drop(&mut self) {
+        if let Some(tx) = lock(&self.inner).take() {
+            drop_detached(tx);
+        }
+    }
+}

@@ -1,0 +1,401 @@
+//! The storage backend: a keyed store on top of the channel.
+//!
+//! A sender `put`s objects for one receiver. Puts are committed in batches (128 objects
+//! by default, as the prefill side of a disaggregated server hands KV chunks over); a
+//! commit returns once the receiver holds every object in it, so a decode instance told
+//! "done" by the prefill instance finds every key. The receiver copies each object out
+//! of its pipe buffer into memory of its own (the same kind: GPU objects stay on the
+//! GPU), which frees the buffer for the next objects at once; `get`, `contains` and
+//! `remove` work on that store while more objects stream in.
+//!
+//! Each commit is timed in two parts: the transfer proper, and the time spent waiting
+//! for the receiver (for room in its buffer while sending, and for it to take the last
+//! objects). Pure transfer throughput is the commit's bytes over the first.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use freight_core::{Error, Result};
+use parking_lot::{Condvar, Mutex};
+use serde::Serialize;
+
+use crate::channel::{ChannelReceiver, ChannelSender, Outgoing, Owned, Received};
+
+/// Objects per commit, unless told otherwise.
+pub const DEFAULT_COMMIT_SIZE: usize = 128;
+
+/// How one commit went.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct CommitStats {
+    pub objects: usize,
+    pub bytes: u64,
+    /// Posting the writes and seeing them land, less the waits for room.
+    pub transfer: Duration,
+    /// Waiting for room in the receiver's buffer, then for it to take the last objects.
+    pub wait_receiver: Duration,
+}
+
+impl CommitStats {
+    pub fn total(&self) -> Duration {
+        self.transfer + self.wait_receiver
+    }
+
+    /// Bytes over transfer time, in GB/s (1e9 bytes).
+    pub fn transfer_gbps(&self) -> f64 {
+        self.bytes as f64 / self.transfer.as_secs_f64().max(1e-9) / 1e9
+    }
+}
+
+/// The putting side.
+pub struct StoreSender {
+    channel: ChannelSender,
+    commit_size: usize,
+    pending: Vec<Outgoing>,
+    pending_keys: HashSet<String>,
+}
+
+impl StoreSender {
+    /// Puts through `channel`, committing every `commit_size` objects.
+    pub fn new(channel: ChannelSender, commit_size: usize) -> Result<StoreSender> {
+        if commit_size == 0 {
+            return Err(Error::InvalidArgument("the commit size must be at least 1".into()));
+        }
+        Ok(StoreSender { channel, commit_size, pending: Vec::new(), pending_keys: HashSet::new() })
+    }
+
+    /// Queues `object` for the receiver and commits once `commit_size` objects are
+    /// queued (returning that commit's figures). The object's memory must stay unchanged
+    /// until the commit that carries it returns. A key already queued, an empty key or
+    /// object, or memory of another kind than the queued objects' is refused, and
+    /// nothing queued is lost.
+    pub fn put(&mut self, object: Outgoing) -> Result<Option<CommitStats>> {
+        if object.key.is_empty() {
+            return Err(Error::InvalidArgument("object keys must not be empty".into()));
+        }
+        if object.local.len == 0 {
+            return Err(Error::InvalidArgument(format!("object '{}' is empty; put at least one byte", object.key)));
+        }
+        if self.pending_keys.contains(&object.key) {
+            return Err(Error::InvalidArgument(format!("key '{}' is already waiting for this commit", object.key)));
+        }
+        if let Some(first) = self.pending.first() {
+            if first.kind != object.kind {
+                return Err(Error::InvalidArgument(format!(
+                    "object '{}' is in {} memory but this commit's objects are in {}; commit first",
+                    object.key,
+                    object.kind.as_str(),
+                    first.kind.as_str()
+                )));
+            }
+        }
+        self.pending_keys.insert(object.key.clone());
+        self.pending.push(object);
+        if self.pending.len() >= self.commit_size {
+            return self.commit();
+        }
+        Ok(None)
+    }
+
+    /// Sends every queued object and waits until the receiver holds them all. `None`
+    /// when nothing was queued. On failure the objects stay queued ([`Self::pending_keys`]):
+    /// the caller knows what the receiver may not have.
+    pub fn commit(&mut self) -> Result<Option<CommitStats>> {
+        if self.pending.is_empty() {
+            return Ok(None);
+        }
+        let bytes = self.pending.iter().map(|o| o.local.len).sum();
+        let pipe = self.channel.pipe();
+        tracing::debug!(objects = self.pending.len(), bytes, "committing");
+        let started = Instant::now();
+        let waited_before = pipe.credit_wait();
+        self.channel.send(&self.pending)?;
+        self.channel.flush()?;
+        let sent = Instant::now();
+        let room_wait = pipe.credit_wait().saturating_sub(waited_before);
+        self.channel.drain()?;
+        let drained = sent.elapsed();
+        let stats = CommitStats {
+            objects: self.pending.len(),
+            bytes,
+            transfer: (sent - started).saturating_sub(room_wait),
+            wait_receiver: room_wait + drained,
+        };
+        tracing::info!(
+            objects = stats.objects,
+            mb = bytes as f64 / 1e6,
+            total_ms = stats.total().as_secs_f64() * 1e3,
+            transfer_ms = stats.transfer.as_secs_f64() * 1e3,
+            wait_receiver_ms = stats.wait_receiver.as_secs_f64() * 1e3,
+            transfer_gbps = stats.transfer_gbps(),
+            "commit done"
+        );
+        self.pending.clear();
+        self.pending_keys.clear();
+        Ok(Some(stats))
+    }
+
+    pub fn pending(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Keys queued and not yet committed.
+    pub fn pending_keys(&self) -> impl Iterator<Item = &str> {
+        self.pending.iter().map(|o| o.key.as_str())
+    }
+
+    /// Commits what is queued, then ends the stream.
+    pub fn close(mut self) -> Result<()> {
+        self.commit()?;
+        self.channel.close()
+    }
+}
+
+/// An object the receiver holds.
+pub struct StoredObject {
+    pub key: String,
+    pub meta: Vec<u8>,
+    /// Which of the receiver's senders put it.
+    pub sender: usize,
+    pub data: Owned,
+}
+
+impl StoredObject {
+    pub fn len(&self) -> u64 {
+        self.data.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.data.is_empty()
+    }
+}
+
+#[derive(Default)]
+struct StoreState {
+    objects: HashMap<String, Arc<StoredObject>>,
+    bytes: u64,
+    /// Objects taken in since the start (replacements included).
+    received: u64,
+    /// Every sender closed its stream.
+    ended: bool,
+    /// Why the store stopped taking objects in.
+    failure: Option<Error>,
+}
+
+struct Shared {
+    state: Mutex<StoreState>,
+    changed: Condvar,
+    capacity: Option<u64>,
+}
+
+/// The getting side: holds what its senders put, keyed.
+pub struct StoreReceiver {
+    shared: Arc<Shared>,
+    worker: Option<JoinHandle<()>>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// How often the worker looks whether the store was dropped.
+const WORKER_SLICE: Duration = Duration::from_millis(200);
+
+impl StoreReceiver {
+    /// Takes in every object that arrives on `channel`, holding at most `capacity`
+    /// bytes (no limit when `None`). A put that would go past the capacity stops the
+    /// store: its senders' commits fail with [`Error::NoSpace`], and the objects held
+    /// stay available. A key put again replaces the object held under it.
+    pub fn new(channel: ChannelReceiver, capacity: Option<u64>) -> StoreReceiver {
+        let shared = Arc::new(Shared { state: Mutex::new(StoreState::default()), changed: Condvar::new(), capacity });
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let worker = {
+            let (shared, stop) = (shared.clone(), stop.clone());
+            std::thread::Builder::new()
+                .name("freight-store".into())
+                .spawn(move || take_in(channel, &shared, &stop))
+                .expect("cannot start the store's thread")
+        };
+        StoreReceiver { shared, worker: Some(worker), stop }
+    }
+
+    pub fn get(&self, key: &str) -> Option<Arc<StoredObject>> {
+        self.shared.state.lock().objects.get(key).cloned()
+    }
+
+    pub fn contains(&self, key: &str) -> bool {
+        self.shared.state.lock().objects.contains_key(key)
+    }
+
+    /// Drops the store's hold on `key` (its memory goes with the last holder). `None`
+    /// when the key is unknown.
+    pub fn remove(&self, key: &str) -> Option<Arc<StoredObject>> {
+        let mut st = self.shared.state.lock();
+        let object = st.objects.remove(key)?;
+        st.bytes -= object.len();
+        Some(object)
+    }
+
+    pub fn keys(&self) -> Vec<String> {
+        self.shared.state.lock().objects.keys().cloned().collect()
+    }
+
+    /// Objects held.
+    pub fn len(&self) -> usize {
+        self.shared.state.lock().objects.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> u64 {
+        self.shared.state.lock().bytes
+    }
+
+    /// Objects taken in since the start.
+    pub fn received(&self) -> u64 {
+        self.shared.state.lock().received
+    }
+
+    /// Waits until every key in `keys` is held. Fails when the store stopped (a sender
+    /// died, the store is full) or every sender closed without putting them, and after
+    /// `timeout`.
+    pub fn wait_for(&self, keys: &[&str], timeout: Duration) -> Result<()> {
+        self.wait_until(
+            timeout,
+            |st| keys.iter().all(|k| st.objects.contains_key(*k)),
+            || {
+                let missing = keys.iter().filter(|k| !self.contains(k)).count();
+                format!("{missing} of {} keys", keys.len())
+            },
+        )
+    }
+
+    /// Waits until `count` objects have been taken in since the start.
+    pub fn wait_received(&self, count: u64, timeout: Duration) -> Result<()> {
+        self.wait_until(timeout, |st| st.received >= count, || format!("{count} objects (got {})", self.received()))
+    }
+
+    /// Waits until every sender closed its stream (everything put is then held).
+    pub fn wait_closed(&self, timeout: Duration) -> Result<()> {
+        self.wait_until(timeout, |st| st.ended, || "the senders to close".into())
+    }
+
+    fn wait_until(
+        &self,
+        timeout: Duration,
+        done: impl Fn(&StoreState) -> bool,
+        what: impl Fn() -> String,
+    ) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let mut st = self.shared.state.lock();
+        loop {
+            if done(&st) {
+                return Ok(());
+            }
+            if let Some(e) = &st.failure {
+                return Err(e.clone());
+            }
+            if st.ended {
+                drop(st);
+                return Err(Error::InvalidState(format!("every sender closed before the store got {}", what())));
+            }
+            if self.shared.changed.wait_until(&mut st, deadline).timed_out() && !done(&st) {
+                drop(st);
+                return Err(Error::Timeout(format!(
+                    "the store did not get {} within {:.1}s",
+                    what(),
+                    timeout.as_secs_f64()
+                )));
+            }
+        }
+    }
+}
+
+impl Drop for StoreReceiver {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Release);
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+/// The store's thread: receives batches and files their objects until the senders
+/// are done, something fails, or the store is dropped.
+fn take_in(mut channel: ChannelReceiver, shared: &Shared, stop: &std::sync::atomic::AtomicBool) {
+    let outcome = loop {
+        if stop.load(std::sync::atomic::Ordering::Acquire) {
+            return;
+        }
+        match channel.recv(Some(WORKER_SLICE)) {
+            Ok(Some(batch)) => {
+                let n = batch.len();
+                let started = Instant::now();
+                // A batch refused for room is still held while the senders hear why,
+                // so a commit waiting for its space fails instead of seeing it freed.
+                let filed = match room_for(shared, &batch) {
+                    Ok(()) => file(shared, batch),
+                    Err(e) => Err(e),
+                };
+                if let Err(e) = filed {
+                    channel.abort(&e.to_string());
+                    break Err(e);
+                }
+                tracing::debug!(objects = n, ms = started.elapsed().as_secs_f64() * 1e3, "stored a batch");
+            }
+            Ok(None) => break Ok(()),
+            Err(Error::Timeout(_)) => continue,
+            Err(e) => break Err(e),
+        }
+    };
+    let mut st = shared.state.lock();
+    match outcome {
+        Ok(()) => st.ended = true,
+        Err(e) => {
+            tracing::warn!(error = %e, held = st.objects.len(), "the store stopped taking objects in");
+            st.failure = Some(e);
+        }
+    }
+    shared.changed.notify_all();
+}
+
+/// Whether the store has room for the whole batch (replaced objects make room).
+fn room_for(shared: &Shared, batch: &[Received]) -> Result<()> {
+    let Some(capacity) = shared.capacity else { return Ok(()) };
+    let st = shared.state.lock();
+    let mut after = st.bytes;
+    for object in batch {
+        after = after - st.objects.get(&object.key).map_or(0, |o| o.len()) + object.len();
+    }
+    if after > capacity {
+        let first = batch.first().map_or("", |o| o.key.as_str());
+        return Err(Error::NoSpace(format!(
+            "the receiver's store holds {} of {capacity} bytes; a batch from '{first}' on needs {} more",
+            st.bytes,
+            after - st.bytes
+        )));
+    }
+    Ok(())
+}
+
+/// Copies a batch's objects out of the pipe buffers into the store.
+fn file(shared: &Shared, batch: Vec<Received>) -> Result<()> {
+    for mut object in batch {
+        let len = object.len();
+        let data = object.take_owned()?;
+        let (key, meta) = (std::mem::take(&mut object.key), std::mem::take(&mut object.meta));
+        let stored = Arc::new(StoredObject { key: key.clone(), meta, sender: object.sender, data });
+        let mut st = shared.state.lock();
+        if let Some(old) = st.objects.insert(key, stored) {
+            st.bytes -= old.len();
+        }
+        st.bytes += len;
+        st.received += 1;
+        shared.changed.notify_all();
+        drop(st);
+        // Only now may its pipe space go back: a sender's commit waits for that.
+        drop(object);
+    }
+    Ok(())
+}

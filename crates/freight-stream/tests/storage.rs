@@ -1,0 +1,163 @@
+//! The keyed store between agents in one process, over real sockets: puts committed in
+//! batches arrive whole and can be got, checked and freed while more stream in; a full
+//! store, a vanished sender and bad puts give clear errors and lose nothing committed.
+
+use std::sync::Arc;
+use std::thread;
+use std::time::Duration;
+
+use freight_core::{Agent, Error, MemKind, TransportKind};
+use freight_stream::{
+    Buffer, ChannelReceiver, ChannelSender, PipeConfig, PipeListener, PipeSender, StoreReceiver, StoreSender,
+};
+
+mod common;
+use common::{agent, objects, pattern};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn config() -> PipeConfig {
+    PipeConfig { timeout: WAIT, ..PipeConfig::default() }
+}
+
+/// A store on `rx` fed by one pipe of `capacity` bytes, and the sender that feeds it.
+fn connect(
+    rx: &Arc<Agent>,
+    tx: &Arc<Agent>,
+    capacity: u64,
+    store_capacity: Option<u64>,
+    commit: usize,
+) -> (StoreReceiver, StoreSender) {
+    let listener = PipeListener::new(rx);
+    let addr = rx.addresses()[0].clone();
+    let tx = tx.clone();
+    let sender = thread::spawn(move || {
+        let pipe = PipeSender::connect(&tx, &addr, &config()).unwrap();
+        StoreSender::new(ChannelSender::new(pipe, 16, None).unwrap(), commit).unwrap()
+    });
+    let pipe = listener.accept(Buffer::Host { capacity }, &config()).unwrap();
+    let store = StoreReceiver::new(ChannelReceiver::new(vec![pipe], WAIT), store_capacity);
+    (store, sender.join().unwrap())
+}
+
+fn put_and_get(require: TransportKind) {
+    let (rx, tx) = (agent("st-rx", Some(require)), agent("st-tx", Some(require)));
+    let (store, mut sender) = connect(&rx, &tx, 256 << 10, None, 32);
+    // 100 objects, 35 MB: far more than the buffer, with some larger than it.
+    let sizes: Vec<usize> = (0..100).map(|i| if i % 25 == 7 { 600_000 } else { 1 + i * 3_331 }).collect();
+    let (_seg, objs) = objects(&tx, "kv-", &sizes);
+    let mut commits = Vec::new();
+    for (i, o) in objs.iter().enumerate() {
+        if let Some(stats) = sender.put(o.clone()).unwrap() {
+            // A commit returns once the receiver holds every object in it.
+            assert!(store.contains(&o.key) && store.received() as usize > i);
+            commits.push(stats);
+        }
+    }
+    assert_eq!(commits.len(), 3, "every 32 puts commit");
+    assert_eq!(sender.pending(), 4);
+    sender.close().unwrap();
+    store.wait_closed(WAIT).unwrap();
+    assert_eq!(commits.iter().map(|c| c.objects).sum::<usize>(), 96);
+    assert!(commits.iter().all(|c| c.bytes > 0 && c.transfer > Duration::ZERO && c.transfer_gbps() > 0.0));
+    assert_eq!(store.len(), 100);
+    assert_eq!(store.bytes(), sizes.iter().sum::<usize>() as u64);
+    for (o, &len) in objs.iter().zip(&sizes) {
+        let got = store.get(&o.key).unwrap_or_else(|| panic!("{} is missing", o.key));
+        assert_eq!(got.meta, format!("len={len}").into_bytes());
+        assert!(got.data.bytes().unwrap() == pattern(&o.key, len).as_slice(), "{} is corrupt", o.key);
+    }
+    let gone = store.remove("kv-0").unwrap();
+    assert!(!store.contains("kv-0") && store.get("kv-0").is_none() && store.remove("kv-0").is_none());
+    assert_eq!(store.bytes(), sizes.iter().sum::<usize>() as u64 - gone.len());
+    // The removed object's memory lives as long as someone holds it.
+    assert_eq!(gone.data.bytes().unwrap(), pattern("kv-0", 1).as_slice());
+}
+
+#[test]
+fn puts_arrive_whole_and_are_got_by_key_over_shm() {
+    put_and_get(TransportKind::Shm);
+}
+
+#[test]
+fn puts_arrive_whole_and_are_got_by_key_over_tcp() {
+    put_and_get(TransportKind::Tcp);
+}
+
+#[test]
+fn a_key_put_again_replaces_the_object() {
+    let (rx, tx) = (agent("st-re-rx", None), agent("st-re-tx", None));
+    let (store, mut sender) = connect(&rx, &tx, 64 << 10, None, 4);
+    let (_a, first) = objects(&tx, "k", &[100, 200]);
+    let (_b, second) = objects(&tx, "k", &[300]);
+    for o in first {
+        sender.put(o).unwrap();
+    }
+    sender.commit().unwrap().unwrap();
+    sender.put(second[0].clone()).unwrap();
+    sender.commit().unwrap();
+    store.wait_for(&["k0", "k1"], WAIT).unwrap();
+    assert_eq!(store.get("k0").unwrap().len(), 300);
+    assert_eq!(store.bytes(), 500);
+    assert_eq!(store.received(), 3);
+    assert!(sender.commit().unwrap().is_none(), "nothing queued, nothing sent");
+}
+
+#[test]
+fn a_full_store_fails_the_commit_and_keeps_what_it_holds() {
+    let (rx, tx) = (agent("st-full-rx", None), agent("st-full-tx", None));
+    let (store, mut sender) = connect(&rx, &tx, 64 << 10, Some(10_000), 2);
+    let (_seg, objs) = objects(&tx, "f", &[4_000, 4_000, 4_000, 4_000]);
+    sender.put(objs[0].clone()).unwrap();
+    sender.put(objs[1].clone()).unwrap().expect("a commit of two");
+    sender.put(objs[2].clone()).unwrap();
+    let e = sender.put(objs[3].clone()).unwrap_err();
+    assert!(e.to_string().contains("out of space"), "{e}");
+    assert_eq!(sender.pending_keys().collect::<Vec<_>>(), ["f2", "f3"], "the failed commit stays queued");
+    let e = store.wait_closed(WAIT).unwrap_err();
+    assert!(matches!(e, Error::NoSpace(_)), "{e}");
+    assert_eq!(store.len(), 2);
+    assert_eq!(store.get("f1").unwrap().data.bytes().unwrap(), pattern("f1", 4_000).as_slice());
+}
+
+#[test]
+fn a_sender_that_vanishes_fails_the_waiting_receiver() {
+    let (rx, tx) = (agent("st-gone-rx", None), agent("st-gone-tx", None));
+    let (store, mut sender) = connect(&rx, &tx, 64 << 10, None, 8);
+    let (_seg, objs) = objects(&tx, "g", &[1_000, 2_000]);
+    sender.put(objs[0].clone()).unwrap();
+    sender.commit().unwrap();
+    tx.close();
+    let started = std::time::Instant::now();
+    let e = store.wait_for(&["g0", "g1"], Duration::from_secs(60)).unwrap_err();
+    assert!(matches!(e, Error::PeerDisconnected { .. } | Error::Io(_)), "{e}");
+    assert!(started.elapsed() < Duration::from_secs(40), "an error within the pipe's timeout, not a hang");
+    assert!(store.contains("g0"), "what was committed stays");
+}
+
+#[test]
+fn bad_puts_are_refused_and_lose_nothing() {
+    let (rx, tx) = (agent("st-bad-rx", None), agent("st-bad-tx", None));
+    let (store, mut sender) = connect(&rx, &tx, 64 << 10, None, 8);
+    let (_seg, objs) = objects(&tx, "b", &[10, 20]);
+    sender.put(objs[0].clone()).unwrap();
+    let e = sender.put(objs[0].clone()).unwrap_err();
+    assert!(e.to_string().contains("already waiting"), "{e}");
+    let mut empty_key = objs[1].clone();
+    empty_key.key.clear();
+    assert!(matches!(sender.put(empty_key).unwrap_err(), Error::InvalidArgument(_)));
+    let mut empty = objs[1].clone();
+    empty.local.len = 0;
+    assert!(sender.put(empty).unwrap_err().to_string().contains("empty"));
+    let mut gpu = objs[1].clone();
+    gpu.kind = MemKind::Vram;
+    assert!(sender.put(gpu).unwrap_err().to_string().contains("commit first"));
+    sender.put(objs[1].clone()).unwrap();
+    sender.close().unwrap();
+    store.wait_closed(WAIT).unwrap();
+    let mut keys = store.keys();
+    keys.sort();
+    assert_eq!(keys, ["b0", "b1"]);
+    let e = store.wait_for(&["b0", "never"], WAIT).unwrap_err();
+    assert!(e.to_string().contains("closed before"), "{e}");
+}
