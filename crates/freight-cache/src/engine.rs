@@ -1,0 +1,311 @@
+//! The cache engine: stores a request's KV cache in chunks keyed by their token prefix,
+//! and gives back the longest stored prefix of another request.
+//!
+//! Tiers, searched in this order: the local GPU, local host memory (pinned when a GPU is
+//! used), and a remote peer. Each local tier evicts its least recently used chunks; the
+//! GPU tier's go down to the host tier, the host tier's are dropped. With a remote sink
+//! (the prefill side), every new chunk is also put to the peer's store, committed in
+//! batches; with a remote source (the decode side), chunks the peer put are found there.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use freight_core::{Agent, Error, MemKind, Result};
+use freight_stream::{Outgoing, StoreReceiver, StoreSender};
+
+use crate::key::{chunk_keys, ChunkKey};
+use crate::layout::{runs, KvLayout, KvShape};
+use crate::memory::{copy, move_runs, Direction, Place};
+use crate::tier::Tier;
+
+/// What an engine is made of.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CacheConfig {
+    /// Tokens per chunk (the seed's engines use 256).
+    pub chunk_tokens: u64,
+    pub shape: KvShape,
+    /// The GPU of the GPU tier, and the GPU that host memory is pinned for.
+    pub gpu: Option<usize>,
+    /// Bytes of the GPU tier (0: none; needs `gpu`).
+    pub gpu_bytes: u64,
+    /// Bytes of the host tier (0: none).
+    pub host_bytes: u64,
+}
+
+/// The caller's KV memory for one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvMemory {
+    pub place: Place,
+    /// Bytes the caller owns at `place` (checked against the layout).
+    pub len: u64,
+    pub layout: KvLayout,
+}
+
+/// What a `store` did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StoreReport {
+    /// Chunks of the request.
+    pub chunks: usize,
+    /// Chunks that were new (the others were stored already).
+    pub new_chunks: usize,
+    /// Bytes copied out of the KV memory.
+    pub bytes: u64,
+}
+
+pub struct CacheEngine {
+    config: CacheConfig,
+    tiers: Vec<Tier>,
+    remote_out: Option<StoreSender>,
+    /// Chunks put to the remote peer (so that they are not sent twice).
+    sent: HashSet<u64>,
+    /// Chunks whose slot a put still reads: (tier, key).
+    pinned: Vec<(usize, u64)>,
+    remote_in: Option<StoreReceiver>,
+}
+
+impl CacheEngine {
+    /// An engine whose tiers are memory of `agent` (registered, so that chunks can be
+    /// sent from where they are).
+    pub fn new(agent: &Arc<Agent>, config: CacheConfig) -> Result<CacheEngine> {
+        config.shape.validate()?;
+        if config.chunk_tokens == 0 {
+            return Err(Error::InvalidArgument("chunks hold at least one token".into()));
+        }
+        let slot = config.shape.chunk_bytes(config.chunk_tokens);
+        let mut tiers = Vec::new();
+        if config.gpu_bytes > 0 {
+            let gpu = config.gpu.ok_or_else(|| Error::InvalidArgument("a GPU tier needs a GPU".into()))?;
+            tiers.push(Tier::new(agent, config.gpu_bytes, slot, Some(gpu), None)?);
+        }
+        if config.host_bytes > 0 {
+            tiers.push(Tier::new(agent, config.host_bytes, slot, None, config.gpu)?);
+        }
+        if tiers.is_empty() {
+            return Err(Error::InvalidArgument("a cache engine needs a GPU or a host tier".into()));
+        }
+        tracing::info!(
+            chunk_tokens = config.chunk_tokens,
+            chunk_bytes = slot,
+            tiers = ?tiers.iter().map(|t| t.name).collect::<Vec<_>>(),
+            "cache engine ready"
+        );
+        Ok(CacheEngine { config, tiers, remote_out: None, sent: HashSet::new(), pinned: Vec::new(), remote_in: None })
+    }
+
+    /// Also puts every new chunk to a remote store (the prefill side).
+    pub fn with_remote_sink(mut self, sink: StoreSender) -> CacheEngine {
+        self.remote_out = Some(sink);
+        self
+    }
+
+    /// Also finds chunks in a remote peer's puts (the decode side).
+    pub fn with_remote_source(mut self, source: StoreReceiver) -> CacheEngine {
+        self.remote_in = Some(source);
+        self
+    }
+
+    pub fn config(&self) -> &CacheConfig {
+        &self.config
+    }
+
+    /// The chunk keys of `tokens`.
+    pub fn keys(&self, tokens: &[u32]) -> Vec<ChunkKey> {
+        chunk_keys(tokens, self.config.chunk_tokens as usize)
+    }
+
+    /// Chunks held in each local tier, by name.
+    pub fn occupancy(&self) -> Vec<(&'static str, usize)> {
+        self.tiers.iter().map(|t| (t.name, t.len())).collect()
+    }
+
+    /// The remote store this engine reads, if any.
+    pub fn remote_source(&self) -> Option<&StoreReceiver> {
+        self.remote_in.as_ref()
+    }
+
+    fn check_kv(&self, tokens: &[u32], kv: &KvMemory) -> Result<()> {
+        kv.layout.validate()?;
+        let need = kv.layout.bytes(&self.config.shape);
+        if kv.len < need {
+            return Err(Error::InvalidArgument(format!("the KV memory has {} bytes; its layout needs {need}", kv.len)));
+        }
+        if tokens.len() as u64 > kv.layout.capacity() {
+            return Err(Error::InvalidArgument(format!(
+                "{} tokens do not fit KV memory that holds {}",
+                tokens.len(),
+                kv.layout.capacity()
+            )));
+        }
+        if let (Some(gpu), MemKind::Vram) = (self.config.gpu, kv.place.kind) {
+            if kv.place.dev != gpu as u64 {
+                return Err(Error::InvalidArgument(format!(
+                    "the KV memory is on GPU {} but the cache engine works on GPU {gpu}",
+                    kv.place.dev
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Stores the KV cache of `tokens` (token `i` at position `i` of `kv`). Chunks
+    /// stored already are skipped. Returns once any remote peer holds every new chunk.
+    pub fn store(&mut self, tokens: &[u32], kv: &KvMemory) -> Result<StoreReport> {
+        self.check_kv(tokens, kv)?;
+        let mut report = StoreReport::default();
+        for key in self.keys(tokens) {
+            report.chunks += 1;
+            let local = self.tiers.iter().any(|t| t.contains(key.hash));
+            let remote = self.remote_out.is_none() || self.sent.contains(&key.hash);
+            if local && remote {
+                continue;
+            }
+            if !local {
+                let len = self.config.shape.chunk_bytes(key.tokens as u64);
+                let place = self.make_room(key.hash, len)?;
+                let r = runs(&self.config.shape, &kv.layout, key.start as u64, key.tokens as u64)?;
+                if let Err(e) = move_runs(kv.place, place, &r, Direction::Gather) {
+                    self.tiers[0].remove(key.hash);
+                    return Err(e);
+                }
+                report.new_chunks += 1;
+                report.bytes += len;
+            }
+            if !remote {
+                self.put_remote(&key)?;
+            }
+        }
+        self.commit_remote()?;
+        Ok(report)
+    }
+
+    /// A slot in the first tier for a new chunk, moving what it evicts down a tier.
+    fn make_room(&mut self, key: u64, len: u64) -> Result<Place> {
+        let (place, evicted) = match self.tiers[0].insert(key, len) {
+            Err(Error::NoSpace(_)) if !self.pinned.is_empty() => {
+                // Every slot waits for a put: commit them, then the slots are free again.
+                self.commit_remote()?;
+                self.tiers[0].insert(key, len)?
+            }
+            other => other?,
+        };
+        if let Some((gone, from)) = evicted {
+            self.demote(1, gone.key, from, gone.len)?;
+        }
+        Ok(place)
+    }
+
+    /// Moves an evicted chunk into tier `to` (dropped when there is no such tier).
+    fn demote(&mut self, to: usize, key: u64, from: Place, len: u64) -> Result<()> {
+        let Some(tier) = self.tiers.get_mut(to) else { return Ok(()) };
+        if tier.contains(key) {
+            return Ok(());
+        }
+        let (place, evicted) = tier.insert(key, len)?;
+        if let Some((gone, _)) = evicted {
+            tracing::debug!(tier = tier.name, chunk = gone.key, "evicted");
+        }
+        copy(from, place, &[(from.addr, place.addr, len)])
+    }
+
+    fn put_remote(&mut self, key: &ChunkKey) -> Result<()> {
+        let (tier, desc) = self
+            .tiers
+            .iter()
+            .enumerate()
+            .find_map(|(i, t)| t.desc(key.hash).map(|d| (i, d)))
+            .expect("a chunk is stored locally before it is sent");
+        let object = Outgoing {
+            key: key.name(),
+            kind: self.tiers[tier].kind(),
+            local: desc,
+            meta: (key.tokens as u64).to_le_bytes().to_vec(),
+        };
+        self.tiers[tier].pin(key.hash);
+        self.pinned.push((tier, key.hash));
+        self.sent.insert(key.hash);
+        let sink = self.remote_out.as_mut().expect("only called with a sink");
+        if sink.put(object)?.is_some() {
+            self.unpin_all();
+        }
+        Ok(())
+    }
+
+    fn commit_remote(&mut self) -> Result<()> {
+        if let Some(sink) = self.remote_out.as_mut() {
+            let committed = sink.commit();
+            if committed.is_err() {
+                // What the peer may lack is not "sent": a later store sends it again.
+                for (_, key) in &self.pinned {
+                    self.sent.remove(key);
+                }
+            }
+            self.unpin_all();
+            committed?;
+        }
+        Ok(())
+    }
+
+    fn unpin_all(&mut self) {
+        for (tier, key) in self.pinned.drain(..) {
+            self.tiers[tier].unpin(key);
+        }
+    }
+
+    /// Tokens of the longest prefix of `tokens` whose chunks are stored (in any tier).
+    pub fn lookup(&self, tokens: &[u32]) -> usize {
+        self.keys(tokens)
+            .iter()
+            .take_while(|k| {
+                self.tiers.iter().any(|t| t.contains(k.hash))
+                    || self.remote_in.as_ref().is_some_and(|r| r.contains(&k.name()))
+            })
+            .last()
+            .map_or(0, |k| k.end())
+    }
+
+    /// Copies the longest stored prefix of `tokens` into `kv` (token `i` at position
+    /// `i`) and returns its length in tokens; positions after it are left as they were.
+    pub fn retrieve(&mut self, tokens: &[u32], kv: &KvMemory) -> Result<usize> {
+        self.check_kv(tokens, kv)?;
+        let mut found = 0;
+        for key in self.keys(tokens) {
+            let len = self.config.shape.chunk_bytes(key.tokens as u64);
+            let local = self.tiers.iter_mut().find_map(|t| t.get(key.hash));
+            let r = runs(&self.config.shape, &kv.layout, key.start as u64, key.tokens as u64)?;
+            match local {
+                Some((place, stored)) => {
+                    debug_assert_eq!(stored, len);
+                    move_runs(kv.place, place, &r, Direction::Scatter)?;
+                }
+                None => {
+                    let Some(object) = self.remote_in.as_ref().and_then(|s| s.get(&key.name())) else { break };
+                    if object.len() != len {
+                        return Err(Error::Protocol(format!(
+                            "remote chunk {} has {} bytes; {} tokens of this model take {len}",
+                            key.name(),
+                            object.len(),
+                            key.tokens
+                        )));
+                    }
+                    let (kind, addr, dev) = object.data.location();
+                    let place = match kind {
+                        MemKind::Vram => Place::gpu(addr, dev),
+                        _ => Place::host(addr),
+                    };
+                    move_runs(kv.place, place, &r, Direction::Scatter)?;
+                }
+            }
+            found = key.end();
+        }
+        Ok(found)
+    }
+
+    /// Ends the stream to the remote peer (after committing what is pending).
+    pub fn close(mut self) -> Result<()> {
+        self.commit_remote()?;
+        match self.remote_out.take() {
+            Some(sink) => sink.close(),
+            None => Ok(()),
+        }
+    }
+}

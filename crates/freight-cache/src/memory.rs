@@ -1,0 +1,176 @@
+//! Moving chunk bytes: between the caller's KV memory and a tier's slot, in host memory
+//! or on a GPU, and the memory a tier owns.
+//!
+//! Where a GPU can reach both sides (device memory of one GPU, or host memory that is
+//! pinned and mapped), all the runs of a chunk move in one launch of the engine's
+//! batched copy kernel: a gather from paged KV into a contiguous chunk, or a scatter
+//! back. Host-only copies are plain memcpy; anything else goes run by run through the
+//! driver's copy.
+
+use std::sync::Arc;
+
+use freight_core::cuda::driver::{copy_sync, DeviceBuffer, Event};
+use freight_core::cuda::kernel::{cut, Item, Kernel, LaunchShape, ITEM_BYTES};
+use freight_core::cuda::pinned::pin;
+use freight_core::cuda::Device;
+use freight_core::{Agent, Desc, Error, MemKind, Result, SharedSegment};
+
+use crate::layout::Run;
+
+/// Where some bytes are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Place {
+    pub kind: MemKind,
+    pub addr: u64,
+    /// The GPU, for device memory.
+    pub dev: u64,
+    /// A GPU kernel can address it: device memory, or host memory pinned and mapped.
+    pub mapped: bool,
+}
+
+impl Place {
+    pub fn host(addr: u64) -> Place {
+        Place { kind: MemKind::Dram, addr, dev: 0, mapped: false }
+    }
+
+    pub fn gpu(addr: u64, dev: u64) -> Place {
+        Place { kind: MemKind::Vram, addr, dev, mapped: true }
+    }
+
+    pub fn at(self, offset: u64) -> Place {
+        Place { addr: self.addr + offset, ..self }
+    }
+
+    fn on_gpu(&self) -> bool {
+        self.kind == MemKind::Vram
+    }
+}
+
+/// Which way the runs go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    /// From the KV memory into the chunk (storing).
+    Gather,
+    /// From the chunk into the KV memory (retrieving).
+    Scatter,
+}
+
+/// Moves a chunk's `runs` between `kv` memory and `chunk` memory.
+pub fn move_runs(kv: Place, chunk: Place, runs: &[Run], direction: Direction) -> Result<()> {
+    let copies: Vec<(u64, u64, u64)> = runs
+        .iter()
+        .map(|r| {
+            let (k, c) = (kv.addr + r.kv, chunk.addr + r.chunk);
+            match direction {
+                Direction::Gather => (k, c, r.len),
+                Direction::Scatter => (c, k, r.len),
+            }
+        })
+        .collect();
+    let (src, dst) = match direction {
+        Direction::Gather => (kv, chunk),
+        Direction::Scatter => (chunk, kv),
+    };
+    copy(src, dst, &copies)
+}
+
+/// Runs `copies` (source, destination, length) from memory like `src` to memory like `dst`.
+pub fn copy(src: Place, dst: Place, copies: &[(u64, u64, u64)]) -> Result<()> {
+    if !src.on_gpu() && !dst.on_gpu() {
+        for &(s, d, len) in copies {
+            // SAFETY: the caller vouches for both ranges (bounds-checked by the engine
+            // against the memory it was given or owns).
+            unsafe { std::ptr::copy_nonoverlapping(s as *const u8, d as *mut u8, len as usize) };
+        }
+        return Ok(());
+    }
+    let gpu = if src.on_gpu() { src.dev } else { dst.dev };
+    if src.on_gpu() && dst.on_gpu() && src.dev != dst.dev {
+        return Err(Error::InvalidArgument(format!(
+            "a chunk on GPU {} and KV memory on GPU {}: keep a cache engine's memory on one GPU",
+            src.dev, dst.dev
+        )));
+    }
+    let device = Device::get(gpu as usize)?;
+    if src.mapped && dst.mapped {
+        return kernel_copy(device, copies);
+    }
+    for &(s, d, len) in copies {
+        copy_sync(device, d, s, len as usize)?;
+    }
+    Ok(())
+}
+
+/// Every copy in one launch of the batched copy kernel, waited for.
+fn kernel_copy(device: &'static Device, copies: &[(u64, u64, u64)]) -> Result<()> {
+    let kernel = Kernel::on(device)?;
+    let items = cut(copies, ITEM_BYTES, kernel.concurrency(&LaunchShape::default()));
+    // SAFETY: `Item` is three u64s, `repr(C)`: its bytes are the table the kernel reads.
+    let table =
+        unsafe { std::slice::from_raw_parts(items.as_ptr().cast::<u8>(), std::mem::size_of_val::<[Item]>(&items)) };
+    let table = DeviceBuffer::upload(device, table)?;
+    kernel.launch(table.addr(), items.len())?;
+    let done = Event::new(device)?;
+    done.record(device)?;
+    done.synchronize()
+}
+
+/// Memory a tier owns, registered with the engine's agent (so that its chunks can be
+/// sent from where they are).
+pub struct Arena {
+    agent: Arc<Agent>,
+    key: u64,
+    place: Place,
+    len: u64,
+    _host: Option<Arc<SharedSegment>>,
+    _gpu: Option<DeviceBuffer>,
+}
+
+impl Arena {
+    /// `len` bytes of host memory, pinned for `gpu` when there is one.
+    pub fn host(agent: &Arc<Agent>, len: u64, gpu: Option<usize>) -> Result<Arena> {
+        let n = usize::try_from(len).map_err(|_| Error::InvalidArgument("tier too large".into()))?;
+        let seg = agent.alloc(n)?;
+        let mut place = Place::host(seg.addr());
+        if let Some(g) = gpu {
+            pin(Device::get(g)?, seg.addr(), len)?;
+            place.mapped = true;
+        }
+        let key = agent.register(MemKind::Dram, seg.addr(), len, 0)?;
+        Ok(Arena { agent: agent.clone(), key, place, len, _host: Some(seg), _gpu: None })
+    }
+
+    /// `len` bytes on GPU `gpu`.
+    pub fn gpu(agent: &Arc<Agent>, len: u64, gpu: usize) -> Result<Arena> {
+        let n = usize::try_from(len).map_err(|_| Error::InvalidArgument("tier too large".into()))?;
+        let buf = DeviceBuffer::alloc(Device::get(gpu)?, n)?;
+        let place = Place::gpu(buf.addr(), gpu as u64);
+        let key = agent.register(MemKind::Vram, buf.addr(), len, gpu as u64)?;
+        Ok(Arena { agent: agent.clone(), key, place, len, _host: None, _gpu: Some(buf) })
+    }
+
+    pub fn place(&self) -> Place {
+        self.place
+    }
+
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// `len` bytes at `offset`, as a descriptor the engine's agent can send from.
+    pub fn desc(&self, offset: u64, len: u64) -> Desc {
+        Desc { addr: self.place.addr + offset, len, dev: self.place.dev }
+    }
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        if let Err(e) = self.agent.deregister(self.key) {
+            tracing::warn!(error = %e, "could not deregister a cache tier's memory");
+        }
+    }
+}

@@ -1,0 +1,126 @@
+//! Which chunk lives in which slot of a tier, and which goes when the tier is full.
+//!
+//! A tier's memory is cut into equal slots of one full chunk each. Chunks are evicted in
+//! least-recently-used order; a pinned chunk (one whose bytes a transfer still reads)
+//! is never evicted. Pure bookkeeping: the tier moves the bytes.
+
+use freight_core::{Error, Result};
+use lru::LruCache;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Entry {
+    pub slot: u32,
+    /// Bytes of the chunk in its slot (a last chunk may be short).
+    pub len: u64,
+    pins: u32,
+}
+
+/// A chunk pushed out to make room.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Evicted {
+    pub key: u64,
+    pub slot: u32,
+    pub len: u64,
+}
+
+pub struct Slots {
+    free: Vec<u32>,
+    chunks: LruCache<u64, Entry>,
+}
+
+impl Slots {
+    pub fn new(count: u32) -> Slots {
+        Slots { free: (0..count).rev().collect(), chunks: LruCache::unbounded() }
+    }
+
+    /// The chunk's place, marking it used just now.
+    pub fn get(&mut self, key: u64) -> Option<Entry> {
+        self.chunks.get(&key).copied()
+    }
+
+    /// The chunk's place, without marking it used.
+    pub fn peek(&self, key: u64) -> Option<Entry> {
+        self.chunks.peek(&key).copied()
+    }
+
+    /// Whether the chunk is here (without marking it used).
+    pub fn contains(&self, key: u64) -> bool {
+        self.chunks.contains(&key)
+    }
+
+    pub fn len(&self) -> usize {
+        self.chunks.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.chunks.is_empty()
+    }
+
+    /// A slot for a new chunk: a free one, or the least recently used unpinned chunk's,
+    /// which is then returned so that its bytes can move elsewhere before they are
+    /// overwritten. The key must not be here yet.
+    pub fn insert(&mut self, key: u64, len: u64) -> Result<(u32, Option<Evicted>)> {
+        debug_assert!(!self.chunks.contains(&key), "inserting a chunk twice");
+        let (slot, evicted) = match self.free.pop() {
+            Some(slot) => (slot, None),
+            None => {
+                let victim = self.chunks.iter().rev().find(|(_, e)| e.pins == 0).map(|(k, _)| *k).ok_or_else(|| {
+                    Error::NoSpace(format!(
+                        "every one of the tier's {} chunks is in use by a transfer",
+                        self.chunks.len()
+                    ))
+                })?;
+                let e = self.chunks.pop(&victim).expect("found above");
+                (e.slot, Some(Evicted { key: victim, slot: e.slot, len: e.len }))
+            }
+        };
+        self.chunks.put(key, Entry { slot, len, pins: 0 });
+        Ok((slot, evicted))
+    }
+
+    /// Forgets a chunk and frees its slot (pinned or not: the caller knows why).
+    pub fn remove(&mut self, key: u64) -> Option<Entry> {
+        let e = self.chunks.pop(&key)?;
+        self.free.push(e.slot);
+        Some(e)
+    }
+
+    /// Keeps the chunk from eviction until as many `unpin`s.
+    pub fn pin(&mut self, key: u64) {
+        if let Some(e) = self.chunks.peek_mut(&key) {
+            e.pins += 1;
+        }
+    }
+
+    pub fn unpin(&mut self, key: u64) {
+        if let Some(e) = self.chunks.peek_mut(&key) {
+            e.pins = e.pins.saturating_sub(1);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn least_recently_used_unpinned_chunks_go_first() {
+        let mut s = Slots::new(3);
+        for k in 1..=3 {
+            assert_eq!(s.insert(k, 10).unwrap().1, None);
+        }
+        s.get(1); // 2 is now the least recently used
+        let (slot, evicted) = s.insert(4, 5).unwrap();
+        assert_eq!(evicted, Some(Evicted { key: 2, slot, len: 10 }));
+        assert!(!s.contains(2) && s.contains(4));
+        s.pin(3);
+        s.pin(1);
+        s.pin(4);
+        assert!(matches!(s.insert(5, 1), Err(Error::NoSpace(_))), "everything pinned");
+        s.unpin(1);
+        assert_eq!(s.insert(5, 1).unwrap().1.unwrap().key, 1);
+        let e = s.remove(3).unwrap();
+        assert_eq!(s.insert(6, 1).unwrap(), (e.slot, None), "a removed chunk's slot is free");
+        assert_eq!(s.len(), 3);
+    }
+}

@@ -1,0 +1,244 @@
+//! The cache engine in host memory: chunks stored and retrieved through contiguous and
+//! paged KV memory, shared prefixes found, LRU eviction, a remote peer over real
+//! sockets (shm and tcp), and bad input refused.
+
+use std::sync::Arc;
+use std::thread;
+use std::time::Duration;
+
+use freight_cache::{CacheConfig, CacheEngine, KvLayout, KvMemory, KvShape, Place};
+use freight_core::{Agent, AgentConfig, Error, TransportKind};
+use freight_stream::{
+    Buffer, ChannelReceiver, ChannelSender, PipeConfig, PipeListener, PipeSender, StoreReceiver, StoreSender,
+};
+
+const SHAPE: KvShape = KvShape { layers: 3, heads: 2, head_dim: 8, elem_bytes: 2 };
+const CHUNK: u64 = 16;
+
+fn agent(name: &str, require: Option<TransportKind>) -> Arc<Agent> {
+    Arc::new(Agent::new(name, AgentConfig { require, ..AgentConfig::default() }).unwrap())
+}
+
+fn engine(agent: &Arc<Agent>, host_chunks: u64) -> CacheEngine {
+    let config = CacheConfig {
+        chunk_tokens: CHUNK,
+        shape: SHAPE,
+        gpu: None,
+        gpu_bytes: 0,
+        host_bytes: host_chunks * SHAPE.chunk_bytes(CHUNK),
+    };
+    CacheEngine::new(agent, config).unwrap()
+}
+
+/// Contiguous KV memory for `tokens` tokens; row (layer, kv, t) filled from `tag`.
+struct Kv {
+    bytes: Vec<u8>,
+    layout: KvLayout,
+}
+
+impl Kv {
+    fn contiguous(tokens: u64) -> Kv {
+        let layout = KvLayout::Contiguous { tokens };
+        Kv { bytes: vec![0; layout.bytes(&SHAPE) as usize], layout }
+    }
+
+    fn paged(block_size: u64, num_blocks: u64, block_table: Vec<u64>) -> Kv {
+        let layout = KvLayout::Paged { block_size, num_blocks, block_table };
+        Kv { bytes: vec![0; layout.bytes(&SHAPE) as usize], layout }
+    }
+
+    fn memory(&mut self) -> KvMemory {
+        KvMemory {
+            place: Place::host(self.bytes.as_mut_ptr() as u64),
+            len: self.bytes.len() as u64,
+            layout: self.layout.clone(),
+        }
+    }
+
+    /// The row of token `t` (its position in the request) in (layer, kv).
+    fn row(&self, layer: u64, kv: u64, t: u64) -> &[u8] {
+        let row = SHAPE.row_bytes();
+        let index = match &self.layout {
+            KvLayout::Contiguous { tokens } => (layer * 2 + kv) * tokens + t,
+            KvLayout::Paged { block_size, num_blocks, block_table } => {
+                ((layer * 2 + kv) * num_blocks + block_table[(t / block_size) as usize]) * block_size + t % block_size
+            }
+        };
+        &self.bytes[(index * row) as usize..((index + 1) * row) as usize]
+    }
+
+    fn fill(&mut self, tokens: &[u32]) {
+        let row = SHAPE.row_bytes() as usize;
+        for layer in 0..SHAPE.layers {
+            for kv in 0..2 {
+                for (t, &tok) in tokens.iter().enumerate() {
+                    let want = expected_row(layer, kv, tok, t as u64, row);
+                    let KvLayout::Contiguous { tokens: cap } = self.layout else { unreachable!() };
+                    let at = (((layer * 2 + kv) * cap + t as u64) * row as u64) as usize;
+                    self.bytes[at..at + row].copy_from_slice(&want);
+                }
+            }
+        }
+    }
+
+    /// Tokens whose every row holds what `fill` put there for the same prompt.
+    fn matching_prefix(&self, tokens: &[u32]) -> usize {
+        let row = SHAPE.row_bytes() as usize;
+        (0..tokens.len())
+            .take_while(|&t| {
+                (0..SHAPE.layers).all(|l| {
+                    (0..2).all(|kv| self.row(l, kv, t as u64) == expected_row(l, kv, tokens[t], t as u64, row))
+                })
+            })
+            .count()
+    }
+}
+
+fn expected_row(layer: u64, kv: u64, token: u32, t: u64, row: usize) -> Vec<u8> {
+    let seed = (token as u64).wrapping_mul(2654435761) ^ (layer << 40) ^ (kv << 48) ^ (t << 20);
+    (0..row as u64).map(|i| (seed.wrapping_add(i * 131) >> 3) as u8).collect()
+}
+
+fn prompt(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| i.wrapping_mul(7919) ^ salt).collect()
+}
+
+#[test]
+fn a_stored_prompt_comes_back_whole_and_shared_prefixes_are_found() {
+    let a = agent("ce-local", None);
+    let mut engine = engine(&a, 64);
+    let tokens = prompt(100, 1);
+    let mut source = Kv::contiguous(128);
+    source.fill(&tokens);
+    let report = engine.store(&tokens, &source.memory()).unwrap();
+    assert_eq!((report.chunks, report.new_chunks), (7, 7), "6 full chunks and a partial one");
+    assert_eq!(report.bytes, SHAPE.chunk_bytes(100));
+    assert_eq!(engine.store(&tokens, &source.memory()).unwrap().new_chunks, 0, "stored already");
+
+    let mut out = Kv::contiguous(100);
+    assert_eq!(engine.retrieve(&tokens, &out.memory()).unwrap(), 100);
+    assert_eq!(out.matching_prefix(&tokens), 100);
+
+    // A prompt that parts from the stored one at token 70 shares its first 4 chunks.
+    let mut other = tokens.clone();
+    other[70] = 424242;
+    other.extend([1, 2, 3]);
+    assert_eq!(engine.lookup(&other), 64);
+    let mut out = Kv::contiguous(128);
+    assert_eq!(engine.retrieve(&other, &out.memory()).unwrap(), 64);
+    assert_eq!(out.matching_prefix(&tokens), 64, "the prefix is there and nothing after it");
+    assert!(out.row(0, 0, 64).iter().all(|&b| b == 0));
+    assert_eq!(engine.lookup(&prompt(100, 2)), 0);
+    assert_eq!(engine.lookup(&[]), 0);
+}
+
+#[test]
+fn paged_kv_memory_is_gathered_and_scattered_through_its_block_table() {
+    let a = agent("ce-paged", None);
+    let mut engine = engine(&a, 64);
+    let tokens = prompt(45, 3);
+    let mut source = Kv::contiguous(48);
+    source.fill(&tokens);
+    engine.store(&tokens, &source.memory()).unwrap();
+    // Blocks of 4 tokens scattered over a pool of 20.
+    let table = vec![17, 3, 4, 9, 0, 12, 13, 14, 2, 19, 5, 7];
+    let mut paged = Kv::paged(4, 20, table.clone());
+    assert_eq!(engine.retrieve(&tokens, &paged.memory()).unwrap(), 45);
+    assert_eq!(paged.matching_prefix(&tokens), 45);
+    // And stored from paged memory under another prompt, back out to contiguous memory.
+    let mut renamed = tokens.clone();
+    renamed[0] = 77;
+    let mut from_paged = Kv::paged(4, 20, table);
+    from_paged.bytes.copy_from_slice(&paged.bytes);
+    engine.store(&renamed, &from_paged.memory()).unwrap();
+    let mut out = Kv::contiguous(48);
+    assert_eq!(engine.retrieve(&renamed, &out.memory()).unwrap(), 45);
+    assert_eq!(out.matching_prefix(&tokens), 45, "the same rows, under the other prompt's keys");
+}
+
+#[test]
+fn a_full_host_tier_evicts_the_least_recently_used_chunks() {
+    let a = agent("ce-lru", None);
+    let mut engine = engine(&a, 4);
+    let (p, q) = (prompt(32, 10), prompt(32, 20));
+    let mut kv = Kv::contiguous(32);
+    kv.fill(&p);
+    engine.store(&p, &kv.memory()).unwrap();
+    kv.fill(&q);
+    engine.store(&q, &kv.memory()).unwrap();
+    assert_eq!((engine.lookup(&p), engine.lookup(&q)), (32, 32));
+    let mut out = Kv::contiguous(32);
+    engine.retrieve(&p, &out.memory()).unwrap(); // p is now the most recently used
+    let r = prompt(16, 30);
+    engine.store(&r, &kv.memory()).unwrap();
+    assert_eq!(engine.lookup(&q), 0, "q's first chunk was the least recently used");
+    assert_eq!(engine.lookup(&p), 32);
+    assert_eq!(engine.occupancy(), vec![("host", 4)]);
+}
+
+/// A prefill engine that puts into a decode engine's store, over `require`.
+fn prefill_to_decode(require: TransportKind, host_chunks: u64) {
+    let (pa, da) = (agent("ce-prefill", Some(require)), agent("ce-decode", Some(require)));
+    let config = PipeConfig { timeout: Duration::from_secs(10), ..PipeConfig::default() };
+    let listener = PipeListener::new(&da);
+    let addr = da.addresses()[0].clone();
+    let (pa2, config2) = (pa.clone(), config.clone());
+    let opener = thread::spawn(move || {
+        let pipe = PipeSender::connect(&pa2, &addr, &config2).unwrap();
+        StoreSender::new(ChannelSender::new(pipe, 8, None).unwrap(), 4).unwrap()
+    });
+    let pipe = listener.accept(Buffer::Host { capacity: 3 * SHAPE.chunk_bytes(CHUNK) }, &config).unwrap();
+    let store = StoreReceiver::new(ChannelReceiver::new(vec![pipe], Duration::from_secs(10)), None);
+    let mut prefill = engine(&pa, host_chunks).with_remote_sink(opener.join().unwrap());
+    let mut decode = engine(&da, 2).with_remote_source(store);
+
+    let tokens = prompt(150, 5);
+    let mut kv = Kv::contiguous(160);
+    kv.fill(&tokens);
+    prefill.store(&tokens, &kv.memory()).unwrap();
+    // `store` returns once the peer holds every chunk.
+    assert_eq!(decode.lookup(&tokens), 150);
+    let mut out = Kv::paged(8, 24, (0..19).rev().collect());
+    assert_eq!(decode.retrieve(&tokens, &out.memory()).unwrap(), 150);
+    assert_eq!(out.matching_prefix(&tokens), 150);
+    prefill.close().unwrap();
+    decode.remote_source().unwrap().wait_closed(Duration::from_secs(10)).unwrap();
+}
+
+#[test]
+fn a_decode_engine_retrieves_what_a_prefill_engine_stored_over_shm() {
+    prefill_to_decode(TransportKind::Shm, 64);
+}
+
+#[test]
+fn a_decode_engine_retrieves_what_a_prefill_engine_stored_over_tcp() {
+    // A host tier smaller than the prompt: slots waiting for a put are committed before
+    // they are reused.
+    prefill_to_decode(TransportKind::Tcp, 3);
+}
+
+#[test]
+fn bad_input_is_refused() {
+    let a = agent("ce-bad", None);
+    let mut engine = engine(&a, 8);
+    let tokens = prompt(40, 9);
+    let mut small = Kv::contiguous(32);
+    let e = engine.store(&tokens, &small.memory()).unwrap_err();
+    assert!(e.to_string().contains("do not fit"), "{e}");
+    let mut kv = Kv::contiguous(48);
+    let mut short = kv.memory();
+    short.len -= 1;
+    assert!(engine.store(&tokens, &short).unwrap_err().to_string().contains("needs"));
+    let mut bad_table = Kv::paged(4, 4, vec![0, 1, 2, 3, 4, 5, 6, 7, 8, 9]);
+    assert!(engine.retrieve(&tokens, &bad_table.memory()).unwrap_err().to_string().contains("names block"));
+    assert_eq!(engine.store(&tokens, &kv.memory()).unwrap().new_chunks, 3, "still usable");
+    let base = CacheConfig { chunk_tokens: CHUNK, shape: SHAPE, gpu: None, gpu_bytes: 0, host_bytes: 1 << 20 };
+    let no_tier = CacheConfig { host_bytes: 0, ..base.clone() };
+    let gpu_without_gpu = CacheConfig { gpu_bytes: 1 << 20, ..base.clone() };
+    let zero_chunk = CacheConfig { chunk_tokens: 0, ..base.clone() };
+    let tiny = CacheConfig { host_bytes: 10, ..base.clone() };
+    let no_heads = CacheConfig { shape: KvShape { heads: 0, ..SHAPE }, ..base };
+    for c in [no_tier, gpu_without_gpu, zero_chunk, tiny, no_heads] {
+        assert!(matches!(CacheEngine::new(&a, c.clone()), Err(Error::InvalidArgument(_))), "{c:?}");
+    }
+}
