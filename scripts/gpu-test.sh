@@ -7,7 +7,9 @@
 #   - NIXL comes from .carry/nixl_trim.tar.xz (bench/peers/fetch_nixl.sh); without it the
 #     NIXL columns say "not measured".
 # Results go to $OUT (default: build/gpu-results). SWEEP=1 also tries the copy kernel's
-# launch shapes (bench/gpu_sweep.py); QUICK=1 runs fewer iterations.
+# launch shapes (bench/gpu_sweep.py); QUICK=1 runs fewer iterations; STREAM=0 skips the
+# stream benchmarks (scripts/stream-bench.sh); P2P=0 skips the two-GPU transfer
+# benchmarks (for a one-GPU machine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-build/gpu-results}"
@@ -37,28 +39,41 @@ gpus=$(nvidia-smi -L | wc -l)
 machine="${MACHINE:-$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x${gpus}}"
 
 log "GPU tests"
-(cd tests && "$PY" -m pytest -q -rs -p no:cacheprovider test_gpu.py) 2>&1 | tee "$OUT/tests.log"
+(cd tests && "$PY" -m pytest -q -rfs -p no:cacheprovider test_gpu.py) 2>&1 | tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
 
+# The transfer benchmarks beside NIXL compare two GPUs; P2P=0 skips them.
 nixl_json=""
-if [ -f .carry/nixl_trim.tar.xz ]; then
-    mkdir -p /tmp/freight-nixl && tar -xJf .carry/nixl_trim.tar.xz -C /tmp/freight-nixl
-    log "NIXL (same sizes)"
-    timeout 400 "$PY" bench/peers/nixl_p2p.py --nixl-dir /tmp/freight-nixl --out "$OUT/nixl.json" ${QUICK:+--quick} \
-        && nixl_json="$OUT/nixl.json"
-else
-    log "NIXL skipped: .carry/nixl_trim.tar.xz is missing (run bench/peers/fetch_nixl.sh)"
-fi
-log "ceilings"
-timeout 300 "$PY" bench/peers/ceilings.py --out "$OUT/ceilings.json" ${QUICK:+--quick}
-log "freight"
-timeout 400 "$PY" bench/gpu.py --out "$OUT/freight.json" ${QUICK:+--quick}
-if [ "${SWEEP:-0}" = 1 ]; then
-    log "kernel launch shapes (SWEEP=1)"
-    timeout 300 "$PY" bench/gpu_sweep.py --out "$OUT/sweep.json" --ceilings "$OUT/ceilings.json" ${QUICK:+--quick}
+if [ "${P2P:-1}" = 1 ]; then
+    if [ -f .carry/nixl_trim.tar.xz ]; then
+        mkdir -p /tmp/freight-nixl && tar -xJf .carry/nixl_trim.tar.xz -C /tmp/freight-nixl
+        log "NIXL (same sizes)"
+        timeout 400 "$PY" bench/peers/nixl_p2p.py --nixl-dir /tmp/freight-nixl --out "$OUT/nixl.json" ${QUICK:+--quick} \
+            && nixl_json="$OUT/nixl.json"
+    else
+        log "NIXL skipped: .carry/nixl_trim.tar.xz is missing (run bench/peers/fetch_nixl.sh)"
+    fi
+    log "ceilings"
+    timeout 300 "$PY" bench/peers/ceilings.py --out "$OUT/ceilings.json" ${QUICK:+--quick}
+    log "freight"
+    timeout 400 "$PY" bench/gpu.py --out "$OUT/freight.json" ${QUICK:+--quick}
+    if [ "${SWEEP:-0}" = 1 ]; then
+        log "kernel launch shapes (SWEEP=1)"
+        timeout 300 "$PY" bench/gpu_sweep.py --out "$OUT/sweep.json" --ceilings "$OUT/ceilings.json" ${QUICK:+--quick}
+    fi
 fi
 
-"$PY" bench/gpu_report.py --freight "$OUT/freight.json" ${nixl_json:+--nixl "$nixl_json"} \
-    --ceilings "$OUT/ceilings.json" --out-md "$OUT/report.md" --plot "$OUT/gpu.png" --machine "$machine"
+if [ "${STREAM:-1}" = 1 ]; then
+    log "stream benchmarks (pipe, channel, storage, cache engine)"
+    DEVICE=cuda:0 bash scripts/stream-bench.sh "$OUT" | tee "$OUT/stream.log"
+    stream_rc=${PIPESTATUS[0]}
+fi
+
+[ "${STREAM:-1}" = 1 ] && sed -n "/^. benchmark/,\$p" "$OUT/stream.log"
+if [ "${P2P:-1}" = 1 ]; then
+    "$PY" bench/gpu_report.py --freight "$OUT/freight.json" ${nixl_json:+--nixl "$nixl_json"} \
+        --ceilings "$OUT/ceilings.json" --out-md "$OUT/report.md" --plot "$OUT/gpu.png" --machine "$machine"
+fi
+log "stream benchmarks: $([ "${stream_rc:-0}" = 0 ] && echo PASSED || echo FAILED)"
 log "tests: $([ "$tests_rc" = 0 ] && echo PASSED || echo "FAILED (exit $tests_rc)")"
 exit "$tests_rc"

@@ -131,6 +131,10 @@ impl Arena {
     pub fn host(agent: &Arc<Agent>, len: u64, gpu: Option<usize>) -> Result<Arena> {
         let n = usize::try_from(len).map_err(|_| Error::InvalidArgument("tier too large".into()))?;
         let seg = agent.alloc(n)?;
+        // Touched once now, so that the first stores do not pay for page faults (shared
+        // memory pages are allocated on first touch, and slowly).
+        // SAFETY: the whole segment is ours and nothing else uses it yet.
+        unsafe { std::ptr::write_bytes(seg.as_ptr(), 0, n) };
         let mut place = Place::host(seg.addr());
         if let Some(g) = gpu {
             pin(Device::get(g)?, seg.addr(), len)?;

@@ -14,12 +14,11 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::Receiver;
-use freight_core::cuda::driver::{copy_sync, DeviceBuffer};
-use freight_core::cuda::Device;
 use freight_core::{Desc, DescList, Error, MemKind, Result};
 use serde::{Deserialize, Serialize};
 
 use crate::layout;
+use crate::owned::{copy_bytes, Owned};
 use crate::pipe::{Message, PipeReceiver, PipeSender, ALIGN};
 
 /// Headers larger than this are refused before anything is sent (a message's header
@@ -173,10 +172,10 @@ fn check_batch(objects: &[Outgoing]) -> Result<()> {
 pub enum Data {
     /// In a pipe buffer: the message's space is freed when every view of it is gone.
     View { message: Arc<Message>, offset: u64 },
-    /// Reassembled in host memory.
-    Host(Vec<u8>),
-    /// Reassembled in GPU memory.
-    Device(DeviceBuffer),
+    /// Reassembled in memory of its own, of the pipe buffer's kind.
+    Own(Owned),
+    /// Moved out by [`Received::take_owned`].
+    Gone,
 }
 
 /// An object that arrived whole.
@@ -209,8 +208,8 @@ impl Received {
                 let (kind, addr, dev) = message.location();
                 (kind, addr + offset, dev)
             }
-            Data::Host(v) => (MemKind::Dram, v.as_ptr() as u64, 0),
-            Data::Device(b) => (MemKind::Vram, b.addr(), b.device().ordinal as u64),
+            Data::Own(o) => o.location(),
+            Data::Gone => (MemKind::Dram, 0, 0),
         }
     }
 
@@ -225,8 +224,8 @@ impl Received {
             Data::View { message, offset } => {
                 message.bytes().map(|b| &b[*offset as usize..(*offset + self.len) as usize])
             }
-            Data::Host(v) => Some(v),
-            Data::Device(_) => None,
+            Data::Own(o) => o.bytes(),
+            Data::Gone => Some(&[]),
         }
     }
 
@@ -234,47 +233,6 @@ impl Received {
     pub fn copy_to(&self, dst_kind: MemKind, dst: u64) -> Result<()> {
         let (kind, src, dev) = self.location();
         copy_bytes(kind, dev, dst_kind, dst, src, self.len)
-    }
-}
-
-/// An object's bytes in memory of their own.
-pub enum Owned {
-    Host(Vec<u8>),
-    Device(DeviceBuffer),
-}
-
-impl Owned {
-    /// (kind, address, device) of the bytes.
-    pub fn location(&self) -> (MemKind, u64, u64) {
-        match self {
-            Owned::Host(v) => (MemKind::Dram, v.as_ptr() as u64, 0),
-            Owned::Device(b) => (MemKind::Vram, b.addr(), b.device().ordinal as u64),
-        }
-    }
-
-    pub fn len(&self) -> u64 {
-        match self {
-            Owned::Host(v) => v.len() as u64,
-            Owned::Device(b) => b.len() as u64,
-        }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// The bytes, when they are in host memory.
-    pub fn bytes(&self) -> Option<&[u8]> {
-        match self {
-            Owned::Host(v) => Some(v),
-            Owned::Device(_) => None,
-        }
-    }
-
-    /// Copies the bytes to `dst` (host memory, or device memory of `dst_kind`).
-    pub fn copy_to(&self, dst_kind: MemKind, dst: u64) -> Result<()> {
-        let (kind, src, dev) = self.location();
-        copy_bytes(kind, dev, dst_kind, dst, src, self.len())
     }
 }
 
@@ -286,53 +244,26 @@ impl Received {
     pub fn take_owned(&mut self) -> Result<Owned> {
         let (kind, addr, dev) = self.location();
         let len = self.len;
-        match std::mem::replace(&mut self.data, Data::Host(Vec::new())) {
-            Data::Host(v) => {
+        match std::mem::replace(&mut self.data, Data::Gone) {
+            Data::Own(o) => {
                 self.len = 0;
-                Ok(Owned::Host(v))
-            }
-            Data::Device(b) => {
-                self.len = 0;
-                Ok(Owned::Device(b))
+                Ok(o)
             }
             Data::View { message, offset } => {
-                let owned = copy_view(&message, offset, len, (kind, addr, dev));
                 self.data = Data::View { message, offset };
-                owned
+                let mut copy = Owned::like(kind, dev, len)?;
+                copy.fill_from(0, kind, addr, len)?;
+                Ok(copy)
             }
+            Data::Gone => Err(Error::InvalidState("the object's bytes were taken already".into())),
         }
     }
-}
-
-/// A copy of `len` bytes of a message, in memory of the message's kind.
-fn copy_view(message: &Message, offset: u64, len: u64, (kind, addr, dev): (MemKind, u64, u64)) -> Result<Owned> {
-    match message.bytes() {
-        Some(b) => Ok(Owned::Host(b[offset as usize..(offset + len) as usize].to_vec())),
-        None => {
-            let n = usize::try_from(len).map_err(|_| Error::InvalidArgument("object too large".into()))?;
-            let copy = DeviceBuffer::alloc(Device::get(dev as usize)?, n)?;
-            copy_bytes(kind, dev, MemKind::Vram, copy.addr(), addr, len)?;
-            Ok(Owned::Device(copy))
-        }
-    }
-}
-
-/// Copies between host and device memory in any direction, synchronously.
-fn copy_bytes(src_kind: MemKind, src_dev: u64, dst_kind: MemKind, dst: u64, src: u64, len: u64) -> Result<()> {
-    if src_kind == MemKind::Dram && dst_kind == MemKind::Dram {
-        // SAFETY: the caller vouches for `dst`; `src` is live memory of a message or a
-        // reassembled object, `len` bytes long.
-        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, len as usize) };
-        return Ok(());
-    }
-    let device = Device::get(src_dev as usize)?;
-    copy_sync(device, dst, src, len as usize)
 }
 
 /// An object whose pieces are still arriving.
 struct Assembly {
     meta: Vec<u8>,
-    data: Data,
+    data: Owned,
     len: u64,
     filled: u64,
 }
@@ -455,7 +386,8 @@ impl ChannelReceiver {
             }
             let slot = (sender, e.key.clone());
             if !self.partial.contains_key(&slot) {
-                let data = allocate_like(&message, e.object_len)?;
+                let (kind, _, dev) = message.location();
+                let data = Owned::like(kind, dev, e.object_len)?;
                 self.partial
                     .insert(slot.clone(), Assembly { meta: e.meta.clone(), data, len: e.object_len, filled: 0 });
             }
@@ -463,31 +395,17 @@ impl ChannelReceiver {
             if a.len != e.object_len || a.filled != e.object_at {
                 return Err(bad("pieces disagree on the object's size or arrive out of order"));
             }
-            let (kind, src, dev) = message.location();
-            let (dst_kind, dst) = match &mut a.data {
-                Data::Host(v) => (MemKind::Dram, v.as_mut_ptr() as u64),
-                Data::Device(b) => (MemKind::Vram, b.addr()),
-                Data::View { .. } => unreachable!("assemblies own their memory"),
-            };
-            copy_bytes(kind, dev, dst_kind, dst + e.object_at, src + e.offset, e.len)?;
+            let (kind, src, _) = message.location();
+            a.data.fill_from(e.object_at, kind, src + e.offset, e.len)?;
             a.filled += e.len;
             if a.filled == a.len {
                 let a = self.partial.remove(&slot).expect("present");
                 let last = Some(message.clone());
-                out.push(Received { key: e.key, meta: a.meta, sender, len: a.len, data: a.data, _last_piece: last });
+                let data = Data::Own(a.data);
+                out.push(Received { key: e.key, meta: a.meta, sender, len: a.len, data, _last_piece: last });
             }
         }
         Ok(out)
-    }
-}
-
-/// Memory for an object being reassembled, of the same kind as the message's buffer.
-fn allocate_like(message: &Message, len: u64) -> Result<Data> {
-    let (kind, _, dev) = message.location();
-    let n = usize::try_from(len).map_err(|_| Error::InvalidArgument("object too large".into()))?;
-    match kind {
-        MemKind::Vram => Ok(Data::Device(DeviceBuffer::alloc(Device::get(dev as usize)?, n)?)),
-        _ => Ok(Data::Host(vec![0; n])),
     }
 }
 

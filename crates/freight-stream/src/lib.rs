@@ -14,16 +14,19 @@
 //! - [`pipe`]: the two ends of a pipe.
 //! - [`layout`]: how a batch of keyed objects fills pipe messages (pure, property-tested).
 //! - [`channel`]: keyed objects over pipes, many senders to one receiver.
+//! - [`owned`]: memory objects are kept in once out of a pipe buffer, pooled for reuse.
 //! - [`storage`]: a keyed store over the channel: puts committed in batches, gets by key.
 
 pub mod channel;
 pub mod layout;
+pub mod owned;
 pub mod pipe;
 pub mod proto;
 pub mod router;
 pub mod storage;
 pub mod window;
 
-pub use channel::{ChannelReceiver, ChannelSender, Outgoing, Owned, Received};
+pub use channel::{ChannelReceiver, ChannelSender, Outgoing, Received};
+pub use owned::Owned;
 pub use pipe::{Buffer, BufferInfo, Message, PipeConfig, PipeListener, PipeReceiver, PipeSender};
 pub use storage::{CommitStats, StoreReceiver, StoreSender, StoredObject, DEFAULT_COMMIT_SIZE};

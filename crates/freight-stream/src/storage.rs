@@ -21,7 +21,8 @@ use freight_core::{Error, Result};
 use parking_lot::{Condvar, Mutex};
 use serde::Serialize;
 
-use crate::channel::{ChannelReceiver, ChannelSender, Outgoing, Owned, Received};
+use crate::channel::{ChannelReceiver, ChannelSender, Outgoing, Received};
+use crate::owned::Owned;
 
 /// Objects per commit, unless told otherwise.
 pub const DEFAULT_COMMIT_SIZE: usize = 128;

@@ -27,6 +27,11 @@ pub enum BenchCommand {
     /// The same run put into a keyed store on the receiver, committed in batches
     /// (--commit-size), with per-commit transfer and wait-for-receiver times.
     Storage(Box<stream::StreamArgs>),
+    /// The KV cache engine: the sender stores a prompt's KV cache in chunks
+    /// (--num-chunks of --chunk-tokens tokens), put to the receiver's engine, which
+    /// retrieves them into its own KV memory.
+    #[command(name = "cache-engine")]
+    CacheEngine(Box<stream::StreamArgs>),
 }
 
 pub fn run(cmd: &BenchCommand, ctx: &Context) -> CliResult<()> {
@@ -36,5 +41,6 @@ pub fn run(cmd: &BenchCommand, ctx: &Context) -> CliResult<()> {
         BenchCommand::Pipe(a) => stream::run(stream::Product::Pipe, a, ctx),
         BenchCommand::Channel(a) => stream::run(stream::Product::Channel, a, ctx),
         BenchCommand::Storage(a) => stream::run(stream::Product::Storage, a, ctx),
+        BenchCommand::CacheEngine(a) => stream::run(stream::Product::CacheEngine, a, ctx),
     }
 }

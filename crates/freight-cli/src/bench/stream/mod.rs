@@ -1,9 +1,11 @@
-//! `freight bench pipe | channel | storage`: the disaggregated-prefill stream
+//! `freight bench pipe | channel | storage | cache-engine`: the disaggregated-prefill
 //! benchmarks. A sender streams `--num-objs` objects of `--obj-size` bytes per round to a
 //! receiver, through a pipe whose buffer (`--buffer-size`, in the receiver's memory) may
 //! be far smaller than a round; `channel` sends them as keyed objects in batches;
 //! `storage` puts them into a keyed store on the receiver, committed `--commit-size` at
-//! a time, and the receiver gets each by key.
+//! a time, and the receiver gets each by key; `cache-engine` stores a prompt's KV cache
+//! in chunks through a cache engine whose remote peer is the receiver's engine, which
+//! retrieves them into its own KV memory (see [`cache`]).
 //!
 //! A run starts with a verification round, whose every byte the receiver checks, then
 //! times `--num-rounds` rounds. With `--simulate-work` both sides also pretend to
@@ -11,6 +13,8 @@
 //! transfers alone is timed first, so that the overlap shows: a round with work should
 //! take about max(work, transfer), not their sum.
 
+mod cache;
+mod local;
 mod memory;
 mod receiver;
 mod sender;
@@ -34,6 +38,7 @@ The seed's runs (two GPUs; the receiver is started as a child process on the nex
   freight bench pipe --num-rounds 5 --num-objs 500 --simulate-work
   freight bench channel --num-objs 1000 --batch-size 30 --simulate-work
   freight bench storage --num-objs 500
+  freight bench cache-engine --num-chunks 500 --num-rounds 5
 
 Two shells or two hosts: start the receiver, then the sender:
   freight bench pipe --role receiver --listen 0.0.0.0:7100 --device cuda:1
@@ -49,6 +54,9 @@ pub enum StreamRole {
     Sender,
     /// Own the pipe's buffer and receive one sender's run, then exit.
     Receiver,
+    /// cache-engine only: one process, the KV memory on --device and the chunks in
+    /// (pinned) host memory; stores and retrieves beside the pinned copy bandwidth.
+    Local,
 }
 
 /// Which product carries the objects.
@@ -57,6 +65,7 @@ pub enum Product {
     Pipe,
     Channel,
     Storage,
+    CacheEngine,
 }
 
 impl Product {
@@ -65,6 +74,7 @@ impl Product {
             Product::Pipe => "pipe",
             Product::Channel => "channel",
             Product::Storage => "storage",
+            Product::CacheEngine => "cache-engine",
         }
     }
 }
@@ -84,11 +94,11 @@ pub struct StreamArgs {
     #[arg(long, value_name = "IP:PORT")]
     pub connect: Option<String>,
 
-    /// Objects per round.
-    #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    /// Objects per round (cache-engine: chunks per round).
+    #[arg(long, alias = "num-chunks", default_value_t = 500, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub num_objs: u64,
 
-    /// Size of each object.
+    /// Size of each object (cache-engine: set by the KV shape instead).
     #[arg(long, value_name = "SIZE", default_value = "32MiB", value_parser = parse_positive_size)]
     pub obj_size: u64,
 
@@ -126,6 +136,9 @@ pub struct StreamArgs {
     pub timeout: Duration,
 
     #[command(flatten)]
+    pub kv: cache::KvArgs,
+
+    #[command(flatten)]
     pub engine: EngineOpts,
 
     /// Print the results as JSON on stdout (the narration goes to stderr).
@@ -153,6 +166,8 @@ pub struct Shape {
     pub batch_size: u64,
     pub commit_size: u64,
     pub rounds: Vec<Round>,
+    /// cache-engine: the KV geometry.
+    pub kv: Option<cache::KvSpec>,
 }
 
 impl Shape {
@@ -166,13 +181,15 @@ impl Shape {
         }
         let timed = if a.simulate_work { Round::Work } else { Round::Transfer };
         rounds.extend(std::iter::repeat(timed).take(a.num_rounds as usize));
+        let kv = (product == Product::CacheEngine).then(|| cache::KvSpec::from_args(&a.kv));
         Shape {
             product,
             num_objs: a.num_objs,
-            obj_size: a.obj_size,
+            obj_size: kv.as_ref().map_or(a.obj_size, |k| k.chunk_bytes()),
             batch_size: a.batch_size,
             commit_size: a.commit_size,
             rounds,
+            kv,
         }
     }
 
@@ -195,6 +212,7 @@ pub fn work_after(objects_done: u64, ms_per_10: u64) -> Option<Duration> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Plan {
     Receiver,
+    Local,
     Sender { connect: Option<String> },
 }
 
@@ -202,6 +220,8 @@ fn plan(a: &StreamArgs) -> CliResult<Plan> {
     match (a.role, &a.connect) {
         (StreamRole::Receiver, Some(_)) => Err(CliError::usage("--role receiver listens; --connect is for the sender")),
         (StreamRole::Receiver, None) => Ok(Plan::Receiver),
+        (StreamRole::Local, None) => Ok(Plan::Local),
+        (StreamRole::Local, Some(_)) => Err(CliError::usage("--role local runs in one process; drop --connect")),
         (StreamRole::Sender, None) => {
             Err(CliError::usage("--role sender needs --connect IP:PORT (the address a --role receiver printed)"))
         }
@@ -210,11 +230,16 @@ fn plan(a: &StreamArgs) -> CliResult<Plan> {
 }
 
 pub fn run(product: Product, a: &StreamArgs, ctx: &Context) -> CliResult<()> {
+    if product == Product::CacheEngine && a.simulate_work {
+        return Err(CliError::usage("cache-engine has no --simulate-work (pipe, channel and storage do)"));
+    }
     if a.obj_size.checked_mul(a.num_objs).is_none() {
         return Err(CliError::usage("--num-objs x --obj-size is too large"));
     }
     match plan(a)? {
         Plan::Receiver => receiver::run(product, a),
+        Plan::Local if product == Product::CacheEngine => local::run_local(a),
+        Plan::Local => Err(CliError::usage("--role local is for cache-engine only")),
         Plan::Sender { connect: Some(addr) } => sender::run(product, a, &addr),
         Plan::Sender { connect: None } => {
             let child = spawn_receiver(product, a, ctx)?;
@@ -293,6 +318,8 @@ mod tests {
     fn roles_are_checked() {
         assert_eq!(plan(&args(&[])).unwrap(), Plan::Sender { connect: None });
         assert_eq!(plan(&args(&["--role", "receiver"])).unwrap(), Plan::Receiver);
+        assert_eq!(plan(&args(&["--role", "local"])).unwrap(), Plan::Local);
+        assert!(matches!(plan(&args(&["--role", "local", "--connect", "1.2.3.4:5"])), Err(CliError::Usage(_))));
         assert_eq!(
             plan(&args(&["--connect", "1.2.3.4:5"])).unwrap(),
             Plan::Sender { connect: Some("1.2.3.4:5".into()) }

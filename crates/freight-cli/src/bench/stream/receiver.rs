@@ -57,6 +57,9 @@ pub fn run(product: Product, a: &StreamArgs) -> CliResult<()> {
         Product::Storage => {
             Source::Store(StoreReceiver::new(ChannelReceiver::new(vec![pipe], a.timeout), None), a.timeout)
         }
+        Product::CacheEngine => {
+            Source::Cache(Box::new(super::cache::Decode::new(&agent, pipe, &shape, device, a.timeout)?), a.timeout)
+        }
     };
     for (r, &round) in shape.rounds.iter().enumerate() {
         let secs = receive_round(&mut source, &shape, r, round)?;
@@ -76,6 +79,8 @@ enum Source {
     Channel(ChannelReceiver),
     /// The store, and how long to wait for a key.
     Store(StoreReceiver, Duration),
+    /// The receiver's cache engine, and how long to wait for a round's chunks.
+    Cache(Box<super::cache::Decode>, Duration),
 }
 
 /// One received object: (key, kind, address, device, length), and what keeps it alive.
@@ -111,6 +116,7 @@ impl Source {
                 let (kind, addr, dev) = o.data.location();
                 Ok((vec![(o.key.clone(), kind, addr, dev, o.len())], Box::new(o)))
             }
+            Source::Cache(..) => unreachable!("cache-engine rounds are received whole"),
         }
     }
 
@@ -122,6 +128,7 @@ impl Source {
                 store.wait_closed(*timeout)?;
                 !store.is_empty()
             }
+            Source::Cache(decode, timeout) => return decode.expect_end(*timeout),
         };
         if more {
             return Err(CliError::runtime("the sender sent more than the run it announced"));
@@ -131,6 +138,9 @@ impl Source {
 }
 
 fn receive_round(source: &mut Source, shape: &Shape, r: usize, round: Round) -> CliResult<f64> {
+    if let Source::Cache(decode, timeout) = source {
+        return decode.round(shape, r, round == Round::Verify, *timeout);
+    }
     let mut start = None;
     let mut next = 0u64;
     while next < shape.num_objs {

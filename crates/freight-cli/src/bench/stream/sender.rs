@@ -67,6 +67,7 @@ pub fn run(product: Product, a: &StreamArgs, addr: &str) -> CliResult<()> {
             ChannelSender::new(pipe, shape.batch_size as usize, None)?,
             shape.commit_size as usize,
         )?),
+        Product::CacheEngine => Sink::Cache(Box::new(super::cache::Prefill::new(&agent, pipe, &shape, device)?)),
     };
     let mut results = Vec::new();
     for (r, &round) in shape.rounds.iter().enumerate() {
@@ -94,6 +95,7 @@ enum Sink {
     Pipe(PipeSender),
     Channel(ChannelSender),
     Store(StoreSender),
+    Cache(Box<super::cache::Prefill>),
 }
 
 impl Sink {
@@ -104,6 +106,7 @@ impl Sink {
             Sink::Pipe(p) => p.drain(),
             Sink::Channel(c) => c.drain(),
             Sink::Store(s) => s.commit().map(|c| commits.extend(c.inspect(|c| say_commit(json, c)))),
+            Sink::Cache(_) => Ok(()),
         }
         .map_err(|e| CliError::runtime(format!("the stream failed: {e}")))
     }
@@ -113,6 +116,7 @@ impl Sink {
             Sink::Pipe(p) => p.close(),
             Sink::Channel(c) => c.close(),
             Sink::Store(s) => s.close(),
+            Sink::Cache(prefill) => return prefill.close(),
         }
         .map_err(|e| CliError::runtime(format!("closing the stream failed: {e}")))
     }
@@ -163,6 +167,11 @@ fn send_round(
     let step = match sink {
         Sink::Pipe(_) | Sink::Store(_) => 1,
         Sink::Channel(_) => shape.batch_size,
+        Sink::Cache(prefill) => {
+            // One store of the whole prompt: it returns once the receiver holds it.
+            let secs = prefill.round(source, shape, r)?;
+            return Ok(RoundResult { round, secs, work_secs: 0.0, commits });
+        }
     };
     let start = Instant::now();
     let mut i = 0;
@@ -183,6 +192,7 @@ fn send_round(
                     commits.push(c);
                 }
             }
+            Sink::Cache(_) => unreachable!("stored whole above"),
         }
         if round == Round::Work {
             for done in i + 1..=end {
@@ -245,7 +255,7 @@ fn report(product: Product, a: &StreamArgs, shape: &Shape, results: &[RoundResul
             })).collect::<Vec<_>>(),
             "throughput_gbps": { "mean": mean, "std": std, "rounds": main },
             "transfer_only_seconds": transfer_only,
-            "commit_size": (product == Product::Storage).then_some(shape.commit_size),
+            "commit_size": matches!(product, Product::Storage | Product::CacheEngine).then_some(shape.commit_size),
             "pure_transfer_gbps": pure_transfer(&timed),
         });
         emit(&(serde_json::to_string_pretty(&doc).expect("json values always print") + "\n"))?;
