@@ -140,6 +140,8 @@ def seed_source(op: str, local, peer, seed: int):
     """The source side gets pattern(seed), the destination side poison."""
     if op == "WRITE":
         local.copy_(pattern(seed, peer.size).to(local.device))
+        # freight copies on a stream of its own: torch's work must be done first.
+        torch.cuda.synchronize()
         peer.call(op="poison")
     else:
         peer.call(op="fill", seed=seed)
@@ -248,6 +250,7 @@ def test_many_requests_in_flight_and_reposted(gpu_pair):
     agent, name, peer = gpu_pair
     local = torch.empty(64 * MIB, dtype=torch.uint8, device="cuda:0")
     local.copy_(pattern(5, 64 * MIB).cuda())
+    torch.cuda.synchronize()
     agent.register(local)
     peer.call(op="poison")
     reqs = []
@@ -271,6 +274,7 @@ def test_notification_arrives_after_the_data(gpu_pair):
     n = 32 * MIB
     local = torch.empty(n, dtype=torch.uint8, device="cuda:0")
     local.copy_(pattern(9, n).cuda())
+    torch.cuda.synchronize()
     agent.register(local)
     peer.call(op="poison")
     req = agent.transfer("WRITE", vram([(local.data_ptr(), n, 0)]), name, vram([(peer.base, n, TORCH_GPUS - 1)]),
@@ -531,3 +535,214 @@ def test_channel_into_a_gpu_buffer_from_cuda_tensors(spawn):
         assert seen == {k: k != "big" for k in want}
         assert line(peer)["done"]
         finish(peer)
+
+
+# ----------------------------------------------------------------------------- store and cache engine
+
+
+@needs_gpu
+@pytest.mark.timeout(120)
+def test_store_of_cuda_tensors_into_a_gpu_buffer(spawn):
+    """A sender process puts CUDA tensors (GPU 0) into a store whose pipe buffer is on
+    the last GPU: the store holds them on that GPU, views keep dtype and shape for
+    torch, and copy_to fills caller tensors on the GPU and on the host."""
+    from stream_peer import objects as stream_objects
+    from test_py_storage import start as start_put
+    from test_py_stream import finish, line
+
+    gpu = TORCH_GPUS - 1
+    dev = f"cuda:{gpu}"
+    buf = torch.empty(MIB, dtype=torch.uint8, device=dev)
+    want = stream_objects("mixed")
+    with freight.Agent("rx") as rx:
+        peer = start_put(spawn, role="put", name="tx", addr=rx.addresses[0], set="mixed", commit=3,
+                         device="cuda:0", timeout=60)
+        with freight.StoreReceiver(rx, buffer=buf, timeout=60) as store:
+            report = line(peer)
+            assert report["done"], report
+            assert sum(c["objects"] for c in report["commits"]) == len(want)
+            store.wait_closed(30)
+            assert sorted(store.keys()) == sorted(want)
+            for key, exp in want.items():
+                obj = store[key]
+                assert (obj.kind, obj.device, obj.dtype, obj.shape) == ("VRAM", gpu, exp.dtype.name, exp.shape)
+                t = torch.as_tensor(obj.view(), device=dev)
+                assert tuple(t.shape) == exp.shape and str(t.dtype) == f"torch.{exp.dtype.name}"
+                # Bytes, not values: the patterns hold NaNs.
+                assert t.cpu().numpy().tobytes() == exp.tobytes(), key
+                on_gpu = torch.empty(exp.shape, dtype=t.dtype, device=dev)
+                assert obj.copy_to(on_gpu).cpu().numpy().tobytes() == exp.tobytes(), key
+                on_host = np.empty_like(exp)
+                assert obj.copy_to(on_host).tobytes() == exp.tobytes(), key
+                with pytest.raises(freight.InvalidArgumentError):
+                    obj.copy_to(torch.empty(exp.size + 1, dtype=t.dtype, device=dev))
+        assert report["regions"][0] == report["regions"][1]
+        finish(peer)
+
+
+def _cache_model():
+    from store_peer import CHUNK, CHUNK_BYTES, MODEL, prompt
+
+    return CHUNK, CHUNK_BYTES, MODEL["layers"], MODEL["heads"], MODEL["head_dim"], prompt
+
+
+def _cuda_kv(shape, seed: int, dtype, device: str = "cuda:0"):
+    """A CUDA tensor of random bytes (NaNs included), ready for the engine to read."""
+    n = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    t = raw.view(dtype).reshape(shape).to(device)
+    torch.cuda.synchronize(device)  # the engine reads the memory, not a stream
+    return t
+
+
+def _zeros(shape, dtype, device: str = "cuda:0"):
+    t = torch.zeros(shape, dtype=dtype, device=device)
+    torch.cuda.synchronize(device)  # or the fill could land after the engine's writes
+    return t
+
+
+def _bits(t):
+    """The bytes of a 2-byte tensor, on the host, to compare exactly."""
+    return t.detach().cpu().contiguous().view(torch.int16)
+
+
+def _unpaged(pool, tokens: int, table):
+    """Tokens 0..tokens of paged KV memory (L, 2, blocks, block_size, H, D), contiguous."""
+    bs = pool.shape[3]
+    return torch.stack([pool[:, :, table[t // bs], t % bs] for t in range(tokens)], dim=2)
+
+
+class _FakeKvOnGpu1:
+    """Looks like a bfloat16 KV tensor on cuda:1 to freight's duck typing (refused
+    before its memory is touched)."""
+
+    dtype = "torch.bfloat16"
+    device = type("Device", (), {"type": "cuda", "index": 1})()
+
+    def __init__(self, shape):
+        self.shape = shape
+
+    def data_ptr(self):
+        return 0x7F0000000000
+
+    def numel(self):
+        return int(np.prod(self.shape))
+
+    def element_size(self):
+        return 2
+
+    def is_contiguous(self):
+        return True
+
+
+@needs_gpu
+@pytest.mark.timeout(120)
+def test_cache_engine_with_a_gpu_tier_and_cuda_kv_contiguous_and_paged():
+    """GPU tier of 4 chunks over a host tier (pinned for GPU 0): a 7-chunk prompt fills
+    the GPU tier and spills to the host tier; it comes back whole into contiguous and
+    paged CUDA KV, and into host KV; bfloat16 throughout."""
+    CHUNK, CHUNK_BYTES, L, H, D, prompt = _cache_model()
+    bf16 = torch.bfloat16
+    with freight.Agent("ce-gpu") as a, freight.CacheEngine(
+        a, chunk_tokens=CHUNK, layers=L, heads=H, head_dim=D, dtype=bf16, gpu=0,
+        gpu_bytes=4 * CHUNK_BYTES, host_bytes=16 * CHUNK_BYTES,
+    ) as e:
+        assert (e.dtype, e.gpu) == ("bfloat16", 0)
+        tokens = prompt(100, 1)
+        kv = _cuda_kv((L, 2, 128, H, D), seed=1, dtype=bf16)
+        assert e.store(tokens, kv) == {"chunks": 7, "new_chunks": 7, "bytes": 100 * CHUNK_BYTES // CHUNK}
+        assert e.occupancy() == {"gpu": 4, "host": 3}, "the least recently used went down a tier"
+        assert e.lookup(tokens) == 100
+
+        out = _zeros((L, 2, 100, H, D), bf16)
+        assert e.retrieve(tokens, out) == 100
+        assert torch.equal(_bits(out), _bits(kv[:, :, :100]))
+
+        table = [17, 3, 4, 9, 0, 12, 13, 14, 2, 19, 5, 7, 1, 6, 8, 10, 11, 15, 16, 18, 20, 21, 22, 23, 24]
+        pool = _zeros((L, 2, 26, 4, H, D), bf16)
+        assert e.retrieve(tokens, pool, block_table=table) == 100
+        assert torch.equal(_bits(_unpaged(pool, 100, table)), _bits(kv[:, :, :100]))
+
+        # Stored from paged CUDA memory under another prompt; back out to host memory.
+        renamed = tokens.copy()
+        renamed[0] = 77
+        assert e.store(renamed, pool, block_table=table)["new_chunks"] == 7
+        on_host = torch.zeros((L, 2, 100, H, D), dtype=bf16)
+        assert e.retrieve(renamed, on_host) == 100
+        assert torch.equal(_bits(on_host), _bits(kv[:, :, :100]))
+
+        # A prompt that parts at token 70 gets the 64 tokens before.
+        other = tokens.copy()
+        other[70] = 1
+        out = _zeros((L, 2, 100, H, D), bf16)
+        assert e.retrieve(other, out) == 64
+        assert torch.equal(_bits(out[:, :, :64]), _bits(kv[:, :, :64]))
+        assert not out[:, :, 64:].any()
+
+        with pytest.raises(freight.InvalidArgumentError, match="cuda:1, but this cache engine works on GPU 0"):
+            e.store(tokens, _FakeKvOnGpu1((L, 2, 128, H, D)))
+        with pytest.raises(freight.InvalidArgumentError, match="is float16, but this cache engine stores bfloat16"):
+            e.store(tokens, kv.to(torch.float16))
+        with pytest.raises(freight.InvalidArgumentError, match="not contiguous"):
+            e.store(tokens, kv.transpose(3, 4))
+
+
+@needs_gpu
+@pytest.mark.timeout(120)
+def test_cache_engine_with_a_host_tier_and_cuda_kv_uses_mapped_pinned_memory():
+    """A host tier pinned and mapped for GPU 0: CUDA KV moves in and out of it with the
+    copy kernel (contiguous and paged), host KV with memcpy."""
+    CHUNK, CHUNK_BYTES, L, H, D, prompt = _cache_model()
+    f16 = torch.float16
+    with freight.Agent("ce-mapped") as a, freight.CacheEngine(
+        a, chunk_tokens=CHUNK, layers=L, heads=H, head_dim=D, dtype=f16, gpu=0, host_bytes=16 * CHUNK_BYTES,
+    ) as e:
+        tokens = prompt(45, 3)
+        table = [9, 3, 4, 0, 1, 2]
+        kv = _cuda_kv((L, 2, 10, 8, H, D), seed=3, dtype=f16)  # paged, blocks of 8
+        assert e.store(tokens, kv, block_table=table, block_size=8)["new_chunks"] == 3
+        assert e.occupancy() == {"host": 3}
+        out = _zeros((L, 2, 48, H, D), f16)
+        assert e.retrieve(tokens, out) == 45
+        want = _unpaged(kv, 45, table)
+        assert torch.equal(_bits(out[:, :, :45]), _bits(want))
+        on_host = np.zeros((L, 2, 45, H, D), dtype=np.float16)
+        assert e.retrieve(tokens, on_host) == 45
+        assert on_host.tobytes() == want.cpu().numpy().tobytes()
+        # And from host KV into the tier, back out to paged CUDA KV.
+        renamed = tokens.copy()
+        renamed[0] = 5
+        e.store(renamed, on_host)
+        pool = _zeros((L, 2, 12, 4, H, D), f16)
+        back = [11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0]
+        assert e.retrieve(renamed, pool, block_table=back) == 45
+        assert torch.equal(_bits(_unpaged(pool, 45, back)), _bits(want))
+
+
+@needs_gpu
+@pytest.mark.timeout(120)
+def test_gpu_prefill_engine_to_gpu_decode_engine_through_a_gpu_store():
+    """A prefill engine with a small GPU tier puts its chunks to a store whose pipe
+    buffer is on the GPU; a decode engine retrieves them into paged CUDA KV."""
+    CHUNK, CHUNK_BYTES, L, H, D, prompt = _cache_model()
+    from test_py_storage import connected
+
+    f16 = torch.float16
+    with freight.Agent("gpu-pre") as pa, freight.Agent("gpu-dec") as da:
+        buf = torch.empty(4 * CHUNK_BYTES, dtype=torch.uint8, device="cuda:0")
+        store, sink = connected(da, pa, receiver={"buffer": buf, "timeout": 30}, sender={"commit_size": 4, "timeout": 30})
+        common = dict(chunk_tokens=CHUNK, layers=L, heads=H, head_dim=D, dtype=f16, gpu=0)
+        prefill = freight.CacheEngine(pa, gpu_bytes=3 * CHUNK_BYTES, host_bytes=0, remote_sink=sink, **common)
+        decode = freight.CacheEngine(da, gpu_bytes=2 * CHUNK_BYTES, host_bytes=0, remote_source=store, **common)
+        try:
+            tokens = prompt(150, 5)
+            kv = _cuda_kv((L, 2, 160, H, D), seed=5, dtype=f16)
+            assert prefill.store(tokens, kv)["new_chunks"] == 10
+            assert decode.lookup(tokens) == 150
+            table = list(range(19))[::-1]
+            pool = _zeros((L, 2, 24, 8, H, D), f16)
+            assert decode.retrieve(tokens, pool, block_table=table) == 150
+            assert torch.equal(_bits(_unpaged(pool, 150, table)), _bits(kv[:, :, :150]))
+        finally:
+            prefill.close()
+            decode.close()

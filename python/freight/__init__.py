@@ -15,6 +15,11 @@ Main names:
 * :class:`PipeListener`, :class:`PipeSender` -- ordered streams of messages through a
   bounded buffer in the receiver's memory; :class:`ChannelSender`,
   :class:`ChannelReceiver` -- keyed arrays and tensors over them (see :mod:`freight.stream`);
+* :class:`StoreSender`, :class:`StoreReceiver` -- a keyed store between agents, puts
+  committed in batches (:class:`CommitStats`), gets by key (:class:`StoredObject`; see
+  :mod:`freight.storage`);
+* :class:`CacheEngine` -- a chunked KV cache (prefix-keyed chunks, contiguous or paged
+  KV memory, GPU / host / remote tiers; see :mod:`freight.cache`);
 * :class:`EtcdDirectory` -- metadata exchange through etcd;
 * :func:`inspect_metadata` -- what metadata bytes advertise (regions, addresses);
 * :func:`set_log_level` -- engine logs to stderr (or set ``FREIGHT_LOG``);
@@ -72,6 +77,8 @@ from .stream import (  # noqa: E402
     PipeSender,
     Received,
 )
+from .storage import CommitStats, StoredObject, StoreReceiver, StoreSender  # noqa: E402
+from .cache import CacheEngine  # noqa: E402
 from .errors import (
     AuthError,
     EtcdError,
@@ -127,8 +134,10 @@ _LEVELS = ("error", "warn", "info", "debug", "trace", "off")
 __all__ = [
     "Agent",
     "AgentConfig",
+    "CacheEngine",
     "ChannelReceiver",
     "ChannelSender",
+    "CommitStats",
     "CudaView",
     "DescList",
     "EtcdDirectory",
@@ -142,6 +151,9 @@ __all__ = [
     "Received",
     "Request",
     "SharedSegment",
+    "StoreReceiver",
+    "StoreSender",
+    "StoredObject",
     "TRANSPORTS",
     "compile_copy_kernel",
     "copy_kernel_occupancy",

@@ -61,6 +61,7 @@ __all__ = [
     "ChannelSender",
     "ChannelReceiver",
     "Received",
+    "KeyedObject",
     "CudaView",
 ]
 
@@ -605,15 +606,10 @@ class ChannelSender:
         return f"<freight.ChannelSender to {self.peer!r}: {self.capacity} bytes>"
 
 
-class Received:
-    """An object that arrived whole through a channel.
-
-    ``key``, ``meta`` (dict: ``dtype``, ``shape``), ``sender`` (index of the sender,
-    in accept order), ``nbytes``, ``kind``/``device``, ``is_view`` (True: the bytes lie
-    in the pipe buffer; False: the object was cut across messages and reassembled).
-    :meth:`view` sees the bytes in place, :meth:`copy_to` copies them out;
-    :meth:`release` (or leaving a ``with`` block) frees the space.
-    """
+class KeyedObject:
+    """What a received object (:class:`Received`) and a stored one
+    (:class:`freight.StoredObject`) share: a key, the sender's metadata (dtype and
+    shape), views with that dtype and shape, and checked copies into caller memory."""
 
     __slots__ = ("_raw", "_meta")
 
@@ -661,7 +657,7 @@ class Received:
 
     @property
     def kind(self) -> str:
-        """"DRAM" or "VRAM" (the receiver's buffer)."""
+        """"DRAM" or "VRAM"."""
         return self._raw.kind
 
     @property
@@ -669,16 +665,8 @@ class Received:
         """The CUDA device of a VRAM object (0 for host memory)."""
         return self._raw.device
 
-    @property
-    def is_view(self) -> bool:
-        """True when the bytes are in the pipe buffer (zero-copy), False when the object
-        was reassembled in memory of its own."""
-        return self._raw.is_view
-
-    @property
-    def released(self) -> bool:
-        """True once :meth:`release` was called."""
-        return not self._raw.live
+    def _check_live(self) -> None:
+        """Raises when the bytes may no longer be used."""
 
     def _typed(self) -> Tuple[Optional[np.dtype], Optional[Tuple[int, ...]]]:
         """The dtype and shape to view the bytes with, when they account for them."""
@@ -691,9 +679,8 @@ class Received:
         """The object in place, with its sent dtype and shape: a numpy array (host
         memory) or a :class:`CudaView` (GPU memory; ``torch.as_tensor(obj.view(),
         device="cuda")``). A dtype numpy does not know (bfloat16) gives the raw bytes as
-        a flat uint8 array. Valid until :meth:`release`."""
-        if self.released:
-            raise InvalidStateError(f"object {self.key!r} was released")
+        a flat uint8 array. The view keeps this object alive."""
+        self._check_live()
         dt, shape = self._typed()
         if self.kind == "VRAM":
             if dt is None:
@@ -717,6 +704,39 @@ class Received:
         self._raw.copy_to(r.kind, r.addr)
         return dst
 
+
+class Received(KeyedObject):
+    """An object that arrived whole through a channel.
+
+    ``key``, ``meta`` (dict: ``dtype``, ``shape``), ``sender`` (index of the sender,
+    in accept order), ``nbytes``, ``kind``/``device``, ``is_view`` (True: the bytes lie
+    in the pipe buffer; False: the object was cut across messages and reassembled).
+    :meth:`view` sees the bytes in place (valid until :meth:`release`), :meth:`copy_to`
+    copies them out; :meth:`release` (or leaving a ``with`` block) frees the space.
+    """
+
+    __slots__ = ()
+
+    @property
+    def kind(self) -> str:
+        """"DRAM" or "VRAM" (the receiver's buffer)."""
+        return self._raw.kind
+
+    @property
+    def is_view(self) -> bool:
+        """True when the bytes are in the pipe buffer (zero-copy), False when the object
+        was reassembled in memory of its own."""
+        return self._raw.is_view
+
+    @property
+    def released(self) -> bool:
+        """True once :meth:`release` was called."""
+        return not self._raw.live
+
+    def _check_live(self) -> None:
+        if self.released:
+            raise InvalidStateError(f"object {self.key!r} was released")
+
     def release(self) -> None:
         """Frees the object's space (a message's space is freed once every object in it
         is released). Views must not be used after. Harmless when called again."""
@@ -734,6 +754,29 @@ class Received:
 
 
 Observer = Callable[[List[str], List[Received]], Any]
+
+
+def _num_senders(num_senders: Any) -> int:
+    if isinstance(num_senders, bool) or not isinstance(num_senders, (int, np.integer)) or num_senders < 1:
+        raise InvalidArgumentError(f"num_senders must be a positive int, got {num_senders!r}")
+    return int(num_senders)
+
+
+def _split_buffer(agent: Agent, n: int, buffer: Any) -> Tuple[dict, Optional[int]]:
+    """The native receiver's pipe arguments for ``n`` senders sharing ``buffer`` evenly
+    (a size in bytes, or an object registered here if it is not yet), and the key of a
+    registration made here (the caller deregisters it when done)."""
+    capacity, region, key = _buffer_region(agent, buffer)
+    total = capacity if region is None else region.length
+    part = total // n // ALIGN * ALIGN
+    if part == 0:
+        if key is not None:
+            _deregister_all(agent, [key])
+        raise InvalidArgumentError(f"a buffer of {total} bytes is too small for {n} senders")
+    if region is None:
+        return {"capacity": part}, None
+    regions = [(region.kind, region.addr + i * part, part, region.device) for i in range(n)]
+    return {"regions": regions, "keep": buffer}, key
 
 
 class ChannelReceiver:
@@ -757,9 +800,7 @@ class ChannelReceiver:
         timeout: float = 30.0,
         credit_batch: Optional[int] = None,
     ) -> None:
-        if isinstance(num_senders, bool) or not isinstance(num_senders, (int, np.integer)) or num_senders < 1:
-            raise InvalidArgumentError(f"num_senders must be a positive int, got {num_senders!r}")
-        n = int(num_senders)
+        n = _num_senders(num_senders)
         self._agent = agent
         self._observers: List[Observer] = []
         #: Seconds spent in observers, in total and for the last batch.
@@ -769,23 +810,9 @@ class ChannelReceiver:
         self.recv_seconds = 0.0
         #: Batches received so far.
         self.batches = 0
-        capacity, region, self._temp_key = _buffer_region(agent, buffer)
+        pipes, self._temp_key = _split_buffer(agent, n, buffer)
         try:
-            if region is None:
-                part = capacity // n // ALIGN * ALIGN
-                if part == 0:
-                    raise InvalidArgumentError(f"a buffer of {capacity} bytes is too small for {n} senders")
-                self._raw = _native.ChannelReceiver(
-                    _core(agent), n, capacity=part, timeout=timeout, credit_batch=credit_batch
-                )
-            else:
-                part = region.length // n // ALIGN * ALIGN
-                if part == 0:
-                    raise InvalidArgumentError(f"a buffer of {region.length} bytes is too small for {n} senders")
-                regions = [(region.kind, region.addr + i * part, part, region.device) for i in range(n)]
-                self._raw = _native.ChannelReceiver(
-                    _core(agent), n, regions=regions, keep=buffer, timeout=timeout, credit_batch=credit_batch
-                )
+            self._raw = _native.ChannelReceiver(_core(agent), n, timeout=timeout, credit_batch=credit_batch, **pipes)
         except BaseException:
             if self._temp_key is not None:
                 _deregister_all(agent, [self._temp_key])

@@ -1,13 +1,18 @@
 //! Moving chunk bytes: between the caller's KV memory and a tier's slot, in host memory
 //! or on a GPU, and the memory a tier owns.
 //!
-//! Where a GPU can reach both sides (device memory of one GPU, or host memory that is
-//! pinned and mapped), all the runs of a chunk move in one launch of the engine's
-//! batched copy kernel: a gather from paged KV into a contiguous chunk, or a scatter
-//! back. Host-only copies are plain memcpy; anything else goes run by run through the
-//! driver's copy.
+//! KV memory on a GPU and a chunk in GPU memory: all the runs of a chunk move in one
+//! launch of the engine's batched copy kernel (a gather from paged KV into a contiguous
+//! chunk, or a scatter back). KV memory on a GPU and a chunk in host memory: the kernel
+//! gathers into a scratch chunk on the GPU, and the copy engine moves it to the host in
+//! one piece (or the other way round), because SM loads and stores over PCIe reach only
+//! about 60% of what the copy engines do. Host-only copies are plain memcpy; anything
+//! else goes run by run through the driver's copy.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock};
+
+use parking_lot::Mutex;
 
 use freight_core::cuda::driver::{copy_sync, DeviceBuffer, Event};
 use freight_core::cuda::kernel::{cut, Item, Kernel, LaunchShape, ITEM_BYTES};
@@ -57,6 +62,37 @@ pub enum Direction {
 
 /// Moves a chunk's `runs` between `kv` memory and `chunk` memory.
 pub fn move_runs(kv: Place, chunk: Place, runs: &[Run], direction: Direction) -> Result<()> {
+    if kv.on_gpu() && !chunk.on_gpu() {
+        return staged(kv, chunk, runs, direction);
+    }
+    direct(kv, chunk, runs, direction)
+}
+
+/// Through a scratch chunk on the KV memory's GPU (the runs cover the chunk from 0).
+fn staged(kv: Place, chunk: Place, runs: &[Run], direction: Direction) -> Result<()> {
+    let len = runs.iter().map(|r| r.chunk + r.len).max().unwrap_or(0);
+    let device = Device::get(kv.dev as usize)?;
+    let n = usize::try_from(len).map_err(|_| Error::InvalidArgument("chunk too large".into()))?;
+    static SCRATCH: OnceLock<Mutex<HashMap<usize, DeviceBuffer>>> = OnceLock::new();
+    let mut all = SCRATCH.get_or_init(Default::default).lock();
+    if !matches!(all.get(&device.ordinal), Some(b) if b.len() >= n) {
+        all.insert(device.ordinal, DeviceBuffer::alloc(device, n)?);
+    }
+    let scratch = &all[&device.ordinal];
+    let on_gpu = Place::gpu(scratch.addr(), kv.dev);
+    match direction {
+        Direction::Gather => {
+            direct(kv, on_gpu, runs, direction)?;
+            copy_sync(device, chunk.addr, on_gpu.addr, n)
+        }
+        Direction::Scatter => {
+            copy_sync(device, on_gpu.addr, chunk.addr, n)?;
+            direct(kv, on_gpu, runs, direction)
+        }
+    }
+}
+
+fn direct(kv: Place, chunk: Place, runs: &[Run], direction: Direction) -> Result<()> {
     let copies: Vec<(u64, u64, u64)> = runs
         .iter()
         .map(|r| {
@@ -101,14 +137,20 @@ pub fn copy(src: Place, dst: Place, copies: &[(u64, u64, u64)]) -> Result<()> {
     Ok(())
 }
 
-/// Every copy in one launch of the batched copy kernel, waited for.
+/// Every copy in one launch of the batched copy kernel, waited for. The item table goes
+/// to a buffer kept per GPU (an allocation per chunk would cost more than the copy).
 fn kernel_copy(device: &'static Device, copies: &[(u64, u64, u64)]) -> Result<()> {
     let kernel = Kernel::on(device)?;
     let items = cut(copies, ITEM_BYTES, kernel.concurrency(&LaunchShape::default()));
-    // SAFETY: `Item` is three u64s, `repr(C)`: its bytes are the table the kernel reads.
-    let table =
-        unsafe { std::slice::from_raw_parts(items.as_ptr().cast::<u8>(), std::mem::size_of_val::<[Item]>(&items)) };
-    let table = DeviceBuffer::upload(device, table)?;
+    let bytes = std::mem::size_of_val::<[Item]>(&items);
+    static TABLES: OnceLock<Mutex<HashMap<usize, DeviceBuffer>>> = OnceLock::new();
+    let mut tables = TABLES.get_or_init(Default::default).lock();
+    if !matches!(tables.get(&device.ordinal), Some(t) if t.len() >= bytes) {
+        tables.insert(device.ordinal, DeviceBuffer::alloc(device, bytes.next_power_of_two())?);
+    }
+    let table = &tables[&device.ordinal];
+    // `Item` is three u64s, `repr(C)`: its bytes are the table the kernel reads.
+    copy_sync(device, table.addr(), items.as_ptr() as u64, bytes)?;
     kernel.launch(table.addr(), items.len())?;
     let done = Event::new(device)?;
     done.record(device)?;

@@ -5,6 +5,7 @@
 use pyo3::prelude::*;
 
 mod agent;
+mod cache;
 mod cli;
 mod descs;
 mod errors;
@@ -35,6 +36,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<stream::PyChannelSender>()?;
     m.add_class::<stream::PyChannelReceiver>()?;
     m.add_class::<stream::PyReceived>()?;
+    m.add_class::<stream::PyStoreSender>()?;
+    m.add_class::<stream::PyStoreReceiver>()?;
+    m.add_class::<stream::PyStoredObject>()?;
+    m.add_class::<cache::PyCacheEngine>()?;
     m.add_function(wrap_pyfunction!(logging::set_log_level, m)?)?;
     m.add_function(wrap_pyfunction!(logging::_init_logging_from_env, m)?)?;
     m.add_function(wrap_pyfunction!(cli::cli_main, m)?)?;

@@ -19,7 +19,7 @@ use parking_lot::Mutex;
 /// Host memory the pool keeps for reuse.
 pub const RETAIN_HOST: u64 = 4 << 30;
 /// GPU memory the pool keeps for reuse, per GPU.
-pub const RETAIN_DEVICE: u64 = 8 << 30;
+pub const RETAIN_DEVICE: u64 = 16 << 30;
 
 enum Mem {
     Host(Vec<u8>),
@@ -27,11 +27,12 @@ enum Mem {
 }
 
 impl Mem {
-    /// (is on a GPU, GPU, bytes): the pool's key.
-    fn class(&self) -> (bool, usize, usize) {
+    /// (is on a GPU, GPU, bytes asked for): the pool's key. (A GPU allocation may be
+    /// larger than asked for.)
+    fn class(&self, len: usize) -> (bool, usize, usize) {
         match self {
-            Mem::Host(v) => (false, 0, v.len()),
-            Mem::Device(b) => (true, b.device().ordinal, b.len()),
+            Mem::Host(_) => (false, 0, len),
+            Mem::Device(b) => (true, b.device().ordinal, len),
         }
     }
 }
@@ -55,8 +56,8 @@ fn take(class: (bool, usize, usize)) -> Option<Mem> {
     Some(mem)
 }
 
-fn give(mem: Mem) {
-    let class = mem.class();
+fn give(mem: Mem, len: usize) {
+    let class = mem.class(len);
     let limit = if class.0 { RETAIN_DEVICE } else { RETAIN_HOST };
     let mut p = pool().lock();
     let kept = p.kept.entry((class.0, class.1)).or_default();
@@ -78,6 +79,7 @@ pub fn trim() {
 /// when dropped.
 pub struct Owned {
     mem: Option<Mem>,
+    len: u64,
 }
 
 impl Owned {
@@ -85,7 +87,7 @@ impl Owned {
     pub fn host(len: u64) -> Result<Owned> {
         let n = usize::try_from(len).map_err(|_| Error::InvalidArgument("object too large".into()))?;
         let mem = take((false, 0, n)).unwrap_or_else(|| Mem::Host(vec![0; n]));
-        Ok(Owned { mem: Some(mem) })
+        Ok(Owned { mem: Some(mem), len })
     }
 
     /// `len` bytes on GPU `dev` (contents unspecified: the caller fills them).
@@ -95,7 +97,7 @@ impl Owned {
             Some(m) => m,
             None => Mem::Device(DeviceBuffer::alloc(Device::get(dev as usize)?, n)?),
         };
-        Ok(Owned { mem: Some(mem) })
+        Ok(Owned { mem: Some(mem), len })
     }
 
     /// `len` bytes of memory like `kind` on `dev`.
@@ -119,7 +121,7 @@ impl Owned {
     }
 
     pub fn len(&self) -> u64 {
-        self.mem().class().2 as u64
+        self.len
     }
 
     pub fn is_empty(&self) -> bool {
@@ -129,7 +131,7 @@ impl Owned {
     /// The bytes, when they are in host memory.
     pub fn bytes(&self) -> Option<&[u8]> {
         match self.mem() {
-            Mem::Host(v) => Some(v),
+            Mem::Host(v) => Some(&v[..self.len as usize]),
             Mem::Device(_) => None,
         }
     }
@@ -152,7 +154,7 @@ impl Owned {
 impl Drop for Owned {
     fn drop(&mut self) {
         if let Some(mem) = self.mem.take() {
-            give(mem);
+            give(mem, self.len as usize);
         }
     }
 }
@@ -182,6 +184,7 @@ mod tests {
         assert_eq!(b.location().1, addr, "the same buffer again");
         let c = Owned::host(12_345).unwrap();
         assert_ne!(c.location().1, addr, "one buffer serves one owner");
+        assert_eq!((b.len(), b.bytes().unwrap().len()), (12_345, 12_345));
         let mut d = Owned::host(4).unwrap();
         let src = [1u8, 2, 3, 4];
         d.fill_from(0, MemKind::Dram, src.as_ptr() as u64, 4).unwrap();

@@ -4,14 +4,14 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use freight_core::{Desc, Error};
-use freight_stream::{ChannelReceiver, ChannelSender, Outgoing, PipeListener, PipeSender, Received};
+use freight_stream::{ChannelReceiver, ChannelSender, Outgoing, PipeSender, Received};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use super::{buffer_arg, drop_detached, lock, pipe_config, sliced, wait_arg, with_sender, Place, Region};
+use super::{accept_pipes, drop_detached, lock, pipe_config, sliced, wait_arg, with_sender, Place, Region};
 use crate::agent::PyAgent;
 use crate::descs::parse_kind;
-use crate::errors::{invalid, OrRaise};
+use crate::errors::OrRaise;
 
 /// An object to send: (key, kind, addr, length, device, meta).
 type PyOutgoing = (String, String, u64, u64, u64, Vec<u8>);
@@ -124,28 +124,10 @@ impl PyChannelReceiver {
         timeout: f64,
         credit_batch: Option<u64>,
     ) -> PyResult<Self> {
-        if num_senders == 0 {
-            return Err(invalid("a channel needs at least one sender"));
-        }
-        let buffers = match regions {
-            Some(r) if r.len() != num_senders => {
-                return Err(invalid(format!("{} buffer regions for {num_senders} senders", r.len())))
-            }
-            Some(r) => r.into_iter().map(|r| buffer_arg(None, Some(r))).collect::<PyResult<Vec<_>>>()?,
-            None => (0..num_senders).map(|_| buffer_arg(capacity, None)).collect::<PyResult<Vec<_>>>()?,
-        };
-        let a = agent.get();
-        a.router();
-        let config = pipe_config(timeout, credit_batch, 1)?;
-        let listener = PipeListener::new(&a.inner);
-        let pipes = py
-            .detach(|| {
-                buffers.into_iter().map(|b| listener.accept(b, &config)).collect::<freight_core::Result<Vec<_>>>()
-            })
-            .or_raise()?;
+        let (pipes, timeout) = accept_pipes(py, agent, num_senders, capacity, regions, timeout, credit_batch)?;
         let peers = pipes.iter().map(|p| p.peer().to_string()).collect();
-        let rx = ChannelReceiver::new(pipes, config.timeout);
-        Ok(PyChannelReceiver { inner: Mutex::new(Some(rx)), timeout: config.timeout, peers, _keep: keep })
+        let rx = ChannelReceiver::new(pipes, timeout);
+        Ok(PyChannelReceiver { inner: Mutex::new(Some(rx)), timeout, peers, _keep: keep })
     }
 
     /// The objects of the next message that completes any, or None once every sender

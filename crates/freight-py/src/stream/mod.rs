@@ -11,11 +11,12 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use freight_core::{Error, MemKind};
-use freight_stream::{Buffer, BufferInfo, PipeConfig};
+use freight_stream::{Buffer, BufferInfo, PipeConfig, PipeListener, PipeReceiver};
 use pyo3::exceptions::PyAttributeError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use crate::agent::PyAgent;
 use crate::descs::parse_kind;
 use crate::errors::{invalid, to_py_err, OrRaise};
 use crate::request::SIGNAL_SLICE;
@@ -23,9 +24,11 @@ use crate::util::{seconds, timeout_arg};
 
 mod channel;
 mod pipe;
+mod storage;
 
 pub(crate) use channel::{PyChannelReceiver, PyChannelSender, PyReceived};
 pub(crate) use pipe::{PyMessage, PyPipeListener, PyPipeReceiver, PyPipeSender};
+pub(crate) use storage::{PyStoreReceiver, PyStoreSender, PyStoredObject};
 
 /// A memory region as Python passes it: (kind, address, length, device).
 type Region = (String, u64, u64, u64);
@@ -59,6 +62,38 @@ fn buffer_arg(capacity: Option<u64>, region: Option<Region>) -> PyResult<Buffer>
     }
 }
 
+/// Accepts `num_senders` pipes on `agent`, each with a host buffer of `capacity` bytes
+/// or the next of `regions` (registered by the caller); returns them with the pipes'
+/// timeout.
+fn accept_pipes(
+    py: Python<'_>,
+    agent: &Bound<'_, PyAgent>,
+    num_senders: usize,
+    capacity: Option<u64>,
+    regions: Option<Vec<Region>>,
+    timeout: f64,
+    credit_batch: Option<u64>,
+) -> PyResult<(Vec<PipeReceiver>, Duration)> {
+    if num_senders == 0 {
+        return Err(invalid("a channel needs at least one sender"));
+    }
+    let buffers = match regions {
+        Some(r) if r.len() != num_senders => {
+            return Err(invalid(format!("{} buffer regions for {num_senders} senders", r.len())))
+        }
+        Some(r) => r.into_iter().map(|r| buffer_arg(None, Some(r))).collect::<PyResult<Vec<_>>>()?,
+        None => (0..num_senders).map(|_| buffer_arg(capacity, None)).collect::<PyResult<Vec<_>>>()?,
+    };
+    let a = agent.get();
+    a.router();
+    let config = pipe_config(timeout, credit_batch, 1)?;
+    let listener = PipeListener::new(&a.inner);
+    let pipes = py
+        .detach(|| buffers.into_iter().map(|b| listener.accept(b, &config)).collect::<freight_core::Result<Vec<_>>>())
+        .or_raise()?;
+    Ok((pipes, config.timeout))
+}
+
 /// A `recv` timeout: None is the end's own, +inf practically forever.
 fn wait_arg(timeout: Option<f64>, default: Duration) -> PyResult<Duration> {
     match timeout {
@@ -76,6 +111,16 @@ fn sliced<T: Send>(
     py: Python<'_>,
     timeout: Duration,
     what: &str,
+    f: impl FnMut(Duration) -> freight_core::Result<T> + Send,
+) -> PyResult<T> {
+    sliced_with(py, timeout, || what.to_string(), f)
+}
+
+/// [`sliced`], saying what did not happen in time with `what()`, asked only then.
+fn sliced_with<T: Send>(
+    py: Python<'_>,
+    timeout: Duration,
+    what: impl FnOnce() -> String,
     mut f: impl FnMut(Duration) -> freight_core::Result<T> + Send,
 ) -> PyResult<T> {
     let deadline = Instant::now() + timeout;
@@ -84,7 +129,7 @@ fn sliced<T: Send>(
         match py.detach(|| f(slice)) {
             Err(Error::Timeout(_)) if Instant::now() < deadline => {}
             Err(Error::Timeout(_)) => {
-                return Err(to_py_err(Error::Timeout(format!("{what} within {:.1}s", timeout.as_secs_f64()))))
+                return Err(to_py_err(Error::Timeout(format!("{} within {:.1}s", what(), timeout.as_secs_f64()))))
             }
             other => return other.or_raise(),
         }

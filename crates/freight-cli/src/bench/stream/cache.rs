@@ -11,7 +11,6 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use freight_cache::{CacheConfig, CacheEngine, KvLayout, KvMemory, KvShape, Place};
 use freight_core::{Agent, MemKind};
-use freight_stream::router::Router;
 use freight_stream::{ChannelReceiver, ChannelSender, PipeReceiver, PipeSender, StoreReceiver, StoreSender};
 use serde::{Deserialize, Serialize};
 
@@ -134,32 +133,24 @@ fn config(spec: &KvSpec, device: Device, tier: u64) -> CacheConfig {
     CacheConfig { chunk_tokens: spec.chunk_tokens, shape: spec.shape(), gpu, gpu_bytes, host_bytes }
 }
 
-/// What the receiver says when it is done with round `r`.
-fn round_done(r: usize) -> Vec<u8> {
-    format!("freight-bench cache-engine round {r} done").into_bytes()
-}
-
 /// The sender's side: its engine (a local tier, and the receiver's store as its remote
-/// sink) and the router that brings the receiver's word.
+/// sink).
 pub struct Prefill {
     engine: CacheEngine,
-    router: Arc<Router>,
-    timeout: Duration,
 }
 
 impl Prefill {
     pub fn new(agent: &Arc<Agent>, pipe: PipeSender, shape: &Shape, device: Device) -> CliResult<Prefill> {
         let spec = spec(shape);
         spec.layout(shape.num_objs * spec.chunk_tokens)?;
-        let timeout = pipe.timeout();
         let channel = ChannelSender::new(pipe, shape.batch_size as usize, None)?;
         let sink = StoreSender::new(channel, shape.commit_size as usize)?;
         let engine = CacheEngine::new(agent, config(spec, device, spec.tier_size))?.with_remote_sink(sink);
-        Ok(Prefill { engine, router: Router::of(agent), timeout })
+        Ok(Prefill { engine })
     }
 
     /// Stores round `r`'s prompt from `kv` and returns the seconds until the receiver
-    /// held every chunk; then waits (untimed) until the receiver is done with the round.
+    /// held every chunk.
     pub fn round(&mut self, kv: &Memory, shape: &Shape, r: usize) -> CliResult<f64> {
         let tokens = tokens_of(r, shape, spec(shape));
         let memory = kv_memory(kv, shape)?;
@@ -172,16 +163,7 @@ impl Prefill {
                 report.new_chunks, shape.num_objs
             )));
         }
-        let deadline = Instant::now() + self.timeout;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(CliError::runtime(format!("the receiver did not finish round {r} in time")));
-            }
-            if self.router.wait_foreign(left).iter().any(|n| n.msg == round_done(r)) {
-                return Ok(secs);
-            }
-        }
+        Ok(secs)
     }
 
     pub fn close(self) -> CliResult<()> {
@@ -193,8 +175,6 @@ impl Prefill {
 pub struct Decode {
     engine: CacheEngine,
     kv: Memory,
-    agent: Arc<Agent>,
-    sender: String,
 }
 
 impl Decode {
@@ -206,12 +186,11 @@ impl Decode {
         timeout: Duration,
     ) -> CliResult<Decode> {
         let spec = spec(shape);
-        let sender = pipe.peer().to_string();
         let store = StoreReceiver::new(ChannelReceiver::new(vec![pipe], timeout), None);
         // Chunks come from the store; the local tier only has to exist.
         let engine = CacheEngine::new(agent, config(spec, device, spec.chunk_bytes()))?.with_remote_source(store);
         let kv = Memory::alloc(agent, device, shape.round_bytes())?;
-        Ok(Decode { engine, kv, agent: agent.clone(), sender })
+        Ok(Decode { engine, kv })
     }
 
     fn store(&self) -> &StoreReceiver {
@@ -248,7 +227,6 @@ impl Decode {
         for n in &names {
             self.store().remove(n);
         }
-        self.agent.notify(&self.sender, round_done(r))?;
         Ok(secs)
     }
 

@@ -269,6 +269,42 @@ fn spawn_receiver(product: Product, a: &StreamArgs, ctx: &Context) -> CliResult<
     TargetProcess::spawn_with(&ctx.self_command, &args, ctx.log_level.as_deref())
 }
 
+impl Product {
+    /// Whether a round ends for the sender before the receiver is done with it (the
+    /// store holds the objects, the receiver still reads them): then the receiver says
+    /// when it is done, and the sender waits for that before the next round, so that
+    /// no round's time is shared with the receiver's work on the one before.
+    fn needs_round_sync(self) -> bool {
+        matches!(self, Product::Storage | Product::CacheEngine)
+    }
+}
+
+/// What the receiver says when it is done with round `r` (an engine notification).
+fn round_done(r: usize) -> Vec<u8> {
+    format!("freight-bench round {r} done").into_bytes()
+}
+
+/// The receiver's side of the round handshake.
+pub fn say_round_done(agent: &freight_core::Agent, sender: &str, r: usize) -> CliResult<()> {
+    Ok(agent.notify(sender, round_done(r))?)
+}
+
+/// The sender's side: waits (untimed) until the receiver is done with round `r`.
+pub fn wait_round_done(agent: &std::sync::Arc<freight_core::Agent>, r: usize, timeout: Duration) -> CliResult<()> {
+    // The router owns the agent's notifications while a pipe is open.
+    let router = freight_stream::router::Router::of(agent);
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Err(CliError::runtime(format!("the receiver did not finish round {r} in time")));
+        }
+        if router.wait_foreign(left).iter().any(|n| n.msg == round_done(r)) {
+            return Ok(());
+        }
+    }
+}
+
 /// Gigabytes (10^9) per second.
 pub fn gbps(bytes: u64, secs: f64) -> f64 {
     if secs > 0.0 {

@@ -51,6 +51,7 @@ pub fn run(product: Product, a: &StreamArgs) -> CliResult<()> {
             shape.product
         )));
     }
+    let sender = pipe.peer().to_string();
     let mut source = match product {
         Product::Pipe => Source::Pipe(pipe),
         Product::Channel => Source::Channel(ChannelReceiver::new(vec![pipe], a.timeout)),
@@ -63,6 +64,9 @@ pub fn run(product: Product, a: &StreamArgs) -> CliResult<()> {
     };
     for (r, &round) in shape.rounds.iter().enumerate() {
         let secs = receive_round(&mut source, &shape, r, round)?;
+        if product.needs_round_sync() {
+            super::say_round_done(&agent, &sender, r)?;
+        }
         say(a.json, &format!("Received all {} objects (round {r}, {round:?})", shape.num_objs));
         if round == Round::Verify {
             say(a.json, "All data verified successfully!");

@@ -86,6 +86,9 @@ pub fn run(product: Product, a: &StreamArgs, addr: &str) -> CliResult<()> {
             say(a.json, &format!("Simulated work on the sender: {:.3} s", result.work_secs));
         }
         results.push(result);
+        if product.needs_round_sync() {
+            super::wait_round_done(&agent, r, a.timeout)?;
+        }
     }
     sink.close()?;
     report(product, a, &shape, &results, device)

@@ -1,0 +1,238 @@
+//! The cache engine's binding (`freight_cache`), wrapped by `freight.CacheEngine`.
+//!
+//! Python checks the KV tensor (dtype, shape, device) and passes its memory as (kind,
+//! address, length, device) with the layout; `store` and `retrieve` copy with the GIL
+//! released. A store sender or receiver given to the engine is handed over: the engine
+//! owns it from then on, and keeps its Python object (and what that keeps) alive.
+
+use std::sync::Mutex;
+
+use freight_cache::{CacheConfig, CacheEngine, KvLayout, KvMemory, KvShape, Place};
+use freight_core::{Error, MemKind, Result};
+use numpy::PyReadonlyArray1;
+use pyo3::prelude::*;
+
+use crate::agent::PyAgent;
+use crate::descs::parse_kind;
+use crate::errors::{invalid, OrRaise};
+use crate::stream::{PyStoreReceiver, PyStoreSender};
+
+/// Native cache engine (use `freight.CacheEngine`).
+#[pyclass(frozen, name = "CacheEngine", module = "freight._native")]
+pub struct PyCacheEngine {
+    inner: Mutex<Option<CacheEngine>>,
+    config: CacheConfig,
+    _sink: Option<Py<PyStoreSender>>,
+    _source: Option<Py<PyStoreReceiver>>,
+}
+
+fn lock(m: &Mutex<Option<CacheEngine>>) -> std::sync::MutexGuard<'_, Option<CacheEngine>> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn tokens_arg(tokens: &PyReadonlyArray1<'_, u32>) -> PyResult<Vec<u32>> {
+    Ok(tokens.as_slice().map_err(|_| invalid("the tokens must be a contiguous array"))?.to_vec())
+}
+
+/// The caller's KV memory: (kind, addr, length, device), and its layout: contiguous
+/// with room for `tokens` tokens, or paged.
+#[allow(clippy::too_many_arguments)]
+fn kv_arg(
+    kind: &str,
+    addr: u64,
+    len: u64,
+    dev: u64,
+    tokens: Option<u64>,
+    block_size: Option<u64>,
+    num_blocks: Option<u64>,
+    block_table: Option<PyReadonlyArray1<'_, u64>>,
+) -> PyResult<KvMemory> {
+    let place = match parse_kind(kind)? {
+        MemKind::Dram => Place::host(addr),
+        MemKind::Vram => Place::gpu(addr, dev),
+        other => return Err(invalid(format!("KV memory must be host or GPU memory, got {}", other.as_str()))),
+    };
+    let layout = match (tokens, block_size, num_blocks, block_table) {
+        (Some(tokens), None, None, None) => KvLayout::Contiguous { tokens },
+        (None, Some(block_size), Some(num_blocks), Some(table)) => KvLayout::Paged {
+            block_size,
+            num_blocks,
+            block_table: table.as_slice().map_err(|_| invalid("the block table must be a contiguous array"))?.to_vec(),
+        },
+        _ => return Err(invalid("give the KV memory's token count, or its block size, block count and block table")),
+    };
+    Ok(KvMemory { place, len, layout })
+}
+
+impl PyCacheEngine {
+    /// Runs `f` on the engine with the GIL released (the lock is taken there too).
+    fn with<T: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut CacheEngine) -> Result<T> + Send) -> PyResult<T> {
+        py.detach(|| match lock(&self.inner).as_mut() {
+            Some(e) => f(e),
+            None => Err(Error::InvalidState("the cache engine is closed".into())),
+        })
+        .or_raise()
+    }
+}
+
+#[pymethods]
+impl PyCacheEngine {
+    /// An engine whose tiers are memory of `agent`; `remote_sink` / `remote_source` are
+    /// handed over to it.
+    #[new]
+    #[pyo3(signature = (agent, layers, heads, head_dim, elem_bytes, chunk_tokens = 256, gpu = None, gpu_bytes = 0, host_bytes = 1 << 30, remote_sink = None, remote_source = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        agent: &Bound<'_, PyAgent>,
+        layers: u64,
+        heads: u64,
+        head_dim: u64,
+        elem_bytes: u64,
+        chunk_tokens: u64,
+        gpu: Option<usize>,
+        gpu_bytes: u64,
+        host_bytes: u64,
+        remote_sink: Option<Bound<'_, PyStoreSender>>,
+        remote_source: Option<Bound<'_, PyStoreReceiver>>,
+    ) -> PyResult<Self> {
+        // Both ends must be free to hand over before anything is built.
+        if let Some(s) = &remote_sink {
+            s.get().check_live(py)?;
+        }
+        if let Some(s) = &remote_source {
+            s.get().check_live(py)?;
+        }
+        let config = CacheConfig {
+            chunk_tokens,
+            shape: KvShape { layers, heads, head_dim, elem_bytes },
+            gpu,
+            gpu_bytes,
+            host_bytes,
+        };
+        let a = agent.get().inner.clone();
+        let cfg = config.clone();
+        let mut engine = py.detach(move || CacheEngine::new(&a, cfg)).or_raise()?;
+        // The store first: it is refused while another thread waits on it.
+        if let Some(s) = &remote_source {
+            engine = engine.with_remote_source(s.get().hand_over(py)?);
+        }
+        if let Some(s) = &remote_sink {
+            engine = engine.with_remote_sink(s.get().hand_over(py)?);
+        }
+        Ok(PyCacheEngine {
+            inner: Mutex::new(Some(engine)),
+            config,
+            _sink: remote_sink.map(Bound::unbind),
+            _source: remote_source.map(Bound::unbind),
+        })
+    }
+
+    /// Stores the KV cache of `tokens` from the KV memory; returns (chunks, new
+    /// chunks, bytes copied).
+    #[pyo3(signature = (tokens, kind, addr, len, dev, kv_tokens = None, block_size = None, num_blocks = None, block_table = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn store(
+        &self,
+        py: Python<'_>,
+        tokens: PyReadonlyArray1<'_, u32>,
+        kind: &str,
+        addr: u64,
+        len: u64,
+        dev: u64,
+        kv_tokens: Option<u64>,
+        block_size: Option<u64>,
+        num_blocks: Option<u64>,
+        block_table: Option<PyReadonlyArray1<'_, u64>>,
+    ) -> PyResult<(usize, usize, u64)> {
+        let tokens = tokens_arg(&tokens)?;
+        let kv = kv_arg(kind, addr, len, dev, kv_tokens, block_size, num_blocks, block_table)?;
+        let r = self.with(py, |e| e.store(&tokens, &kv))?;
+        Ok((r.chunks, r.new_chunks, r.bytes))
+    }
+
+    /// Copies the longest stored prefix of `tokens` into the KV memory; returns its
+    /// length in tokens.
+    #[pyo3(signature = (tokens, kind, addr, len, dev, kv_tokens = None, block_size = None, num_blocks = None, block_table = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn retrieve(
+        &self,
+        py: Python<'_>,
+        tokens: PyReadonlyArray1<'_, u32>,
+        kind: &str,
+        addr: u64,
+        len: u64,
+        dev: u64,
+        kv_tokens: Option<u64>,
+        block_size: Option<u64>,
+        num_blocks: Option<u64>,
+        block_table: Option<PyReadonlyArray1<'_, u64>>,
+    ) -> PyResult<usize> {
+        let tokens = tokens_arg(&tokens)?;
+        let kv = kv_arg(kind, addr, len, dev, kv_tokens, block_size, num_blocks, block_table)?;
+        self.with(py, |e| e.retrieve(&tokens, &kv))
+    }
+
+    /// Tokens of the longest stored prefix of `tokens`.
+    fn lookup(&self, py: Python<'_>, tokens: PyReadonlyArray1<'_, u32>) -> PyResult<usize> {
+        let tokens = tokens_arg(&tokens)?;
+        self.with(py, |e| Ok(e.lookup(&tokens)))
+    }
+
+    /// Chunks held in each local tier: [(name, chunks)].
+    fn occupancy(&self, py: Python<'_>) -> PyResult<Vec<(String, usize)>> {
+        self.with(py, |e| Ok(e.occupancy().into_iter().map(|(n, c)| (n.to_string(), c)).collect()))
+    }
+
+    /// Commits what a remote sink still has queued, ends its stream and frees the
+    /// tiers. Harmless when called again.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| match lock(&self.inner).take() {
+            Some(e) => e.close(),
+            None => Ok(()),
+        })
+        .or_raise()
+    }
+
+    /// False once closed.
+    #[getter]
+    fn live(&self, py: Python<'_>) -> bool {
+        py.detach(|| lock(&self.inner).is_some())
+    }
+
+    #[getter]
+    fn chunk_tokens(&self) -> u64 {
+        self.config.chunk_tokens
+    }
+
+    /// Bytes of a full chunk.
+    #[getter]
+    fn chunk_bytes(&self) -> u64 {
+        self.config.shape.chunk_bytes(self.config.chunk_tokens)
+    }
+
+    #[getter]
+    fn gpu(&self) -> Option<usize> {
+        self.config.gpu
+    }
+
+    #[getter]
+    fn gpu_bytes(&self) -> u64 {
+        self.config.gpu_bytes
+    }
+
+    #[getter]
+    fn host_bytes(&self) -> u64 {
+        self.config.host_bytes
+    }
+}
+
+impl Drop for PyCacheEngine {
+    fn drop(&mut self) {
+        // The engine goes first (its store ends talk to their peers), then the Python
+        // objects that keep their memory alive.
+        if let Some(e) = lock(&self.inner).take() {
+            Python::attach(|py| py.detach(move || drop(e)));
+        }
+    }
+}
