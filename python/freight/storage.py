@@ -40,11 +40,13 @@ from typing import Any, Iterable, List, NamedTuple, Optional, Sequence
 from . import _native
 from ._objects import Range
 from .agent import Agent
-from .errors import FreightError, InvalidArgumentError
+from .errors import InvalidArgumentError
 from .stream import (
     DEFAULT_BUFFER,
     KeyedObject,
     _core,
+    _PeerEnd,
+    _StreamEnd,
     _deregister_all,
     _describe_object,
     _num_senders,
@@ -104,7 +106,7 @@ def _check_key(key: Any) -> str:
     return key
 
 
-class StoreSender:
+class StoreSender(_PeerEnd):
     """Puts keyed arrays or tensors into the :class:`StoreReceiver` listening at
     ``addr``, over a pipe opened here (the receiver must accept it within ``timeout``,
     which also bounds every later wait).
@@ -118,6 +120,9 @@ class StoreSender:
     deregistered once the commit that carries it returns; the sender keeps the object
     alive until then. Registered memory must stay unchanged until that commit returns.
     """
+
+    _quiet_close = "a store sender"
+    _log = log
 
     def __init__(
         self,
@@ -252,31 +257,9 @@ class StoreSender:
         return not self._raw.live
 
     @property
-    def peer(self) -> str:
-        """The receiving agent's name."""
-        return self._raw.peer
-
-    @property
-    def capacity(self) -> int:
-        """Size of the receiver's pipe buffer for this sender."""
-        return self._raw.capacity
-
-    @property
     def commit_size(self) -> int:
         """Puts per commit."""
         return self._raw.commit_size
-
-    def __enter__(self) -> "StoreSender":
-        return self
-
-    def __exit__(self, exc_type: Any, *exc: Any) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            try:
-                self.close()
-            except FreightError as e:
-                log.debug("closing a store sender after an error failed: %s", e)
 
     def __repr__(self) -> str:
         return f"<freight.StoreSender to {self.peer!r}: {self.pending} pending, commits of {self.commit_size}>"
@@ -299,7 +282,7 @@ class StoredObject(KeyedObject):
         return f"<freight.StoredObject {self.key!r} {self.dtype} {self.shape} {self.nbytes} bytes of {self.kind}>"
 
 
-class StoreReceiver:
+class StoreReceiver(_StreamEnd):
     """Holds what ``num_senders`` :class:`StoreSender` s put, keyed.
 
     The constructor waits up to ``timeout`` seconds for each sender to connect (to any
@@ -431,12 +414,6 @@ class StoreReceiver:
     def capacity(self) -> Optional[int]:
         """The most bytes the store holds (None: no limit)."""
         return self._raw.capacity
-
-    def __enter__(self) -> "StoreReceiver":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         if self.closed:

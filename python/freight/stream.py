@@ -43,7 +43,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 import numpy as np
 
@@ -136,15 +136,12 @@ class CudaView:
 # ----------------------------------------------------------------------------- pipe
 
 
-class Message:
-    """A message of a pipe, in the receiver's buffer.
+_R = TypeVar("_R", bound="_Releasable")
 
-    ``tag`` (bytes the sender attached), ``seq`` (0, 1, 2... in send order),
-    ``len(msg)`` / ``nbytes``, ``kind`` ("DRAM" or "VRAM"), ``device`` (CUDA ordinal).
-    :meth:`view` gives the bytes without copying. :meth:`release` (or leaving a ``with``
-    block, or dropping the message) frees its space for the sender; views must not be
-    used after. Messages may be released in any order.
-    """
+
+class _Bytes:
+    """What a message and a keyed object share: bytes somewhere in host or GPU memory,
+    described by the native object ``_raw``."""
 
     __slots__ = ("_raw",)
 
@@ -152,18 +149,8 @@ class Message:
         self._raw = raw
 
     @property
-    def tag(self) -> bytes:
-        """What the sender attached to the message."""
-        return self._raw.tag
-
-    @property
-    def seq(self) -> int:
-        """The message's number: 0, 1, 2... in the order they were sent."""
-        return self._raw.seq
-
-    @property
     def nbytes(self) -> int:
-        """Length of the message in bytes."""
+        """Length in bytes."""
         return self._raw.nbytes
 
     def __len__(self) -> int:
@@ -176,13 +163,53 @@ class Message:
 
     @property
     def device(self) -> int:
-        """The CUDA device of a VRAM message (0 for host memory)."""
+        """The CUDA device of VRAM bytes (0 for host memory)."""
         return self._raw.device
+
+
+class _Releasable:
+    """Bytes whose space is lent until :meth:`release` (a message's, a received
+    object's); leaving a ``with`` block releases them."""
+
+    __slots__ = ()
+    _raw: Any
+
+    def release(self) -> None:
+        raise NotImplementedError
 
     @property
     def released(self) -> bool:
         """True once :meth:`release` was called."""
         return not self._raw.live
+
+    def __enter__(self: _R) -> _R:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+class Message(_Bytes, _Releasable):
+    """A message of a pipe, in the receiver's buffer.
+
+    ``tag`` (bytes the sender attached), ``seq`` (0, 1, 2... in send order),
+    ``len(msg)`` / ``nbytes``, ``kind`` ("DRAM" or "VRAM"), ``device`` (CUDA ordinal).
+    :meth:`view` gives the bytes without copying. :meth:`release` (or leaving a ``with``
+    block, or dropping the message) frees its space for the sender; views must not be
+    used after. Messages may be released in any order.
+    """
+
+    __slots__ = ()
+
+    @property
+    def tag(self) -> bytes:
+        """What the sender attached to the message."""
+        return self._raw.tag
+
+    @property
+    def seq(self) -> int:
+        """The message's number: 0, 1, 2... in the order they were sent."""
+        return self._raw.seq
 
     def view(self) -> Any:
         """The bytes in place: a uint8 numpy array (host memory) or a :class:`CudaView`
@@ -198,18 +225,61 @@ class Message:
         """Frees the message's space for the sender. Harmless when called again."""
         self._raw.release()
 
-    def __enter__(self) -> "Message":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.release()
-
     def __repr__(self) -> str:
         state = " released" if self.released else ""
         return f"<freight.Message seq={self.seq} {self.nbytes} bytes of {self.kind} tag={self.tag!r}{state}>"
 
 
-class PipeReceiver:
+_End = TypeVar("_End", bound="_StreamEnd")
+
+
+class _StreamEnd:
+    """What every end of a pipe, a channel or a store shares: the native end
+    (``_raw``), and use as a context manager that calls :meth:`close` on exit.
+
+    A subclass that names itself in ``_quiet_close`` (e.g. ``"a pipe"``) closes quietly
+    when an error is on its way out of the ``with`` block: a sender's close flushes, and
+    the pipe may be what broke, so a second error would only hide the first. That one
+    is logged at debug level, on the class's ``_log`` (its module's logger).
+    """
+
+    _raw: Any
+    #: What the debug line calls this end; None: close as on a clean exit.
+    _quiet_close: Optional[str] = None
+    _log = log
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _End) -> _End:
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is None or self._quiet_close is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except FreightError as e:
+            self._log.debug("closing %s after an error failed: %s", self._quiet_close, e)
+
+
+class _PeerEnd(_StreamEnd):
+    """An end with one peer and one pipe buffer behind it."""
+
+    @property
+    def peer(self) -> str:
+        """The name of the agent at the other end."""
+        return self._raw.peer
+
+    @property
+    def capacity(self) -> int:
+        """Size in bytes of the receiver's pipe buffer for this end: the largest pipe
+        message."""
+        return self._raw.capacity
+
+
+class PipeReceiver(_PeerEnd):
     """The receiving end of a pipe (from :meth:`PipeListener.accept`).
 
     :meth:`recv` returns messages in order, and None once the sender closed the stream
@@ -238,16 +308,6 @@ class PipeReceiver:
             yield msg
 
     @property
-    def peer(self) -> str:
-        """The sending agent's name."""
-        return self._raw.peer
-
-    @property
-    def capacity(self) -> int:
-        """Size of the pipe's buffer in bytes (the largest message)."""
-        return self._raw.capacity
-
-    @property
     def kind(self) -> str:
         """Where the buffer is: "DRAM" or "VRAM"."""
         return self._raw.kind
@@ -274,12 +334,6 @@ class PipeReceiver:
         if self._temp_key is not None:
             _deregister_all(self._agent, [self._temp_key])
             self._temp_key = None
-
-    def __enter__(self) -> "PipeReceiver":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"<freight.PipeReceiver from {self.peer!r}: {self.capacity} bytes of {self.kind}>"
@@ -355,13 +409,15 @@ def _local_descs(agent: Agent, obj: Any, temp: List[int]) -> DescList:
     return descs
 
 
-class PipeSender:
+class PipeSender(_PeerEnd):
     """The sending end of a pipe; make one with :meth:`connect`.
 
     :meth:`send` posts a message and returns at once (it waits only for space in the
     receiver's buffer); the sent memory must stay unchanged until :meth:`flush`.
     Context manager: :meth:`close` (flush, end of stream) on a clean exit.
     """
+
+    _quiet_close = "a pipe"
 
     def __init__(self, agent: Agent, raw: Any) -> None:
         self._agent = agent
@@ -423,16 +479,6 @@ class PipeSender:
             _deregister_all(self._agent, self._temp)
 
     @property
-    def peer(self) -> str:
-        """The receiving agent's name."""
-        return self._raw.peer
-
-    @property
-    def capacity(self) -> int:
-        """The receiver's buffer size: the largest message."""
-        return self._raw.capacity
-
-    @property
     def kind(self) -> str:
         """Where the receiver's buffer is: "DRAM" or "VRAM"."""
         return self._raw.kind
@@ -441,19 +487,6 @@ class PipeSender:
     def sent(self) -> int:
         """Messages sent so far."""
         return self._raw.sent
-
-    def __enter__(self) -> "PipeSender":
-        return self
-
-    def __exit__(self, exc_type: Any, *exc: Any) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            # An error is on its way out: do not wait on a pipe that may be broken.
-            try:
-                self.close()
-            except FreightError as e:
-                log.debug("closing a pipe after an error failed: %s", e)
 
     def __repr__(self) -> str:
         return f"<freight.PipeSender to {self.peer!r}: {self.capacity} bytes of {self.kind}>"
@@ -494,7 +527,7 @@ def _describe_object(key: Any, obj: Any) -> Tuple[Range, bytes]:
     return r, json.dumps(meta).encode()
 
 
-class ChannelSender:
+class ChannelSender(_PeerEnd):
     """Sends keyed arrays or tensors to a :class:`ChannelReceiver` listening at
     ``addr``, over a pipe opened here (the receiver must accept it within ``timeout``).
 
@@ -503,6 +536,8 @@ class ChannelSender:
     several are in flight). Objects larger than a message are cut and reassembled by
     the receiver. Context manager: :meth:`close` on exit.
     """
+
+    _quiet_close = "a channel"
 
     def __init__(
         self,
@@ -580,41 +615,19 @@ class ChannelSender:
         """Flushes and ends the stream. Harmless when called again."""
         self._raw.close()
 
-    @property
-    def peer(self) -> str:
-        """The receiving agent's name."""
-        return self._raw.peer
-
-    @property
-    def capacity(self) -> int:
-        """Size of the receiver's buffer for this sender."""
-        return self._raw.capacity
-
-    def __enter__(self) -> "ChannelSender":
-        return self
-
-    def __exit__(self, exc_type: Any, *exc: Any) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            try:
-                self.close()
-            except FreightError as e:
-                log.debug("closing a channel after an error failed: %s", e)
-
     def __repr__(self) -> str:
         return f"<freight.ChannelSender to {self.peer!r}: {self.capacity} bytes>"
 
 
-class KeyedObject:
+class KeyedObject(_Bytes):
     """What a received object (:class:`Received`) and a stored one
     (:class:`freight.StoredObject`) share: a key, the sender's metadata (dtype and
     shape), views with that dtype and shape, and checked copies into caller memory."""
 
-    __slots__ = ("_raw", "_meta")
+    __slots__ = ("_meta",)
 
     def __init__(self, raw: Any) -> None:
-        self._raw = raw
+        super().__init__(raw)
         try:
             meta = json.loads(raw.meta) if raw.meta else {}
         except ValueError:
@@ -646,24 +659,6 @@ class KeyedObject:
     def sender(self) -> int:
         """Which sender it came from (index in the order the receiver accepted them)."""
         return self._raw.sender
-
-    @property
-    def nbytes(self) -> int:
-        """Size in bytes."""
-        return self._raw.nbytes
-
-    def __len__(self) -> int:
-        return self._raw.nbytes
-
-    @property
-    def kind(self) -> str:
-        """"DRAM" or "VRAM"."""
-        return self._raw.kind
-
-    @property
-    def device(self) -> int:
-        """The CUDA device of a VRAM object (0 for host memory)."""
-        return self._raw.device
 
     def _check_live(self) -> None:
         """Raises when the bytes may no longer be used."""
@@ -705,7 +700,7 @@ class KeyedObject:
         return dst
 
 
-class Received(KeyedObject):
+class Received(KeyedObject, _Releasable):
     """An object that arrived whole through a channel.
 
     ``key``, ``meta`` (dict: ``dtype``, ``shape``), ``sender`` (index of the sender,
@@ -728,11 +723,6 @@ class Received(KeyedObject):
         was reassembled in memory of its own."""
         return self._raw.is_view
 
-    @property
-    def released(self) -> bool:
-        """True once :meth:`release` was called."""
-        return not self._raw.live
-
     def _check_live(self) -> None:
         if self.released:
             raise InvalidStateError(f"object {self.key!r} was released")
@@ -741,12 +731,6 @@ class Received(KeyedObject):
         """Frees the object's space (a message's space is freed once every object in it
         is released). Views must not be used after. Harmless when called again."""
         self._raw.release()
-
-    def __enter__(self) -> "Received":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.release()
 
     def __repr__(self) -> str:
         how = "view" if self.is_view else "reassembled"
@@ -779,7 +763,7 @@ def _split_buffer(agent: Agent, n: int, buffer: Any) -> Tuple[dict, Optional[int
     return {"regions": regions, "keep": buffer}, key
 
 
-class ChannelReceiver:
+class ChannelReceiver(_StreamEnd):
     """Receives keyed objects from ``num_senders`` :class:`ChannelSender` s.
 
     The constructor waits up to ``timeout`` seconds for each sender to connect (to any
@@ -874,12 +858,6 @@ class ChannelReceiver:
         if self._temp_key is not None:
             _deregister_all(self._agent, [self._temp_key])
             self._temp_key = None
-
-    def __enter__(self) -> "ChannelReceiver":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"<freight.ChannelReceiver from {self.peers}>"

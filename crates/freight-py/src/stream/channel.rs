@@ -4,11 +4,13 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use freight_core::{Desc, Error};
-use freight_stream::{ChannelReceiver, ChannelSender, Outgoing, PipeSender, Received};
+use freight_stream::{ChannelReceiver, ChannelSender, Outgoing, Received};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::PyBytes;
 
-use super::{accept_pipes, drop_detached, lock, pipe_config, sliced, wait_arg, with_sender, Place, Region};
+use super::{
+    accept_pipes, close_sender, connect_channel, drop_taken, lock, sliced, wait_arg, with_sender, Place, Region,
+};
 use crate::agent::PyAgent;
 use crate::descs::parse_kind;
 use crate::errors::OrRaise;
@@ -37,15 +39,7 @@ impl PyChannelSender {
         max_message: Option<u64>,
         max_in_flight: usize,
     ) -> PyResult<Self> {
-        let a = agent.get();
-        a.router();
-        let config = pipe_config(timeout, None, max_in_flight)?;
-        let inner = a.inner.clone();
-        let tx = py
-            .detach(|| {
-                PipeSender::connect(&inner, addr, &config).and_then(|p| ChannelSender::new(p, batch_size, max_message))
-            })
-            .or_raise()?;
+        let tx = connect_channel(py, agent, addr, batch_size, timeout, max_message, max_in_flight)?;
         let (peer, capacity) = (tx.pipe().peer().to_string(), tx.pipe().capacity());
         Ok(PyChannelSender { inner: Mutex::new(Some(tx)), peer, capacity })
     }
@@ -71,11 +65,7 @@ impl PyChannelSender {
     }
 
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        let tx = py.detach(|| lock(&self.inner).take());
-        match tx {
-            Some(tx) => py.detach(move || tx.close()).or_raise(),
-            None => Ok(()),
-        }
+        close_sender(py, &self.inner, |tx| tx.close())
     }
 
     #[getter]
@@ -92,9 +82,7 @@ impl PyChannelSender {
 
 impl Drop for PyChannelSender {
     fn drop(&mut self) {
-        if let Some(tx) = lock(&self.inner).take() {
-            drop_detached(tx);
-        }
+        drop_taken(&self.inner);
     }
 }
 
@@ -158,9 +146,7 @@ impl PyChannelReceiver {
 
 impl Drop for PyChannelReceiver {
     fn drop(&mut self) {
-        if let Some(rx) = lock(&self.inner).take() {
-            drop_detached(rx);
-        }
+        drop_taken(&self.inner);
     }
 }
 
@@ -194,8 +180,9 @@ impl PyReceived {
     }
 }
 
-#[pymethods]
-impl PyReceived {
+placed_pymethods! {
+    PyReceived, what = "object", live = "False once released.";
+
     #[getter]
     fn key(&self) -> &str {
         &self.key
@@ -213,49 +200,10 @@ impl PyReceived {
         self.sender
     }
 
-    #[getter]
-    fn nbytes(&self) -> u64 {
-        self.place.len
-    }
-
-    fn __len__(&self) -> usize {
-        self.place.len as usize
-    }
-
     /// True when the bytes are a view of a pipe buffer (not reassembled).
     #[getter]
     fn is_view(&self) -> bool {
         self.is_view
-    }
-
-    #[getter]
-    fn kind(&self) -> &'static str {
-        self.place.kind.as_str()
-    }
-
-    #[getter]
-    fn device(&self) -> u64 {
-        self.place.dev
-    }
-
-    #[getter]
-    fn addr(&self) -> u64 {
-        self.place.addr
-    }
-
-    #[getter]
-    fn live(&self) -> bool {
-        self.is_live()
-    }
-
-    #[getter]
-    fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        self.place.host_interface(py, self.is_live(), "object")
-    }
-
-    #[getter]
-    fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        self.place.cuda_interface(py, self.is_live(), "object")
     }
 
     /// Copies the bytes to `addr` (memory of `kind`, at least as long as the object).
@@ -278,8 +226,6 @@ impl PyReceived {
 
 impl Drop for PyReceived {
     fn drop(&mut self) {
-        if let Some(r) = lock(&self.inner).take() {
-            drop_detached(r);
-        }
+        drop_taken(&self.inner);
     }
 }

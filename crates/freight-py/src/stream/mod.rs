@@ -11,7 +11,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use freight_core::{Error, MemKind};
-use freight_stream::{Buffer, BufferInfo, PipeConfig, PipeListener, PipeReceiver};
+use freight_stream::{Buffer, BufferInfo, ChannelSender, PipeConfig, PipeListener, PipeReceiver, PipeSender};
 use pyo3::exceptions::PyAttributeError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -22,6 +22,74 @@ use crate::errors::{invalid, to_py_err, OrRaise};
 use crate::request::SIGNAL_SLICE;
 use crate::util::{seconds, timeout_arg};
 
+/// The `#[pymethods]` block of a pyclass whose bytes lie at `self.place` (a [`Place`]):
+/// the methods given, then the getters that every such class shares (`nbytes`,
+/// `__len__`, `kind`, `device`, `addr`, `live` and the two array interfaces).
+///
+/// The macro writes the whole block because pyo3 reads one `#[pymethods]` block per
+/// class (a second needs its `multiple-pymethods` feature) and does not expand macros
+/// inside one. The class has an `is_live()` (false once its bytes may no longer be
+/// used); `what` names it in error messages and docs, `live` documents `live`.
+macro_rules! placed_pymethods {
+    ($ty:ty, what = $what:literal, live = $live_doc:literal; $($methods:tt)*) => {
+        #[::pyo3::pymethods]
+        impl $ty {
+            $($methods)*
+
+            /// Length in bytes.
+            #[getter]
+            fn nbytes(&self) -> u64 {
+                self.place.len
+            }
+
+            fn __len__(&self) -> usize {
+                self.place.len as usize
+            }
+
+            /// "DRAM" or "VRAM".
+            #[getter]
+            fn kind(&self) -> &'static str {
+                self.place.kind.as_str()
+            }
+
+            #[doc = concat!("The GPU of a VRAM ", $what, " (0 for host memory).")]
+            #[getter]
+            fn device(&self) -> u64 {
+                self.place.dev
+            }
+
+            /// Address of the first byte.
+            #[getter]
+            fn addr(&self) -> u64 {
+                self.place.addr
+            }
+
+            #[doc = $live_doc]
+            #[getter]
+            fn live(&self) -> bool {
+                self.is_live()
+            }
+
+            #[getter]
+            fn __array_interface__<'py>(
+                &self,
+                py: ::pyo3::Python<'py>,
+            ) -> ::pyo3::PyResult<::pyo3::Bound<'py, ::pyo3::types::PyDict>> {
+                self.place.host_interface(py, self.is_live(), $what)
+            }
+
+            #[getter]
+            fn __cuda_array_interface__<'py>(
+                &self,
+                py: ::pyo3::Python<'py>,
+            ) -> ::pyo3::PyResult<::pyo3::Bound<'py, ::pyo3::types::PyDict>> {
+                self.place.cuda_interface(py, self.is_live(), $what)
+            }
+        }
+    };
+}
+
+// After the macro: a macro_rules! is visible only in the modules declared below it.
 mod channel;
 mod pipe;
 mod storage;
@@ -44,6 +112,45 @@ fn released(what: &str) -> PyErr {
 /// Drops `v` with the GIL released: dropping pipe ends and messages talks to the peer.
 fn drop_detached<T: Send>(v: T) {
     Python::attach(|py| py.detach(move || drop(v)));
+}
+
+/// Takes what `cell` holds, if anything, and drops it with the GIL released: what
+/// the `Drop` of a binding that holds a pipe end or a message does.
+fn drop_taken<T: Send>(cell: &Mutex<Option<T>>) {
+    if let Some(v) = lock(cell).take() {
+        drop_detached(v);
+    }
+}
+
+/// Opens a pipe from `agent` to the agent listening at `addr` and makes `then` of it,
+/// with the GIL released.
+fn connect_pipe<T: Send>(
+    py: Python<'_>,
+    agent: &Bound<'_, PyAgent>,
+    addr: &str,
+    timeout: f64,
+    max_in_flight: usize,
+    then: impl FnOnce(PipeSender) -> freight_core::Result<T> + Send,
+) -> PyResult<T> {
+    let a = agent.get();
+    // The agent holds its router first, so that its own notifications survive.
+    a.router();
+    let config = pipe_config(timeout, None, max_in_flight)?;
+    let inner = a.inner.clone();
+    py.detach(|| PipeSender::connect(&inner, addr, &config).and_then(then)).or_raise()
+}
+
+/// [`connect_pipe`], sending objects in batches of `batch_size` over the pipe.
+fn connect_channel(
+    py: Python<'_>,
+    agent: &Bound<'_, PyAgent>,
+    addr: &str,
+    batch_size: usize,
+    timeout: f64,
+    max_message: Option<u64>,
+    max_in_flight: usize,
+) -> PyResult<ChannelSender> {
+    connect_pipe(py, agent, addr, timeout, max_in_flight, |p| ChannelSender::new(p, batch_size, max_message))
 }
 
 fn pipe_config(timeout: f64, credit_batch: Option<u64>, max_in_flight: usize) -> PyResult<PipeConfig> {
@@ -181,6 +288,19 @@ impl Place {
             return Err(released(what));
         }
         interface(py, self.addr, self.len, true)
+    }
+}
+
+/// Takes a live sender out of `cell` and ends its stream with `close`, with the GIL
+/// released; harmless when closed already.
+fn close_sender<S: Send>(
+    py: Python<'_>,
+    cell: &Mutex<Option<S>>,
+    close: impl FnOnce(S) -> freight_core::Result<()> + Send,
+) -> PyResult<()> {
+    match py.detach(|| lock(cell).take()) {
+        Some(s) => py.detach(move || close(s)).or_raise(),
+        None => Ok(()),
     }
 }
 

@@ -6,9 +6,11 @@ use std::time::Duration;
 use freight_core::Error;
 use freight_stream::{BufferInfo, Message, PipeListener, PipeReceiver, PipeSender};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::PyBytes;
 
-use super::{buffer_arg, drop_detached, lock, pipe_config, sliced, wait_arg, with_sender, Place, Region};
+use super::{
+    buffer_arg, close_sender, connect_pipe, drop_taken, lock, pipe_config, sliced, wait_arg, with_sender, Place, Region,
+};
 use crate::agent::PyAgent;
 use crate::descs::PyDescList;
 use crate::errors::{to_py_err, OrRaise};
@@ -131,9 +133,7 @@ impl PyPipeReceiver {
 
 impl Drop for PyPipeReceiver {
     fn drop(&mut self) {
-        if let Some(rx) = lock(&self.inner).take() {
-            drop_detached(rx);
-        }
+        drop_taken(&self.inner);
     }
 }
 
@@ -161,8 +161,9 @@ impl PyMessage {
     }
 }
 
-#[pymethods]
-impl PyMessage {
+placed_pymethods! {
+    PyMessage, what = "message", live = "False once released.";
+
     /// Messages are numbered from 0 in the order they were sent.
     #[getter]
     fn seq(&self) -> u64 {
@@ -173,49 +174,6 @@ impl PyMessage {
     #[getter]
     fn tag(&self, py: Python<'_>) -> Py<PyBytes> {
         self.tag.clone_ref(py)
-    }
-
-    #[getter]
-    fn nbytes(&self) -> u64 {
-        self.place.len
-    }
-
-    fn __len__(&self) -> usize {
-        self.place.len as usize
-    }
-
-    /// "DRAM" or "VRAM".
-    #[getter]
-    fn kind(&self) -> &'static str {
-        self.place.kind.as_str()
-    }
-
-    /// The GPU of a VRAM message (0 for host memory).
-    #[getter]
-    fn device(&self) -> u64 {
-        self.place.dev
-    }
-
-    /// Address of the first byte.
-    #[getter]
-    fn addr(&self) -> u64 {
-        self.place.addr
-    }
-
-    /// False once released.
-    #[getter]
-    fn live(&self) -> bool {
-        self.is_live()
-    }
-
-    #[getter]
-    fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        self.place.host_interface(py, self.is_live(), "message")
-    }
-
-    #[getter]
-    fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        self.place.cuda_interface(py, self.is_live(), "message")
     }
 
     /// Frees the message's space for the sender. Views of it must not be used after.
@@ -230,9 +188,7 @@ impl PyMessage {
 
 impl Drop for PyMessage {
     fn drop(&mut self) {
-        if let Some(m) = lock(&self.inner).take() {
-            drop_detached(m);
-        }
+        drop_taken(&self.inner);
     }
 }
 
@@ -258,11 +214,7 @@ impl PyPipeSender {
         timeout: f64,
         max_in_flight: usize,
     ) -> PyResult<Self> {
-        let a = agent.get();
-        a.router();
-        let config = pipe_config(timeout, None, max_in_flight)?;
-        let inner = a.inner.clone();
-        let tx = py.detach(|| PipeSender::connect(&inner, addr, &config)).or_raise()?;
+        let tx = connect_pipe(py, agent, addr, timeout, max_in_flight, Ok)?;
         Ok(PyPipeSender { peer: tx.peer().to_string(), buffer: tx.buffer().clone(), inner: Mutex::new(Some(tx)) })
     }
 
@@ -295,11 +247,7 @@ impl PyPipeSender {
 
     /// Flushes and ends the stream; closing twice is harmless.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        let tx = py.detach(|| lock(&self.inner).take());
-        match tx {
-            Some(tx) => py.detach(move || tx.close()).or_raise(),
-            None => Ok(()),
-        }
+        close_sender(py, &self.inner, |tx| tx.close())
     }
 
     /// The receiving agent's name.
@@ -329,8 +277,6 @@ impl PyPipeSender {
 
 impl Drop for PyPipeSender {
     fn drop(&mut self) {
-        if let Some(tx) = lock(&self.inner).take() {
-            drop_detached(tx);
-        }
+        drop_taken(&self.inner);
     }
 }

@@ -8,13 +8,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use freight_core::{Desc, Error, Result};
-use freight_stream::{
-    ChannelReceiver, ChannelSender, CommitStats, Outgoing, PipeSender, StoreReceiver, StoreSender, StoredObject,
-};
+use freight_stream::{ChannelReceiver, CommitStats, Outgoing, StoreReceiver, StoreSender, StoredObject};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::PyBytes;
 
-use super::{accept_pipes, drop_detached, lock, pipe_config, sliced_with, wait_arg, Place, Region};
+use super::{accept_pipes, connect_channel, drop_detached, lock, sliced_with, wait_arg, Place, Region};
 use crate::agent::PyAgent;
 use crate::descs::parse_kind;
 use crate::errors::{invalid, OrRaise};
@@ -113,15 +111,7 @@ impl PyStoreSender {
         if commit_size == 0 {
             return Err(invalid("the commit size must be at least 1"));
         }
-        let a = agent.get();
-        a.router();
-        let config = pipe_config(timeout, None, max_in_flight)?;
-        let inner = a.inner.clone();
-        let channel = py
-            .detach(|| {
-                PipeSender::connect(&inner, addr, &config).and_then(|p| ChannelSender::new(p, batch_size, max_message))
-            })
-            .or_raise()?;
+        let channel = connect_channel(py, agent, addr, batch_size, timeout, max_message, max_in_flight)?;
         let (peer, capacity) = (channel.pipe().peer().to_string(), channel.pipe().capacity());
         let tx = StoreSender::new(channel, commit_size).or_raise()?;
         Ok(PyStoreSender { inner: Mutex::new(Slot::Live(tx)), peer, capacity, commit_size })
@@ -440,10 +430,18 @@ impl PyStoredObject {
     fn object(&self) -> &StoredObject {
         self.inner.as_ref().expect("set until dropped")
     }
+
+    /// Always: the object holds its memory.
+    fn is_live(&self) -> bool {
+        true
+    }
 }
 
-#[pymethods]
-impl PyStoredObject {
+placed_pymethods! {
+    PyStoredObject,
+    what = "object",
+    live = "Always True: a stored object's memory lives as long as the object.";
+
     #[getter]
     fn key(&self) -> &str {
         &self.object().key
@@ -459,46 +457,6 @@ impl PyStoredObject {
     #[getter]
     fn sender(&self) -> usize {
         self.object().sender
-    }
-
-    #[getter]
-    fn nbytes(&self) -> u64 {
-        self.place.len
-    }
-
-    fn __len__(&self) -> usize {
-        self.place.len as usize
-    }
-
-    #[getter]
-    fn kind(&self) -> &'static str {
-        self.place.kind.as_str()
-    }
-
-    #[getter]
-    fn device(&self) -> u64 {
-        self.place.dev
-    }
-
-    #[getter]
-    fn addr(&self) -> u64 {
-        self.place.addr
-    }
-
-    /// Always True: a stored object's memory lives as long as the object.
-    #[getter]
-    fn live(&self) -> bool {
-        true
-    }
-
-    #[getter]
-    fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        self.place.host_interface(py, true, "object")
-    }
-
-    #[getter]
-    fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        self.place.cuda_interface(py, true, "object")
     }
 
     /// Copies the bytes to `addr` (memory of `kind`, at least as long as the object).
