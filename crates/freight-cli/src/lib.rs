@@ -47,7 +47,8 @@ enum Command {
     /// Move a buffer to a second process and back over shm and tcp, verifying every byte
     /// (needs no GPU and nothing else running).
     Demo(demo::DemoArgs),
-    /// Benchmarks: transfers between two processes (p2p), descriptor handling (descriptors).
+    /// Benchmarks: transfers between two processes (p2p), descriptor handling
+    /// (descriptors), disaggregated prefill (pipe, channel, storage, cache-engine).
     Bench {
         #[command(subcommand)]
         which: bench::BenchCommand,

@@ -82,7 +82,8 @@ impl Product {
 #[derive(Debug, Clone, Args)]
 #[command(after_help = AFTER_HELP)]
 pub struct StreamArgs {
-    /// auto: send, with a receiver started as a child process; sender; receiver.
+    /// auto: send, with a receiver started as a child process; sender; receiver; local
+    /// (cache-engine only).
     #[arg(long, value_enum, default_value_t = StreamRole::Auto)]
     pub role: StreamRole,
 
