@@ -73,22 +73,39 @@ fn staged(kv: Place, chunk: Place, runs: &[Run], direction: Direction) -> Result
     let len = runs.iter().map(|r| r.chunk + r.len).max().unwrap_or(0);
     let device = Device::get(kv.dev as usize)?;
     let n = usize::try_from(len).map_err(|_| Error::InvalidArgument("chunk too large".into()))?;
-    static SCRATCH: OnceLock<Mutex<HashMap<usize, DeviceBuffer>>> = OnceLock::new();
-    let mut all = SCRATCH.get_or_init(Default::default).lock();
-    if !matches!(all.get(&device.ordinal), Some(b) if b.len() >= n) {
-        all.insert(device.ordinal, DeviceBuffer::alloc(device, n)?);
+    static SCRATCH: PerGpu = PerGpu::new();
+    SCRATCH.with(device, n, |scratch| {
+        let on_gpu = Place::gpu(scratch.addr(), kv.dev);
+        match direction {
+            Direction::Gather => {
+                direct(kv, on_gpu, runs, direction)?;
+                copy_sync(device, chunk.addr, on_gpu.addr, n)
+            }
+            Direction::Scatter => {
+                copy_sync(device, on_gpu.addr, chunk.addr, n)?;
+                direct(kv, on_gpu, runs, direction)
+            }
+        }
+    })
+}
+
+/// A buffer kept per GPU and grown as needed: an allocation per chunk would cost more
+/// than the chunk's copy. Users of one GPU's buffer take turns.
+struct PerGpu(OnceLock<Mutex<HashMap<usize, DeviceBuffer>>>);
+
+impl PerGpu {
+    const fn new() -> PerGpu {
+        PerGpu(OnceLock::new())
     }
-    let scratch = &all[&device.ordinal];
-    let on_gpu = Place::gpu(scratch.addr(), kv.dev);
-    match direction {
-        Direction::Gather => {
-            direct(kv, on_gpu, runs, direction)?;
-            copy_sync(device, chunk.addr, on_gpu.addr, n)
+
+    /// Runs `f` with `device`'s buffer of at least `len` bytes.
+    fn with<R>(&self, device: &'static Device, len: usize, f: impl FnOnce(&DeviceBuffer) -> Result<R>) -> Result<R> {
+        let mut all = self.0.get_or_init(Default::default).lock();
+        if !matches!(all.get(&device.ordinal), Some(b) if b.len() >= len) {
+            // Powers of two, so that growing chunk by chunk reallocates a few times only.
+            all.insert(device.ordinal, DeviceBuffer::alloc(device, len.next_power_of_two())?);
         }
-        Direction::Scatter => {
-            copy_sync(device, on_gpu.addr, chunk.addr, n)?;
-            direct(kv, on_gpu, runs, direction)
-        }
+        f(&all[&device.ordinal])
     }
 }
 
@@ -137,24 +154,21 @@ pub fn copy(src: Place, dst: Place, copies: &[(u64, u64, u64)]) -> Result<()> {
     Ok(())
 }
 
-/// Every copy in one launch of the batched copy kernel, waited for. The item table goes
-/// to a buffer kept per GPU (an allocation per chunk would cost more than the copy).
+/// Every copy in one launch of the batched copy kernel, waited for.
 fn kernel_copy(device: &'static Device, copies: &[(u64, u64, u64)]) -> Result<()> {
     let kernel = Kernel::on(device)?;
     let items = cut(copies, ITEM_BYTES, kernel.concurrency(&LaunchShape::default()));
     let bytes = std::mem::size_of_val::<[Item]>(&items);
-    static TABLES: OnceLock<Mutex<HashMap<usize, DeviceBuffer>>> = OnceLock::new();
-    let mut tables = TABLES.get_or_init(Default::default).lock();
-    if !matches!(tables.get(&device.ordinal), Some(t) if t.len() >= bytes) {
-        tables.insert(device.ordinal, DeviceBuffer::alloc(device, bytes.next_power_of_two())?);
-    }
-    let table = &tables[&device.ordinal];
-    // `Item` is three u64s, `repr(C)`: its bytes are the table the kernel reads.
-    copy_sync(device, table.addr(), items.as_ptr() as u64, bytes)?;
-    kernel.launch(table.addr(), items.len())?;
-    let done = Event::new(device)?;
-    done.record(device)?;
-    done.synchronize()
+    static TABLES: PerGpu = PerGpu::new();
+    // The wait stays inside: the table is not another caller's until the kernel is done.
+    TABLES.with(device, bytes, |table| {
+        // `Item` is three u64s, `repr(C)`: its bytes are the table the kernel reads.
+        copy_sync(device, table.addr(), items.as_ptr() as u64, bytes)?;
+        kernel.launch(table.addr(), items.len())?;
+        let done = Event::new(device)?;
+        done.record(device)?;
+        done.synchronize()
+    })
 }
 
 /// Memory a tier owns, registered with the engine's agent (so that its chunks can be
