@@ -6,11 +6,9 @@
 //! queued asynchronously; [`Bounce::wait`] returns once all of them are done, so a
 //! caller can queue the next buffer's copies before sending the previous one.
 
-use std::ffi::c_void;
-
 use cudarc::driver::sys as cu;
 
-use super::driver::{check, Device, Event};
+use super::driver::{check, Device, Event, Stream};
 use crate::error::Result;
 
 /// Page-locked host memory allocated by freight, visible to every GPU.
@@ -56,25 +54,14 @@ impl Drop for PinnedBuffer {
 /// work of the agent (kernels of the cuda transport), and an event to wait on.
 struct Lane {
     device: &'static Device,
-    stream: cu::CUstream,
+    stream: Stream,
     event: Event,
     busy: bool,
 }
 
 impl Lane {
     fn new(device: &'static Device) -> Result<Lane> {
-        device.bind()?;
-        let mut stream = std::ptr::null_mut();
-        // SAFETY: out-pointer to a local.
-        check(
-            unsafe { cu::cuStreamCreate(&mut stream, cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) },
-            "cuStreamCreate",
-        )?;
-        let event = Event::new(device).inspect_err(|_| {
-            // SAFETY: created above, unused.
-            unsafe { cu::cuStreamDestroy_v2(stream) };
-        })?;
-        Ok(Lane { device, stream, event, busy: false })
+        Ok(Lane { device, stream: Stream::new(device)?, event: Event::new(device)?, busy: false })
     }
 }
 
@@ -83,8 +70,6 @@ impl Drop for Lane {
         if self.busy {
             let _ = self.event.synchronize();
         }
-        // SAFETY: ours; nothing is queued on it any more.
-        unsafe { cu::cuStreamDestroy_v2(self.stream) };
     }
 }
 
@@ -144,14 +129,13 @@ impl Bounce {
         lane.device.bind()?;
         // SAFETY: the host side lies in our pinned buffer (asserted above); the GPU side
         // is registered memory the caller keeps alive until `wait`.
-        let host = unsafe { self.buffer.as_ptr().add(offset) };
-        let r = unsafe {
-            match dir {
-                Direction::ToBuffer => cu::cuMemcpyDtoHAsync_v2(host as *mut c_void, gpu_addr, len, lane.stream),
-                Direction::ToGpu => cu::cuMemcpyHtoDAsync_v2(gpu_addr, host as *const c_void, len, lane.stream),
-            }
+        let host = unsafe { self.buffer.as_ptr().add(offset) } as u64;
+        let (dst, src) = match dir {
+            Direction::ToBuffer => (host, gpu_addr),
+            Direction::ToGpu => (gpu_addr, host),
         };
-        check(r, "cuMemcpyAsync (staging)")?;
+        // SAFETY: as above; the buffer is pinned, so the copy is queued, not staged.
+        unsafe { lane.stream.copy(dst, src, len)? };
         lane.busy = true;
         Ok(())
     }
@@ -161,7 +145,7 @@ impl Bounce {
         let mut first_error = None;
         for lane in self.lanes.iter_mut().filter(|l| l.busy) {
             lane.busy = false;
-            if let Err(e) = lane.event.record_on(lane.stream).and_then(|_| lane.event.synchronize()) {
+            if let Err(e) = lane.stream.record(&lane.event).and_then(|_| lane.event.synchronize()) {
                 first_error.get_or_insert(e);
             }
         }

@@ -4,7 +4,7 @@
 //! Every GPU freight touches is used through its primary context (the one PyTorch and
 //! CuPy use too), so pointers that the application allocated are valid here as they are.
 
-use std::ffi::{c_void, CStr};
+use std::ffi::CStr;
 use std::sync::OnceLock;
 
 use cudarc::driver::sys::{self as cu, CUresult};
@@ -76,7 +76,10 @@ pub struct Device {
     pub ordinal: usize,
     dev: cu::CUdevice,
     ctx: cu::CUcontext,
-    stream: cu::CUstream,
+    stream: Stream,
+    /// For [`copy_sync`]: waiting on it waits for that copy alone, not for transfers in
+    /// flight on `stream`. Made on first use.
+    sync_stream: OnceLock<std::result::Result<Stream, Error>>,
     /// PCI bus id ("0000:1b:00.0"): the same GPU under any CUDA_VISIBLE_DEVICES.
     pub bus_id: String,
     pub compute_capability: (i32, i32),
@@ -108,18 +111,14 @@ impl Device {
     fn open(ordinal: usize) -> Result<Device> {
         let mut dev = 0;
         let mut ctx = std::ptr::null_mut();
-        let mut stream = std::ptr::null_mut();
         // SAFETY: out-pointers to locals; the primary context is retained for the life
         // of the process (devices are never closed).
         unsafe {
             check(cu::cuDeviceGet(&mut dev, ordinal as i32), "cuDeviceGet")?;
             check(cu::cuDevicePrimaryCtxRetain(&mut ctx, dev), "cuDevicePrimaryCtxRetain")?;
             check(cu::cuCtxSetCurrent(ctx), "cuCtxSetCurrent")?;
-            check(
-                cu::cuStreamCreate(&mut stream, cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32),
-                "cuStreamCreate",
-            )?;
         }
+        let stream = Stream::create()?;
         let attr = |a: cu::CUdevice_attribute| -> Result<i32> {
             let mut v = 0;
             // SAFETY: out-pointer to a local.
@@ -138,7 +137,16 @@ impl Device {
         // SAFETY: NUL-terminated by the driver.
         let bus_id = unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().to_ascii_lowercase();
         tracing::debug!(ordinal, %bus_id, ?compute_capability, multiprocessors, "opened GPU");
-        Ok(Device { ordinal, dev, ctx, stream, bus_id, compute_capability, multiprocessors })
+        Ok(Device {
+            ordinal,
+            dev,
+            ctx,
+            stream,
+            sync_stream: OnceLock::new(),
+            bus_id,
+            compute_capability,
+            multiprocessors,
+        })
     }
 
     /// Makes this GPU's context current on the calling thread (cheap when it already is).
@@ -147,8 +155,13 @@ impl Device {
         check(unsafe { cu::cuCtxSetCurrent(self.ctx) }, "cuCtxSetCurrent")
     }
 
+    /// The stream of the cuda transport's requests.
     pub fn stream(&self) -> cu::CUstream {
-        self.stream
+        self.stream.raw()
+    }
+
+    fn sync_stream(&self) -> Result<&Stream> {
+        self.sync_stream.get_or_init(|| self.bind().and_then(|_| Stream::create())).as_ref().map_err(Clone::clone)
     }
 
     pub fn raw(&self) -> cu::CUdevice {
@@ -227,11 +240,85 @@ pub fn allocation_range(addr: u64) -> Result<(u64, u64)> {
 
 /// Copies `len` bytes from `src` to `dst`, either of which may be device or host memory
 /// (unified addressing tells which), and returns when the copy is complete. For copies
-/// off the hot path: reassembling objects, filling and checking benchmark buffers.
+/// off the hot path: reassembling objects, filling and checking benchmark buffers,
+/// uploading kernel tables.
+///
+/// Complete means landed: the driver's synchronous copy returns from pageable host
+/// memory as soon as the bytes are staged, before they reach the GPU, and work on
+/// freight's non-blocking streams is not ordered after it. Copying on a stream and
+/// waiting for that stream closes the gap.
 pub fn copy_sync(device: &Device, dst: u64, src: u64, len: usize) -> Result<()> {
     device.bind()?;
+    let stream = device.sync_stream()?;
     // SAFETY: the caller vouches for both ranges; the driver checks the pointers.
-    check(unsafe { cu::cuMemcpy(dst, src, len) }, "cuMemcpy")
+    unsafe { stream.copy(dst, src, len)? };
+    stream.synchronize()
+}
+
+/// A stream of freight's own on the GPU current when it was made. Non-blocking: its work
+/// never queues behind the legacy default stream, where PyTorch runs its kernels (the
+/// caller orders its own work before handing memory to freight).
+pub struct Stream(cu::CUstream);
+
+// SAFETY: streams are thread-safe driver handles.
+unsafe impl Send for Stream {}
+unsafe impl Sync for Stream {}
+
+impl Stream {
+    /// A new stream on `device`.
+    pub fn new(device: &Device) -> Result<Stream> {
+        device.bind()?;
+        Stream::create()
+    }
+
+    fn create() -> Result<Stream> {
+        let mut s = std::ptr::null_mut();
+        // SAFETY: out-pointer to a local.
+        check(
+            unsafe { cu::cuStreamCreate(&mut s, cu::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) },
+            "cuStreamCreate",
+        )?;
+        Ok(Stream(s))
+    }
+
+    pub fn raw(&self) -> cu::CUstream {
+        self.0
+    }
+
+    /// Queues a copy of `len` bytes from `src` to `dst` (device or host memory).
+    ///
+    /// # Safety
+    ///
+    /// Both ranges must stay valid until the copy is done; host memory that is not
+    /// pinned makes the call wait until the driver has staged it.
+    pub unsafe fn copy(&self, dst: u64, src: u64, len: usize) -> Result<()> {
+        // SAFETY: as the caller vouches.
+        check(unsafe { cu::cuMemcpyAsync(dst, src, len, self.0) }, "cuMemcpyAsync")
+    }
+
+    /// Marks the end of the work queued so far.
+    pub fn record(&self, event: &Event) -> Result<()> {
+        event.record_on(self.0)
+    }
+
+    /// Makes later work wait for `event` (as last recorded when this is called).
+    pub fn wait_for(&self, event: &Event) -> Result<()> {
+        // SAFETY: a live stream and event of one context.
+        check(unsafe { cu::cuStreamWaitEvent(self.0, event.0, 0) }, "cuStreamWaitEvent")
+    }
+
+    /// Waits for the work queued so far.
+    pub fn synchronize(&self) -> Result<()> {
+        // SAFETY: a live stream.
+        check(unsafe { cu::cuStreamSynchronize(self.0) }, "cuStreamSynchronize")
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        // SAFETY: ours; the driver lets queued work finish before the stream goes.
+        unsafe { cu::cuStreamDestroy_v2(self.0) };
+    }
 }
 
 /// A completion marker on a stream. Waiting on it sleeps in the driver (blocking sync)
@@ -313,9 +400,8 @@ impl DeviceBuffer {
     pub fn upload(device: &'static Device, bytes: &[u8]) -> Result<DeviceBuffer> {
         let buf = DeviceBuffer::alloc(device, bytes.len())?;
         if !bytes.is_empty() {
-            // SAFETY: a synchronous copy of `bytes` into the new, large enough allocation.
-            let r = unsafe { cu::cuMemcpyHtoD_v2(buf.ptr, bytes.as_ptr() as *const c_void, bytes.len()) };
-            check(r, "cuMemcpyHtoD")?;
+            // Landed before any kernel may read it (see copy_sync).
+            copy_sync(device, buf.ptr, bytes.as_ptr() as u64, bytes.len())?;
         }
         Ok(buf)
     }
