@@ -8,8 +8,9 @@
 #     NIXL columns say "not measured".
 # Results go to $OUT (default: build/gpu-results). SWEEP=1 also tries the copy kernel's
 # launch shapes (bench/gpu_sweep.py); QUICK=1 runs fewer iterations; STREAM=0 skips the
-# stream benchmarks (scripts/stream-bench.sh); P2P=0 skips the two-GPU transfer
-# benchmarks (for a one-GPU machine).
+# stream benchmarks (scripts/stream-bench.sh), ONLY=... picks some of them; P2P=0 skips
+# the two-GPU transfer benchmarks (for a one-GPU machine); TESTS=expr runs the GPU tests
+# that pytest -k expr selects.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-build/gpu-results}"
@@ -39,7 +40,7 @@ gpus=$(nvidia-smi -L | wc -l)
 machine="${MACHINE:-$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x${gpus}}"
 
 log "GPU tests"
-(cd tests && "$PY" -m pytest -q -rfs -p no:cacheprovider test_gpu.py) 2>&1 | tee "$OUT/tests.log"
+(cd tests && "$PY" -m pytest -q -rfs -p no:cacheprovider ${TESTS:+-k "$TESTS"} test_gpu.py) 2>&1 | tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
 
 # The transfer benchmarks beside NIXL compare two GPUs; P2P=0 skips them.

@@ -7,7 +7,8 @@
 # $1 and prints a short table last.
 #   NUM_OBJS (500), OBJ_SIZE (32MiB), ROUNDS (5), BUFFER (4GiB): the seed's sizes;
 #   DEVICE (auto), TRANSPORT (auto: or shm, tcp, cuda), KV_LAYERS (32: 33.5 MB chunks);
-#   FREIGHT: the command (default: python3 -m freight).
+#   FREIGHT: the command (default: python3 -m freight); ONLY: names of the benchmarks to
+#   run (for example ONLY="cache-local pipe"; default: all).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-build/gpu-results}"
@@ -24,6 +25,7 @@ rc=0
 bench() { # bench NAME ARGS...
     local name=$1
     shift
+    [[ -n "${ONLY:-}" && " $ONLY " != *" $name "* ]] && return
     echo "[stream-bench] freight bench $*"
     if ! timeout 300 "${FREIGHT[@]}" bench "$@" --json >"$OUT/stream-$name.json" 2>"$OUT/stream-$name.log"; then
         echo "[stream-bench] $name FAILED:"

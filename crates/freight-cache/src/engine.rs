@@ -11,11 +11,12 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use freight_core::{Agent, Error, MemKind, Result};
-use freight_stream::{Outgoing, StoreReceiver, StoreSender};
+use freight_stream::{Outgoing, StoreReceiver, StoreSender, StoredObject};
 
 use crate::key::{chunk_keys, ChunkKey};
 use crate::layout::{runs, KvLayout, KvShape};
 use crate::memory::{copy, move_runs, Direction, Place};
+use crate::staging;
 use crate::tier::Tier;
 
 /// What an engine is made of.
@@ -150,6 +151,12 @@ impl CacheEngine {
     /// Stores the KV cache of `tokens` (token `i` at position `i` of `kv`). Chunks
     /// stored already are skipped. Returns once any remote peer holds every new chunk.
     pub fn store(&mut self, tokens: &[u32], kv: &KvMemory) -> Result<StoreReport> {
+        let stored = self.store_queued(tokens, kv);
+        settled(stored)
+    }
+
+    /// [`CacheEngine::store`], but moves into host memory may still be in flight.
+    fn store_queued(&mut self, tokens: &[u32], kv: &KvMemory) -> Result<StoreReport> {
         self.check_kv(tokens, kv)?;
         let mut report = StoreReport::default();
         for key in self.keys(tokens) {
@@ -171,6 +178,8 @@ impl CacheEngine {
                 report.bytes += len;
             }
             if !remote {
+                // The put reads the chunk: it must have landed.
+                staging::wait_all()?;
                 self.put_remote(&key)?;
             }
         }
@@ -200,6 +209,8 @@ impl CacheEngine {
         if tier.contains(key) {
             return Ok(());
         }
+        // The slot it gets may be one that a move still in flight writes to.
+        staging::wait_all()?;
         let (place, evicted) = tier.insert(key, len)?;
         if let Some((gone, _)) = evicted {
             tracing::debug!(tier = tier.name, chunk = gone.key, "evicted");
@@ -266,6 +277,20 @@ impl CacheEngine {
     /// Copies the longest stored prefix of `tokens` into `kv` (token `i` at position
     /// `i`) and returns its length in tokens; positions after it are left as they were.
     pub fn retrieve(&mut self, tokens: &[u32], kv: &KvMemory) -> Result<usize> {
+        // Remote chunks read by moves in flight stay alive until those are done.
+        let mut reading = Vec::new();
+        let found = self.retrieve_queued(tokens, kv, &mut reading);
+        settled(found)
+    }
+
+    /// [`CacheEngine::retrieve`], but moves out of host memory may still be in flight;
+    /// the remote chunks they read are kept in `reading`.
+    fn retrieve_queued(
+        &mut self,
+        tokens: &[u32],
+        kv: &KvMemory,
+        reading: &mut Vec<Arc<StoredObject>>,
+    ) -> Result<usize> {
         self.check_kv(tokens, kv)?;
         let mut found = 0;
         for key in self.keys(tokens) {
@@ -293,6 +318,7 @@ impl CacheEngine {
                         _ => Place::host(addr),
                     };
                     move_runs(kv.place, place, &r, Direction::Scatter)?;
+                    reading.push(object);
                 }
             }
             found = key.end();
@@ -308,4 +334,13 @@ impl CacheEngine {
             None => Ok(()),
         }
     }
+}
+
+/// `result`, once every move it queued has landed (also when it failed: nothing may be
+/// in flight after a public method returns).
+fn settled<T>(result: Result<T>) -> Result<T> {
+    let waited = staging::wait_all();
+    let value = result?;
+    waited?;
+    Ok(value)
 }

@@ -4,7 +4,8 @@
 //! rolling hash of the token prefix it ends ([`key`]), so a prompt that shares a prefix
 //! with a stored one finds that prefix's chunks. The caller's KV memory may be
 //! contiguous or paged like vLLM's ([`layout`]); chunks move in and out of it with one
-//! batched gather or scatter per chunk ([`memory`]). Chunks live in tiers: the local GPU,
+//! batched gather or scatter per chunk ([`memory`]), pipelined with the copy engine
+//! against host memory ([`staging`]). Chunks live in tiers: the local GPU,
 //! local host memory with LRU eviction ([`slots`], [`tier`]), and a remote peer through
 //! the storage backend of `freight-stream` ([`engine`]).
 
@@ -12,7 +13,9 @@ pub mod engine;
 pub mod key;
 pub mod layout;
 pub mod memory;
+mod per_gpu;
 pub mod slots;
+pub mod staging;
 pub mod tier;
 
 pub use engine::{CacheConfig, CacheEngine, KvMemory, StoreReport};

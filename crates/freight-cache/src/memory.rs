@@ -3,16 +3,12 @@
 //!
 //! KV memory on a GPU and a chunk in GPU memory: all the runs of a chunk move in one
 //! launch of the engine's batched copy kernel (a gather from paged KV into a contiguous
-//! chunk, or a scatter back). KV memory on a GPU and a chunk in host memory: the kernel
-//! gathers into a scratch chunk on the GPU, and the copy engine moves it to the host in
-//! one piece (or the other way round), because SM loads and stores over PCIe reach only
-//! about 60% of what the copy engines do. Host-only copies are plain memcpy; anything
-//! else goes run by run through the driver's copy.
+//! chunk, or a scatter back). KV memory on a GPU and a chunk in host memory: through a
+//! scratch chunk on the GPU, the kernel and the copy engine in a pipeline ([`staging`]).
+//! Host-only copies are plain memcpy; anything else goes run by run through the
+//! driver's copy.
 
-use std::collections::HashMap;
-use std::sync::{Arc, OnceLock};
-
-use parking_lot::Mutex;
+use std::sync::Arc;
 
 use freight_core::cuda::driver::{copy_sync, DeviceBuffer, Event};
 use freight_core::cuda::kernel::{cut, Item, Kernel, LaunchShape, ITEM_BYTES};
@@ -21,6 +17,8 @@ use freight_core::cuda::Device;
 use freight_core::{Agent, Desc, Error, MemKind, Result, SharedSegment};
 
 use crate::layout::Run;
+use crate::per_gpu::{Grown, PerGpu};
+use crate::staging;
 
 /// Where some bytes are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,50 +61,9 @@ pub enum Direction {
 /// Moves a chunk's `runs` between `kv` memory and `chunk` memory.
 pub fn move_runs(kv: Place, chunk: Place, runs: &[Run], direction: Direction) -> Result<()> {
     if kv.on_gpu() && !chunk.on_gpu() {
-        return staged(kv, chunk, runs, direction);
+        return staging::staged(kv, chunk, runs, direction);
     }
     direct(kv, chunk, runs, direction)
-}
-
-/// Through a scratch chunk on the KV memory's GPU (the runs cover the chunk from 0).
-fn staged(kv: Place, chunk: Place, runs: &[Run], direction: Direction) -> Result<()> {
-    let len = runs.iter().map(|r| r.chunk + r.len).max().unwrap_or(0);
-    let device = Device::get(kv.dev as usize)?;
-    let n = usize::try_from(len).map_err(|_| Error::InvalidArgument("chunk too large".into()))?;
-    static SCRATCH: PerGpu = PerGpu::new();
-    SCRATCH.with(device, n, |scratch| {
-        let on_gpu = Place::gpu(scratch.addr(), kv.dev);
-        match direction {
-            Direction::Gather => {
-                direct(kv, on_gpu, runs, direction)?;
-                copy_sync(device, chunk.addr, on_gpu.addr, n)
-            }
-            Direction::Scatter => {
-                copy_sync(device, on_gpu.addr, chunk.addr, n)?;
-                direct(kv, on_gpu, runs, direction)
-            }
-        }
-    })
-}
-
-/// A buffer kept per GPU and grown as needed: an allocation per chunk would cost more
-/// than the chunk's copy. Users of one GPU's buffer take turns.
-struct PerGpu(OnceLock<Mutex<HashMap<usize, DeviceBuffer>>>);
-
-impl PerGpu {
-    const fn new() -> PerGpu {
-        PerGpu(OnceLock::new())
-    }
-
-    /// Runs `f` with `device`'s buffer of at least `len` bytes.
-    fn with<R>(&self, device: &'static Device, len: usize, f: impl FnOnce(&DeviceBuffer) -> Result<R>) -> Result<R> {
-        let mut all = self.0.get_or_init(Default::default).lock();
-        if !matches!(all.get(&device.ordinal), Some(b) if b.len() >= len) {
-            // Powers of two, so that growing chunk by chunk reallocates a few times only.
-            all.insert(device.ordinal, DeviceBuffer::alloc(device, len.next_power_of_two())?);
-        }
-        f(&all[&device.ordinal])
-    }
 }
 
 fn direct(kv: Place, chunk: Place, runs: &[Run], direction: Direction) -> Result<()> {
@@ -159,16 +116,21 @@ fn kernel_copy(device: &'static Device, copies: &[(u64, u64, u64)]) -> Result<()
     let kernel = Kernel::on(device)?;
     let items = cut(copies, ITEM_BYTES, kernel.concurrency(&LaunchShape::default()));
     let bytes = std::mem::size_of_val::<[Item]>(&items);
-    static TABLES: PerGpu = PerGpu::new();
+    static TABLES: PerGpu<Grown> = PerGpu::new();
     // The wait stays inside: the table is not another caller's until the kernel is done.
-    TABLES.with(device, bytes, |table| {
-        // `Item` is three u64s, `repr(C)`: its bytes are the table the kernel reads.
-        copy_sync(device, table.addr(), items.as_ptr() as u64, bytes)?;
-        kernel.launch(table.addr(), items.len())?;
-        let done = Event::new(device)?;
-        done.record(device)?;
-        done.synchronize()
-    })
+    TABLES.with(
+        device,
+        || Ok(Grown::default()),
+        |table| {
+            let table = table.reserve(device, bytes as u64)?;
+            // `Item` is three u64s, `repr(C)`: its bytes are the table the kernel reads.
+            copy_sync(device, table.addr(), items.as_ptr() as u64, bytes)?;
+            kernel.launch(table.addr(), items.len())?;
+            let done = Event::new(device)?;
+            done.record(device)?;
+            done.synchronize()
+        },
+    )
 }
 
 /// Memory a tier owns, registered with the engine's agent (so that its chunks can be

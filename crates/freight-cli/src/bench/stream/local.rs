@@ -1,6 +1,6 @@
 //! `freight bench cache-engine --role local`: one process stores a prompt's KV cache
-//! (on --device) into a cache engine whose only tier is host memory (pinned for the GPU,
-//! so that one kernel launch per chunk gathers straight over PCIe), then retrieves it
+//! (on --device) into a cache engine whose only tier is host memory (pinned for the GPU:
+//! chunks go through a scratch chunk on the GPU and the copy engine), then retrieves it
 //! back; beside the pinned copy bandwidth of the same GPU, measured in the same run.
 
 use std::sync::Arc;
