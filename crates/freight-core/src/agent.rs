@@ -170,13 +170,37 @@ impl Agent {
         self.inner.registry.register_gpu(kind, addr, len, dev, export)
     }
 
+    /// Registers private memory: like [`Agent::register`], but no peer may ever target
+    /// it. It is left out of this agent's metadata (peers never learn its key, address,
+    /// shared segment or IPC handle; private GPU memory is checked but not exported), and
+    /// a remote access that names its key anyway is refused exactly as one naming a key
+    /// that does not exist, so that a peer cannot probe for it. It serves as the local
+    /// side of this agent's own transfers on every transport, exactly like a normal
+    /// region, and [`Agent::deregister`] releases it as usual.
+    ///
+    /// Made for memory such as a server's pool: the server writes values from it into
+    /// clients' buffers and reads clients' buffers into it, but clients must not touch it.
+    ///
+    /// This is a protocol guarantee, not an OS sandbox: on one host, processes of the
+    /// same user can still open shared memory by its OS name, and a CUDA IPC handle names
+    /// a whole allocation. Give a private region a segment ([`Agent::alloc`]) or GPU
+    /// allocation of its own, shared with no public region.
+    pub fn register_private(&self, kind: MemKind, addr: u64, len: u64, dev: u64) -> Result<u64> {
+        self.inner.check_open()?;
+        if kind == MemKind::Vram {
+            gpu::check_region(addr, dev)?;
+        }
+        self.inner.registry.register_private(kind, addr, len, dev)
+    }
+
     /// Deregisters a region; fails with `RegionBusy` while a transfer uses it. Peers that
-    /// may map it (shared segments, GPU memory) are told to forget it.
+    /// may map it (shared segments, GPU memory) are told to forget it; private regions,
+    /// which no peer knows, are not announced.
     pub fn deregister(&self, key: u64) -> Result<()> {
-        let info = self.inner.registry.get(key).map(|r| r.info.clone());
+        let info = self.inner.registry.get(key).map(|r| (r.info.clone(), r.is_private()));
         self.inner.registry.deregister(key)?;
-        if let Some(info) = info {
-            if info.shared.is_some() || info.gpu.is_some() {
+        if let Some((info, private)) = info {
+            if !private && (info.shared.is_some() || info.gpu.is_some()) {
                 self.inner.server.broadcast(&Frame::Revoke { region: key });
             }
             if info.kind == MemKind::Dram && crate::cuda::pinned::any() {
@@ -197,6 +221,8 @@ impl Agent {
 
     // -- metadata and peers ----------------------------------------------------------
 
+    /// This agent's metadata, for peers: its addresses and its public regions (private
+    /// regions are never listed).
     pub fn metadata(&self) -> Vec<u8> {
         self.inner.metadata_bytes()
     }
@@ -269,7 +295,9 @@ impl Agent {
     /// this agent or the peer registered some, else between host memory.
     pub fn path_to(&self, peer: &str) -> Result<Path> {
         let peer = self.inner.peer(peer)?;
-        let local_gpu = self.inner.registry.snapshot().1.into_iter().find(|r| r.kind == MemKind::Vram);
+        // This agent's end may be private memory: look at every local region.
+        let local = self.inner.registry.local_regions();
+        let local_gpu = local.iter().find(|r| r.kind == MemKind::Vram).cloned();
         let remote_gpu = peer.regions.read().iter().find(|r| r.kind == MemKind::Vram).cloned();
         let kind = |r: &Option<_>| if r.is_some() { MemKind::Vram } else { MemKind::Dram };
         let (local_kind, remote_kind) = (kind(&local_gpu), kind(&remote_gpu));
@@ -282,7 +310,7 @@ impl Agent {
             }
         };
         // Where one side has no GPU memory, its host memory is the other end.
-        let local_end = local_gpu.or_else(|| self.inner.registry.snapshot().1.into_iter().next());
+        let local_end = local_gpu.or_else(|| local.into_iter().next());
         let remote_end = remote_gpu.or_else(|| peer.regions.read().iter().find(|r| r.shared.is_some()).cloned());
         let gpu = gpu::path_facts(local_end.as_ref(), remote_end.as_ref(), peer.same_host);
         let staging = staged::path_facts(local_end.as_ref(), remote_end.as_ref());
@@ -403,8 +431,18 @@ impl Agent {
 
     /// Waits up to `timeout` for at least one notification.
     pub fn wait_notifs(&self, timeout: Duration) -> Vec<Notification> {
-        self.inner.server.inboxes.pump(&self.inner.notifs);
-        self.inner.notifs.wait(timeout)
+        let inboxes = &self.inner.server.inboxes;
+        inboxes.pump(&self.inner.notifs);
+        let ready = self.inner.notifs.drain();
+        if !ready.is_empty() {
+            return ready;
+        }
+        // Senders ring only while someone sleeps here: say so, then look once more.
+        inboxes.sleeping(true);
+        inboxes.pump(&self.inner.notifs);
+        let got = self.inner.notifs.wait(timeout);
+        inboxes.sleeping(false);
+        got
     }
 
     /// Stops listening and closes every connection. In-flight requests fail.
@@ -490,6 +528,7 @@ impl AgentInner {
         out
     }
 
+    /// What peers are told: public regions only (see [`Agent::register_private`]).
     pub(crate) fn metadata_bytes(&self) -> Vec<u8> {
         let (_, regions) = self.registry.snapshot();
         AgentMetadata {

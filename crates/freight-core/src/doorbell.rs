@@ -137,6 +137,13 @@ impl Doorbell {
         })
     }
 
+    /// Tells the sender whether a thread of this agent is asleep waiting for
+    /// notifications (then it rings when it writes), or none is (then the application
+    /// polls, or looks when it next asks: no need to ring).
+    pub fn set_asleep(&self, asleep: bool) {
+        self.ring.lock().set_asleep(asleep);
+    }
+
     /// Moves every complete message into `queue`, waiting for a concurrent drain.
     pub fn drain(&self, queue: &NotifQueue) -> Result<usize> {
         self.drain_locked(&mut self.ring.lock(), queue)

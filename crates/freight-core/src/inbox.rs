@@ -165,6 +165,10 @@ pub fn wait_readable(fd: RawFd) -> Result<()> {
 #[derive(Default)]
 pub struct Inboxes {
     open: Mutex<Vec<Arc<Inbox>>>,
+    /// Threads asleep in `Agent::wait_notifs`. While there are none, same-host senders
+    /// need not ring after each notification: whoever asks next pulls it from the
+    /// outbox (see [`Inboxes::sleeping`]).
+    sleepers: Mutex<usize>,
 }
 
 impl Inboxes {
@@ -174,6 +178,24 @@ impl Inboxes {
 
     pub fn remove(&self, inbox: &Arc<Inbox>) {
         self.open.lock().retain(|i| !Arc::ptr_eq(i, inbox));
+    }
+
+    /// Marks a thread going to sleep for notifications (`true`) or back from it. The
+    /// first sleeper tells every sender's outbox to ring, the last one back tells them
+    /// not to. An outbox attached meanwhile starts out ringing, which is always safe.
+    /// After `sleeping(true)`, pump once more before sleeping: a notification written
+    /// before the senders saw the change was not rung for.
+    pub fn sleeping(&self, asleep: bool) {
+        let mut sleepers = self.sleepers.lock();
+        let before = *sleepers;
+        *sleepers = if asleep { before + 1 } else { before.saturating_sub(1) };
+        if (before == 0) != (*sleepers == 0) {
+            for inbox in self.open.lock().iter() {
+                if let Some(d) = inbox.doorbell.get() {
+                    d.set_asleep(asleep);
+                }
+            }
+        }
     }
 
     /// Pulls what has arrived on every connection nobody else is reading right now:

@@ -3,6 +3,10 @@
 //! A peer may read or write only memory its owner registered. The registry answers two
 //! questions fast: "which region holds this address range?" (descriptor preparation,
 //! remote-access checks) and "is anybody using this region?" (deregistration).
+//!
+//! A region is either public (listed in the agent's metadata, so every peer may target
+//! it) or private (see [`Registry::register_private`]): usable only as the local side of
+//! the owner's own transfers, never listed, never served to a peer.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
@@ -214,9 +218,20 @@ impl RegionInfo {
 /// exists, deregistration fails with [`Error::RegionBusy`].
 #[derive(Debug)]
 pub struct Region {
+    /// What a peer would be told about the region (never told for a private one).
     pub info: RegionInfo,
+    /// Private: local side of the owner's own transfers only. Kept here, not in the
+    /// serialized [`RegionInfo`], which is what goes to peers.
+    private: bool,
     /// Keeps a shared segment alive while it is registered.
     _segment: Option<Arc<SharedSegment>>,
+}
+
+impl Region {
+    /// Whether the region is private (see [`Registry::register_private`]).
+    pub fn is_private(&self) -> bool {
+        self.private
+    }
 }
 
 /// Lookup index: (kind, dev) -> start address -> region.
@@ -233,7 +248,9 @@ pub struct Registry {
 struct RegistryInner {
     index: Index,
     by_key: HashMap<u64, Arc<Region>>,
-    /// Bumped on every change so that metadata snapshots can be cached.
+    /// Bumped on every change to the public regions (what [`Registry::snapshot`] lists)
+    /// so that metadata snapshots can be cached. Private regions never change the
+    /// snapshot, so registering or removing one leaves it as it is.
     generation: u64,
 }
 
@@ -249,6 +266,36 @@ impl Registry {
 
     /// [`Registry::register`], with the IPC export of GPU memory when there is one.
     pub fn register_gpu(&self, kind: MemKind, addr: u64, len: u64, dev: u64, gpu: Option<GpuLocation>) -> Result<u64> {
+        self.insert(kind, addr, len, dev, gpu, false)
+    }
+
+    /// Registers a private region: memory this agent uses only as the local side of its
+    /// own transfers (say, a server's pool that it writes into clients' buffers and reads
+    /// clients' buffers into, but that no client may touch). It is left out of
+    /// [`Registry::snapshot`], so peers never learn its key, address, shared segment or
+    /// GPU allocation, and [`Registry::get_checked`] refuses it exactly as a key that
+    /// does not exist, so that a peer that forges or guesses its key cannot even tell
+    /// that it exists. Local lookups ([`Registry::find`], [`Registry::get`]) see it as
+    /// any other region.
+    ///
+    /// This is a protocol guarantee, not an OS sandbox: on one host, processes of the
+    /// same user can still open a shared segment by its OS name (`/proc/<pid>/fd/<n>`),
+    /// and a CUDA IPC handle names a whole allocation. A private region should therefore
+    /// live in a segment (or GPU allocation) of its own, never next to public regions
+    /// whose metadata hands out the segment.
+    pub fn register_private(&self, kind: MemKind, addr: u64, len: u64, dev: u64) -> Result<u64> {
+        self.insert(kind, addr, len, dev, None, true)
+    }
+
+    fn insert(
+        &self,
+        kind: MemKind,
+        addr: u64,
+        len: u64,
+        dev: u64,
+        gpu: Option<GpuLocation>,
+        private: bool,
+    ) -> Result<u64> {
         if len == 0 {
             return Err(invalid("cannot register a zero-length region"));
         }
@@ -272,12 +319,33 @@ impl Registry {
             segment_len: s.len() as u64,
             offset: addr - s.addr(),
         });
-        let region =
-            Arc::new(Region { info: RegionInfo { key, kind, addr, len, dev, shared, gpu }, _segment: segment });
+        if let Some(s) = &segment {
+            // Peers told about a public region in the segment can map all of it.
+            let (start, end) = (s.addr(), s.addr() + s.len() as u64);
+            if let Some((_, other)) = tree
+                .range(start..end)
+                .find(|(_, r)| r.private != private && r.info.shared.is_some_and(|l| l.segment == s.id()))
+            {
+                tracing::warn!(
+                    key,
+                    other = other.info.key,
+                    segment = s.id(),
+                    "a private and a public region share a shared segment: peers that may map the \
+                     public one can map the private one too; give private memory a segment of its own"
+                );
+            }
+        }
+        let region = Arc::new(Region {
+            info: RegionInfo { key, kind, addr, len, dev, shared, gpu },
+            private,
+            _segment: segment,
+        });
         tree.insert(addr, region.clone());
         inner.by_key.insert(key, region);
-        inner.generation += 1;
-        tracing::debug!(key, %kind, addr, len, dev, "registered region");
+        if !private {
+            inner.generation += 1;
+        }
+        tracing::debug!(key, %kind, addr, len, dev, private, "registered region");
         Ok(key)
     }
 
@@ -290,17 +358,20 @@ impl Registry {
         if users > 0 {
             return Err(Error::RegionBusy { key, users });
         }
-        let info = region.info.clone();
+        let (info, private) = (region.info.clone(), region.private);
         inner.by_key.remove(&key);
         if let Some(tree) = inner.index.get_mut(&(info.kind, info.dev)) {
             tree.remove(&info.addr);
         }
-        inner.generation += 1;
+        if !private {
+            inner.generation += 1;
+        }
         tracing::debug!(key, "deregistered region");
         Ok(())
     }
 
-    /// The region that wholly contains `[addr, addr+len)`.
+    /// The region that wholly contains `[addr, addr+len)`, private ones included: for
+    /// the local side of this agent's own transfers only.
     pub fn find(&self, kind: MemKind, addr: u64, len: u64, dev: u64) -> Result<Arc<Region>> {
         let dev = if kind == MemKind::Dram { 0 } else { dev };
         let inner = self.inner.read();
@@ -315,24 +386,40 @@ impl Registry {
         Ok(region.clone())
     }
 
-    /// The region with `key`, checked to contain `[addr, addr+len)`.
+    /// The public region with `key`, checked to contain `[addr, addr+len)`: the check on
+    /// an access a peer asks for. A private region is refused exactly as a key that does
+    /// not exist (same error, before any bounds check, which would reveal its range).
     pub fn get_checked(&self, key: u64, addr: u64, len: u64) -> Result<Arc<Region>> {
         let inner = self.inner.read();
-        let region = inner.by_key.get(&key).ok_or(Error::UnknownRegion(key))?;
+        let region = inner.by_key.get(&key).filter(|r| !r.private).ok_or(Error::UnknownRegion(key))?;
         region.info.check_contains(addr, len)?;
         Ok(region.clone())
     }
 
+    /// The region with `key`, private ones included: for this agent's own use (guards
+    /// of its own transfers, deregistration), never to serve a peer (see
+    /// [`Registry::get_checked`]).
     pub fn get(&self, key: u64) -> Option<Arc<Region>> {
         self.inner.read().by_key.get(&key).cloned()
     }
 
-    /// All regions, sorted by key (for metadata).
+    /// The public regions, sorted by key, and the generation they are at: what the
+    /// agent's metadata tells peers. Private regions are left out.
     pub fn snapshot(&self) -> (u64, Vec<RegionInfo>) {
+        let inner = self.inner.read();
+        let mut regions: Vec<RegionInfo> =
+            inner.by_key.values().filter(|r| !r.private).map(|r| r.info.clone()).collect();
+        regions.sort_by_key(|r| r.key);
+        (inner.generation, regions)
+    }
+
+    /// Every region, private ones included, sorted by key: for local decisions (which
+    /// memory this agent's transfers may start from), never for peers.
+    pub fn local_regions(&self) -> Vec<RegionInfo> {
         let inner = self.inner.read();
         let mut regions: Vec<RegionInfo> = inner.by_key.values().map(|r| r.info.clone()).collect();
         regions.sort_by_key(|r| r.key);
-        (inner.generation, regions)
+        regions
     }
 
     pub fn len(&self) -> usize {
@@ -460,5 +547,42 @@ mod tests {
         let loc = info.shared.expect("inside a shared segment");
         assert_eq!(loc.offset, 4096);
         assert_eq!(loc.segment, seg.id());
+    }
+
+    #[test]
+    fn private_regions_are_local_only() {
+        let reg = Registry::new();
+        let public = reg.register(MemKind::Dram, 0x1000, 0x1000, 0).unwrap();
+        let (gen, listed) = reg.snapshot();
+        let private = reg.register_private(MemKind::Dram, 0x4000, 0x1000, 0).unwrap();
+        assert_ne!(public, private);
+        // Peers' view: unchanged, generation included (a cached metadata blob stays right).
+        assert_eq!(reg.snapshot(), (gen, listed.clone()));
+        assert_eq!(listed.iter().map(|r| r.key).collect::<Vec<_>>(), vec![public]);
+        // Remote accesses: refused exactly like a key that does not exist, even out of bounds.
+        assert_eq!(reg.get_checked(private, 0x4000, 16).unwrap_err(), Error::UnknownRegion(private));
+        assert_eq!(reg.get_checked(private, 0x9000, 1 << 20).unwrap_err(), Error::UnknownRegion(private));
+        assert_eq!(reg.get_checked(999, 0x4000, 16).unwrap_err(), Error::UnknownRegion(999));
+        assert!(reg.get_checked(public, 0x1000, 16).is_ok());
+        // Local use: found like any region, and overlaps are still refused.
+        let found = reg.find(MemKind::Dram, 0x4800, 16, 0).unwrap();
+        assert_eq!(found.info.key, private);
+        assert!(found.is_private() && !reg.get(public).unwrap().is_private());
+        drop(found);
+        assert!(matches!(reg.register(MemKind::Dram, 0x4800, 0x1000, 0), Err(Error::Overlap { .. })));
+        assert!(matches!(reg.register_private(MemKind::Dram, 0x1800, 16, 0), Err(Error::Overlap { .. })));
+        assert_eq!(reg.local_regions().iter().map(|r| r.key).collect::<Vec<_>>(), vec![public, private]);
+        assert_eq!(reg.len(), 2);
+        // Deregistration as usual (busy while guarded), and the peers' view never moved.
+        let guard = reg.find(MemKind::Dram, 0x4000, 8, 0).unwrap();
+        assert!(matches!(reg.deregister(private), Err(Error::RegionBusy { users: 1, .. })));
+        drop(guard);
+        reg.deregister(private).unwrap();
+        assert_eq!(reg.snapshot(), (gen, listed));
+        assert!(reg.find(MemKind::Dram, 0x4000, 8, 0).is_err());
+        assert!(matches!(reg.deregister(private), Err(Error::UnknownRegion(_))));
+        // Public changes still move the generation.
+        reg.deregister(public).unwrap();
+        assert!(reg.snapshot().0 > gen);
     }
 }

@@ -4,7 +4,8 @@
 //! shared segment and rings the peer when it may be asleep.
 //!
 //! Layout: three cache lines of header (the producer's position; the consumer's
-//! position; magic and capacity), then `capacity` bytes of records. Positions count
+//! position and whether it may be asleep; magic and capacity), then `capacity` bytes
+//! of records. Positions count
 //! bytes since the ring was made and only grow; a position's place in the ring is the
 //! position modulo the capacity. Each side writes one line only, so neither slows the
 //! other down by stealing the line it writes.
@@ -26,6 +27,9 @@ pub const LINE: usize = 128;
 pub const HEADER: usize = 3 * LINE;
 const PRODUCER: usize = 0;
 const CONSUMER: usize = LINE;
+/// Nonzero unless the consumer's agent said it polls for notifications: then a
+/// producer need not ring when the consumer has caught up (see [`Consumer::set_asleep`]).
+const ASLEEP: usize = LINE + 8;
 const MAGIC_AT: usize = 2 * LINE;
 const CAPACITY_AT: usize = 2 * LINE + 8;
 const MAGIC: u64 = u64::from_le_bytes(*b"FRTRING1");
@@ -82,6 +86,10 @@ impl Raw {
         self.word(CONSUMER)
     }
 
+    fn asleep(&self) -> &AtomicU64 {
+        self.word(ASLEEP)
+    }
+
     /// Where position `pos` lies in memory.
     fn at(&self, pos: u64) -> *mut u8 {
         // SAFETY: the offset is below the capacity, inside the memory.
@@ -123,8 +131,8 @@ fn bad(why: impl std::fmt::Display) -> Error {
 pub struct Written {
     /// The whole message is in the ring.
     pub done: bool,
-    /// A record went into a ring the consumer had found empty: it may be asleep, and must
-    /// be woken to see it.
+    /// The consumer must be woken to see what was written: a record went into a ring it
+    /// had found empty while it may be asleep, or the ring is more than half full.
     pub wake: bool,
 }
 
@@ -153,6 +161,8 @@ impl Producer {
         let raw = Raw::new(base, len)?;
         raw.producer().store(0, Ordering::Relaxed);
         raw.consumer().store(0, Ordering::Relaxed);
+        // Until the consumer says otherwise, it may be asleep.
+        raw.asleep().store(1, Ordering::Relaxed);
         raw.word(CAPACITY_AT).store(raw.cap, Ordering::Relaxed);
         raw.word(MAGIC_AT).store(MAGIC, Ordering::Release);
         Ok(Producer { raw, head: 0, tail: 0, abandoned: false })
@@ -191,11 +201,15 @@ impl Producer {
         }
         self.head = start + record_size(payload.len());
         self.raw.producer().store(self.head, Ordering::Release);
-        // Dekker with `Consumer::drain`: either the consumer, after releasing the ring,
-        // sees this record, or we see that it had caught up with `start` and ring.
+        // Dekker with `Consumer::drain` and `Consumer::set_asleep`: either the consumer,
+        // after releasing the ring or before going to sleep, sees this record, or we see
+        // that it had caught up with `start` while it may sleep, and ring.
         fence(Ordering::SeqCst);
+        let asleep = self.raw.asleep().load(Ordering::Relaxed) != 0;
         self.tail = self.raw.consumer().load(Ordering::Acquire);
-        self.tail == start
+        // Past half full, ring whatever the consumer said: an application that polls
+        // and then stops must not leave the ring to fill up and stall its senders.
+        (asleep && self.tail == start) || (self.head - self.tail) * 2 > self.raw.cap
     }
 
     /// Writes as much of `msg[*sent..]` as fits, a whole record at a time, and advances
@@ -261,6 +275,15 @@ impl Consumer {
         }
         let tail = raw.consumer().load(Ordering::Acquire);
         Ok(Consumer { raw, tail, partial: Vec::new(), max_message, broken: None })
+    }
+
+    /// Tells the producer whether this consumer may be asleep. A consumer that says no
+    /// (its application polls) is not rung for while the ring is less than half full:
+    /// it finds new records when it next looks. Before sleeping, a consumer says yes and
+    /// then looks once more (Dekker with `Producer::record`).
+    pub fn set_asleep(&self, asleep: bool) {
+        self.raw.asleep().store(asleep as u64, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
     }
 
     /// Hands every complete message in the ring to `deliver`, oldest first, and returns
@@ -423,14 +446,36 @@ mod tests {
         assert_eq!(drain_all(&mut c).len(), 2);
         assert!(p.is_empty());
         assert!(write(&mut p, b"third"), "drained: it may be asleep again");
-        // A message of several records rings once, for its first record.
-        let big = vec![1u8; 2500];
+        // A message of several records rings once, for its first record (less than half
+        // the ring: past half, every record rings).
+        let big = vec![1u8; 1500];
         let mut sent = 0;
         let w = p.write(&big, &mut sent);
         assert_eq!(w, Written { done: true, wake: false });
         assert_eq!(drain_all(&mut c), vec![b"third".to_vec(), big.clone()]);
         let mut sent = 0;
         assert_eq!(p.write(&big, &mut sent), Written { done: true, wake: true });
+    }
+
+    #[test]
+    fn a_polling_consumer_is_rung_only_for_a_ring_half_full() {
+        let mut mem = Mem::new(4096);
+        let (mut p, mut c) = mem.pair(1 << 20);
+        c.set_asleep(false);
+        let mut write = |m: &[u8]| {
+            let mut sent = 0;
+            let w = p.write(m, &mut sent);
+            assert!(w.done);
+            w.wake
+        };
+        assert!(!write(b"first"), "caught up, but it polls: no ring");
+        assert_eq!(drain_all(&mut c).len(), 1);
+        // 4096 bytes of ring: records of 400 bytes ring once they fill more than half.
+        let rings: Vec<bool> = (0..8).map(|_| write(&[7u8; 396])).collect();
+        assert_eq!(rings, vec![false, false, false, false, false, true, true, true]);
+        assert_eq!(drain_all(&mut c).len(), 8);
+        c.set_asleep(true);
+        assert!(write(b"again"), "about to sleep: ring");
     }
 
     #[test]

@@ -332,6 +332,15 @@ fn remote_shift(
 /// peers. `None` where CUDA is absent: the region is then registered as given and the
 /// transports refuse it with the reason.
 pub fn export_region(addr: u64, len: u64, dev: u64) -> Result<Option<crate::memory::GpuLocation>> {
+    match check_region(addr, dev)? {
+        Some(device) => crate::cuda::ipc::export(device, addr, len).map(Some),
+        None => Ok(None),
+    }
+}
+
+/// Checks that `addr` is memory of GPU `dev`, without exporting anything (for private
+/// regions, which no peer may map). `None` where CUDA is absent.
+pub fn check_region(addr: u64, dev: u64) -> Result<Option<&'static Device>> {
     use crate::cuda::driver::{pointer_kind, PointerKind};
     if crate::cuda::driver::init().is_err() {
         return Ok(None);
@@ -350,7 +359,7 @@ pub fn export_region(addr: u64, len: u64, dev: u64) -> Result<Option<crate::memo
             )))
         }
     }
-    crate::cuda::ipc::export(device, addr, len).map(Some)
+    Ok(Some(device))
 }
 
 /// How the cuda transport would serve a path between `local` and `remote` regions (one

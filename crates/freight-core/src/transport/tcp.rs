@@ -480,7 +480,8 @@ pub fn serve_data_stream(mut sock: TcpStream, registry: &Registry, cfg: &TcpConf
 /// The guards on a message's regions, and its pieces where GPU memory is involved.
 type Access = (Vec<Arc<crate::memory::Region>>, Option<Vec<Piece>>);
 
-/// Every segment must lie in a registered region of host or GPU memory; returns the
+/// Every segment must lie in a registered public region of host or GPU memory (a
+/// private region is refused as an unknown key by `get_checked`); returns the
 /// guards and, where GPU memory is involved, the segments as pieces with the GPU behind
 /// each one (host-memory messages, the common case, need no pieces).
 fn check_access(registry: &Registry, segs: &[Seg]) -> Result<Access> {
