@@ -5,8 +5,10 @@ pub mod args;
 mod bench;
 mod child;
 mod demo;
+mod kv_bench;
 mod pattern;
 mod proto;
+mod serve;
 mod target;
 
 use std::io::Write;
@@ -27,6 +29,8 @@ Examples:
   freight bench p2p --role target --listen 0.0.0.0:7000      (host A)
   freight bench p2p --connect HOST_A:7000                    (host B)
   freight bench descriptors                      time registration and descriptor preparation
+  freight serve --memory-mb 4096                 a KV cache server on [::1]:50051
+  freight kv-bench --value-size 64KiB            its read throughput and latency (--embedded: in-process)
 
 Logs: --log-level or the FREIGHT_LOG variable (e.g. FREIGHT_LOG=freight_core=debug).";
 
@@ -53,6 +57,13 @@ enum Command {
         #[command(subcommand)]
         which: bench::BenchCommand,
     },
+    /// The KV cache server: values in a memory pool, a gRPC control plane, a zero-copy
+    /// data plane through the engine.
+    #[command(alias = "kv-server")]
+    Serve(serve::ServeArgs),
+    /// Read throughput and latency of a KV server: write phase, warmup, concurrent
+    /// reads, latency of random GETs (against --server-addr, or --embedded).
+    KvBench(kv_bench::KvBenchArgs),
     /// The target side of `demo` and `bench p2p`, started by them as a child process.
     #[command(name = target::SUBCOMMAND, hide = true)]
     Target(target::TargetArgs),
@@ -85,6 +96,8 @@ pub fn run(args: Vec<String>, self_command: Vec<String>) -> i32 {
         match &cli.command {
             Command::Demo(a) => demo::run(a, &ctx),
             Command::Bench { which } => bench::run(which, &ctx),
+            Command::Serve(a) => serve::run(a),
+            Command::KvBench(a) => kv_bench::run(a),
             Command::Target(a) => target::run_child(a),
         }
     });

@@ -252,13 +252,13 @@ impl Index {
 
     /// Makes reservation `id` its key's value, with a new version and, for a nonzero
     /// TTL, an expiry `ttl_ms` after `now_ms`. The value it replaces leaves the index
-    /// now; its slot is freed now, or by its last reader.
+    /// now; its slot is freed now, or by its last reader. Returns the new version.
     ///
     /// # Errors
     ///
     /// `InvalidArgument` if `id` is not pending: never granted, or already committed,
     /// aborted or reclaimed.
-    pub fn commit_put(&mut self, id: u64, now_ms: u64) -> Result<()> {
+    pub fn commit_put(&mut self, id: u64, now_ms: u64) -> Result<u64> {
         let Some(put) = self.pending.remove(&id) else {
             return Err(Error::InvalidArgument(format!(
                 "no pending put with id {id}: it was never granted, or was already committed, aborted or reclaimed"
@@ -278,7 +278,7 @@ impl Index {
         self.lru.insert(value.tick, key.clone());
         self.bytes += value.slot.len;
         self.values.insert(key, value);
-        Ok(())
+        Ok(self.last_version)
     }
 
     /// Gives up reservation `id` and frees its slot. Returns whether it was pending, so

@@ -3,7 +3,22 @@
 //! Values live in one memory pool that the server registers with the freight engine
 //! ([`pool`]); an index maps keys to their slots, with TTLs, LRU eviction and readers'
 //! pins, so that a value is either wholly old or wholly new to every reader
-//! ([`index`]). Both are bookkeeping only, tested without sockets.
+//! ([`index`]). Clients send GET and PUT requests as engine notifications ([`wire`]);
+//! what the server does with each, apart from moving the bytes, is [`service`]. These
+//! four are bookkeeping only, tested without sockets.
+//!
+//! Around them: the [`server`] (the pool, the data-plane worker that moves every value
+//! as one engine transfer per request, the gRPC control plane of [`rpc`]) and the
+//! [`client`]. docs/kv.md describes the whole.
 
+pub mod client;
 pub mod index;
+mod poll;
 pub mod pool;
+pub mod rpc;
+pub mod server;
+pub mod service;
+pub mod wire;
+
+pub use client::{Client, ClientConfig};
+pub use server::{Server, ServerConfig};

@@ -3,7 +3,7 @@
 mod descriptors;
 mod measure;
 mod p2p;
-mod report;
+pub(crate) mod report;
 mod stream;
 
 use clap::Subcommand;

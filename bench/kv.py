@@ -1,0 +1,188 @@
+#!/usr/bin/env python3
+"""The KV server beside Redis, in one run on one machine, over loopback.
+
+For each value size, Redis 7 (Debian's redis-server, measured by its own
+redis-benchmark: SET then GET, 4 clients) and freight (`freight serve`, measured by
+`freight kv-bench`: 4 reader threads, each a client of its own, over shared memory and
+over tcp) serve the same number of keys of that size. Writes one JSON document and
+prints a table last, with the targets of the KV server issue:
+
+  4 KiB    GET ops/s >= Redis, and p50 under load <= Redis's p50
+  64 KiB   GET ops/s >= 2x Redis
+  1 MiB    GET ops/s >= 3x Redis over shared memory, >= 1.2x over tcp
+
+    python3 bench/kv.py --machine "2-vCPU VM" --out bench/results/kv-dev-vm-2cpu.json
+
+Redis comes from Debian's packages (redis-server, redis-tools): the script installs them
+with apt-get when it runs as root and they are missing. Only the standard library is
+used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import os
+import pathlib
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SIZES = {"4KiB": 4096, "64KiB": 65536, "1MiB": 1 << 20}
+# Keys per size (freight's kv-bench reads each once, across its threads; Redis's
+# benchmark makes as many GETs over as many keys): enough for about a second of reads
+# on a small machine, within its memory.
+KEYS = {"4KiB": 50_000, "64KiB": 10_000, "1MiB": 1_000}
+CLIENTS = 4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_redis() -> None:
+    if shutil.which("redis-server") and shutil.which("redis-benchmark"):
+        return
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        sys.exit("Redis is missing: apt-get install redis-server redis-tools (Debian packages)")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    subprocess.run(["apt-get", "install", "-y", "-q", "redis-server", "redis-tools"], check=True, env=env)
+
+
+def wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"{what} exited with {proc.returncode} before listening")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    sys.exit(f"{what} did not listen on port {port} within {timeout:.0f} s")
+
+
+def redis_run(size: int, keys: int) -> dict:
+    port = free_port()
+    server = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_port(port, server, "redis-server")
+        out = subprocess.run(
+            ["redis-benchmark", "-p", str(port), "-t", "set,get", "-d", str(size), "-c", str(CLIENTS),
+             "-n", str(keys), "-r", str(keys), "--csv"],
+            check=True, capture_output=True, text=True, timeout=600,
+        ).stdout
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    rows = {r["test"]: r for r in csv.DictReader(io.StringIO(out))}
+    get = rows["GET"]
+    return {
+        "ops_per_sec": float(get["rps"]),
+        "p50_us": float(get["p50_latency_ms"]) * 1000,
+        "p99_us": float(get["p99_latency_ms"]) * 1000,
+        "set_ops_per_sec": float(rows["SET"]["rps"]),
+    }
+
+
+def freight_run(freight: list[str], size: int, keys: int, transport: str) -> dict:
+    port = free_port()
+    memory_mb = max(64, keys * size * 5 // 4 // (1 << 20) + 16)
+    server = subprocess.Popen(
+        [*freight, "serve", "--listen", f"127.0.0.1:{port}", "--memory-mb", str(memory_mb), "--transport", transport],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_port(port, server, "freight serve")
+        out = subprocess.run(
+            [*freight, "kv-bench", "--server-addr", f"http://127.0.0.1:{port}", "--num-keys", str(keys),
+             "--value-size", str(size), "--num-threads", str(CLIENTS), "--buffer-mb", str(max(8, 2 * size >> 20)),
+             "--transport", transport, "--verify", "sample", "--warmup", "100", "--json"],
+            check=True, capture_output=True, text=True, timeout=600,
+        ).stdout
+    finally:
+        server.terminate()
+        server.wait(timeout=20)
+    d = json.loads(out)
+    return {
+        "ops_per_sec": d["read"]["ops_per_sec"],
+        "p50_us": d["read_latency_us"]["median"],
+        "p99_us": d["read_latency_us"]["p99"],
+        "set_ops_per_sec": d["write"]["ops_per_sec"],
+        "single_get_p50_us": d["latency_us"]["median"],
+    }
+
+
+TARGETS = {  # size -> (transport -> minimum ratio of GET ops/s to Redis's)
+    "4KiB": {"shm": 1.0, "tcp": None},
+    "64KiB": {"shm": 2.0, "tcp": None},
+    "1MiB": {"shm": 3.0, "tcp": 1.2},
+}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--machine", required=True, help="the machine, in words")
+    ap.add_argument("--out", type=pathlib.Path, required=True)
+    ap.add_argument("--freight", default=str(ROOT / "target/release/freight"),
+                    help="the freight command (default: the release build); e.g. 'python3 -m freight'")
+    ap.add_argument("--scale", type=float, default=1.0, help="multiplies the number of keys of every size")
+    ap.add_argument("--sizes", default=",".join(SIZES), help="value sizes to run (default: all)")
+    args = ap.parse_args()
+    ensure_redis()
+    freight = args.freight.split()
+    results = []
+    for name in args.sizes.split(","):
+        size = SIZES[name]
+        keys = max(100, int(KEYS[name] * args.scale))
+        row = {"size": name, "bytes": size, "keys": keys, "redis": redis_run(size, keys)}
+        for transport in ("shm", "tcp"):
+            row[f"freight_{transport}"] = freight_run(freight, size, keys, transport)
+            ratio = row[f"freight_{transport}"]["ops_per_sec"] / row["redis"]["ops_per_sec"]
+            target = TARGETS[name][transport]
+            row[f"{transport}_ratio"] = ratio
+            row[f"{transport}_target"] = target
+            row[f"{transport}_met"] = None if target is None else ratio >= target
+        if name == "4KiB":
+            row["p50_met"] = row["freight_shm"]["p50_us"] <= row["redis"]["p50_us"]
+        results.append(row)
+        print(f"[kv] {name}: redis {row['redis']['ops_per_sec']:.0f} ops/s, freight shm "
+              f"{row['freight_shm']['ops_per_sec']:.0f}, tcp {row['freight_tcp']['ops_per_sec']:.0f}", flush=True)
+    doc = {
+        "benchmark": "bench/kv.py",
+        "machine": args.machine,
+        "host": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "clients": CLIENTS,
+        "redis": subprocess.run(["redis-server", "--version"], capture_output=True, text=True).stdout.strip(),
+        "results": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=2) + "\n")
+    print("\n| value | Redis GET ops/s (p50 us) | freight shm ops/s (p50 us) | ratio | freight tcp ops/s | ratio |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        def cell(t: str) -> str:
+            met = r[f"{t}_met"]
+            mark = "" if met is None else (" ok" if met else f" MISSED (target {r[f'{t}_target']}x)")
+            return f"{r[f'{t}_ratio']:.2f}x{mark}"
+        print(f"| {r['size']} | {r['redis']['ops_per_sec']:.0f} ({r['redis']['p50_us']:.0f}) | "
+              f"{r['freight_shm']['ops_per_sec']:.0f} ({r['freight_shm']['p50_us']:.0f}) | {cell('shm')} | "
+              f"{r['freight_tcp']['ops_per_sec']:.0f} | {cell('tcp')} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+//! `freight serve` (also `freight kv-server`): runs the KV cache server until SIGINT or
+//! SIGTERM, then stops taking requests, finishes those in flight and exits.
+
+use clap::Args;
+use freight_kv::{Server, ServerConfig};
+
+use crate::args::{CliError, CliResult, EngineOpts};
+use crate::emit;
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// gRPC control plane address. Loopback by default; [::]:50051 or 0.0.0.0:50051
+    /// listens on every interface.
+    #[arg(long, value_name = "IP:PORT", default_value = freight_kv::server::DEFAULT_LISTEN)]
+    pub listen: String,
+
+    /// Size of the value pool in MiB (allocated and touched at start).
+    #[arg(long, value_name = "MIB", default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..=16 << 20))]
+    pub memory_mb: u64,
+
+    /// When the pool is full, reject writes with an out-of-memory error instead of
+    /// evicting the least recently used values.
+    #[arg(long)]
+    pub no_evict: bool,
+
+    /// Address of the data plane's engine listener (clients on other hosts reach the
+    /// server's agent there over tcp; port 0 picks one).
+    #[arg(long, value_name = "IP:PORT", default_value = "127.0.0.1:0")]
+    pub data_listen: String,
+
+    #[command(flatten)]
+    pub engine: EngineOpts,
+}
+
+pub fn run(a: &ServeArgs) -> CliResult<()> {
+    // Blocked before any thread starts, so that every thread inherits the mask and the
+    // signals wait for `sigwait` below instead of killing the process mid-request.
+    let signals = block_stop_signals()?;
+    let config = ServerConfig {
+        listen: a.listen.clone(),
+        memory_bytes: a.memory_mb << 20,
+        evict: !a.no_evict,
+        engine: a.engine.agent_config(&a.data_listen, a.engine.transport.require()),
+        ..Default::default()
+    };
+    let server = Server::start(config).map_err(|e| match e {
+        freight_core::Error::InvalidArgument(m) => CliError::usage(m),
+        other => CliError::from(other),
+    })?;
+    emit(&format!(
+        "freight KV server listening on {} (pool {} MiB, {}); stop with Ctrl-C\n",
+        server.url(),
+        a.memory_mb,
+        if a.no_evict { "full pool rejects writes" } else { "LRU eviction" }
+    ))?;
+    let signal = wait_for(&signals);
+    tracing::info!(signal, "stopping");
+    server.shutdown();
+    emit("freight KV server stopped\n")
+}
+
+fn block_stop_signals() -> CliResult<libc::sigset_t> {
+    // SAFETY: plain libc calls on a local signal set.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        if libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) != 0 {
+            return Err(CliError::runtime("cannot block SIGINT and SIGTERM"));
+        }
+        Ok(set)
+    }
+}
+
+fn wait_for(set: &libc::sigset_t) -> i32 {
+    let mut signal = 0;
+    // SAFETY: a signal set blocked in every thread (see block_stop_signals).
+    unsafe { libc::sigwait(set, &mut signal) };
+    signal
+}

@@ -1,0 +1,342 @@
+//! A client of the KV server: a session on the control plane, an engine agent of its
+//! own, and a receive buffer registered with that agent (in shared memory, so that a
+//! server on the same host writes values straight into it).
+//!
+//! A GET asks the server to write the value into the buffer; the reply arrives after
+//! the bytes, so the value is there to read when [`Client::get_with`] returns it. A PUT
+//! copies the value into the buffer and asks the server to read it from there. One
+//! request at a time per client; threads use a client each.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use freight_core::{Agent, AgentConfig, Error, MemKind, Result, SharedSegment};
+use tonic::transport::Channel;
+
+use crate::rpc::proto::kv_control_client::KvControlClient;
+use crate::rpc::proto::*;
+use crate::wire::{self, Buffer, Outcome, Reply};
+
+/// How a client connects.
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    /// The server's control plane: "http://[::1]:50051".
+    pub server: String,
+    /// Bytes of the receive buffer: the largest value a GET can fetch, and the most a
+    /// batched PUT can send at once.
+    pub buffer_bytes: u64,
+    /// Shown in the server's logs; the agent's name adds the process id and a random
+    /// suffix, so that many clients of one server stay distinct.
+    pub name: String,
+    pub engine: AgentConfig,
+    /// Longest wait for any answer from the server.
+    pub timeout: Duration,
+    /// How long to keep trying when the server does not accept connections yet (one
+    /// starting up, or restarting).
+    pub connect_for: Duration,
+}
+
+impl Default for ClientConfig {
+    fn default() -> Self {
+        ClientConfig {
+            server: format!("http://{}", crate::server::DEFAULT_LISTEN),
+            buffer_bytes: 64 << 20,
+            name: "freight-kv-client".into(),
+            engine: AgentConfig::default(),
+            timeout: Duration::from_secs(30),
+            connect_for: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Server-side counters, as the control plane reports them.
+pub type ServerStats = StatsReply;
+
+pub struct Client {
+    agent: Arc<Agent>,
+    runtime: tokio::runtime::Runtime,
+    rpc: KvControlClient<Channel>,
+    server: String,
+    client_id: u64,
+    buffer: Arc<SharedSegment>,
+    next_id: u64,
+    timeout: Duration,
+    /// Replies that arrived for requests other than the one awaited (late ones).
+    early: HashMap<u64, Reply>,
+}
+
+impl Client {
+    /// Registers a receive buffer and opens a session with the server.
+    pub fn connect(config: ClientConfig) -> Result<Client> {
+        if config.buffer_bytes == 0 {
+            return Err(Error::InvalidArgument("a client needs a receive buffer (buffer_bytes is 0)".into()));
+        }
+        let name = format!("{}-{}-{:08x}", config.name, std::process::id(), rand::random::<u32>());
+        let agent = Arc::new(Agent::new(&name, config.engine.clone())?);
+        let len = usize::try_from(config.buffer_bytes)
+            .map_err(|_| Error::InvalidArgument(format!("a buffer of {} bytes is too large", config.buffer_bytes)))?;
+        let buffer = agent.alloc(len)?;
+        agent.register(MemKind::Dram, buffer.addr(), config.buffer_bytes, 0)?;
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| Error::Io(format!("cannot start the client's runtime: {e}")))?;
+        let endpoint = Channel::from_shared(config.server.clone())
+            .map_err(|e| Error::InvalidArgument(format!("server address {:?}: {e}", config.server)))?
+            .connect_timeout(config.timeout.min(Duration::from_secs(10)))
+            .timeout(config.timeout);
+        let mut rpc = runtime.block_on(connect(endpoint, config.connect_for)).map_err(|e| {
+            Error::Io(format!(
+                "cannot reach the KV server at {} (tried for {:?}): {e}",
+                config.server, config.connect_for
+            ))
+        })?;
+        let hello = HelloRequest { agent_metadata: agent.metadata(), client_name: config.name.clone() };
+        let reply = runtime.block_on(rpc.hello(hello)).map_err(|e| rpc_error(&config.server, e))?.into_inner();
+        let server = agent.add_peer(&reply.server_metadata)?;
+        if server != reply.server_agent {
+            return Err(Error::Protocol(format!(
+                "the server's metadata names agent {server:?}, its hello {:?}",
+                reply.server_agent
+            )));
+        }
+        tracing::debug!(client_id = reply.client_id, server = %config.server, "KV session opened");
+        Ok(Client {
+            agent,
+            runtime,
+            rpc,
+            server,
+            client_id: reply.client_id,
+            buffer,
+            next_id: 1,
+            timeout: config.timeout,
+            early: HashMap::new(),
+        })
+    }
+
+    pub fn buffer_bytes(&self) -> u64 {
+        self.buffer.len() as u64
+    }
+
+    /// Stores `value` under `key`, expiring after `ttl` (zero: never). Returns the
+    /// value's version.
+    pub fn put(&mut self, key: &[u8], value: &[u8], ttl: Duration) -> Result<u64> {
+        self.put_batch(&[(key, value)], ttl)?.remove(0)
+    }
+
+    /// Stores a value of `len` bytes that `fill` writes straight into the client's
+    /// buffer (no copy of the caller's own). Returns the value's version.
+    pub fn put_with(&mut self, key: &[u8], len: u64, ttl: Duration, fill: impl FnOnce(&mut [u8])) -> Result<u64> {
+        if len > self.buffer_bytes() {
+            return Err(Error::InvalidArgument(format!(
+                "a value of {len} bytes does not fit the client's buffer of {} bytes",
+                self.buffer_bytes()
+            )));
+        }
+        // SAFETY: within the buffer (checked); exclusively borrowed through `self`.
+        fill(unsafe { std::slice::from_raw_parts_mut(self.buffer.as_ptr(), len as usize) });
+        let items = vec![(key.to_vec(), self.region(0, len))];
+        let ttl_ms = ttl_ms(ttl);
+        let reply = self.call(|first_id| wire::Request::Put { first_id, ttl_ms, items })?;
+        match reply.outcomes.into_iter().next() {
+            Some(Outcome::Stored { version }) => Ok(version),
+            Some(other) => Err(self.unexpected(other)),
+            None => Err(Error::Protocol("the server answered a PUT with no outcome".into())),
+        }
+    }
+
+    /// Stores several values in one request; one result per item.
+    pub fn put_batch(&mut self, items: &[(&[u8], &[u8])], ttl: Duration) -> Result<Vec<Result<u64>>> {
+        let total: u64 = items.iter().map(|(_, v)| v.len() as u64).sum();
+        if total > self.buffer_bytes() {
+            return Err(Error::InvalidArgument(format!(
+                "{total} bytes of values do not fit the client's buffer of {} bytes",
+                self.buffer_bytes()
+            )));
+        }
+        let mut at = 0usize;
+        let mut wire_items = Vec::with_capacity(items.len());
+        for (key, value) in items {
+            // SAFETY: `at + value.len()` is within the buffer (checked above); the server
+            // reads it only during this call.
+            unsafe { std::ptr::copy_nonoverlapping(value.as_ptr(), self.buffer.as_ptr().add(at), value.len()) };
+            wire_items.push((key.to_vec(), self.region(at as u64, value.len() as u64)));
+            at += value.len();
+        }
+        let ttl_ms = ttl_ms(ttl);
+        let reply = self.call(|first_id| wire::Request::Put { first_id, ttl_ms, items: wire_items })?;
+        Ok(reply
+            .outcomes
+            .into_iter()
+            .map(|o| match o {
+                Outcome::Stored { version } => Ok(version),
+                other => Err(self.unexpected(other)),
+            })
+            .collect())
+    }
+
+    /// The value of `key`, copied out of the receive buffer.
+    pub fn get(&mut self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        self.get_with(key, |v| v.to_vec())
+    }
+
+    /// Runs `f` on the value of `key` where the server wrote it, in the receive buffer
+    /// (no copy); `None` when there is no such key.
+    pub fn get_with<R>(&mut self, key: &[u8], f: impl FnOnce(&[u8]) -> R) -> Result<Option<R>> {
+        let whole = self.region(0, self.buffer_bytes());
+        let reply = self.call(|first_id| wire::Request::Get { first_id, items: vec![(key.to_vec(), whole)] })?;
+        match reply.outcomes.into_iter().next() {
+            Some(Outcome::Found { len, .. }) => Ok(Some(f(self.view(0, len)))),
+            Some(Outcome::Missing) => Ok(None),
+            Some(other) => Err(self.unexpected(other)),
+            None => Err(Error::Protocol("the server answered a GET with no outcome".into())),
+        }
+    }
+
+    /// Several values in one request: the buffer is shared out evenly between the keys,
+    /// so each value must fit its share.
+    pub fn get_batch(&mut self, keys: &[&[u8]]) -> Result<Vec<Result<Option<Vec<u8>>>>> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let share = self.buffer_bytes() / keys.len() as u64 / crate::pool::ALIGN * crate::pool::ALIGN;
+        if share == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "{} keys at once do not fit the client's buffer of {} bytes",
+                keys.len(),
+                self.buffer_bytes()
+            )));
+        }
+        let items: Vec<_> =
+            keys.iter().enumerate().map(|(i, k)| (k.to_vec(), self.region(i as u64 * share, share))).collect();
+        let reply = self.call(|first_id| wire::Request::Get { first_id, items })?;
+        Ok(reply
+            .outcomes
+            .into_iter()
+            .enumerate()
+            .map(|(i, o)| match o {
+                Outcome::Found { len, .. } => Ok(Some(self.view(i as u64 * share, len).to_vec())),
+                Outcome::Missing => Ok(None),
+                other => Err(self.unexpected(other)),
+            })
+            .collect())
+    }
+
+    pub fn exists(&mut self, keys: &[&[u8]]) -> Result<Vec<bool>> {
+        let request = KeysRequest { keys: keys.iter().map(|k| k.to_vec()).collect() };
+        let reply = self.runtime.block_on(self.rpc.exists(request)).map_err(|e| rpc_error(&self.server, e))?;
+        Ok(reply.into_inner().exists)
+    }
+
+    /// Deletes the keys; says for each whether it was there.
+    pub fn delete(&mut self, keys: &[&[u8]]) -> Result<Vec<bool>> {
+        let request = KeysRequest { keys: keys.iter().map(|k| k.to_vec()).collect() };
+        let reply = self.runtime.block_on(self.rpc.delete(request)).map_err(|e| rpc_error(&self.server, e))?;
+        Ok(reply.into_inner().deleted)
+    }
+
+    pub fn stats(&mut self) -> Result<ServerStats> {
+        let reply = self.runtime.block_on(self.rpc.stats(StatsRequest {})).map_err(|e| rpc_error(&self.server, e))?;
+        Ok(reply.into_inner())
+    }
+
+    /// Ends the session (dropping the client without it works too: the server notices
+    /// the lost connection).
+    pub fn close(mut self) -> Result<()> {
+        let request = GoodbyeRequest { client_id: self.client_id };
+        self.runtime.block_on(self.rpc.goodbye(request)).map_err(|e| rpc_error(&self.server, e))?;
+        self.agent.close();
+        Ok(())
+    }
+
+    fn region(&self, offset: u64, len: u64) -> Buffer {
+        Buffer { kind: MemKind::Dram, addr: self.buffer.addr() + offset, len, dev: 0 }
+    }
+
+    fn view(&self, offset: u64, len: u64) -> &[u8] {
+        assert!(offset + len <= self.buffer_bytes(), "the server reported a value beyond the buffer");
+        // SAFETY: within the buffer (asserted); the server wrote it before its reply
+        // arrived, and nothing writes it while this client is borrowed.
+        unsafe { std::slice::from_raw_parts(self.buffer.as_ptr().add(offset as usize), len as usize) }
+    }
+
+    /// Sends a request made with its first id, and waits for its reply.
+    fn call(&mut self, make: impl FnOnce(u64) -> wire::Request) -> Result<Reply> {
+        let request = make(self.next_id);
+        let first_id = request.first_id();
+        self.next_id += request.len().max(1) as u64;
+        self.agent.notify(&self.server, request.encode())?;
+        self.wait_reply(first_id)
+    }
+
+    fn wait_reply(&mut self, first_id: u64) -> Result<Reply> {
+        if let Some(r) = self.early.remove(&first_id) {
+            return Ok(r);
+        }
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Error::Timeout(format!("no answer from the KV server within {:?}", self.timeout)));
+            }
+            for n in crate::poll::next_notifs(&self.agent, left.min(Duration::from_millis(100))) {
+                match Reply::decode(&n.msg) {
+                    Some(Ok(r)) if r.first_id == first_id => return Ok(r),
+                    Some(Ok(r)) => {
+                        // An answer to a request that timed out: kept a while, then dropped.
+                        if self.early.len() < 1024 {
+                            self.early.insert(r.first_id, r);
+                        }
+                    }
+                    Some(Err(e)) => tracing::warn!(error = %e, "dropped a malformed reply"),
+                    None => tracing::debug!(from = %n.from, "ignored a notification that is no KV reply"),
+                }
+            }
+            self.agent.check_peer(&self.server)?;
+        }
+    }
+
+    fn unexpected(&self, outcome: Outcome) -> Error {
+        match outcome {
+            Outcome::TooLarge { value, buffer } => Error::InvalidArgument(format!(
+                "the value has {value} bytes; the client's buffer for it has {buffer} (raise the buffer size)"
+            )),
+            Outcome::Failed { code, error } => code.error(&self.server, error),
+            other => Error::Protocol(format!("unexpected answer from the KV server: {other:?}")),
+        }
+    }
+}
+
+/// Connects, trying again until `patience` has passed.
+async fn connect(
+    endpoint: tonic::transport::Endpoint,
+    patience: Duration,
+) -> std::result::Result<KvControlClient<Channel>, tonic::transport::Error> {
+    let until = Instant::now() + patience;
+    let mut pause = Duration::from_millis(20);
+    loop {
+        match KvControlClient::connect(endpoint.clone()).await {
+            Ok(c) => return Ok(c),
+            Err(e) if Instant::now() + pause >= until => return Err(e),
+            Err(_) => {
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_millis(500));
+            }
+        }
+    }
+}
+
+fn ttl_ms(ttl: Duration) -> u64 {
+    ttl.as_millis().min(u64::MAX as u128) as u64
+}
+
+fn rpc_error(server: &str, e: tonic::Status) -> Error {
+    match e.code() {
+        tonic::Code::InvalidArgument => Error::InvalidArgument(e.message().to_string()),
+        tonic::Code::ResourceExhausted => Error::NoSpace(e.message().to_string()),
+        tonic::Code::Unauthenticated => Error::Auth(e.message().to_string()),
+        tonic::Code::DeadlineExceeded => Error::Timeout(format!("the KV server at {server}: {}", e.message())),
+        _ => Error::PeerDisconnected { peer: server.to_string(), reason: format!("{}: {}", e.code(), e.message()) },
+    }
+}

@@ -1,0 +1,208 @@
+//! The data plane's messages. A client sends each request to the server as an engine
+//! notification; the server moves the values itself (a GET writes the value into the
+//! client's buffer, a PUT reads it from there into a slot of the pool) and answers with
+//! a notification, which for a GET rides on the transfer and so arrives only after the
+//! bytes have landed.
+//!
+//! A request is a batch of one or more keys of one kind; its items get consecutive ids
+//! from `first_id`, and the reply carries one outcome per item in the same order.
+//! Every message starts with [`MAGIC`] and a version byte, so that a server can tell its
+//! clients' messages from anything else an engine peer might send, and refuse a
+//! message of another version by name instead of misreading it.
+
+use freight_core::{Desc, Error, MemKind, Result};
+use serde::{Deserialize, Serialize};
+
+/// The first bytes of every data-plane message.
+pub const MAGIC: [u8; 3] = *b"fkv";
+/// This protocol's version, the byte after [`MAGIC`].
+pub const VERSION: u8 = 1;
+
+/// Client memory registered with the client's agent: where a GET puts a value, or where
+/// a PUT's value is read from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Buffer {
+    pub kind: MemKind,
+    pub addr: u64,
+    pub len: u64,
+    pub dev: u64,
+}
+
+impl Buffer {
+    pub fn desc(&self) -> Desc {
+        Desc { addr: self.addr, len: self.len, dev: self.dev }
+    }
+
+    /// The first `len` bytes.
+    pub fn prefix(&self, len: u64) -> Buffer {
+        Buffer { len, ..*self }
+    }
+}
+
+/// A client's request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Request {
+    /// Each key's value into its buffer.
+    Get { first_id: u64, items: Vec<(Vec<u8>, Buffer)> },
+    /// Each buffer becomes its key's value (all of the buffer), expiring after `ttl_ms`
+    /// (0: never).
+    Put { first_id: u64, ttl_ms: u64, items: Vec<(Vec<u8>, Buffer)> },
+}
+
+impl Request {
+    pub fn first_id(&self) -> u64 {
+        match self {
+            Request::Get { first_id, .. } | Request::Put { first_id, .. } => *first_id,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Request::Get { items, .. } | Request::Put { items, .. } => items.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// What happened to one item of a request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Outcome {
+    /// GET: the value (`len` bytes) is in the item's buffer.
+    Found { len: u64, version: u64 },
+    /// GET: no such key (or it expired).
+    Missing,
+    /// PUT: the key now has this value.
+    Stored { version: u64 },
+    /// GET: the value does not fit the item's buffer.
+    TooLarge { value: u64, buffer: u64 },
+    /// The server refused or failed the item; `error` says why.
+    Failed { code: FailCode, error: String },
+}
+
+/// Why an item failed, for the client to raise the matching error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FailCode {
+    /// The pool cannot hold the value (eviction off, or everything pinned).
+    NoSpace,
+    /// Something about the item is wrong (an empty key, a zero-length value...).
+    Invalid,
+    /// The server could not move the bytes (the client's memory, the engine).
+    Transfer,
+    /// The client never said hello, or the server is shutting down.
+    Refused,
+}
+
+impl FailCode {
+    /// The engine error a client of `server` raises for this code.
+    pub fn error(self, server: &str, message: String) -> Error {
+        match self {
+            FailCode::NoSpace => Error::NoSpace(message),
+            FailCode::Invalid => Error::InvalidArgument(message),
+            FailCode::Transfer => Error::Io(format!("the KV server could not move the value: {message}")),
+            FailCode::Refused => Error::RemoteRejected { peer: server.into(), reason: message },
+        }
+    }
+}
+
+/// The server's answer to one request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Reply {
+    pub first_id: u64,
+    pub outcomes: Vec<Outcome>,
+}
+
+fn encode<T: Serialize>(value: &T) -> Vec<u8> {
+    let mut out = Vec::with_capacity(64);
+    out.extend_from_slice(&MAGIC);
+    out.push(VERSION);
+    postcard::to_extend(value, out).expect("data-plane messages always serialize")
+}
+
+/// `None` when `bytes` is not a data-plane message at all (another kind of
+/// notification); an error when it is one but cannot be read.
+fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8], what: &str) -> Option<Result<T>> {
+    let rest = bytes.strip_prefix(&MAGIC[..])?;
+    Some(match rest.split_first() {
+        Some((&VERSION, body)) => postcard::from_bytes(body)
+            .map_err(|e| Error::Protocol(format!("malformed KV {what} ({} bytes): {e}", bytes.len()))),
+        Some((v, _)) => Err(Error::Protocol(format!("KV {what} of protocol version {v}; this side speaks {VERSION}"))),
+        None => Err(Error::Protocol(format!("truncated KV {what}"))),
+    })
+}
+
+impl Request {
+    pub fn encode(&self) -> Vec<u8> {
+        encode(self)
+    }
+
+    pub fn decode(bytes: &[u8]) -> Option<Result<Request>> {
+        decode(bytes, "request")
+    }
+}
+
+impl Reply {
+    pub fn encode(&self) -> Vec<u8> {
+        encode(self)
+    }
+
+    pub fn decode(bytes: &[u8]) -> Option<Result<Reply>> {
+        decode(bytes, "reply")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn buf(addr: u64, len: u64) -> Buffer {
+        Buffer { kind: MemKind::Dram, addr, len, dev: 0 }
+    }
+
+    #[test]
+    fn requests_and_replies_survive_the_wire() {
+        let get = Request::Get { first_id: 7, items: vec![(b"a".to_vec(), buf(4096, 10)), (vec![0; 300], buf(1, 2))] };
+        let put = Request::Put { first_id: 9, ttl_ms: 300_000, items: vec![(b"k".to_vec(), buf(8192, 1 << 30))] };
+        for r in [get, put] {
+            assert_eq!(Request::decode(&r.encode()).unwrap().unwrap(), r);
+        }
+        let reply = Reply {
+            first_id: 7,
+            outcomes: vec![
+                Outcome::Found { len: 10, version: 3 },
+                Outcome::Missing,
+                Outcome::TooLarge { value: 100, buffer: 2 },
+                Outcome::Failed { code: FailCode::NoSpace, error: "out of memory".into() },
+            ],
+        };
+        assert_eq!(Reply::decode(&reply.encode()).unwrap().unwrap(), reply);
+    }
+
+    #[test]
+    fn other_notifications_are_not_mistaken_for_requests() {
+        assert!(Request::decode(b"hello").is_none());
+        assert!(Request::decode(b"").is_none());
+    }
+
+    #[test]
+    fn malformed_or_foreign_version_messages_are_refused_by_name() {
+        let mut bytes = Request::Get { first_id: 1, items: vec![] }.encode();
+        bytes[MAGIC.len()] = 9;
+        let e = Request::decode(&bytes).unwrap().unwrap_err();
+        assert!(e.to_string().contains("version 9"), "{e}");
+        let good = Request::Put { first_id: 1, ttl_ms: 0, items: vec![(b"k".to_vec(), buf(1, 1))] }.encode();
+        let e = Request::decode(&good[..good.len() - 3]).unwrap().unwrap_err();
+        assert!(e.to_string().contains("malformed KV request"), "{e}");
+        let e = Request::decode(&MAGIC).unwrap().unwrap_err();
+        assert!(e.to_string().contains("truncated"), "{e}");
+    }
+
+    #[test]
+    fn fail_codes_map_to_the_engine_errors() {
+        assert!(matches!(FailCode::NoSpace.error("s", "x".into()), Error::NoSpace(_)));
+        assert!(matches!(FailCode::Invalid.error("s", "x".into()), Error::InvalidArgument(_)));
+        assert!(matches!(FailCode::Refused.error("s", "x".into()), Error::RemoteRejected { peer, .. } if peer == "s"));
+    }
+}

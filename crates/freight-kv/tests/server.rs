@@ -1,0 +1,242 @@
+//! The server and its clients in one process, over real sockets: the control plane on
+//! gRPC, the data plane through the engine (shm between agents of one host, or tcp).
+
+use std::time::Duration;
+
+use freight_core::{AgentConfig, Error, TransportKind};
+use freight_kv::{Client, ClientConfig, Server, ServerConfig};
+
+fn server(memory: u64, evict: bool) -> Server {
+    Server::start(ServerConfig { listen: "127.0.0.1:0".into(), memory_bytes: memory, evict, ..Default::default() })
+        .expect("server starts")
+}
+
+fn client(server: &Server, buffer: u64) -> Client {
+    client_over(server, buffer, None)
+}
+
+fn client_over(server: &Server, buffer: u64, require: Option<TransportKind>) -> Client {
+    let engine = AgentConfig { require, ..Default::default() };
+    Client::connect(ClientConfig { server: server.url(), buffer_bytes: buffer, engine, ..Default::default() })
+        .expect("client connects")
+}
+
+fn value(seed: u8, len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+}
+
+#[test]
+fn put_get_exists_delete_round_trip() {
+    let s = server(64 << 20, true);
+    let mut c = client(&s, 8 << 20);
+    let v = value(1, 100_000);
+    let version = c.put(b"alpha", &v, Duration::ZERO).unwrap();
+    assert_eq!(c.get(b"alpha").unwrap().as_deref(), Some(&v[..]));
+    assert_eq!(c.get(b"missing").unwrap(), None);
+    assert_eq!(c.exists(&[b"alpha", b"missing"]).unwrap(), vec![true, false]);
+    // A new value is a new version, and readers see all of it.
+    let w = value(2, 10);
+    assert!(c.put(b"alpha", &w, Duration::ZERO).unwrap() > version);
+    assert_eq!(c.get(b"alpha").unwrap().as_deref(), Some(&w[..]));
+    assert_eq!(c.delete(&[b"alpha", b"alpha"]).unwrap(), vec![true, false]);
+    assert_eq!(c.get(b"alpha").unwrap(), None);
+    let stats = c.stats().unwrap();
+    assert_eq!((stats.hits, stats.misses, stats.keys, stats.clients), (2, 2, 0, 1));
+    c.close().unwrap();
+}
+
+#[test]
+fn values_from_one_byte_to_the_buffer_size_over_shm_and_tcp() {
+    let s = server(64 << 20, true);
+    for require in [TransportKind::Shm, TransportKind::Tcp] {
+        let mut c = client_over(&s, 4 << 20, Some(require));
+        for (i, len) in [1usize, 63, 64, 65, 4096, 65_536, 1 << 20, 4 << 20].into_iter().enumerate() {
+            let key = format!("{require:?}-{len}");
+            let v = value(i as u8, len);
+            c.put(key.as_bytes(), &v, Duration::ZERO).unwrap();
+            let same = c.get_with(key.as_bytes(), |got| got == &v[..]).unwrap();
+            assert_eq!(same, Some(true), "{key}");
+        }
+    }
+}
+
+#[test]
+fn batches_answer_each_item() {
+    let s = server(64 << 20, true);
+    let mut c = client(&s, 1 << 20);
+    let (a, b) = (value(3, 1000), value(4, 2000));
+    let versions = c.put_batch(&[(b"a", &a), (b"b", &b), (b"", b"x")], Duration::ZERO).unwrap();
+    assert!(versions[0].is_ok() && versions[1].is_ok());
+    assert!(matches!(&versions[2], Err(Error::InvalidArgument(m)) if m.contains("empty key")), "{versions:?}");
+    let got = c.get_batch(&[b"a", b"nope", b"b"]).unwrap();
+    assert_eq!(got[0].as_ref().unwrap().as_deref(), Some(&a[..]));
+    assert_eq!(got[1].as_ref().unwrap(), &None);
+    assert_eq!(got[2].as_ref().unwrap().as_deref(), Some(&b[..]));
+}
+
+#[test]
+fn a_value_larger_than_the_clients_buffer_names_both_sizes() {
+    let s = server(64 << 20, true);
+    let mut big = client(&s, 4 << 20);
+    big.put(b"big", &value(5, 3 << 20), Duration::ZERO).unwrap();
+    let mut small = client(&s, 1 << 20);
+    let e = small.get(b"big").unwrap_err();
+    assert!(
+        matches!(&e, Error::InvalidArgument(m) if m.contains(&(3 << 20).to_string()) && m.contains(&(1 << 20).to_string())),
+        "{e}"
+    );
+    let e = small.put(b"too-big", &value(6, 2 << 20), Duration::ZERO).unwrap_err();
+    assert!(matches!(&e, Error::InvalidArgument(m) if m.contains("buffer")), "{e}");
+}
+
+#[test]
+fn a_full_pool_without_eviction_says_out_of_memory_and_keeps_what_it_has() {
+    let s = server(1 << 20, false);
+    let mut c = client(&s, 1 << 20);
+    let v = value(7, 400 << 10);
+    c.put(b"one", &v, Duration::ZERO).unwrap();
+    c.put(b"two", &v, Duration::ZERO).unwrap();
+    let e = c.put(b"three", &v, Duration::ZERO).unwrap_err();
+    assert!(
+        matches!(&e, Error::NoSpace(m) if m.contains("out of memory") && m.contains(&(1u64 << 20).to_string())),
+        "{e}"
+    );
+    assert_eq!(c.get(b"one").unwrap().as_deref(), Some(&v[..]));
+    assert_eq!(c.get(b"three").unwrap(), None);
+}
+
+#[test]
+fn a_full_pool_with_eviction_drops_the_least_recently_used() {
+    let s = server(1 << 20, true);
+    let mut c = client(&s, 1 << 20);
+    let v = value(8, 400 << 10);
+    c.put(b"old", &v, Duration::ZERO).unwrap();
+    c.put(b"newer", &v, Duration::ZERO).unwrap();
+    assert!(c.get(b"old").unwrap().is_some()); // now "newer" is the least recently used
+    c.put(b"newest", &v, Duration::ZERO).unwrap();
+    assert_eq!(c.exists(&[b"old", b"newer", b"newest"]).unwrap(), vec![true, false, true]);
+    assert_eq!(c.stats().unwrap().evictions, 1);
+}
+
+#[test]
+fn values_expire_after_their_ttl() {
+    let s = server(8 << 20, true);
+    let mut c = client(&s, 1 << 20);
+    c.put(b"short", b"gone soon", Duration::from_millis(150)).unwrap();
+    c.put(b"forever", b"stays", Duration::ZERO).unwrap();
+    assert!(c.get(b"short").unwrap().is_some());
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(c.get(b"short").unwrap(), None);
+    assert_eq!(c.get(b"forever").unwrap().as_deref(), Some(&b"stays"[..]));
+}
+
+#[test]
+fn concurrent_writers_never_tear_a_value() {
+    let s = server(64 << 20, true);
+    let len = 256 << 10;
+    let writers: Vec<_> = (0..2u8)
+        .map(|w| {
+            let url = s.url();
+            std::thread::spawn(move || {
+                let mut c =
+                    Client::connect(ClientConfig { server: url, buffer_bytes: 1 << 20, ..Default::default() }).unwrap();
+                for _ in 0..40 {
+                    c.put(b"contended", &vec![w + 1; len], Duration::ZERO).unwrap();
+                }
+            })
+        })
+        .collect();
+    let mut reader = client(&s, 1 << 20);
+    let mut seen = 0;
+    while writers.iter().any(|w| !w.is_finished()) || seen == 0 {
+        if let Some(ok) = reader
+            .get_with(b"contended", |v| v.len() == len && v.iter().all(|&b| b == v[0]) && (v[0] == 1 || v[0] == 2))
+            .unwrap()
+        {
+            assert!(ok, "a reader saw a mix of two values");
+            seen += 1;
+        }
+    }
+    for w in writers {
+        w.join().unwrap();
+    }
+    assert!(seen > 0);
+}
+
+#[test]
+fn a_client_that_goes_away_is_dropped_and_the_server_keeps_serving() {
+    let s = server(8 << 20, true);
+    let mut keeper = client(&s, 1 << 20);
+    keeper.put(b"k", b"v", Duration::ZERO).unwrap();
+    {
+        let mut gone = client(&s, 1 << 20);
+        gone.put(b"g", b"w", Duration::ZERO).unwrap();
+        drop(gone); // no goodbye
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while keeper.stats().unwrap().clients != 1 {
+        assert!(std::time::Instant::now() < deadline, "the server still counts the dropped client");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(keeper.get(b"g").unwrap().as_deref(), Some(&b"w"[..]), "its values stay");
+    assert_eq!(keeper.get(b"k").unwrap().as_deref(), Some(&b"v"[..]));
+}
+
+#[test]
+fn no_server_and_bad_settings_are_clear_errors() {
+    let started = std::time::Instant::now();
+    let no_server = ClientConfig {
+        server: "http://127.0.0.1:1".into(),
+        connect_for: Duration::from_millis(300),
+        ..Default::default()
+    };
+    let e = Client::connect(no_server).err().unwrap();
+    assert!(e.to_string().contains("cannot reach the KV server at http://127.0.0.1:1"), "{e}");
+    assert!(started.elapsed() < Duration::from_secs(5), "gave up after its patience");
+    let e = Client::connect(ClientConfig { server: "not a url".into(), ..Default::default() }).err().unwrap();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    let e = Server::start(ServerConfig { listen: "localhost".into(), ..Default::default() }).err().unwrap();
+    assert!(matches!(&e, Error::InvalidArgument(m) if m.contains("IP:PORT")), "{e}");
+    let e = Server::start(ServerConfig { memory_bytes: 0, listen: "127.0.0.1:0".into(), ..Default::default() })
+        .err()
+        .unwrap();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+}
+
+#[test]
+fn a_client_waits_for_a_server_that_is_starting() {
+    // Take a free port, start the client first, then the server on that port.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let url = format!("http://127.0.0.1:{port}");
+    let client = std::thread::spawn(move || {
+        Client::connect(ClientConfig { server: url, buffer_bytes: 1 << 20, ..Default::default() })
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let s = Server::start(ServerConfig {
+        listen: format!("127.0.0.1:{port}"),
+        memory_bytes: 1 << 20,
+        ..Default::default()
+    })
+    .unwrap();
+    let mut c = client.join().unwrap().expect("connected once the server was up");
+    c.put(b"k", b"v", Duration::ZERO).unwrap();
+    assert_eq!(c.get(b"k").unwrap().as_deref(), Some(&b"v"[..]));
+    drop(s);
+}
+
+#[test]
+fn a_stopped_server_turns_waits_into_errors_not_hangs() {
+    let s = server(8 << 20, true);
+    let mut c = Client::connect(ClientConfig {
+        server: s.url(),
+        buffer_bytes: 1 << 20,
+        timeout: Duration::from_secs(3),
+        ..Default::default()
+    })
+    .unwrap();
+    c.put(b"k", b"v", Duration::ZERO).unwrap();
+    s.shutdown();
+    let started = std::time::Instant::now();
+    assert!(c.get(b"k").is_err());
+    assert!(started.elapsed() < Duration::from_secs(10));
+}
