@@ -66,6 +66,10 @@ pub struct KvBenchArgs {
     #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..))]
     pub latency_samples: u64,
 
+    /// The server's shared secret (read from FREIGHT_KV_TOKEN when not given here).
+    #[arg(long, env = "FREIGHT_KV_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+
     /// Print the results as JSON on stdout (the phases' text goes to stderr).
     #[arg(long)]
     pub json: bool,
@@ -118,6 +122,7 @@ pub fn run(a: &KvBenchArgs) -> CliResult<()> {
             buffer_bytes: buffer,
             name: format!("kv-bench-{id}"),
             engine: a.engine.agent_config("127.0.0.1:0", a.engine.transport.require()),
+            token: a.token.clone(),
             ..Default::default()
         })
         .map_err(CliError::from)
@@ -276,6 +281,7 @@ fn start_embedded(a: &KvBenchArgs) -> CliResult<Server> {
         listen: "127.0.0.1:0".into(),
         memory_bytes: memory,
         engine: a.engine.agent_config("127.0.0.1:0", a.engine.transport.require()),
+        token: a.token.clone(),
         ..Default::default()
     })
     .map_err(CliError::from)

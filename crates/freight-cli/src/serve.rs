@@ -28,6 +28,15 @@ pub struct ServeArgs {
     #[arg(long, value_name = "IP:PORT", default_value = "127.0.0.1:0")]
     pub data_listen: String,
 
+    /// Serve Prometheus metrics (GET /metrics) on this address, e.g. 127.0.0.1:9464.
+    #[arg(long, value_name = "IP:PORT")]
+    pub metrics_listen: Option<String>,
+
+    /// A shared secret that every client must present (read from the variable
+    /// FREIGHT_KV_TOKEN when not given here, so that it stays out of `ps`).
+    #[arg(long, env = "FREIGHT_KV_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+
     #[command(flatten)]
     pub engine: EngineOpts,
 }
@@ -41,14 +50,17 @@ pub fn run(a: &ServeArgs) -> CliResult<()> {
         memory_bytes: a.memory_mb << 20,
         evict: !a.no_evict,
         engine: a.engine.agent_config(&a.data_listen, a.engine.transport.require()),
+        token: a.token.clone(),
+        metrics_listen: a.metrics_listen.clone(),
         ..Default::default()
     };
     let server = Server::start(config).map_err(|e| match e {
         freight_core::Error::InvalidArgument(m) => CliError::usage(m),
         other => CliError::from(other),
     })?;
+    let metrics = server.metrics_addr().map(|m| format!(", metrics on http://{m}/metrics")).unwrap_or_default();
     emit(&format!(
-        "freight KV server listening on {} (pool {} MiB, {}); stop with Ctrl-C\n",
+        "freight KV server listening on {} (pool {} MiB, {}{metrics}); stop with Ctrl-C\n",
         server.url(),
         a.memory_mb,
         if a.no_evict { "full pool rejects writes" } else { "LRU eviction" }

@@ -14,8 +14,11 @@ use std::time::{Duration, Instant};
 use freight_core::{Agent, AgentConfig, Error, MemKind, Result, SharedSegment};
 use tonic::transport::Channel;
 
+use tonic::service::interceptor::InterceptedService;
+
 use crate::rpc::proto::kv_control_client::KvControlClient;
 use crate::rpc::proto::*;
+use crate::rpc::TokenSend;
 use crate::wire::{self, Buffer, Outcome, Reply};
 
 /// How a client connects.
@@ -35,6 +38,8 @@ pub struct ClientConfig {
     /// How long to keep trying when the server does not accept connections yet (one
     /// starting up, or restarting).
     pub connect_for: Duration,
+    /// The server's shared secret, if it was started with one.
+    pub token: Option<String>,
 }
 
 impl Default for ClientConfig {
@@ -46,6 +51,7 @@ impl Default for ClientConfig {
             engine: AgentConfig::default(),
             timeout: Duration::from_secs(30),
             connect_for: Duration::from_secs(5),
+            token: None,
         }
     }
 }
@@ -56,7 +62,7 @@ pub type ServerStats = StatsReply;
 pub struct Client {
     agent: Arc<Agent>,
     runtime: tokio::runtime::Runtime,
-    rpc: KvControlClient<Channel>,
+    rpc: Rpc,
     server: String,
     client_id: u64,
     buffer: Arc<SharedSegment>,
@@ -86,12 +92,13 @@ impl Client {
             .map_err(|e| Error::InvalidArgument(format!("server address {:?}: {e}", config.server)))?
             .connect_timeout(config.timeout.min(Duration::from_secs(10)))
             .timeout(config.timeout);
-        let mut rpc = runtime.block_on(connect(endpoint, config.connect_for)).map_err(|e| {
+        let channel = runtime.block_on(connect(endpoint, config.connect_for)).map_err(|e| {
             Error::Io(format!(
                 "cannot reach the KV server at {} (tried for {:?}): {e}",
                 config.server, config.connect_for
             ))
         })?;
+        let mut rpc = KvControlClient::with_interceptor(channel, TokenSend::new(config.token.as_deref())?);
         let hello = HelloRequest { agent_metadata: agent.metadata(), client_name: config.name.clone() };
         let reply = runtime.block_on(rpc.hello(hello)).map_err(|e| rpc_error(&config.server, e))?.into_inner();
         let server = agent.add_peer(&reply.server_metadata)?;
@@ -308,15 +315,17 @@ impl Client {
     }
 }
 
+type Rpc = KvControlClient<InterceptedService<Channel, TokenSend>>;
+
 /// Connects, trying again until `patience` has passed.
 async fn connect(
     endpoint: tonic::transport::Endpoint,
     patience: Duration,
-) -> std::result::Result<KvControlClient<Channel>, tonic::transport::Error> {
+) -> std::result::Result<Channel, tonic::transport::Error> {
     let until = Instant::now() + patience;
     let mut pause = Duration::from_millis(20);
     loop {
-        match KvControlClient::connect(endpoint.clone()).await {
+        match endpoint.connect().await {
             Ok(c) => return Ok(c),
             Err(e) if Instant::now() + pause >= until => return Err(e),
             Err(_) => {

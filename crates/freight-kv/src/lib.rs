@@ -13,6 +13,7 @@
 
 pub mod client;
 pub mod index;
+pub mod metrics;
 mod poll;
 pub mod pool;
 pub mod rpc;

@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use tonic::service::interceptor::{InterceptedService, Interceptor};
 use tonic::{Request, Response, Status};
 
 use crate::server::Shared;
@@ -15,8 +16,70 @@ pub mod proto {
 use proto::kv_control_server::{KvControl, KvControlServer};
 use proto::*;
 
-pub(crate) fn service(shared: Arc<Shared>) -> KvControlServer<Control> {
-    KvControlServer::new(Control { shared })
+/// The control plane, behind a check of the shared secret when there is one.
+pub(crate) fn service(
+    shared: Arc<Shared>,
+    token: Option<String>,
+) -> InterceptedService<KvControlServer<Control>, TokenCheck> {
+    InterceptedService::new(KvControlServer::new(Control { shared }), TokenCheck { token })
+}
+
+/// The metadata key that carries the shared secret: "authorization: Bearer <token>".
+pub const AUTHORIZATION: &str = "authorization";
+
+/// Refuses calls without the server's token. The data plane needs no check of its own:
+/// the engine accepts a connection only with the secret in the server agent's metadata,
+/// which the server hands out only in answer to an authenticated Hello.
+#[derive(Clone)]
+pub(crate) struct TokenCheck {
+    token: Option<String>,
+}
+
+impl Interceptor for TokenCheck {
+    fn call(&mut self, request: Request<()>) -> Result<Request<()>, Status> {
+        let Some(token) = &self.token else { return Ok(request) };
+        let given = request.metadata().get(AUTHORIZATION).and_then(|v| v.to_str().ok()).unwrap_or("");
+        let given = given.strip_prefix("Bearer ").unwrap_or("");
+        if constant_time_eq(given.as_bytes(), token.as_bytes()) {
+            Ok(request)
+        } else {
+            Err(Status::unauthenticated("missing or wrong token (the server was started with one)"))
+        }
+    }
+}
+
+/// Adds the token to every call of a client.
+#[derive(Clone)]
+pub struct TokenSend {
+    header: Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>,
+}
+
+impl TokenSend {
+    pub fn new(token: Option<&str>) -> freight_core::Result<TokenSend> {
+        let header = token
+            .map(|t| {
+                format!("Bearer {t}").parse().map_err(|_| {
+                    freight_core::Error::InvalidArgument("a token must be printable ASCII without line breaks".into())
+                })
+            })
+            .transpose()?;
+        Ok(TokenSend { header })
+    }
+}
+
+impl Interceptor for TokenSend {
+    fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
+        if let Some(h) = &self.header {
+            request.metadata_mut().insert(AUTHORIZATION, h.clone());
+        }
+        Ok(request)
+    }
+}
+
+/// Compares in time independent of where the inputs differ, so a token cannot be
+/// guessed byte by byte.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 pub(crate) struct Control {

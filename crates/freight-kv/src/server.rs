@@ -46,6 +46,11 @@ pub struct ServerConfig {
     pub engine: AgentConfig,
     /// How often expired values are swept and dead clients dropped.
     pub sweep_every: Duration,
+    /// A shared secret every control-plane call must present (and so every client,
+    /// before it learns how to reach the data plane).
+    pub token: Option<String>,
+    /// Where to serve Prometheus metrics (`GET /metrics`); none when unset.
+    pub metrics_listen: Option<String>,
 }
 
 impl Default for ServerConfig {
@@ -56,6 +61,8 @@ impl Default for ServerConfig {
             evict: true,
             engine: AgentConfig::default(),
             sweep_every: Duration::from_millis(100),
+            token: None,
+            metrics_listen: None,
         }
     }
 }
@@ -175,8 +182,10 @@ impl Shared {
 pub struct Server {
     shared: Arc<Shared>,
     addr: SocketAddr,
+    metrics_addr: Option<SocketAddr>,
     runtime: Option<tokio::runtime::Runtime>,
-    stop_rpc: Option<tokio::sync::oneshot::Sender<()>>,
+    /// Tells the control plane and the metrics endpoint to stop.
+    stop_rpc: tokio::sync::watch::Sender<bool>,
     worker: Option<JoinHandle<()>>,
 }
 
@@ -187,6 +196,13 @@ impl Server {
         if config.memory_bytes == 0 {
             return Err(Error::InvalidArgument("the value pool needs some memory (memory_bytes is 0)".into()));
         }
+        let metrics_listen: Option<SocketAddr> = config
+            .metrics_listen
+            .as_deref()
+            .map(|m| {
+                m.parse().map_err(|e| Error::InvalidArgument(format!("metrics address {m:?} is not IP:PORT: {e}")))
+            })
+            .transpose()?;
         let listen: SocketAddr = config.listen.parse().map_err(|e| {
             Error::InvalidArgument(format!(
                 "listen address {:?} is not IP:PORT ([::1]:50051 for IPv6): {e}",
@@ -233,21 +249,40 @@ impl Server {
                 .with_nodelay(Some(true))
         };
         let addr = incoming.local_addr().map_err(|e| Error::Io(e.to_string()))?;
-        let (stop_rpc, stopped) = tokio::sync::oneshot::channel::<()>();
-        let service = crate::rpc::service(shared.clone());
+        let (stop_rpc, stopped) = tokio::sync::watch::channel(false);
+        let until_stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+            let _ = rx.wait_for(|&stop| stop).await;
+        };
+        let service = crate::rpc::service(shared.clone(), config.token.clone());
+        let rpc_stopped = until_stopped(stopped.clone());
         runtime.spawn(async move {
             let served = tonic::transport::Server::builder()
                 .add_service(service)
-                .serve_with_incoming_shutdown(incoming, async {
-                    let _ = stopped.await;
-                })
+                .serve_with_incoming_shutdown(incoming, rpc_stopped)
                 .await;
             if let Err(e) = served {
                 tracing::error!(error = %e, "the control plane stopped");
             }
         });
+        let metrics_addr = match metrics_listen {
+            None => None,
+            Some(m) => {
+                let listener = runtime
+                    .block_on(tokio::net::TcpListener::bind(m))
+                    .map_err(|e| Error::Io(format!("cannot listen on {m} for metrics: {e}")))?;
+                let bound = listener.local_addr().map_err(|e| Error::Io(e.to_string()))?;
+                let app = crate::metrics::router(shared.clone());
+                let metrics_stopped = until_stopped(stopped.clone());
+                runtime.spawn(async move {
+                    if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(metrics_stopped).await {
+                        tracing::error!(error = %e, "the metrics endpoint stopped");
+                    }
+                });
+                Some(bound)
+            }
+        };
         tracing::info!(%addr, agent = %shared.agent.name(), pool_bytes = config.memory_bytes, evict = config.evict, "KV server started");
-        Ok(Server { shared, addr, runtime: Some(runtime), stop_rpc: Some(stop_rpc), worker: Some(worker) })
+        Ok(Server { shared, addr, metrics_addr, runtime: Some(runtime), stop_rpc, worker: Some(worker) })
     }
 
     /// The control plane's address (with the port picked, where 0 was asked for).
@@ -260,6 +295,11 @@ impl Server {
         format!("http://{}", self.addr)
     }
 
+    /// Where Prometheus metrics are served, when they are.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics_addr
+    }
+
     pub fn stats(&self) -> crate::index::Stats {
         self.shared.index.lock().stats()
     }
@@ -270,9 +310,7 @@ impl Server {
     }
 
     fn stop(&mut self) {
-        if let Some(tx) = self.stop_rpc.take() {
-            let _ = tx.send(());
-        }
+        let _ = self.stop_rpc.send(true);
         self.shared.stop.store(true, Ordering::Release);
         if let Some(w) = self.worker.take() {
             let _ = w.join();

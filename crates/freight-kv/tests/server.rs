@@ -240,3 +240,64 @@ fn a_stopped_server_turns_waits_into_errors_not_hangs() {
     assert!(c.get(b"k").is_err());
     assert!(started.elapsed() < Duration::from_secs(10));
 }
+
+#[test]
+fn a_server_with_a_token_refuses_clients_without_it() {
+    let s = Server::start(ServerConfig {
+        listen: "127.0.0.1:0".into(),
+        memory_bytes: 1 << 20,
+        token: Some("s3cret".into()),
+        ..Default::default()
+    })
+    .unwrap();
+    for token in [None, Some("wrong".to_string())] {
+        let e = Client::connect(ClientConfig { server: s.url(), buffer_bytes: 1 << 20, token, ..Default::default() })
+            .err()
+            .unwrap();
+        assert!(matches!(&e, Error::Auth(m) if m.contains("token")), "{e}");
+    }
+    let mut c = Client::connect(ClientConfig {
+        server: s.url(),
+        buffer_bytes: 1 << 20,
+        token: Some("s3cret".into()),
+        ..Default::default()
+    })
+    .unwrap();
+    c.put(b"k", b"v", Duration::ZERO).unwrap();
+    assert_eq!(c.get(b"k").unwrap().as_deref(), Some(&b"v"[..]));
+    assert_eq!(c.stats().unwrap().keys, 1);
+    let e = Client::connect(ClientConfig { server: s.url(), token: Some("bad\nline".into()), ..Default::default() })
+        .err()
+        .unwrap();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+}
+
+#[test]
+fn prometheus_metrics_count_what_happened() {
+    let s = Server::start(ServerConfig {
+        listen: "127.0.0.1:0".into(),
+        memory_bytes: 1 << 20,
+        metrics_listen: Some("127.0.0.1:0".into()),
+        ..Default::default()
+    })
+    .unwrap();
+    let mut c = client(&s, 1 << 20);
+    c.put(b"k", b"value", Duration::ZERO).unwrap();
+    c.get(b"k").unwrap();
+    c.get(b"nope").unwrap();
+    let text = http_get(s.metrics_addr().expect("metrics are served"), "/metrics");
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    for line in ["freight_kv_hits_total 1", "freight_kv_misses_total 1", "freight_kv_keys 1", "freight_kv_clients 1"] {
+        assert!(text.contains(&format!("\n{line}\n")), "no {line:?} in:\n{text}");
+    }
+}
+
+fn http_get(addr: std::net::SocketAddr, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n").unwrap();
+    let mut out = String::new();
+    stream.read_to_string(&mut out).unwrap();
+    out
+}

@@ -1,0 +1,65 @@
+//! The server's counters as Prometheus metrics: `GET /metrics` on an HTTP port, in the
+//! text exposition format.
+
+use std::fmt::Write;
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::routing::get;
+
+use crate::index::Stats;
+use crate::server::Shared;
+
+pub(crate) fn router(shared: Arc<Shared>) -> axum::Router {
+    axum::Router::new().route("/metrics", get(metrics)).with_state(shared)
+}
+
+async fn metrics(State(shared): State<Arc<Shared>>) -> String {
+    let stats = shared.index.lock().stats();
+    let clients = shared.clients.lock().len() as u64;
+    render(&stats, clients)
+}
+
+/// The exposition of `stats` and the number of connected clients.
+pub fn render(stats: &Stats, clients: u64) -> String {
+    let metrics: [(&str, &str, &str, u64); 10] = [
+        ("freight_kv_keys", "gauge", "Keys with a value (expired ones not yet swept included).", stats.keys),
+        ("freight_kv_value_bytes", "gauge", "Bytes of the values stored.", stats.bytes),
+        (
+            "freight_kv_pool_used_bytes",
+            "gauge",
+            "Bytes of the pool in use, alignment and pins included.",
+            stats.pool_used,
+        ),
+        ("freight_kv_pool_capacity_bytes", "gauge", "Bytes of the value pool.", stats.capacity),
+        ("freight_kv_hits_total", "counter", "GETs that found their key.", stats.hits),
+        ("freight_kv_misses_total", "counter", "GETs that did not.", stats.misses),
+        ("freight_kv_evictions_total", "counter", "Values evicted to make room.", stats.evictions),
+        ("freight_kv_expirations_total", "counter", "Values that expired.", stats.expirations),
+        ("freight_kv_pending_puts", "gauge", "PUTs whose transfer is running.", stats.pending_puts),
+        ("freight_kv_clients", "gauge", "Clients with a session.", clients),
+    ];
+    let mut out = String::new();
+    for (name, kind, help, value) in metrics {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_metric_has_help_type_and_value() {
+        let stats = Stats { keys: 3, hits: 7, capacity: 1 << 20, ..Default::default() };
+        let text = render(&stats, 2);
+        assert!(text.contains("# TYPE freight_kv_hits_total counter\nfreight_kv_hits_total 7\n"), "{text}");
+        assert!(text.contains("\nfreight_kv_keys 3\n"));
+        assert!(text.contains("\nfreight_kv_pool_capacity_bytes 1048576\n"));
+        assert!(text.contains("\nfreight_kv_clients 2\n"));
+        let samples = text.lines().filter(|l| !l.starts_with('#')).count();
+        assert_eq!(samples, 10);
+        assert_eq!(text.matches("# HELP ").count(), samples);
+    }
+}
