@@ -36,7 +36,7 @@ pub struct ClientConfig {
     /// Longest wait for any answer from the server.
     pub timeout: Duration,
     /// How long to keep trying when the server does not accept connections yet (one
-    /// starting up, or restarting).
+    /// starting up), or again after it went away (one restarting).
     pub connect_for: Duration,
     /// The server's shared secret, if it was started with one.
     pub token: Option<String>,
@@ -63,11 +63,16 @@ pub struct Client {
     agent: Arc<Agent>,
     runtime: tokio::runtime::Runtime,
     rpc: Rpc,
+    /// The server agent's engine name.
     server: String,
+    /// The control plane's address and this client's name, for new sessions.
+    url: String,
+    name: String,
     client_id: u64,
     buffer: Arc<SharedSegment>,
     next_id: u64,
     timeout: Duration,
+    reconnect_for: Duration,
     /// Replies that arrived for requests other than the one awaited (late ones).
     early: HashMap<u64, Reply>,
 }
@@ -98,28 +103,61 @@ impl Client {
                 config.server, config.connect_for
             ))
         })?;
-        let mut rpc = KvControlClient::with_interceptor(channel, TokenSend::new(config.token.as_deref())?);
-        let hello = HelloRequest { agent_metadata: agent.metadata(), client_name: config.name.clone() };
-        let reply = runtime.block_on(rpc.hello(hello)).map_err(|e| rpc_error(&config.server, e))?.into_inner();
-        let server = agent.add_peer(&reply.server_metadata)?;
+        let rpc = KvControlClient::with_interceptor(channel, TokenSend::new(config.token.as_deref())?);
+        let mut client = Client {
+            agent,
+            runtime,
+            rpc,
+            server: String::new(),
+            url: config.server.clone(),
+            name: config.name.clone(),
+            client_id: 0,
+            buffer,
+            next_id: 1,
+            timeout: config.timeout,
+            reconnect_for: config.connect_for,
+            early: HashMap::new(),
+        };
+        client.hello()?;
+        Ok(client)
+    }
+
+    /// Opens a session: the server learns this client's agent, and this client the
+    /// server's.
+    fn hello(&mut self) -> Result<()> {
+        let hello = HelloRequest { agent_metadata: self.agent.metadata(), client_name: self.name.clone() };
+        let reply = self.runtime.block_on(self.rpc.hello(hello)).map_err(|e| rpc_error(&self.url, e))?.into_inner();
+        let server = self.agent.add_peer(&reply.server_metadata)?;
         if server != reply.server_agent {
             return Err(Error::Protocol(format!(
                 "the server's metadata names agent {server:?}, its hello {:?}",
                 reply.server_agent
             )));
         }
-        tracing::debug!(client_id = reply.client_id, server = %config.server, "KV session opened");
-        Ok(Client {
-            agent,
-            runtime,
-            rpc,
-            server,
-            client_id: reply.client_id,
-            buffer,
-            next_id: 1,
-            timeout: config.timeout,
-            early: HashMap::new(),
-        })
+        if !self.server.is_empty() && self.server != server {
+            // A restarted server is a new agent: forget the old one.
+            let _ = self.agent.remove_peer(&self.server);
+        }
+        self.server = server;
+        self.client_id = reply.client_id;
+        tracing::debug!(client_id = reply.client_id, server = %self.url, "KV session opened");
+        Ok(())
+    }
+
+    /// After the server's agent went away: a new session with whatever server answers
+    /// at the same address now (a restarted one starts empty), tried for a while.
+    fn reconnect(&mut self) -> Result<()> {
+        let until = Instant::now() + self.reconnect_for;
+        loop {
+            match self.hello() {
+                Ok(()) => {
+                    tracing::info!(server = %self.url, "reconnected to the KV server");
+                    return Ok(());
+                }
+                Err(e) if Instant::now() >= until => return Err(e),
+                Err(_) => std::thread::sleep(Duration::from_millis(50)),
+            }
+        }
     }
 
     pub fn buffer_bytes(&self) -> u64 {
@@ -232,19 +270,19 @@ impl Client {
 
     pub fn exists(&mut self, keys: &[&[u8]]) -> Result<Vec<bool>> {
         let request = KeysRequest { keys: keys.iter().map(|k| k.to_vec()).collect() };
-        let reply = self.runtime.block_on(self.rpc.exists(request)).map_err(|e| rpc_error(&self.server, e))?;
+        let reply = self.runtime.block_on(self.rpc.exists(request)).map_err(|e| rpc_error(&self.url, e))?;
         Ok(reply.into_inner().exists)
     }
 
     /// Deletes the keys; says for each whether it was there.
     pub fn delete(&mut self, keys: &[&[u8]]) -> Result<Vec<bool>> {
         let request = KeysRequest { keys: keys.iter().map(|k| k.to_vec()).collect() };
-        let reply = self.runtime.block_on(self.rpc.delete(request)).map_err(|e| rpc_error(&self.server, e))?;
+        let reply = self.runtime.block_on(self.rpc.delete(request)).map_err(|e| rpc_error(&self.url, e))?;
         Ok(reply.into_inner().deleted)
     }
 
     pub fn stats(&mut self) -> Result<ServerStats> {
-        let reply = self.runtime.block_on(self.rpc.stats(StatsRequest {})).map_err(|e| rpc_error(&self.server, e))?;
+        let reply = self.runtime.block_on(self.rpc.stats(StatsRequest {})).map_err(|e| rpc_error(&self.url, e))?;
         Ok(reply.into_inner())
     }
 
@@ -252,7 +290,7 @@ impl Client {
     /// the lost connection).
     pub fn close(mut self) -> Result<()> {
         let request = GoodbyeRequest { client_id: self.client_id };
-        self.runtime.block_on(self.rpc.goodbye(request)).map_err(|e| rpc_error(&self.server, e))?;
+        self.runtime.block_on(self.rpc.goodbye(request)).map_err(|e| rpc_error(&self.url, e))?;
         self.agent.close();
         Ok(())
     }
@@ -273,8 +311,18 @@ impl Client {
         let request = make(self.next_id);
         let first_id = request.first_id();
         self.next_id += request.len().max(1) as u64;
-        self.agent.notify(&self.server, request.encode())?;
-        self.wait_reply(first_id)
+        let encoded = request.encode();
+        let sent = self.agent.notify(&self.server, encoded.clone()).and_then(|()| self.wait_reply(first_id));
+        match sent {
+            // The server's agent is gone (stopped, restarted): once more with a new
+            // session. A request runs at most once per server.
+            Err(Error::PeerDisconnected { .. } | Error::UnknownPeer(_)) => {
+                self.reconnect()?;
+                self.agent.notify(&self.server, encoded)?;
+                self.wait_reply(first_id)
+            }
+            other => other,
+        }
     }
 
     fn wait_reply(&mut self, first_id: u64) -> Result<Reply> {

@@ -231,6 +231,7 @@ fn a_stopped_server_turns_waits_into_errors_not_hangs() {
         server: s.url(),
         buffer_bytes: 1 << 20,
         timeout: Duration::from_secs(3),
+        connect_for: Duration::from_millis(500),
         ..Default::default()
     })
     .unwrap();
@@ -300,4 +301,19 @@ fn http_get(addr: std::net::SocketAddr, path: &str) -> String {
     let mut out = String::new();
     stream.read_to_string(&mut out).unwrap();
     out
+}
+
+#[test]
+fn a_client_reconnects_to_a_restarted_server_which_starts_empty() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let config = || ServerConfig { listen: format!("127.0.0.1:{port}"), memory_bytes: 1 << 20, ..Default::default() };
+    let first = Server::start(config()).unwrap();
+    let mut c = client(&first, 1 << 20);
+    c.put(b"before", b"restart", Duration::ZERO).unwrap();
+    first.shutdown();
+    let _second = Server::start(config()).unwrap();
+    assert_eq!(c.get(b"before").unwrap(), None, "the cache lives in memory: a new server has nothing");
+    c.put(b"after", b"restart", Duration::ZERO).unwrap();
+    assert_eq!(c.get(b"after").unwrap().as_deref(), Some(&b"restart"[..]));
+    assert_eq!(c.stats().unwrap().clients, 1);
 }
