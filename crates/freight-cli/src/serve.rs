@@ -32,6 +32,19 @@ pub struct ServeArgs {
     #[arg(long, value_name = "IP:PORT")]
     pub metrics_listen: Option<String>,
 
+    /// Join a cluster: publish this server in etcd at these endpoints (comma-separated,
+    /// e.g. http://127.0.0.1:2379); clients of the cluster find it there.
+    #[arg(long, value_name = "URLS", value_delimiter = ',')]
+    pub etcd_endpoints: Vec<String>,
+
+    /// The etcd key prefix the cluster's servers publish under.
+    #[arg(long, value_name = "PREFIX", default_value = freight_kv::cluster::DEFAULT_PREFIX)]
+    pub etcd_prefix: String,
+
+    /// Seconds a server that died stays listed in etcd (its lease's time to live).
+    #[arg(long, value_name = "SECONDS", default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub etcd_ttl: u64,
+
     /// A shared secret that every client must present (read from the variable
     /// FREIGHT_KV_TOKEN when not given here, so that it stays out of `ps`).
     #[arg(long, env = "FREIGHT_KV_TOKEN", hide_env_values = true)]
@@ -52,6 +65,11 @@ pub fn run(a: &ServeArgs) -> CliResult<()> {
         engine: a.engine.agent_config(&a.data_listen, a.engine.transport.require()),
         token: a.token.clone(),
         metrics_listen: a.metrics_listen.clone(),
+        etcd: (!a.etcd_endpoints.is_empty()).then(|| freight_kv::EtcdConfig {
+            endpoints: a.etcd_endpoints.clone(),
+            prefix: a.etcd_prefix.clone(),
+            ttl: std::time::Duration::from_secs(a.etcd_ttl),
+        }),
         ..Default::default()
     };
     let server = Server::start(config).map_err(|e| match e {

@@ -9,9 +9,11 @@
 //!
 //! Around them: the [`server`] (the pool, the data-plane worker that moves every value
 //! as one engine transfer per request, the gRPC control plane of [`rpc`]) and the
-//! [`client`]. docs/kv.md describes the whole.
+//! [`client`]; servers share a key space through etcd ([`cluster`]). docs/kv.md
+//! describes the whole.
 
 pub mod client;
+pub mod cluster;
 pub mod index;
 pub mod metrics;
 mod poll;
@@ -22,4 +24,5 @@ pub mod service;
 pub mod wire;
 
 pub use client::{Client, ClientConfig};
+pub use cluster::{ClusterClient, ClusterConfig, EtcdConfig};
 pub use server::{Server, ServerConfig};

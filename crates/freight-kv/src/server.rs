@@ -25,6 +25,7 @@ use freight_core::{
 };
 use parking_lot::Mutex;
 
+use crate::cluster::EtcdConfig;
 use crate::index::{Index, IndexConfig};
 use crate::pool::Slot;
 use crate::service::{GetPlan, PutPlan};
@@ -51,6 +52,8 @@ pub struct ServerConfig {
     pub token: Option<String>,
     /// Where to serve Prometheus metrics (`GET /metrics`); none when unset.
     pub metrics_listen: Option<String>,
+    /// Join a cluster: publish this server in etcd (see [`crate::cluster`]).
+    pub etcd: Option<EtcdConfig>,
 }
 
 impl Default for ServerConfig {
@@ -63,6 +66,7 @@ impl Default for ServerConfig {
             sweep_every: Duration::from_millis(100),
             token: None,
             metrics_listen: None,
+            etcd: None,
         }
     }
 }
@@ -186,6 +190,8 @@ pub struct Server {
     runtime: Option<tokio::runtime::Runtime>,
     /// Tells the control plane and the metrics endpoint to stop.
     stop_rpc: tokio::sync::watch::Sender<bool>,
+    /// This server's entry in etcd, withdrawn (its lease revoked) when it stops.
+    membership: Option<freight_core::exchange::etcd::EtcdDirectory>,
     worker: Option<JoinHandle<()>>,
 }
 
@@ -281,8 +287,23 @@ impl Server {
                 Some(bound)
             }
         };
-        tracing::info!(%addr, agent = %shared.agent.name(), pool_bytes = config.memory_bytes, evict = config.evict, "KV server started");
-        Ok(Server { shared, addr, metrics_addr, runtime: Some(runtime), stop_rpc, worker: Some(worker) })
+        let mut server = Server {
+            shared,
+            addr,
+            metrics_addr,
+            runtime: Some(runtime),
+            stop_rpc,
+            worker: Some(worker),
+            membership: None,
+        };
+        if let Some(etcd) = &config.etcd {
+            // Published last: clients find the server only once it serves.
+            let directory = etcd.directory()?;
+            directory.publish(server.shared.agent.name(), server.url().as_bytes())?;
+            server.membership = Some(directory);
+        }
+        tracing::info!(%addr, agent = %server.shared.agent.name(), pool_bytes = config.memory_bytes, evict = config.evict, cluster = config.etcd.is_some(), "KV server started");
+        Ok(server)
     }
 
     /// The control plane's address (with the port picked, where 0 was asked for).
@@ -310,6 +331,8 @@ impl Server {
     }
 
     fn stop(&mut self) {
+        // Out of the cluster first, so that clients stop sending here.
+        drop(self.membership.take());
         let _ = self.stop_rpc.send(true);
         self.shared.stop.store(true, Ordering::Release);
         if let Some(w) = self.worker.take() {
