@@ -20,6 +20,8 @@ Main names:
   :mod:`freight.storage`);
 * :class:`CacheEngine` -- a chunked KV cache (prefix-keyed chunks, contiguous or paged
   KV memory, GPU / host / remote tiers; see :mod:`freight.cache`);
+* :mod:`freight.kv` -- a KV cache server (``freight.kv.Server``, also ``freight serve``)
+  and its client (``freight.kv.Client``): values by key, with TTLs and LRU eviction;
 * :class:`EtcdDirectory` -- metadata exchange through etcd;
 * :func:`inspect_metadata` -- what metadata bytes advertise (regions, addresses);
 * :func:`set_log_level` -- engine logs to stderr (or set ``FREIGHT_LOG``);
@@ -79,6 +81,7 @@ from .stream import (  # noqa: E402
 )
 from .storage import CommitStats, StoredObject, StoreReceiver, StoreSender  # noqa: E402
 from .cache import CacheEngine  # noqa: E402
+from . import kv  # noqa: E402
 from .errors import (
     AuthError,
     EtcdError,
@@ -160,6 +163,7 @@ __all__ = [
     "cuda_status",
     "set_log_level",
     "inspect_metadata",
+    "kv",
     "__version__",
     *errors.__all__,
 ]

@@ -121,7 +121,7 @@ pub fn run(a: &KvBenchArgs) -> CliResult<()> {
             server: url.clone(),
             buffer_bytes: buffer,
             name: format!("kv-bench-{id}"),
-            engine: a.engine.agent_config("127.0.0.1:0", a.engine.transport.require()),
+            engine: client_engine(a),
             token: a.token.clone(),
             ..Default::default()
         })
@@ -154,24 +154,19 @@ pub fn run(a: &KvBenchArgs) -> CliResult<()> {
             let (ready, go) = (ready.clone(), go.clone());
             let (num_keys, value_size, warmup, verify) = (a.num_keys, a.value_size, a.warmup, a.verify);
             std::thread::spawn(move || -> CliResult<(Client, Vec<f64>)> {
-                let reached = |r: CliResult<()>| {
-                    ready.wait();
-                    r
-                };
-                let mut client = match client {
-                    Ok(c) => c,
-                    Err(e) => {
-                        reached(Ok(()))?;
-                        go.wait();
-                        return Err(e);
-                    }
-                };
-                let mut rng = rand::rng();
-                let warmed = (0..warmup).try_for_each(|_| {
-                    read(&mut client, rand::Rng::random_range(&mut rng, 0..num_keys), value_size, verify)
+                // Both barriers are passed whatever happens here, so that a failing
+                // thread cannot leave the others (and the main thread) waiting forever.
+                let warmed = client.and_then(|mut client| {
+                    let mut rng = rand::rng();
+                    (0..warmup)
+                        .try_for_each(|_| {
+                            read(&mut client, rand::Rng::random_range(&mut rng, 0..num_keys), value_size, verify)
+                        })
+                        .map(|()| client)
                 });
-                reached(warmed)?;
+                ready.wait();
                 go.wait();
+                let mut client = warmed?;
                 let mut micros = Vec::with_capacity((num_keys / threads + 1) as usize);
                 for i in (t..num_keys).step_by(threads as usize) {
                     let start = Instant::now();
@@ -183,7 +178,7 @@ pub fn run(a: &KvBenchArgs) -> CliResult<()> {
         })
         .collect();
     ready.wait();
-    say("Warmup completed");
+    say("Warmup ended");
 
     say("\n=== Read Phase ===");
     say(&format!("Reading {} keys with {} threads...", a.num_keys, a.num_threads));
@@ -285,6 +280,17 @@ fn start_embedded(a: &KvBenchArgs) -> CliResult<Server> {
         ..Default::default()
     })
     .map_err(CliError::from)
+}
+
+/// The clients' agent. The server moves every value, over what the client's agent
+/// offers: a transport asked for is the only one it offers.
+fn client_engine(a: &KvBenchArgs) -> freight_core::AgentConfig {
+    let require = a.engine.transport.require();
+    let mut engine = a.engine.agent_config("127.0.0.1:0", require);
+    if let Some(t) = require {
+        engine.transports = vec![t];
+    }
+    engine
 }
 
 fn key(i: u64) -> Vec<u8> {

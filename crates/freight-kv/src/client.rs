@@ -73,6 +73,8 @@ pub struct Client {
     next_id: u64,
     timeout: Duration,
     reconnect_for: Duration,
+    /// Why this client can take no more requests (one of them timed out).
+    broken: Option<String>,
     /// Replies that arrived for requests other than the one awaited (late ones).
     early: HashMap<u64, Reply>,
 }
@@ -116,6 +118,7 @@ impl Client {
             next_id: 1,
             timeout: config.timeout,
             reconnect_for: config.connect_for,
+            broken: None,
             early: HashMap::new(),
         };
         client.hello()?;
@@ -308,6 +311,9 @@ impl Client {
 
     /// Sends a request made with its first id, and waits for its reply.
     fn call(&mut self, make: impl FnOnce(u64) -> wire::Request) -> Result<Reply> {
+        if let Some(why) = &self.broken {
+            return Err(Error::InvalidState(why.clone()));
+        }
         let request = make(self.next_id);
         let first_id = request.first_id();
         self.next_id += request.len().max(1) as u64;
@@ -333,6 +339,12 @@ impl Client {
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
+                // The server may still carry the request out later and write into the
+                // buffer that the next request uses: this client is done.
+                self.broken = Some(format!(
+                    "a request to the KV server at {} timed out and may still write into this client's buffer; connect a new client",
+                    self.url
+                ));
                 return Err(Error::Timeout(format!("no answer from the KV server within {:?}", self.timeout)));
             }
             for n in crate::poll::next_notifs(&self.agent, left.min(Duration::from_millis(100))) {
@@ -384,8 +396,9 @@ async fn connect(
     }
 }
 
+/// Whole milliseconds, rounded up: a TTL under a millisecond must not become 0 ("never").
 fn ttl_ms(ttl: Duration) -> u64 {
-    ttl.as_millis().min(u64::MAX as u128) as u64
+    ttl.as_nanos().div_ceil(1_000_000).min(u64::MAX as u128) as u64
 }
 
 fn rpc_error(server: &str, e: tonic::Status) -> Error {
@@ -393,7 +406,10 @@ fn rpc_error(server: &str, e: tonic::Status) -> Error {
         tonic::Code::InvalidArgument => Error::InvalidArgument(e.message().to_string()),
         tonic::Code::ResourceExhausted => Error::NoSpace(e.message().to_string()),
         tonic::Code::Unauthenticated => Error::Auth(e.message().to_string()),
-        tonic::Code::DeadlineExceeded => Error::Timeout(format!("the KV server at {server}: {}", e.message())),
+        // A call that ran out of time is cancelled by the client's own deadline.
+        tonic::Code::DeadlineExceeded | tonic::Code::Cancelled => {
+            Error::Timeout(format!("the KV server at {server}: {}", e.message()))
+        }
         _ => Error::PeerDisconnected { peer: server.to_string(), reason: format!("{}: {}", e.code(), e.message()) },
     }
 }

@@ -11,6 +11,7 @@ mod descs;
 mod errors;
 mod etcd;
 mod gpu;
+mod kv;
 mod logging;
 mod memory;
 mod metadata;
@@ -40,6 +41,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<stream::PyStoreReceiver>()?;
     m.add_class::<stream::PyStoredObject>()?;
     m.add_class::<cache::PyCacheEngine>()?;
+    m.add_class::<kv::PyKvServer>()?;
+    m.add_class::<kv::PyKvClient>()?;
     m.add_function(wrap_pyfunction!(logging::set_log_level, m)?)?;
     m.add_function(wrap_pyfunction!(logging::_init_logging_from_env, m)?)?;
     m.add_function(wrap_pyfunction!(cli::cli_main, m)?)?;

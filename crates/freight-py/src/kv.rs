@@ -1,0 +1,485 @@
+//! The KV cache server's bindings (`freight_kv`), wrapped by `freight.kv.Server` and
+//! `freight.kv.Client`.
+//!
+//! Python hands keys over as `bytes` and values (and `get_into`'s destination) as
+//! one-dimensional uint8 arrays viewing the caller's memory; every call that talks to
+//! the server, starts or stops one runs with the GIL released. A client serves one
+//! request at a time: its calls are serialized by a lock, taken with the GIL released.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use freight_core::{AgentConfig, Error, Result, TransportKind};
+use freight_kv::{Client, ClientConfig, Server, ServerConfig};
+use numpy::{PyReadonlyArray1, PyReadwriteArray1};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+use pyo3::IntoPyObjectExt;
+
+use crate::errors::{invalid, to_py_err, OrRaise};
+use crate::util::seconds;
+
+/// `get_many` asks for at most this many keys at once per this many bytes of the
+/// client's buffer (the buffer is shared out evenly between the keys of one request).
+const MIN_SHARE: u64 = 4096;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// "auto" (the engine picks: shm on the same host, else tcp), "shm" or "tcp".
+fn transport_arg(transport: &str) -> PyResult<Option<TransportKind>> {
+    match transport.trim().to_ascii_lowercase().as_str() {
+        "auto" => Ok(None),
+        "shm" => Ok(Some(TransportKind::Shm)),
+        "tcp" => Ok(Some(TransportKind::Tcp)),
+        other => Err(invalid(format!("unknown transport {other:?} (expected auto, shm or tcp)"))),
+    }
+}
+
+/// The client's engine agent. The server moves every value, choosing among the
+/// transports the client's agent advertises: a client that asks for one transport
+/// advertises only that one (requiring it on the client alone would change nothing).
+fn client_engine(require: Option<TransportKind>) -> AgentConfig {
+    let d = AgentConfig::default();
+    match require {
+        Some(t) => AgentConfig { transports: vec![t], require: Some(t), ..d },
+        None => d,
+    }
+}
+
+/// A TTL in seconds (0: never expires). The server counts in milliseconds: a TTL of
+/// less than one is rounded up to one, not down to "never".
+fn ttl_arg(ttl: f64) -> PyResult<Duration> {
+    let d = seconds(ttl, "ttl")?;
+    Ok(if d.is_zero() { d } else { d.max(Duration::from_millis(1)) })
+}
+
+fn slice<'a>(a: &'a PyReadonlyArray1<'_, u8>, what: &str) -> PyResult<&'a [u8]> {
+    a.as_slice().map_err(|_| invalid(format!("{what} must be a contiguous uint8 array")))
+}
+
+fn drop_detached<T: Send>(v: T) {
+    Python::attach(|py| py.detach(move || drop(v)));
+}
+
+fn stats_dict<'py>(py: Python<'py>, fields: &[(&str, u64)]) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    for (k, v) in fields {
+        d.set_item(*k, *v)?;
+    }
+    Ok(d)
+}
+
+// -- the server -------------------------------------------------------------------------
+
+/// Native KV server (use `freight.kv.Server`).
+#[pyclass(frozen, name = "KvServer", module = "freight._native")]
+pub struct PyKvServer {
+    inner: Mutex<Option<Server>>,
+    url: String,
+    address: String,
+    memory_bytes: u64,
+    evict: bool,
+}
+
+impl PyKvServer {
+    fn with<T: Send>(&self, py: Python<'_>, f: impl FnOnce(&Server) -> T + Send) -> PyResult<T> {
+        py.detach(|| match lock(&self.inner).as_ref() {
+            Some(s) => Ok(f(s)),
+            None => Err(Error::InvalidState("the KV server was shut down".into())),
+        })
+        .or_raise()
+    }
+}
+
+#[pymethods]
+impl PyKvServer {
+    /// Starts a server: the control plane on `listen`, the data plane's engine agent on
+    /// `data_listen`, a pool of `memory_bytes`.
+    #[new]
+    #[pyo3(signature = (listen, memory_bytes, evict = true, data_listen = "127.0.0.1:0".to_string(), transport = "auto"))]
+    fn new(
+        py: Python<'_>,
+        listen: String,
+        memory_bytes: u64,
+        evict: bool,
+        data_listen: String,
+        transport: &str,
+    ) -> PyResult<Self> {
+        let config = ServerConfig {
+            listen,
+            memory_bytes,
+            evict,
+            engine: AgentConfig { listen: data_listen, require: transport_arg(transport)?, ..AgentConfig::default() },
+            ..ServerConfig::default()
+        };
+        let server = py.detach(move || Server::start(config)).or_raise()?;
+        Ok(PyKvServer {
+            url: server.url(),
+            address: server.addr().to_string(),
+            inner: Mutex::new(Some(server)),
+            memory_bytes,
+            evict,
+        })
+    }
+
+    /// The control plane's URL, as a client's `server`: "http://127.0.0.1:PORT".
+    #[getter]
+    fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The control plane's bound "ip:port" (with the port picked, where 0 was asked).
+    #[getter]
+    fn address(&self) -> &str {
+        &self.address
+    }
+
+    #[getter]
+    fn memory_bytes(&self) -> u64 {
+        self.memory_bytes
+    }
+
+    #[getter]
+    fn evict(&self) -> bool {
+        self.evict
+    }
+
+    /// False once shut down.
+    #[getter]
+    fn live(&self, py: Python<'_>) -> bool {
+        py.detach(|| lock(&self.inner).is_some())
+    }
+
+    /// The pool's counters, as a dict.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.with(py, |s| s.stats())?;
+        stats_dict(
+            py,
+            &[
+                ("keys", s.keys),
+                ("bytes", s.bytes),
+                ("pool_used", s.pool_used),
+                ("capacity", s.capacity),
+                ("hits", s.hits),
+                ("misses", s.misses),
+                ("evictions", s.evictions),
+                ("expirations", s.expirations),
+                ("pending_puts", s.pending_puts),
+            ],
+        )
+    }
+
+    /// Stops taking requests, finishes those in flight, releases the pool. Harmless
+    /// when called again.
+    fn shutdown(&self, py: Python<'_>) {
+        py.detach(|| {
+            if let Some(s) = lock(&self.inner).take() {
+                s.shutdown();
+            }
+        })
+    }
+}
+
+impl Drop for PyKvServer {
+    fn drop(&mut self) {
+        if let Some(s) = lock(&self.inner).take() {
+            drop_detached(s);
+        }
+    }
+}
+
+// -- the client -------------------------------------------------------------------------
+
+/// Native KV client (use `freight.kv.Client`).
+#[pyclass(frozen, name = "KvClient", module = "freight._native")]
+pub struct PyKvClient {
+    inner: Mutex<Option<Client>>,
+    /// Closed because a request that uses the buffer timed out.
+    timed_out: AtomicBool,
+    server: String,
+    name: String,
+    buffer_bytes: u64,
+    timeout: f64,
+}
+
+impl PyKvClient {
+    /// Runs `f` on the client with the GIL released (the lock is taken there too).
+    fn with<T: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut Client) -> Result<T> + Send) -> PyResult<T> {
+        py.detach(|| match lock(&self.inner).as_mut() {
+            Some(c) => f(c),
+            None => Err(self.closed()),
+        })
+        .or_raise()
+    }
+
+    /// [`Self::with`] for a request that moves values through the client's buffer. When
+    /// it times out, the server may still carry it out later: write the value it asked
+    /// for into the buffer, or read a value to store from there, under whatever the next
+    /// request put in it. So the client is closed instead of used again.
+    fn with_buffer<T: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut Client) -> Result<T> + Send) -> PyResult<T> {
+        py.detach(|| {
+            let mut inner = lock(&self.inner);
+            let Some(c) = inner.as_mut() else { return Err(self.closed()) };
+            match f(c) {
+                Err(Error::Timeout(m)) => {
+                    self.timed_out.store(true, Ordering::Release);
+                    drop(inner.take());
+                    Err(Error::Timeout(format!(
+                        "{m}; this client is closed now, as the server may still carry the request out \
+                         in its buffer: connect a new one"
+                    )))
+                }
+                other => other,
+            }
+        })
+        .or_raise()
+    }
+
+    fn closed(&self) -> Error {
+        if self.timed_out.load(Ordering::Acquire) {
+            Error::InvalidState("the KV client was closed after a request timed out: connect a new one".into())
+        } else {
+            Error::InvalidState("the KV client is closed".into())
+        }
+    }
+}
+
+/// Values of `keys`, in batches whose share of the buffer is at least [`MIN_SHARE`]; a
+/// value that does not fit its share (or any other item that failed) is fetched again
+/// on its own, with the whole buffer.
+fn get_many(c: &mut Client, keys: &[&[u8]]) -> Result<Vec<Option<Vec<u8>>>> {
+    let per_batch = (c.buffer_bytes() / MIN_SHARE).max(1) as usize;
+    let mut out = Vec::with_capacity(keys.len());
+    for chunk in keys.chunks(per_batch) {
+        for (key, item) in chunk.iter().zip(c.get_batch(chunk)?) {
+            out.push(match item {
+                Ok(v) => v,
+                Err(_) => c.get(key)?,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// Stores the items in as few requests as the buffer allows; one result per item. A
+/// value larger than the buffer fails alone; a failure of a whole request (the server
+/// gone, a timeout) is the error of the call.
+fn put_many(c: &mut Client, items: &[(&[u8], &[u8])], ttl: Duration) -> Result<Vec<Result<u64>>> {
+    let cap = c.buffer_bytes();
+    let mut out = Vec::with_capacity(items.len());
+    let (mut start, mut total) = (0usize, 0u64);
+    for (i, (key, value)) in items.iter().enumerate() {
+        let len = value.len() as u64;
+        if total + len > cap || len > cap {
+            if start < i {
+                out.extend(c.put_batch(&items[start..i], ttl)?);
+            }
+            start = i;
+            total = 0;
+        }
+        if len > cap {
+            // Refused before anything is sent: the error names both sizes.
+            out.push(c.put(key, value, ttl));
+            start = i + 1;
+            continue;
+        }
+        total += len;
+    }
+    if start < items.len() {
+        out.extend(c.put_batch(&items[start..], ttl)?);
+    }
+    Ok(out)
+}
+
+#[pymethods]
+impl PyKvClient {
+    /// Connects to the server at `server` (its control plane's URL) with a receive buffer
+    /// of `buffer_bytes`; `timeout` (seconds) bounds every wait for the server.
+    #[new]
+    #[pyo3(signature = (server, buffer_bytes, name = "freight-kv-client".to_string(), timeout = 30.0, transport = "auto"))]
+    fn new(
+        py: Python<'_>,
+        server: String,
+        buffer_bytes: u64,
+        name: String,
+        timeout: f64,
+        transport: &str,
+    ) -> PyResult<Self> {
+        let wait = seconds(timeout, "timeout")?;
+        if wait.is_zero() {
+            return Err(invalid("timeout must be more than 0 seconds"));
+        }
+        let config = ClientConfig {
+            server: server.clone(),
+            buffer_bytes,
+            name: name.clone(),
+            engine: client_engine(transport_arg(transport)?),
+            timeout: wait,
+            // A server starting up gets a few seconds to accept, within the timeout.
+            connect_for: wait.min(ClientConfig::default().connect_for),
+            ..ClientConfig::default()
+        };
+        let client = py.detach(move || Client::connect(config)).or_raise()?;
+        Ok(PyKvClient {
+            buffer_bytes: client.buffer_bytes(),
+            inner: Mutex::new(Some(client)),
+            timed_out: AtomicBool::new(false),
+            server,
+            name,
+            timeout,
+        })
+    }
+
+    #[getter]
+    fn server(&self) -> &str {
+        &self.server
+    }
+
+    #[getter]
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Bytes of the receive buffer: the largest value this client can get or put.
+    #[getter]
+    fn buffer_bytes(&self) -> u64 {
+        self.buffer_bytes
+    }
+
+    #[getter]
+    fn timeout(&self) -> f64 {
+        self.timeout
+    }
+
+    /// False once closed.
+    #[getter]
+    fn live(&self, py: Python<'_>) -> bool {
+        py.detach(|| lock(&self.inner).is_some())
+    }
+
+    /// Stores `value` (a contiguous uint8 array) under `key`; returns its version.
+    fn put(&self, py: Python<'_>, key: &[u8], value: PyReadonlyArray1<'_, u8>, ttl: f64) -> PyResult<u64> {
+        let ttl = ttl_arg(ttl)?;
+        let value = slice(&value, "the value")?;
+        self.with_buffer(py, |c| c.put(key, value, ttl))
+    }
+
+    /// Stores `values[i]` under `keys[i]`; one int (the version) or exception object per
+    /// item.
+    fn put_many(
+        &self,
+        py: Python<'_>,
+        keys: Vec<Bound<'_, PyBytes>>,
+        values: Vec<PyReadonlyArray1<'_, u8>>,
+        ttl: f64,
+    ) -> PyResult<Vec<Py<PyAny>>> {
+        if keys.len() != values.len() {
+            return Err(invalid(format!("{} keys for {} values", keys.len(), values.len())));
+        }
+        let ttl = ttl_arg(ttl)?;
+        let mut items = Vec::with_capacity(keys.len());
+        for (k, v) in keys.iter().zip(&values) {
+            items.push((k.as_bytes(), slice(v, "every value")?));
+        }
+        let results = self.with_buffer(py, |c| put_many(c, &items, ttl))?;
+        results
+            .into_iter()
+            .map(|r| match r {
+                Ok(version) => version.into_py_any(py),
+                Err(e) => Ok(to_py_err(e).into_value(py).into_any()),
+            })
+            .collect()
+    }
+
+    /// The value of `key` as bytes, or None.
+    fn get<'py>(&self, py: Python<'py>, key: &[u8]) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let value = self.with_buffer(py, |c| c.get(key))?;
+        Ok(value.map(|v| PyBytes::new(py, &v)))
+    }
+
+    /// Copies the value of `key` into `out` (a writable contiguous uint8 array); returns
+    /// its length, or None when there is no such key.
+    fn get_into(&self, py: Python<'_>, key: &[u8], mut out: PyReadwriteArray1<'_, u8>) -> PyResult<Option<u64>> {
+        let out = out.as_slice_mut().map_err(|_| invalid("out must be a contiguous uint8 array"))?;
+        let copied = self.with_buffer(py, |c| {
+            c.get_with(key, |v| {
+                if v.len() > out.len() {
+                    return Err(Error::InvalidArgument(format!(
+                        "the value has {} bytes; the output buffer has room for {}",
+                        v.len(),
+                        out.len()
+                    )));
+                }
+                out[..v.len()].copy_from_slice(v);
+                Ok(v.len() as u64)
+            })
+        })?;
+        copied.transpose().or_raise()
+    }
+
+    /// Values of `keys` (bytes or None each).
+    fn get_many<'py>(
+        &self,
+        py: Python<'py>,
+        keys: Vec<Bound<'py, PyBytes>>,
+    ) -> PyResult<Vec<Option<Bound<'py, PyBytes>>>> {
+        let raw: Vec<&[u8]> = keys.iter().map(|k| k.as_bytes()).collect();
+        let values = self.with_buffer(py, |c| get_many(c, &raw))?;
+        Ok(values.into_iter().map(|v| v.map(|v| PyBytes::new(py, &v))).collect())
+    }
+
+    /// Whether each key has a live value.
+    fn exists(&self, py: Python<'_>, keys: Vec<Bound<'_, PyBytes>>) -> PyResult<Vec<bool>> {
+        let raw: Vec<&[u8]> = keys.iter().map(|k| k.as_bytes()).collect();
+        self.with(py, |c| c.exists(&raw))
+    }
+
+    /// Deletes the keys; whether each was there.
+    fn delete(&self, py: Python<'_>, keys: Vec<Bound<'_, PyBytes>>) -> PyResult<Vec<bool>> {
+        let raw: Vec<&[u8]> = keys.iter().map(|k| k.as_bytes()).collect();
+        self.with(py, |c| c.delete(&raw))
+    }
+
+    /// The server's counters, as a dict.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.with(py, |c| c.stats())?;
+        stats_dict(
+            py,
+            &[
+                ("keys", s.keys),
+                ("bytes", s.bytes),
+                ("pool_used", s.pool_used),
+                ("capacity", s.capacity),
+                ("hits", s.hits),
+                ("misses", s.misses),
+                ("evictions", s.evictions),
+                ("expirations", s.expirations),
+                ("pending_puts", s.pending_puts),
+                ("clients", s.clients),
+            ],
+        )
+    }
+
+    /// Ends the session. Harmless when called again; the client is closed even when
+    /// telling the server fails (the error is raised).
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| match lock(&self.inner).take() {
+            Some(c) => c.close(),
+            None => Ok(()),
+        })
+        .or_raise()
+    }
+}
+
+impl Drop for PyKvClient {
+    fn drop(&mut self) {
+        // Dropped without a goodbye (which could wait on a dead server): its agent
+        // closes, and the server drops the session once it notices.
+        if let Some(c) = lock(&self.inner).take() {
+            drop_detached(c);
+        }
+    }
+}

@@ -1,0 +1,406 @@
+"""A KV cache server and its client: values in one memory pool, with TTLs and LRU
+eviction, reached by key from any process.
+
+The server (:class:`Server` here, or ``freight serve`` on the command line: the same
+server) keeps values in a pool registered with a freight engine agent, and answers on a
+gRPC control plane (sessions, ``exists``, ``delete``, stats). Values never cross the
+control plane: the server moves them itself between its pool and the client's receive
+buffer with the freight engine (shared memory on the same host, TCP otherwise), so a
+GET lands in the client's memory without passing through a socket on one host.
+
+Server (or run ``freight serve --listen 127.0.0.1:50051 --memory-mb 4096``)::
+
+    with freight.kv.Server("127.0.0.1:50051", memory_size=4 << 30) as server:
+        ...
+
+Client::
+
+    with freight.kv.Client("http://127.0.0.1:50051") as kv:
+        kv.put("prefix-0", array)               # numpy array or bytes-like; a version
+        raw = kv.get("prefix-0")                # bytes, or None
+        n = kv.get_into("prefix-0", out)        # into a numpy array / buffer of yours
+        kv.put_many({"a": b"1", "b": b"2"}, ttl=60)
+        kv.get_many(["a", "b", "c"])            # [b"1", b"2", None]
+
+Keys are ``str`` (UTF-8) or bytes, not empty. Values are bytes-like objects or
+C-contiguous numpy arrays (their raw bytes: a numpy array comes back as bytes, to be
+viewed again with ``np.frombuffer``), not empty, and at most the client's
+``buffer_size``. ``ttl`` is in seconds; 0 means no expiry. A full pool evicts the least
+recently used values, or, on a server started with ``evict=False``, refuses writes with
+:class:`freight.NoSpaceError` ("out of memory"). Errors are freight's
+(:mod:`freight.errors`): a dead or unreachable server raises
+:class:`freight.PeerDisconnectedError`, :class:`freight.IoError` or
+:class:`freight.TimeoutError` within the client's ``timeout``, never hangs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from . import _native
+from .errors import FreightError, InvalidArgumentError, PeerDisconnectedError
+
+__all__ = ["Client", "Server", "Key"]
+
+#: What a key may be: str (encoded as UTF-8) or bytes-like.
+Key = Union[str, bytes, bytearray, memoryview]
+
+_TRANSPORTS = ("auto", "shm", "tcp")
+
+log = logging.getLogger("freight.kv")
+
+
+def _key(key: Any) -> bytes:
+    if isinstance(key, str):
+        raw = key.encode()
+    elif isinstance(key, (bytes, bytearray, memoryview)):
+        raw = bytes(key)
+    else:
+        raise TypeError(f"KV keys must be str or bytes, got {type(key).__name__} {key!r}")
+    if not raw:
+        raise InvalidArgumentError("KV keys must not be empty")
+    return raw
+
+
+def _keys(keys: Iterable[Any]) -> List[bytes]:
+    if isinstance(keys, (str, bytes, bytearray, memoryview)):
+        raise TypeError("expected a sequence of keys, got a single key")
+    return [_key(k) for k in keys]
+
+
+def _one_or_many(keys: Any) -> Tuple[List[bytes], bool]:
+    """(keys, whether a single key was given)."""
+    if isinstance(keys, (str, bytes, bytearray, memoryview)):
+        return [_key(keys)], True
+    return _keys(keys), False
+
+
+def _value(value: Any, what: str = "the value") -> np.ndarray:
+    """A read-only 1-D uint8 view of a value's bytes (no copy)."""
+    if isinstance(value, str):
+        raise TypeError(f"{what} must be bytes-like or a numpy array, not str (encode it first)")
+    if isinstance(value, np.ndarray):
+        if not value.flags.c_contiguous:
+            raise InvalidArgumentError(
+                f"{what} (shape {value.shape}, strides {value.strides}) is not C-contiguous "
+                "(np.ascontiguousarray makes a copy that is)"
+            )
+        if value.dtype.hasobject:
+            raise TypeError(f"{what} is an array of Python objects, which has no bytes to store")
+        flat = value.reshape(-1).view(np.uint8)
+    else:
+        try:
+            view = memoryview(value)
+        except TypeError:
+            raise TypeError(
+                f"{what} must be bytes-like or a numpy array, got {type(value).__name__}"
+            ) from None
+        if not view.c_contiguous:
+            raise InvalidArgumentError(f"{what} (a {type(value).__name__}) is not C-contiguous")
+        flat = np.frombuffer(view, dtype=np.uint8) if view.nbytes else np.empty(0, np.uint8)
+    if flat.size == 0:
+        raise InvalidArgumentError(f"{what} is empty; the KV server stores values of at least 1 byte")
+    return flat
+
+
+def _out(out: Any) -> np.ndarray:
+    """A writable 1-D uint8 view of ``out`` (no copy)."""
+    if isinstance(out, np.ndarray):
+        if not out.flags.c_contiguous:
+            raise InvalidArgumentError(f"out (shape {out.shape}, strides {out.strides}) is not C-contiguous")
+        if not out.flags.writeable:
+            raise InvalidArgumentError("out is read-only")
+        return out.reshape(-1).view(np.uint8)
+    try:
+        view = memoryview(out)
+    except TypeError:
+        raise TypeError(f"out must be a numpy array or a writable buffer, got {type(out).__name__}") from None
+    if view.readonly:
+        raise InvalidArgumentError(f"out (a {type(out).__name__}) is read-only")
+    if not view.c_contiguous:
+        raise InvalidArgumentError(f"out (a {type(out).__name__}) is not C-contiguous")
+    return np.frombuffer(view, dtype=np.uint8) if view.nbytes else np.empty(0, np.uint8)
+
+
+def _size(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{what} must be an int (bytes), got {type(value).__name__} {value!r}")
+    if value <= 0:
+        raise InvalidArgumentError(f"{what} must be a positive number of bytes, got {value}")
+    return int(value)
+
+
+def _seconds(value: Any, what: str, zero_ok: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{what} must be a number of seconds, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        least = ">= 0" if zero_ok else "> 0"
+        raise InvalidArgumentError(f"{what} must be a finite number of seconds {least}, got {value}")
+    return value
+
+
+def _transport(transport: Any) -> str:
+    if not isinstance(transport, str) or transport.strip().lower() not in _TRANSPORTS:
+        raise InvalidArgumentError(f"transport must be one of {_TRANSPORTS}, got {transport!r}")
+    return transport.strip().lower()
+
+
+class Server:
+    """A KV server running in this process: the same server as ``freight serve``,
+    reached by clients of any process through ``listen`` (``"ip:port"``; port 0 picks a
+    free one: see :attr:`url`).
+
+    ``memory_size``: bytes of the value pool (allocated and touched at start).
+    ``evict``: a full pool evicts least recently used values; ``False``: it refuses
+    writes with :class:`freight.NoSpaceError`. ``data_listen``: the data plane's
+    engine listener (clients on other hosts reach it over TCP). ``transport``:
+    ``"auto"`` (shared memory on the same host, else TCP), ``"shm"`` or ``"tcp"``.
+
+    Context manager: :meth:`shutdown` on exit (dropping the object shuts it down too).
+    """
+
+    def __init__(
+        self,
+        listen: str = "127.0.0.1:0",
+        memory_size: int = 1 << 30,
+        evict: bool = True,
+        *,
+        data_listen: str = "127.0.0.1:0",
+        transport: str = "auto",
+    ) -> None:
+        if not isinstance(listen, str) or not isinstance(data_listen, str):
+            raise TypeError("listen and data_listen must be 'ip:port' strings")
+        if not isinstance(evict, bool):
+            raise TypeError(f"evict must be a bool, got {type(evict).__name__}")
+        _native._init_logging_from_env()
+        self._raw = _native.KvServer(
+            listen, _size(memory_size, "memory_size"), evict, data_listen, _transport(transport)
+        )
+
+    @property
+    def url(self) -> str:
+        """The control plane's URL, what clients connect to: ``"http://127.0.0.1:PORT"``."""
+        return self._raw.url
+
+    @property
+    def address(self) -> str:
+        """The control plane's bound ``"ip:port"``."""
+        return self._raw.address
+
+    @property
+    def port(self) -> int:
+        """The control plane's port (the one picked, where 0 was asked for)."""
+        return int(self._raw.address.rsplit(":", 1)[1])
+
+    @property
+    def memory_size(self) -> int:
+        return self._raw.memory_bytes
+
+    @property
+    def evict(self) -> bool:
+        return self._raw.evict
+
+    @property
+    def live(self) -> bool:
+        """False once shut down."""
+        return self._raw.live
+
+    def stats(self) -> Dict[str, int]:
+        """The pool's counters: ``keys``, ``bytes`` (of values), ``pool_used`` (with
+        alignment and values being written or still read), ``capacity``, ``hits``,
+        ``misses``, ``evictions``, ``expirations``, ``pending_puts``. Raises
+        :class:`freight.InvalidStateError` once shut down."""
+        return self._raw.stats()
+
+    def shutdown(self) -> None:
+        """Stops taking requests, lets those in flight finish, and frees the pool;
+        clients' later calls fail. Harmless when called again."""
+        self._raw.shutdown()
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        state = self.url if self.live else "shut down"
+        return f"<freight.kv.Server {state}, pool {self.memory_size} bytes>"
+
+
+class Client:
+    """A session with the KV server at ``server`` (its URL: ``"http://ip:port"``, as
+    :attr:`Server.url` gives and ``freight serve`` prints).
+
+    ``buffer_size``: bytes of the client's receive buffer (shared memory), the largest
+    value it can get or put, and the most one :meth:`put_many` request carries.
+    ``name``: shown in the server's logs. ``timeout``: seconds any call waits for the
+    server before raising :class:`freight.TimeoutError` (connecting included).
+    ``transport``: ``"auto"`` (shared memory on the same host, else TCP), ``"shm"`` or
+    ``"tcp"``: the only transport this client offers the server, which moves the
+    values.
+
+    One request at a time: calls from several threads are serialized (use a client per
+    thread for parallel requests). Context manager: :meth:`close` on exit.
+
+    A call that moves values (``put``, ``get``, ``get_into``, ``put_many``,
+    ``get_many``) and times out closes the client: the server may still carry that
+    request out later, writing into the receive buffer or reading from it, and so
+    corrupt whatever the next request put there. Connect a new client after a
+    :class:`freight.TimeoutError` (later calls on this one raise
+    :class:`freight.InvalidStateError` saying so).
+    """
+
+    def __init__(
+        self,
+        server: str = "http://[::1]:50051",
+        buffer_size: int = 64 << 20,
+        name: str = "freight-kv-client",
+        timeout: float = 30.0,
+        transport: str = "auto",
+    ) -> None:
+        if isinstance(server, Server):
+            server = server.url
+        if not isinstance(server, str) or not isinstance(name, str):
+            raise TypeError("server (a URL) and name must be strings")
+        _native._init_logging_from_env()
+        self._raw = _native.KvClient(
+            server,
+            _size(buffer_size, "buffer_size"),
+            name,
+            _seconds(timeout, "timeout", zero_ok=False),
+            _transport(transport),
+        )
+
+    @property
+    def server(self) -> str:
+        return self._raw.server
+
+    @property
+    def buffer_size(self) -> int:
+        """Bytes of the receive buffer: the largest value this client can get or put."""
+        return self._raw.buffer_bytes
+
+    @property
+    def timeout(self) -> float:
+        return self._raw.timeout
+
+    @property
+    def live(self) -> bool:
+        """False once closed."""
+        return self._raw.live
+
+    # -- writes
+
+    def put(self, key: Key, value: Any, ttl: float = 0.0) -> int:
+        """Stores ``value`` (bytes-like, or a C-contiguous numpy array: its raw bytes)
+        under ``key``, replacing any value it had, expiring after ``ttl`` seconds (0:
+        never). Returns the value's version (versions grow with every write to the
+        server). Readers see the old value or the new one, never a mix.
+
+        A value larger than :attr:`buffer_size` raises
+        :class:`freight.InvalidArgumentError` naming both sizes; a full pool without
+        eviction, :class:`freight.NoSpaceError`."""
+        return self._raw.put(_key(key), _value(value), _seconds(ttl, "ttl", zero_ok=True))
+
+    def put_many(
+        self, items: Union[Mapping[Key, Any], Iterable[Tuple[Key, Any]]], ttl: float = 0.0
+    ) -> List[Union[int, FreightError]]:
+        """Stores several values (a dict, or ``(key, value)`` pairs) in as few requests
+        as :attr:`buffer_size` allows, all with the same ``ttl``.
+
+        Returns one entry per item, in order: its version (an int), or, for an item the
+        server refused, the exception that :meth:`put` would have raised for it (a
+        :class:`freight.FreightError` instance, not raised: the other items are stored
+        all the same). For example ``[7, NoSpaceError('... out of memory ...'), 8]``.
+        Check with ``isinstance(r, Exception)``. Bad arguments (an empty key, a str
+        value...) raise before anything is sent; a failure of the connection itself
+        (dead server, timeout) raises, and items of requests sent before it may be
+        stored."""
+        pairs = list(items.items()) if isinstance(items, Mapping) else list(items)
+        keys, values = [], []
+        for i, pair in enumerate(pairs):
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise TypeError(f"put_many takes a dict or (key, value) pairs; item {i} is {pair!r}")
+            keys.append(_key(pair[0]))
+            values.append(_value(pair[1], f"the value of item {i}"))
+        return self._raw.put_many(keys, values, _seconds(ttl, "ttl", zero_ok=True))
+
+    def delete(self, keys: Union[Key, Sequence[Key]]) -> Union[bool, List[bool]]:
+        """Deletes ``keys`` (one key, or a sequence of them); says whether each was
+        there (a bool for a single key, else a list). A value being read meanwhile
+        stays readable to that reader."""
+        raw, single = _one_or_many(keys)
+        deleted = self._raw.delete(raw)
+        return deleted[0] if single else deleted
+
+    # -- reads
+
+    def get(self, key: Key) -> Optional[bytes]:
+        """The value of ``key`` as bytes, or None when there is none (never written,
+        deleted, expired or evicted). A value larger than :attr:`buffer_size` raises
+        :class:`freight.InvalidArgumentError` naming both sizes."""
+        return self._raw.get(_key(key))
+
+    def get_into(self, key: Key, out: Any) -> Optional[int]:
+        """Copies the value of ``key`` into ``out`` (a writable C-contiguous numpy array
+        of any dtype, or a writable buffer such as a bytearray), from its start; returns
+        the value's length in bytes, or None when there is no such key (``out`` is
+        then untouched). A value larger than ``out`` raises
+        :class:`freight.InvalidArgumentError` (a ``ValueError``) naming both sizes."""
+        return self._raw.get_into(_key(key), _out(out))
+
+    def get_many(self, keys: Sequence[Key]) -> List[Optional[bytes]]:
+        """The values of ``keys``, in order: bytes, or None for a missing key. Keys are
+        fetched in batches that share the receive buffer; a value larger than its share
+        is fetched again on its own, so any value up to :attr:`buffer_size` is
+        returned."""
+        return self._raw.get_many(_keys(keys))
+
+    def exists(self, keys: Union[Key, Sequence[Key]]) -> Union[bool, List[bool]]:
+        """Whether each key has a live value (a bool for a single key, else a list).
+        Reads nothing and does not count as a use for eviction."""
+        raw, single = _one_or_many(keys)
+        found = self._raw.exists(raw)
+        return found[0] if single else found
+
+    def __contains__(self, key: Key) -> bool:
+        return bool(self.exists(key))
+
+    def stats(self) -> Dict[str, int]:
+        """The server's counters (see :meth:`Server.stats`), plus ``clients``: sessions
+        open."""
+        return self._raw.stats()
+
+    # -- lifetime
+
+    def close(self) -> None:
+        """Ends the session (the server releases what it holds for this client) and
+        frees the receive buffer. Harmless when called again, and when the server is
+        gone already (its sessions went with it); later calls raise
+        :class:`freight.InvalidStateError`."""
+        try:
+            self._raw.close()
+        except PeerDisconnectedError as e:
+            log.debug("closed a KV client whose server is gone: %s", e)
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        try:
+            self.close()
+        except FreightError:
+            # Leaving on an error (the server died, say): closing cannot tell the server
+            # and must not hide the error that got us here.
+            if exc_type is None:
+                raise
+
+    def __repr__(self) -> str:
+        state = "" if self.live else ", closed"
+        return f"<freight.kv.Client of {self.server}, buffer {self.buffer_size} bytes{state}>"
