@@ -66,6 +66,11 @@ pub struct KvBenchArgs {
     #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u64).range(1..))]
     pub latency_samples: u64,
 
+    /// For an https:// server: the certificate authority to trust (PEM file; the
+    /// server's own certificate when it signed itself).
+    #[arg(long, value_name = "FILE")]
+    pub tls_ca: Option<std::path::PathBuf>,
+
     /// The server's shared secret (read from FREIGHT_KV_TOKEN when not given here).
     #[arg(long, env = "FREIGHT_KV_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
@@ -95,6 +100,10 @@ pub fn run(a: &KvBenchArgs) -> CliResult<()> {
             format_size(buffer)
         )));
     }
+    let tls_ca_pem = match &a.tls_ca {
+        Some(p) => Some(std::fs::read(p).map_err(|e| CliError::usage(format!("--tls-ca {}: {e}", p.display())))?),
+        None => None,
+    };
     let embedded = if a.embedded { Some(start_embedded(a)?) } else { None };
     let url = embedded.as_ref().map_or_else(|| a.server_addr.clone(), Server::url);
     let say = |line: &str| {
@@ -123,6 +132,7 @@ pub fn run(a: &KvBenchArgs) -> CliResult<()> {
             name: format!("kv-bench-{id}"),
             engine: client_engine(a),
             token: a.token.clone(),
+            tls_ca_pem: tls_ca_pem.clone(),
             ..Default::default()
         })
         .map_err(CliError::from)

@@ -45,6 +45,15 @@ pub struct ServeArgs {
     #[arg(long, value_name = "SECONDS", default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub etcd_ttl: u64,
 
+    /// TLS on the control plane: the server's certificate chain (PEM file). Needs
+    /// --tls-key; clients then connect to https://...
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    pub tls_cert: Option<std::path::PathBuf>,
+
+    /// The private key (PEM file) of --tls-cert.
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    pub tls_key: Option<std::path::PathBuf>,
+
     /// A shared secret that every client must present (read from the variable
     /// FREIGHT_KV_TOKEN when not given here, so that it stays out of `ps`).
     #[arg(long, env = "FREIGHT_KV_TOKEN", hide_env_values = true)]
@@ -70,6 +79,7 @@ pub fn run(a: &ServeArgs) -> CliResult<()> {
             prefix: a.etcd_prefix.clone(),
             ttl: std::time::Duration::from_secs(a.etcd_ttl),
         }),
+        tls: tls_identity(a)?,
         ..Default::default()
     };
     let server = Server::start(config).map_err(|e| match e {
@@ -87,6 +97,12 @@ pub fn run(a: &ServeArgs) -> CliResult<()> {
     tracing::info!(signal, "stopping");
     server.shutdown();
     emit("freight KV server stopped\n")
+}
+
+fn tls_identity(a: &ServeArgs) -> CliResult<Option<freight_kv::TlsIdentity>> {
+    let (Some(cert), Some(key)) = (&a.tls_cert, &a.tls_key) else { return Ok(None) };
+    let read = |p: &std::path::Path| std::fs::read(p).map_err(|e| CliError::usage(format!("{}: {e}", p.display())));
+    Ok(Some(freight_kv::TlsIdentity { cert_pem: read(cert)?, key_pem: read(key)? }))
 }
 
 fn block_stop_signals() -> CliResult<libc::sigset_t> {

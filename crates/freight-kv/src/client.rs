@@ -40,6 +40,10 @@ pub struct ClientConfig {
     pub connect_for: Duration,
     /// The server's shared secret, if it was started with one.
     pub token: Option<String>,
+    /// For an `https://` server: the certificate (PEM) of the authority that signed the
+    /// server's, or the server's own when it signed itself (the system's roots are not
+    /// consulted).
+    pub tls_ca_pem: Option<Vec<u8>>,
 }
 
 impl Default for ClientConfig {
@@ -52,6 +56,7 @@ impl Default for ClientConfig {
             timeout: Duration::from_secs(30),
             connect_for: Duration::from_secs(5),
             token: None,
+            tls_ca_pem: None,
         }
     }
 }
@@ -95,14 +100,26 @@ impl Client {
             .enable_all()
             .build()
             .map_err(|e| Error::Io(format!("cannot start the client's runtime: {e}")))?;
-        let endpoint = Channel::from_shared(config.server.clone())
+        let mut endpoint = Channel::from_shared(config.server.clone())
             .map_err(|e| Error::InvalidArgument(format!("server address {:?}: {e}", config.server)))?
             .connect_timeout(config.timeout.min(Duration::from_secs(10)))
             .timeout(config.timeout);
+        if config.server.starts_with("https://") {
+            let ca = config.tls_ca_pem.as_ref().ok_or_else(|| {
+                Error::InvalidArgument(format!("{} is https: give the certificate authority to trust", config.server))
+            })?;
+            let tls =
+                tonic::transport::ClientTlsConfig::new().ca_certificate(tonic::transport::Certificate::from_pem(ca));
+            endpoint = endpoint
+                .tls_config(tls)
+                .map_err(|e| Error::InvalidArgument(format!("TLS settings for {}: {e}", config.server)))?;
+        }
         let channel = runtime.block_on(connect(endpoint, config.connect_for)).map_err(|e| {
             Error::Io(format!(
-                "cannot reach the KV server at {} (tried for {:?}): {e}",
-                config.server, config.connect_for
+                "cannot reach the KV server at {} (tried for {:?}): {}",
+                config.server,
+                config.connect_for,
+                with_causes(&e)
             ))
         })?;
         let rpc = KvControlClient::with_interceptor(channel, TokenSend::new(config.token.as_deref())?);
@@ -376,6 +393,18 @@ impl Client {
 }
 
 type Rpc = KvControlClient<InterceptedService<Channel, TokenSend>>;
+
+/// An error and what caused it ("transport error" alone says little: the cause says
+/// "connection refused" or which certificate check failed).
+fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        text.push_str(&format!(": {c}"));
+        cause = c.source();
+    }
+    text
+}
 
 /// Connects, trying again until `patience` has passed.
 async fn connect(

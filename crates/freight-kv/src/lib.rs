@@ -25,4 +25,4 @@ pub mod wire;
 
 pub use client::{Client, ClientConfig};
 pub use cluster::{ClusterClient, ClusterConfig, EtcdConfig};
-pub use server::{Server, ServerConfig};
+pub use server::{Server, ServerConfig, TlsIdentity};

@@ -54,6 +54,16 @@ pub struct ServerConfig {
     pub metrics_listen: Option<String>,
     /// Join a cluster: publish this server in etcd (see [`crate::cluster`]).
     pub etcd: Option<EtcdConfig>,
+    /// TLS on the control plane: the server's certificate chain and private key (PEM).
+    /// Clients then use an `https://` URL.
+    pub tls: Option<TlsIdentity>,
+}
+
+/// A server's certificate chain and private key, PEM-encoded.
+#[derive(Debug, Clone)]
+pub struct TlsIdentity {
+    pub cert_pem: Vec<u8>,
+    pub key_pem: Vec<u8>,
 }
 
 impl Default for ServerConfig {
@@ -67,6 +77,7 @@ impl Default for ServerConfig {
             token: None,
             metrics_listen: None,
             etcd: None,
+            tls: None,
         }
     }
 }
@@ -186,6 +197,8 @@ impl Shared {
 pub struct Server {
     shared: Arc<Shared>,
     addr: SocketAddr,
+    /// "https" with TLS, else "http".
+    scheme: &'static str,
     metrics_addr: Option<SocketAddr>,
     runtime: Option<tokio::runtime::Runtime>,
     /// Tells the control plane and the metrics endpoint to stop.
@@ -261,11 +274,16 @@ impl Server {
         };
         let service = crate::rpc::service(shared.clone(), config.token.clone());
         let rpc_stopped = until_stopped(stopped.clone());
+        let mut builder = tonic::transport::Server::builder();
+        if let Some(tls) = &config.tls {
+            let identity = tonic::transport::Identity::from_pem(&tls.cert_pem, &tls.key_pem);
+            builder = builder
+                .tls_config(tonic::transport::ServerTlsConfig::new().identity(identity))
+                .map_err(|e| Error::InvalidArgument(format!("the TLS certificate or key: {e}")))?;
+        }
+        let scheme = if config.tls.is_some() { "https" } else { "http" };
         runtime.spawn(async move {
-            let served = tonic::transport::Server::builder()
-                .add_service(service)
-                .serve_with_incoming_shutdown(incoming, rpc_stopped)
-                .await;
+            let served = builder.add_service(service).serve_with_incoming_shutdown(incoming, rpc_stopped).await;
             if let Err(e) = served {
                 tracing::error!(error = %e, "the control plane stopped");
             }
@@ -290,6 +308,7 @@ impl Server {
         let mut server = Server {
             shared,
             addr,
+            scheme,
             metrics_addr,
             runtime: Some(runtime),
             stop_rpc,
@@ -311,9 +330,9 @@ impl Server {
         self.addr
     }
 
-    /// The address as a client's `server` setting: "http://[::1]:50051".
+    /// The address as a client's `server` setting: "http://[::1]:50051" (https with TLS).
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        format!("{}://{}", self.scheme, self.addr)
     }
 
     /// Where Prometheus metrics are served, when they are.

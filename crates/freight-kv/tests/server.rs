@@ -317,3 +317,50 @@ fn a_client_reconnects_to_a_restarted_server_which_starts_empty() {
     assert_eq!(c.get(b"after").unwrap().as_deref(), Some(&b"restart"[..]));
     assert_eq!(c.stats().unwrap().clients, 1);
 }
+
+#[test]
+fn tls_on_the_control_plane() {
+    let key = rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_string(), "localhost".to_string()]).unwrap();
+    let (cert_pem, key_pem) = (key.cert.pem(), key.signing_key.serialize_pem());
+    let s = Server::start(ServerConfig {
+        listen: "127.0.0.1:0".into(),
+        memory_bytes: 1 << 20,
+        tls: Some(freight_kv::TlsIdentity { cert_pem: cert_pem.clone().into(), key_pem: key_pem.into() }),
+        ..Default::default()
+    })
+    .unwrap();
+    assert!(s.url().starts_with("https://"), "{}", s.url());
+    let mut c = Client::connect(ClientConfig {
+        server: s.url(),
+        buffer_bytes: 1 << 20,
+        tls_ca_pem: Some(cert_pem.into()),
+        ..Default::default()
+    })
+    .unwrap();
+    c.put(b"k", b"over tls", Duration::ZERO).unwrap();
+    assert_eq!(c.get(b"k").unwrap().as_deref(), Some(&b"over tls"[..]));
+    // Without the authority to trust, or with another one, no session.
+    let e = Client::connect(ClientConfig { server: s.url(), ..Default::default() }).err().unwrap();
+    assert!(matches!(&e, Error::InvalidArgument(m) if m.contains("https")), "{e}");
+    let other = rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_string()]).unwrap();
+    let e = Client::connect(ClientConfig {
+        server: s.url(),
+        tls_ca_pem: Some(other.cert.pem().into()),
+        connect_for: Duration::from_millis(300),
+        ..Default::default()
+    })
+    .err()
+    .unwrap();
+    assert!(e.to_string().contains("cannot reach"), "{e}");
+    // Plain http to a TLS server does not get through either.
+    let plain = s.url().replacen("https", "http", 1);
+    let e = Client::connect(ClientConfig {
+        server: plain,
+        timeout: Duration::from_secs(3),
+        connect_for: Duration::from_millis(300),
+        ..Default::default()
+    })
+    .err()
+    .unwrap();
+    assert!(!matches!(e, Error::InvalidArgument(_)), "{e}");
+}
