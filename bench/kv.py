@@ -81,67 +81,64 @@ def median_run(runs: list[dict]) -> dict:
     return {**best, "runs_ops_per_sec": [r["ops_per_sec"] for r in runs]}
 
 
-def redis_run(size: int, keys: int) -> dict:
-    port = free_port()
-    server = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+def measure(server_cmd: list[str], port: int, what: str, run_once) -> dict:
+    """Starts a server, calls `run_once()` REPEATS times against it, stops it; the
+    median run."""
+    server = subprocess.Popen(server_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_port(port, server, "redis-server")
-        runs = []
-        for _ in range(REPEATS):
-            out = subprocess.run(
-                ["redis-benchmark", "-p", str(port), "-t", "set,get", "-d", str(size), "-c", str(CLIENTS),
-                 "-n", str(keys), "-r", str(keys), "--csv"],
-                check=True, capture_output=True, text=True, timeout=600,
-            ).stdout
-            rows = {r["test"]: r for r in csv.DictReader(io.StringIO(out))}
-            get = rows["GET"]
-            runs.append({
-                "ops_per_sec": float(get["rps"]),
-                "p50_us": float(get["p50_latency_ms"]) * 1000,
-                "p99_us": float(get["p99_latency_ms"]) * 1000,
-                "set_ops_per_sec": float(rows["SET"]["rps"]),
-            })
+        wait_port(port, server, what)
+        runs = [run_once() for _ in range(REPEATS)]
     finally:
         server.terminate()
-        server.wait(timeout=10)
+        server.wait(timeout=20)
     return median_run(runs)
+
+
+def redis_run(size: int, keys: int) -> dict:
+    port = free_port()
+
+    def once() -> dict:
+        out = subprocess.run(
+            ["redis-benchmark", "-p", str(port), "-t", "set,get", "-d", str(size), "-c", str(CLIENTS),
+             "-n", str(keys), "-r", str(keys), "--csv"],
+            check=True, capture_output=True, text=True, timeout=600,
+        ).stdout
+        rows = {r["test"]: r for r in csv.DictReader(io.StringIO(out))}
+        get = rows["GET"]
+        return {
+            "ops_per_sec": float(get["rps"]),
+            "p50_us": float(get["p50_latency_ms"]) * 1000,
+            "p99_us": float(get["p99_latency_ms"]) * 1000,
+            "set_ops_per_sec": float(rows["SET"]["rps"]),
+        }
+
+    cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    return measure(cmd, port, "redis-server", once)
 
 
 def freight_run(freight: list[str], size: int, keys: int, transport: str) -> dict:
     port = free_port()
     memory_mb = max(64, keys * size * 5 // 4 // (1 << 20) + 16)
-    server = subprocess.Popen(
-        [*freight, "serve", "--listen", f"127.0.0.1:{port}", "--memory-mb", str(memory_mb), "--transport", transport],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        wait_port(port, server, "freight serve")
-        runs = []
-        for _ in range(REPEATS):
-            out = subprocess.run(
-                [*freight, "kv-bench", "--server-addr", f"http://127.0.0.1:{port}", "--num-keys", str(keys),
-                 "--value-size", str(size), "--num-threads", str(CLIENTS), "--buffer-mb",
-                 str(max(8, 2 * size >> 20)), "--transport", transport, "--verify", "sample", "--warmup", "100",
-                 "--json"],
-                check=True, capture_output=True, text=True, timeout=600,
-            ).stdout
-            d = json.loads(out)
-            runs.append({
-                "ops_per_sec": d["read"]["ops_per_sec"],
-                "p50_us": d["read_latency_us"]["median"],
-                "p99_us": d["read_latency_us"]["p99"],
-                "set_ops_per_sec": d["write"]["ops_per_sec"],
-                "single_get_p50_us": d["latency_us"]["median"],
-            })
-    finally:
-        server.terminate()
-        server.wait(timeout=20)
-    return median_run(runs)
+
+    def once() -> dict:
+        out = subprocess.run(
+            [*freight, "kv-bench", "--server-addr", f"http://127.0.0.1:{port}", "--num-keys", str(keys),
+             "--value-size", str(size), "--num-threads", str(CLIENTS), "--buffer-mb",
+             str(max(8, 2 * size >> 20)), "--transport", transport, "--verify", "sample", "--warmup", "100",
+             "--json"],
+            check=True, capture_output=True, text=True, timeout=600,
+        ).stdout
+        d = json.loads(out)
+        return {
+            "ops_per_sec": d["read"]["ops_per_sec"],
+            "p50_us": d["read_latency_us"]["median"],
+            "p99_us": d["read_latency_us"]["p99"],
+            "set_ops_per_sec": d["write"]["ops_per_sec"],
+            "single_get_p50_us": d["latency_us"]["median"],
+        }
+
+    cmd = [*freight, "serve", "--listen", f"127.0.0.1:{port}", "--memory-mb", str(memory_mb), "--transport", transport]
+    return measure(cmd, port, "freight serve", once)
 
 
 TARGETS = {  # size -> (transport -> minimum ratio of GET ops/s to Redis's)

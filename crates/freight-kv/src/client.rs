@@ -334,14 +334,13 @@ impl Client {
         let request = make(self.next_id);
         let first_id = request.first_id();
         self.next_id += request.len().max(1) as u64;
-        let encoded = request.encode();
-        let sent = self.agent.notify(&self.server, encoded.clone()).and_then(|()| self.wait_reply(first_id));
+        let sent = self.agent.notify(&self.server, request.encode()).and_then(|()| self.wait_reply(first_id));
         match sent {
             // The server's agent is gone (stopped, restarted): once more with a new
             // session. A request runs at most once per server.
             Err(Error::PeerDisconnected { .. } | Error::UnknownPeer(_)) => {
                 self.reconnect()?;
-                self.agent.notify(&self.server, encoded)?;
+                self.agent.notify(&self.server, request.encode())?;
                 self.wait_reply(first_id)
             }
             other => other,

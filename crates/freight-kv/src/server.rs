@@ -473,9 +473,7 @@ impl Worker {
                 if plan.copies.is_empty() {
                     return self.reply(&n.from, reply);
                 }
-                let copies: Vec<(Slot, Buffer)> = plan.copies.clone();
-                let started =
-                    self.start(&n.from, OpKind::Write, copies.iter().map(|c| (c.0, c.1)), Some(reply.encode()));
+                let started = self.start(&n.from, OpKind::Write, plan.copies.iter().copied(), Some(reply.encode()));
                 match started {
                     Ok(transfer) => self.in_flight.push(InFlight::Get { client: n.from, first_id, transfer, plan }),
                     Err(e) => {
@@ -490,8 +488,8 @@ impl Worker {
                     let outcomes = plan.finish(&mut self.shared.index.lock(), Ok(()), now);
                     return self.reply(&n.from, Reply { first_id, outcomes });
                 }
-                let copies: Vec<(Slot, Buffer)> = plan.copies.iter().map(|&(b, s)| (s, b)).collect();
-                match self.start(&n.from, OpKind::Read, copies.into_iter(), None) {
+                let copies = plan.copies.iter().map(|&(buffer, slot)| (slot, buffer));
+                match self.start(&n.from, OpKind::Read, copies, None) {
                     Ok(transfer) => self.in_flight.push(InFlight::Put { client: n.from, first_id, transfer, plan }),
                     Err(e) => {
                         let outcomes = plan.finish(&mut self.shared.index.lock(), Err(e), now);
