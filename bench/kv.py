@@ -2,7 +2,7 @@
 """The KV server beside Redis, in one run on one machine, over loopback.
 
 For each value size, Redis 7 (Debian's redis-server, measured by its own
-redis-benchmark: SET then GET, 4 clients) and freight (`freight serve`, measured by
+redis-benchmark: SET, then GET of keys that all exist, 4 clients) and freight (`freight serve`, measured by
 `freight kv-bench`: 4 reader threads, each a client of its own, over shared memory and
 over tcp) serve the same number of keys of that size. Each is measured three times
 against one server, and the median run counts. Writes one JSON document and
@@ -94,26 +94,114 @@ def measure(server_cmd: list[str], port: int, what: str, run_once) -> dict:
     return median_run(runs)
 
 
+def redis_fill(port: int, size: int, keys: int) -> None:
+    """Stores every key the benchmark's GETs can name (redis-benchmark's `-r` keys are
+    `key:` and twelve digits), so that Redis, like freight, answers every GET with a
+    value: its own SET phase picks keys at random and leaves about a third unset."""
+    value = b"x" * size
+    fill = subprocess.Popen(["redis-cli", "-p", str(port), "--pipe"], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL)
+    for i in range(keys):
+        key = b"key:%012d" % i
+        fill.stdin.write(b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(key), key, size) + value + b"\r\n")
+    fill.stdin.close()
+    if fill.wait(timeout=600) != 0:
+        sys.exit("redis-cli --pipe failed to store the keys")
+
+
+def redis_stats(port: int) -> dict:
+    out = subprocess.run(["redis-cli", "-p", str(port), "info", "stats"], check=True, capture_output=True,
+                         text=True).stdout
+    return {k: int(v) for k, v in (line.split(":", 1) for line in out.split() if ":" in line) if v.isdigit()}
+
+
 def redis_run(size: int, keys: int) -> dict:
     port = free_port()
 
-    def once() -> dict:
+    def benchmark(test: str) -> dict:
         out = subprocess.run(
-            ["redis-benchmark", "-p", str(port), "-t", "set,get", "-d", str(size), "-c", str(CLIENTS),
+            ["redis-benchmark", "-p", str(port), "-t", test, "-d", str(size), "-c", str(CLIENTS),
              "-n", str(keys), "-r", str(keys), "--csv"],
             check=True, capture_output=True, text=True, timeout=600,
         ).stdout
-        rows = {r["test"]: r for r in csv.DictReader(io.StringIO(out))}
-        get = rows["GET"]
+        return next(r for r in csv.DictReader(io.StringIO(out)) if r["test"] == test.upper())
+
+    def once() -> dict:
+        put = benchmark("set")
+        redis_fill(port, size, keys)
+        before = redis_stats(port)
+        get = benchmark("get")
+        after = redis_stats(port)
+        hits = after["keyspace_hits"] - before["keyspace_hits"]
+        misses = after["keyspace_misses"] - before["keyspace_misses"]
+        if misses:
+            sys.exit(f"Redis missed {misses} of {hits + misses} GETs: the fill did not store every key")
         return {
             "ops_per_sec": float(get["rps"]),
             "p50_us": float(get["p50_latency_ms"]) * 1000,
             "p99_us": float(get["p99_latency_ms"]) * 1000,
-            "set_ops_per_sec": float(rows["SET"]["rps"]),
+            "set_ops_per_sec": float(put["rps"]),
+            "get_hits": hits,
         }
 
     cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
     return measure(cmd, port, "redis-server", once)
+
+
+def socket_pair(size: int, keys: int, seconds: float, start, results) -> None:
+    """One server process and one client process over a plain loopback tcp socket: the
+    client asks for value i (8 bytes), the server sends its `size` bytes from a store of
+    `keys` values, the client reads them into one buffer. No protocol, no checks: what
+    the kernel's loopback path allows, the ceiling of any server over tcp."""
+    import mmap
+    import multiprocessing as mp
+
+    def serve(listener: socket.socket) -> None:
+        conn, _ = listener.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        store = mmap.mmap(-1, size * keys)
+        view = memoryview(store)
+        for off in range(0, size * keys, 4096):
+            view[off] = 1
+        while (req := conn.recv(8)) and len(req) == 8:
+            i = int.from_bytes(req, "little") % keys
+            conn.sendall(view[i * size:(i + 1) * size])
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    server = mp.get_context("fork").Process(target=serve, args=(listener,), daemon=True)
+    server.start()
+    with socket.create_connection(listener.getsockname()) as c:
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        out = memoryview(bytearray(size))
+        start.wait()  # every pair starts at once
+        done, i, deadline = 0, os.getpid(), time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            i = (i * 7919 + 1) % keys
+            c.sendall(i.to_bytes(8, "little"))
+            got = 0
+            while got < size:
+                got += c.recv_into(out[got:])
+            done += 1
+    server.kill()
+    results.put(done / seconds)
+
+
+def socket_ceiling(size: int, keys: int, seconds: float = 3.0) -> dict:
+    """CLIENTS plain-socket pairs at once (separate processes): GETs per second."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    start, results = ctx.Barrier(CLIENTS), ctx.Queue()
+    keys = max(1, min(keys, (1 << 30) // size // CLIENTS))  # at most 1 GiB of values per pair
+    pairs = [ctx.Process(target=socket_pair, args=(size, keys, seconds, start, results)) for _ in range(CLIENTS)]
+    for p in pairs:
+        p.start()
+    total = sum(results.get(timeout=seconds + 120) for _ in pairs)
+    for p in pairs:
+        p.join()
+    return {"ops_per_sec": total, "pairs": CLIENTS, "seconds": seconds}
 
 
 def freight_run(freight: list[str], size: int, keys: int, transport: str) -> dict:
@@ -163,7 +251,8 @@ def main() -> int:
     for name in args.sizes.split(","):
         size = SIZES[name]
         keys = max(100, int(KEYS[name] * args.scale))
-        row = {"size": name, "bytes": size, "keys": keys, "redis": redis_run(size, keys)}
+        row = {"size": name, "bytes": size, "keys": keys, "redis": redis_run(size, keys),
+               "plain_tcp": socket_ceiling(size, keys)}
         for transport in ("shm", "tcp"):
             row[f"freight_{transport}"] = freight_run(freight, size, keys, transport)
             ratio = row[f"freight_{transport}"]["ops_per_sec"] / row["redis"]["ops_per_sec"]
@@ -186,8 +275,9 @@ def main() -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
-    print("\n| value | Redis GET ops/s (p50 us) | freight shm ops/s (p50 us) | ratio | freight tcp ops/s | ratio |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("\n| value | Redis GET ops/s (p50 us) | freight shm ops/s (p50 us) | ratio | freight tcp ops/s | ratio "
+          "| plain tcp sockets ops/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         def cell(t: str) -> str:
             met = r[f"{t}_met"]
@@ -195,7 +285,7 @@ def main() -> int:
             return f"{r[f'{t}_ratio']:.2f}x{mark}"
         print(f"| {r['size']} | {r['redis']['ops_per_sec']:.0f} ({r['redis']['p50_us']:.0f}) | "
               f"{r['freight_shm']['ops_per_sec']:.0f} ({r['freight_shm']['p50_us']:.0f}) | {cell('shm')} | "
-              f"{r['freight_tcp']['ops_per_sec']:.0f} | {cell('tcp')} |")
+              f"{r['freight_tcp']['ops_per_sec']:.0f} | {cell('tcp')} | {r['plain_tcp']['ops_per_sec']:.0f} |")
     return 0
 
 

@@ -15,6 +15,7 @@
 pub mod client;
 pub mod cluster;
 pub mod index;
+mod memory;
 pub mod metrics;
 mod poll;
 pub mod pool;

@@ -20,13 +20,12 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use freight_core::{
-    Agent, AgentConfig, DescList, Error, MemKind, Notification, OpKind, Request, Result, SharedSegment, Status,
-};
+use freight_core::{Agent, AgentConfig, DescList, Error, MemKind, Notification, OpKind, Request, Result, Status};
 use parking_lot::Mutex;
 
 use crate::cluster::EtcdConfig;
 use crate::index::{Index, IndexConfig};
+use crate::memory::PoolMemory;
 use crate::pool::Slot;
 use crate::service::{GetPlan, PutPlan};
 use crate::wire::{self, Buffer, FailCode, Outcome, Reply};
@@ -112,7 +111,7 @@ impl Clients {
 /// What the control plane and the worker share.
 pub(crate) struct Shared {
     pub(crate) agent: Arc<Agent>,
-    pool: Arc<SharedSegment>,
+    pool: PoolMemory,
     pub(crate) index: Mutex<Index>,
     pub(crate) clients: Mutex<Clients>,
     started: Instant,
@@ -233,10 +232,7 @@ impl Server {
         let agent = Arc::new(Agent::new(&name, config.engine.clone())?);
         let len = usize::try_from(config.memory_bytes)
             .map_err(|_| Error::InvalidArgument(format!("{} bytes of memory is too many", config.memory_bytes)))?;
-        let pool = agent.alloc(len)?;
-        // Touched now, so that the first writes into the pool do not pay for page faults.
-        // SAFETY: the whole segment is ours and nothing else uses it yet.
-        unsafe { std::ptr::write_bytes(pool.as_ptr(), 0, len) };
+        let pool = PoolMemory::allocate(len)?;
         // Private: no client can address the pool; the server moves every value itself.
         agent.register_private(MemKind::Dram, pool.addr(), config.memory_bytes, 0)?;
         let shared = Arc::new(Shared {
