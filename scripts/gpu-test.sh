@@ -40,7 +40,10 @@ gpus=$(nvidia-smi -L | wc -l)
 machine="${MACHINE:-$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x${gpus}}"
 
 log "GPU tests"
-(cd tests && "$PY" -m pytest -q -rfs -p no:cacheprovider ${TESTS:+-k "$TESTS"} test_gpu.py) 2>&1 | tee "$OUT/tests.log"
+# The KV client's tests that need PyTorch or a large memory run here too.
+(cd tests && "$PY" -m pytest -q -rfs -p no:cacheprovider ${TESTS:+-k "$TESTS"} test_gpu.py \
+    test_py_kv.py::test_torch_tensors_go_in_and_come_out_on_the_cpu_and_a_gpu \
+    test_py_kv.py::test_a_value_larger_than_a_gigabyte_round_trips) 2>&1 | tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
 
 # The transfer benchmarks beside NIXL compare two GPUs; P2P=0 skips them.
@@ -70,7 +73,24 @@ if [ "${STREAM:-1}" = 1 ]; then
     stream_rc=${PIPESTATUS[0]}
 fi
 
+# The KV server beside Redis on this machine's CPUs; Redis comes from the Debian
+# packages in .carry/redis (bench/peers/redis.sh download .carry/redis) where the
+# machine has none. KV=0 skips it.
+if [ "${KV:-1}" = 1 ]; then
+    if ls .carry/redis/*.deb >/dev/null 2>&1; then
+        bash bench/peers/redis.sh unpack .carry/redis /tmp/freight-redis >/dev/null && export PATH="/tmp/freight-redis/bin:$PATH"
+    fi
+    if command -v redis-server >/dev/null; then
+        log "KV server beside Redis ($(nproc) CPUs)"
+        timeout 540 "$PY" bench/kv.py --machine "$machine host, $(nproc) CPUs" --out "$OUT/kv.json" \
+            --freight "$PY -m freight" 2>&1 | tee "$OUT/kv.log"
+    else
+        log "KV benchmark skipped: no Redis here (bench/peers/redis.sh download .carry/redis)"
+    fi
+fi
+
 [ "${STREAM:-1}" = 1 ] && sed -n "/^. benchmark/,\$p" "$OUT/stream.log"
+[ -f "$OUT/kv.log" ] && grep "^|" "$OUT/kv.log"
 if [ "${P2P:-1}" = 1 ]; then
     "$PY" bench/gpu_report.py --freight "$OUT/freight.json" ${nixl_json:+--nixl "$nixl_json"} \
         --ceilings "$OUT/ceilings.json" --out-md "$OUT/report.md" --plot "$OUT/gpu.png" --machine "$machine"

@@ -362,6 +362,102 @@ def test_clients_in_threads_and_one_client_shared_by_threads(server):
     shared.close()
 
 
+@pytest.mark.timeout(60)
+def test_async_client_does_what_the_client_does_without_blocking_the_loop(server):
+    import asyncio
+
+    from freight.kv import AsyncClient
+
+    async def session(t: int) -> None:
+        async with AsyncClient(server.url, buffer_size=MIB, timeout=CLIENT_TIMEOUT) as kv:
+            value = pattern(5000 + t, seed=t)
+            assert await kv.put(f"a{t}", value, ttl=60) > 0
+            assert await kv.get(f"a{t}") == value
+            out = np.zeros(6000, np.uint8)
+            assert await kv.get_into(f"a{t}", out) == len(value)
+            assert out[: len(value)].tobytes() == value
+            assert await kv.get_many([f"a{t}", "missing"]) == [value, None]
+            assert await kv.exists([f"a{t}", "missing"]) == [True, False]
+            versions = await kv.put_many({f"b{t}": b"1", f"c{t}": b"22"})
+            assert len(versions) == 2 and all(isinstance(v, int) for v in versions), versions
+            assert await kv.delete(f"b{t}") is True
+            assert (await kv.stats())["clients"] >= 1
+
+    async def main() -> None:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        tick = asyncio.create_task(ticker())
+        await asyncio.gather(*(session(t) for t in range(4)))
+        tick.cancel()
+        assert ticks > 10, "the event loop was blocked while the clients waited"
+
+        idle = AsyncClient(server.url)
+        with pytest.raises(freight.InvalidStateError, match="not connected"):
+            await idle.get("x")
+        await idle.close()
+
+        dead = AsyncClient(f"http://127.0.0.1:{free_port()}", timeout=1.0)
+        with pytest.raises(freight.FreightError):
+            await dead.connect()
+        await dead.close()
+
+    asyncio.run(main())
+    assert server.stats()["keys"] == 8
+
+
+def _available_memory() -> int:
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["MemAvailable"].split()[0]) * KIB
+
+
+GIB_PLUS = (1 << 30) + 12345  # larger than a gigabyte, and not a round number
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(_available_memory() < 6 * GIB_PLUS, reason="a value over 1 GiB needs about 6 GiB of free memory "
+                    "(pool, client buffer, value and destination)")
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_value_larger_than_a_gigabyte_round_trips(transport):
+    value = np.random.default_rng(3).integers(0, 256, GIB_PLUS, dtype=np.uint8)
+    with Server("127.0.0.1:0", memory_size=GIB_PLUS + MIB) as server, \
+            Client(server.url, buffer_size=GIB_PLUS, timeout=120, transport=transport) as c:
+        c.put("huge", value)
+        out = np.zeros(GIB_PLUS, np.uint8)
+        assert c.get_into("huge", out) == GIB_PLUS
+        assert np.array_equal(out, value)
+        assert server.stats()["bytes"] == GIB_PLUS
+
+
+@pytest.mark.timeout(120)
+def test_torch_tensors_go_in_and_come_out_on_the_cpu_and_a_gpu(server, client):
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+    cpu = torch.arange(1000, dtype=torch.float32).reshape(10, 100)
+    client.put("cpu", cpu)
+    back = torch.zeros(10, 100)
+    assert client.get_into("cpu", back) == 4000 and torch.equal(back, cpu)
+    assert client.get("cpu") == cpu.numpy().tobytes()
+    with pytest.raises(freight.InvalidArgumentError, match="not contiguous"):
+        client.put("t", cpu.t())
+    with pytest.raises(freight.InvalidArgumentError, match="4000.*"):
+        client.get_into("cpu", torch.zeros(10, dtype=torch.float32))
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: GPU tensors not tried")
+    gpu = (torch.arange(3 * MIB, device="cuda") % 251).to(torch.uint8).view(torch.bfloat16)
+    client.put("gpu", gpu)
+    into = torch.zeros_like(gpu)
+    assert client.get_into("gpu", into) == 3 * MIB
+    assert torch.equal(into.view(torch.uint8), gpu.view(torch.uint8))
+    cuda_back = torch.zeros(10, 100, device="cuda")
+    assert client.get_into("cpu", cuda_back) == 4000 and torch.equal(cuda_back.cpu(), cpu)
+
+
 # ------------------------------------------------------------------- real processes
 
 

@@ -35,16 +35,22 @@ recently used values, or, on a server started with ``evict=False``, refuses writ
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import functools
 import logging
 import math
+import sys
+import threading
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from . import _native
-from .errors import FreightError, InvalidArgumentError, PeerDisconnectedError
+from ._objects import is_tensor
+from .errors import FreightError, InvalidArgumentError, InvalidStateError, PeerDisconnectedError
 
-__all__ = ["Client", "Server", "Key"]
+__all__ = ["AsyncClient", "Client", "Server", "Key"]
 
 #: What a key may be: str (encoded as UTF-8) or bytes-like.
 Key = Union[str, bytes, bytearray, memoryview]
@@ -79,8 +85,22 @@ def _one_or_many(keys: Any) -> Tuple[List[bytes], bool]:
     return _keys(keys), False
 
 
+def _tensor_bytes(tensor: Any, what: str) -> Any:
+    """A contiguous torch tensor's bytes as a flat uint8 tensor on its device (a view)."""
+    if not tensor.is_contiguous():
+        raise InvalidArgumentError(f"{what} (a tensor of shape {tuple(tensor.shape)}) is not contiguous "
+                                   "(.contiguous() makes a copy that is)")
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise InvalidArgumentError(f"{what} is on device {tensor.device}; tensors on cpu or cuda only")
+    return tensor.detach().reshape(-1).view(sys.modules["torch"].uint8)
+
+
 def _value(value: Any, what: str = "the value") -> np.ndarray:
-    """A read-only 1-D uint8 view of a value's bytes (no copy)."""
+    """A read-only 1-D uint8 view of a value's bytes (no copy; a GPU tensor is copied to
+    host memory first)."""
+    if is_tensor(value):
+        flat = _tensor_bytes(value, what)
+        value = flat.cpu().numpy() if flat.device.type == "cuda" else flat.numpy()
     if isinstance(value, str):
         raise TypeError(f"{what} must be bytes-like or a numpy array, not str (encode it first)")
     if isinstance(value, np.ndarray):
@@ -108,7 +128,10 @@ def _value(value: Any, what: str = "the value") -> np.ndarray:
 
 
 def _out(out: Any) -> np.ndarray:
-    """A writable 1-D uint8 view of ``out`` (no copy)."""
+    """A writable 1-D uint8 view of ``out`` (no copy): a numpy array, a CPU tensor or a
+    writable buffer."""
+    if is_tensor(out):
+        out = _tensor_bytes(out, "out").numpy()
     if isinstance(out, np.ndarray):
         if not out.flags.c_contiguous:
             raise InvalidArgumentError(f"out (shape {out.shape}, strides {out.strides}) is not C-contiguous")
@@ -276,6 +299,9 @@ class Client:
             _seconds(timeout, "timeout", zero_ok=False),
             _transport(transport),
         )
+        # GPU destinations: a pinned host buffer, grown on demand, that GETs land in.
+        self._staging: Any = None
+        self._staging_lock = threading.Lock()
 
     @property
     def server(self) -> str:
@@ -298,10 +324,11 @@ class Client:
     # -- writes
 
     def put(self, key: Key, value: Any, ttl: float = 0.0) -> int:
-        """Stores ``value`` (bytes-like, or a C-contiguous numpy array: its raw bytes)
-        under ``key``, replacing any value it had, expiring after ``ttl`` seconds (0:
-        never). Returns the value's version (versions grow with every write to the
-        server). Readers see the old value or the new one, never a mix.
+        """Stores ``value`` (bytes-like, a C-contiguous numpy array or a contiguous
+        torch tensor, CPU or GPU: its raw bytes) under ``key``, replacing any value it
+        had, expiring after ``ttl`` seconds (0: never). Returns the value's version
+        (versions grow with every write to the server). Readers see the old value or
+        the new one, never a mix. A GPU tensor is copied to host memory first.
 
         A value larger than :attr:`buffer_size` raises
         :class:`freight.InvalidArgumentError` naming both sizes; a full pool without
@@ -349,11 +376,30 @@ class Client:
 
     def get_into(self, key: Key, out: Any) -> Optional[int]:
         """Copies the value of ``key`` into ``out`` (a writable C-contiguous numpy array
-        of any dtype, or a writable buffer such as a bytearray), from its start; returns
-        the value's length in bytes, or None when there is no such key (``out`` is
-        then untouched). A value larger than ``out`` raises
-        :class:`freight.InvalidArgumentError` (a ``ValueError``) naming both sizes."""
+        of any dtype, a contiguous torch tensor on the CPU or a GPU, or a writable
+        buffer such as a bytearray), from its start; returns the value's length in
+        bytes, or None when there is no such key (``out`` is then untouched). A value
+        larger than ``out`` raises :class:`freight.InvalidArgumentError` (a
+        ``ValueError``) naming both sizes.
+
+        A GPU tensor is filled from a pinned host buffer of this client (allocated at
+        the first such call, as large as ``out`` up to :attr:`buffer_size`), with one
+        host-to-device copy that has finished when this returns."""
+        if is_tensor(out) and out.device.type == "cuda":
+            return self._get_into_gpu(_key(key), _tensor_bytes(out, "out"))
         return self._raw.get_into(_key(key), _out(out))
+
+    def _get_into_gpu(self, key: bytes, flat: Any) -> Optional[int]:
+        torch = sys.modules["torch"]
+        want = min(flat.numel(), self.buffer_size)
+        with self._staging_lock:
+            if self._staging is None or self._staging.numel() < want:
+                self._staging = torch.empty(want, dtype=torch.uint8, pin_memory=True)
+            staging = self._staging[:want]
+            n = self._raw.get_into(key, staging.numpy())
+            if n is not None:
+                flat[:n].copy_(staging[:n])
+        return n
 
     def get_many(self, keys: Sequence[Key]) -> List[Optional[bytes]]:
         """The values of ``keys``, in order: bytes, or None for a missing key. Keys are
@@ -404,3 +450,77 @@ class Client:
     def __repr__(self) -> str:
         state = "" if self.live else ", closed"
         return f"<freight.kv.Client of {self.server}, buffer {self.buffer_size} bytes{state}>"
+
+
+class AsyncClient:
+    """:class:`Client` for asyncio: the same session and methods, as coroutines.
+
+    Each call runs the blocking client on a thread of this client's own (one request at
+    a time, in the order they were awaited), so the event loop never waits on the
+    server. Connect with ``async with AsyncClient(url, ...) as kv`` or
+    ``kv = await AsyncClient(url, ...).connect()``; the arguments are
+    :class:`Client`'s. Several clients serve parallel requests.
+
+    A cancelled call stops waiting, but the request it sent still completes (or times
+    out) on the client's thread, before the next one starts.
+    """
+
+    def __init__(self, server: Union[str, Server] = "http://[::1]:50051", **options: Any) -> None:
+        self._args = (server,)
+        self._options = options
+        self._client: Optional[Client] = None
+        self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="freight-kv-async")
+
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, functools.partial(fn, *args))
+
+    async def connect(self) -> "AsyncClient":
+        """Opens the session (what ``async with`` does); returns this client."""
+        if self._client is None:
+            self._client = await self._run(functools.partial(Client, *self._args, **self._options))
+        return self
+
+    def _connected(self) -> Client:
+        if self._client is None:
+            raise InvalidStateError("this AsyncClient is not connected: await connect() or use 'async with'")
+        return self._client
+
+    @property
+    def live(self) -> bool:
+        return self._client is not None and self._client.live
+
+    async def close(self) -> None:
+        """Ends the session (see :meth:`Client.close`) and stops the client's thread."""
+        if self._client is not None:
+            await self._run(self._client.close)
+        self._thread.shutdown(wait=False)
+
+    async def __aenter__(self) -> "AsyncClient":
+        return await self.connect()
+
+    async def __aexit__(self, exc_type: Any, *exc: Any) -> None:
+        try:
+            await self.close()
+        except FreightError:
+            if exc_type is None:
+                raise
+
+    def __repr__(self) -> str:
+        inner = repr(self._client) if self._client is not None else "not connected"
+        return f"<freight.kv.AsyncClient: {inner}>"
+
+
+def _forward(name: str) -> Any:
+    method = getattr(Client, name)
+
+    @functools.wraps(method)
+    async def call(self: AsyncClient, *args: Any, **kwargs: Any) -> Any:
+        return await self._run(functools.partial(method, self._connected(), *args, **kwargs))
+
+    call.__doc__ = f"Awaitable :meth:`Client.{name}`.\n\n{method.__doc__ or ''}"
+    return call
+
+
+for _name in ("put", "put_many", "delete", "get", "get_into", "get_many", "exists", "stats"):
+    setattr(AsyncClient, _name, _forward(_name))
+del _name
