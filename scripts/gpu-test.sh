@@ -75,7 +75,8 @@ fi
 
 # The KV server beside Redis on this machine's CPUs; Redis comes from the Debian
 # packages in .carry/redis (bench/peers/redis.sh download .carry/redis) where the
-# machine has none. KV=0 skips it.
+# machine has none. Then GETs into GPU memory beside GETs into host memory. KV=0 skips
+# both.
 if [ "${KV:-1}" = 1 ]; then
     if ls .carry/redis/*.deb >/dev/null 2>&1; then
         bash bench/peers/redis.sh unpack .carry/redis /tmp/freight-redis >/dev/null && export PATH="/tmp/freight-redis/bin:$PATH"
@@ -87,10 +88,13 @@ if [ "${KV:-1}" = 1 ]; then
     else
         log "KV benchmark skipped: no Redis here (bench/peers/redis.sh download .carry/redis)"
     fi
+    log "KV server: GETs into GPU memory"
+    timeout 300 "$PY" bench/kv_gpu.py --machine "$machine" --out "$OUT/kv_gpu.json" --freight "$PY -m freight" \
+        2>&1 | tee "$OUT/kv_gpu.log"
 fi
 
 [ "${STREAM:-1}" = 1 ] && sed -n "/^. benchmark/,\$p" "$OUT/stream.log"
-[ -f "$OUT/kv.log" ] && grep "^|" "$OUT/kv.log"
+for f in kv kv_gpu; do [ -f "$OUT/$f.log" ] && grep "^|" "$OUT/$f.log"; done
 if [ "${P2P:-1}" = 1 ]; then
     "$PY" bench/gpu_report.py --freight "$OUT/freight.json" ${nixl_json:+--nixl "$nixl_json"} \
         --ceilings "$OUT/ceilings.json" --out-md "$OUT/report.md" --plot "$OUT/gpu.png" --machine "$machine"

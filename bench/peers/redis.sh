@@ -5,7 +5,8 @@
 #   bench/peers/redis.sh unpack DIR DEST  # anywhere: DEST/bin/redis-{server,cli,benchmark}
 #
 # The packages include their C library and loader, and the commands in DEST/bin start
-# Redis through that loader, so they run on any x86-64 Linux whatever its own libraries.
+# Redis through that loader (named by its real path: /lib64 holds an absolute link to
+# the host's), so they run on any x86-64 Linux whatever its own libraries.
 # bench/kv.py finds them on PATH.
 set -euo pipefail
 PACKAGES="redis-server redis-tools liblzf1 libjemalloc2 libssl3 libsystemd0 libatomic1 libstdc++6
@@ -32,14 +33,14 @@ unpack)
         [ -e "$root/usr/bin/$cmd" ] || { echo "redis.sh: $cmd is not in the packages of $src" >&2; exit 1; }
         cat > "$dest/bin/$cmd" <<WRAP
 #!/bin/sh
-exec "$root/lib64/ld-linux-x86-64.so.2" --library-path "$root/lib/x86_64-linux-gnu:$root/usr/lib/x86_64-linux-gnu" "$root/usr/bin/$cmd" "\$@"
+exec "$root/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2" --library-path "$root/lib/x86_64-linux-gnu:$root/usr/lib/x86_64-linux-gnu" "$root/usr/bin/$cmd" "\$@"
 WRAP
         chmod +x "$dest/bin/$cmd"
     done
     "$dest/bin/redis-server" --version
     ;;
 *)
-    sed -n '2,9p' "$0" >&2
+    sed -n '2,10p' "$0" >&2
     exit 2
     ;;
 esac

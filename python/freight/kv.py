@@ -41,7 +41,6 @@ import functools
 import logging
 import math
 import sys
-import threading
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -299,9 +298,6 @@ class Client:
             _seconds(timeout, "timeout", zero_ok=False),
             _transport(transport),
         )
-        # GPU destinations: a pinned host buffer, grown on demand, that GETs land in.
-        self._staging: Any = None
-        self._staging_lock = threading.Lock()
 
     @property
     def server(self) -> str:
@@ -382,24 +378,16 @@ class Client:
         larger than ``out`` raises :class:`freight.InvalidArgumentError` (a
         ``ValueError``) naming both sizes.
 
-        A GPU tensor is filled from a pinned host buffer of this client (allocated at
-        the first such call, as large as ``out`` up to :attr:`buffer_size`), with one
-        host-to-device copy that has finished when this returns."""
+        A GPU tensor is filled from the client's receive buffer (pinned at the first
+        such call) with one host-to-device copy, finished when this returns; order your
+        own GPU work on ``out`` before the call (``torch.cuda.synchronize()``)."""
         if is_tensor(out) and out.device.type == "cuda":
             return self._get_into_gpu(_key(key), _tensor_bytes(out, "out"))
         return self._raw.get_into(_key(key), _out(out))
 
     def _get_into_gpu(self, key: bytes, flat: Any) -> Optional[int]:
-        torch = sys.modules["torch"]
-        want = min(flat.numel(), self.buffer_size)
-        with self._staging_lock:
-            if self._staging is None or self._staging.numel() < want:
-                self._staging = torch.empty(want, dtype=torch.uint8, pin_memory=True)
-            staging = self._staging[:want]
-            n = self._raw.get_into(key, staging.numpy())
-            if n is not None:
-                flat[:n].copy_(staging[:n])
-        return n
+        device = flat.device.index if flat.device.index is not None else sys.modules["torch"].cuda.current_device()
+        return self._raw.get_into_gpu(key, flat.data_ptr(), flat.numel(), device)
 
     def get_many(self, keys: Sequence[Key]) -> List[Optional[bytes]]:
         """The values of ``keys``, in order: bytes, or None for a missing key. Keys are

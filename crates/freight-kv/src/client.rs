@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use freight_core::{Agent, AgentConfig, Error, MemKind, Result, SharedSegment};
+use freight_core::{cuda, Agent, AgentConfig, Error, MemKind, Result, SharedSegment};
 use tonic::transport::Channel;
 
 use tonic::service::interceptor::InterceptedService;
@@ -61,6 +61,23 @@ impl Default for ClientConfig {
     }
 }
 
+/// The error for a value larger than the memory it was asked into.
+pub fn too_small(value: u64, room: u64) -> Error {
+    Error::InvalidArgument(format!("the value has {value} bytes; the output buffer has room for {room}"))
+}
+
+/// The receive buffer while it is pinned for GPU copies.
+struct PinnedBuffer {
+    addr: u64,
+    len: u64,
+}
+
+impl Drop for PinnedBuffer {
+    fn drop(&mut self) {
+        cuda::pinned::unpin_within(self.addr, self.len);
+    }
+}
+
 /// Server-side counters, as the control plane reports them.
 pub type ServerStats = StatsReply;
 
@@ -74,6 +91,9 @@ pub struct Client {
     url: String,
     name: String,
     client_id: u64,
+    /// Pins the buffer for GPU copies once one is asked for; unpins it before the buffer
+    /// goes (fields drop in order).
+    pinned: Option<PinnedBuffer>,
     buffer: Arc<SharedSegment>,
     next_id: u64,
     timeout: Duration,
@@ -131,6 +151,7 @@ impl Client {
             url: config.server.clone(),
             name: config.name.clone(),
             client_id: 0,
+            pinned: None,
             buffer,
             next_id: 1,
             timeout: config.timeout,
@@ -257,6 +278,28 @@ impl Client {
             Some(other) => Err(self.unexpected(other)),
             None => Err(Error::Protocol("the server answered a GET with no outcome".into())),
         }
+    }
+
+    /// Copies the value of `key` into GPU memory: `capacity` bytes at device address
+    /// `dst` on GPU `device` (as this process numbers them); returns the value's length,
+    /// or `None` when there is no such key. The server writes the value into the
+    /// receive buffer, pinned at the first call, and one copy-engine transfer moves it to
+    /// the GPU; it has landed when this returns. The caller orders its own GPU work on
+    /// that memory before the call (synchronize its stream), as for any transfer.
+    pub fn get_to_gpu(&mut self, key: &[u8], dst: u64, capacity: u64, device: usize) -> Result<Option<u64>> {
+        let gpu = cuda::Device::get(device)?;
+        if self.pinned.is_none() {
+            cuda::pinned::pin(gpu, self.buffer.addr(), self.buffer_bytes())?;
+            self.pinned = Some(PinnedBuffer { addr: self.buffer.addr(), len: self.buffer_bytes() });
+        }
+        self.get_with(key, |value| {
+            if value.len() as u64 > capacity {
+                return Err(too_small(value.len() as u64, capacity));
+            }
+            cuda::driver::copy_sync(gpu, dst, value.as_ptr() as u64, value.len())?;
+            Ok(value.len() as u64)
+        })?
+        .transpose()
     }
 
     /// Several values in one request: the buffer is shared out evenly between the keys,

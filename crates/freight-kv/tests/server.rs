@@ -364,3 +364,17 @@ fn tls_on_the_control_plane() {
     .unwrap();
     assert!(!matches!(e, Error::InvalidArgument(_)), "{e}");
 }
+
+#[test]
+fn a_get_into_gpu_memory_without_cuda_says_why_and_the_client_goes_on() {
+    if freight_core::cuda::available() {
+        eprintln!("skipped: CUDA is available here (the GPU suite covers GPU destinations)");
+        return;
+    }
+    let s = server(1 << 20, true);
+    let mut c = client(&s, 1 << 16);
+    c.put(b"k", &value(3, 100), Duration::ZERO).unwrap();
+    let err = c.get_to_gpu(b"k", 0x1000, 100, 0).unwrap_err();
+    assert!(err.to_string().to_lowercase().contains("cuda"), "{err}");
+    assert_eq!(c.get(b"k").unwrap(), Some(value(3, 100)));
+}

@@ -11,6 +11,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use freight_core::{AgentConfig, Error, Result, TransportKind};
+use freight_kv::client::too_small;
 use freight_kv::{Client, ClientConfig, Server, ServerConfig};
 use numpy::{PyReadonlyArray1, PyReadwriteArray1};
 use pyo3::prelude::*;
@@ -407,17 +408,26 @@ impl PyKvClient {
         let copied = self.with_buffer(py, |c| {
             c.get_with(key, |v| {
                 if v.len() > out.len() {
-                    return Err(Error::InvalidArgument(format!(
-                        "the value has {} bytes; the output buffer has room for {}",
-                        v.len(),
-                        out.len()
-                    )));
+                    return Err(too_small(v.len() as u64, out.len() as u64));
                 }
                 out[..v.len()].copy_from_slice(v);
                 Ok(v.len() as u64)
             })
         })?;
         copied.transpose().or_raise()
+    }
+
+    /// Copies the value of `key` into GPU memory (`capacity` bytes at device address
+    /// `addr` on GPU `device`); its length, or None.
+    fn get_into_gpu(
+        &self,
+        py: Python<'_>,
+        key: &[u8],
+        addr: u64,
+        capacity: u64,
+        device: usize,
+    ) -> PyResult<Option<u64>> {
+        self.with_buffer(py, |c| c.get_to_gpu(key, addr, capacity, device))
     }
 
     /// Values of `keys` (bytes or None each).
