@@ -5,6 +5,7 @@ pub mod args;
 mod bench;
 mod child;
 mod demo;
+mod doctor;
 mod kv_bench;
 mod pattern;
 mod proto;
@@ -64,6 +65,10 @@ enum Command {
     /// Read throughput and latency of a KV server: write phase, warmup, concurrent
     /// reads, latency of random GETs (against --server-addr, or --embedded).
     KvBench(kv_bench::KvBenchArgs),
+    /// What a performance investigation needs to know about this machine: CPUs, NUMA
+    /// nodes, NICs (speed, MTU, NUMA node, IRQ affinity), GPUs and their closest NICs,
+    /// GPU peer access, libfabric providers. Needs no GPU.
+    Doctor(doctor::DoctorArgs),
     /// The target side of `demo` and `bench p2p`, started by them as a child process.
     #[command(name = target::SUBCOMMAND, hide = true)]
     Target(target::TargetArgs),
@@ -98,6 +103,7 @@ pub fn run(args: Vec<String>, self_command: Vec<String>) -> i32 {
             Command::Bench { which } => bench::run(which, &ctx),
             Command::Serve(a) => serve::run(a),
             Command::KvBench(a) => kv_bench::run(a),
+            Command::Doctor(a) => doctor::run(a),
             Command::Target(a) => target::run_child(a),
         }
     });

@@ -148,3 +148,39 @@ fn bench_descriptors_json() {
     assert_eq!(doc["copies_per_request"], 1024);
     assert!(doc["rows"].as_array().unwrap().len() >= 6);
 }
+
+#[test]
+fn doctor_describes_this_machine_as_json_and_refuses_a_root_without_sysfs() {
+    let out = freight(&["doctor", "--json"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).expect("doctor --json prints JSON");
+    // Online CPUs: at least those this process may run on.
+    let cpus = r["cpus"]["count"].as_u64().unwrap() as usize;
+    assert!(cpus >= std::thread::available_parallelism().unwrap().get(), "{}", r["cpus"]);
+    let nics = r["nics"].as_array().unwrap();
+    assert!(nics.iter().any(|n| n["name"] == "lo"), "{nics:?}");
+    // Without a GPU the report says why; with one it lists every GPU and a square matrix.
+    if r["cuda"]["available"] == false {
+        assert!(r["cuda"]["reason"].as_str().unwrap().contains("CUDA"), "{}", r["cuda"]);
+        assert!(r["gpus"].as_array().unwrap().is_empty());
+    } else {
+        let gpus = r["gpus"].as_array().unwrap().len();
+        assert!(gpus > 0);
+        assert!(r["peer_access"].as_array().unwrap().iter().all(|row| row.as_array().unwrap().len() == gpus));
+    }
+    let fabric = &r["libfabric"];
+    assert!(fabric["library"].is_string() || fabric["note"].as_str().unwrap().contains("not installed"), "{fabric}");
+
+    let human = freight(&["doctor"]);
+    assert!(human.status.success());
+    for section in ["CPUs", "NUMA", "NICs", "CUDA", "libfabric"] {
+        assert!(text(&human.stdout).contains(section), "no {section} in:\n{}", text(&human.stdout));
+    }
+
+    let empty = std::env::temp_dir().join(format!("freight-doctor-{}", std::process::id()));
+    std::fs::create_dir_all(&empty).unwrap();
+    let bad = freight(&["doctor", "--root", empty.to_str().unwrap()]);
+    assert_eq!(bad.status.code(), Some(2), "{}", text(&bad.stderr));
+    assert!(text(&bad.stderr).contains("no sys/ directory"));
+    std::fs::remove_dir_all(&empty).unwrap();
+}

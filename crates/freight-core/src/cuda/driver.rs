@@ -61,6 +61,15 @@ pub fn check(result: CUresult, call: &'static str) -> Result<()> {
     Err(Error::Cuda { call: call.to_string(), code })
 }
 
+/// The CUDA version the driver supports, as (major, minor): (12, 8) for CUDA 12.8.
+pub fn driver_version() -> Result<(i32, i32)> {
+    init()?;
+    let mut v = 0;
+    // SAFETY: out-pointer to a local.
+    check(unsafe { cu::cuDriverGetVersion(&mut v) }, "cuDriverGetVersion")?;
+    Ok((v / 1000, v % 1000 / 10))
+}
+
 /// Number of GPUs this process sees.
 pub fn device_count() -> Result<usize> {
     init()?;
@@ -82,6 +91,8 @@ pub struct Device {
     sync_stream: OnceLock<std::result::Result<Stream, Error>>,
     /// PCI bus id ("0000:1b:00.0"): the same GPU under any CUDA_VISIBLE_DEVICES.
     pub bus_id: String,
+    /// The product name ("NVIDIA H100 80GB HBM3").
+    pub name: String,
     pub compute_capability: (i32, i32),
     pub multiprocessors: u32,
 }
@@ -136,6 +147,11 @@ impl Device {
         check(unsafe { cu::cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as i32, dev) }, "cuDeviceGetPCIBusId")?;
         // SAFETY: NUL-terminated by the driver.
         let bus_id = unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().to_ascii_lowercase();
+        let mut name = [0 as std::ffi::c_char; 256];
+        // SAFETY: the driver writes at most `len` bytes, NUL included.
+        check(unsafe { cu::cuDeviceGetName(name.as_mut_ptr(), name.len() as i32, dev) }, "cuDeviceGetName")?;
+        // SAFETY: NUL-terminated by the driver.
+        let name = unsafe { CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned();
         tracing::debug!(ordinal, %bus_id, ?compute_capability, multiprocessors, "opened GPU");
         Ok(Device {
             ordinal,
@@ -144,6 +160,7 @@ impl Device {
             stream,
             sync_stream: OnceLock::new(),
             bus_id,
+            name,
             compute_capability,
             multiprocessors,
         })
