@@ -155,6 +155,18 @@ pub enum Closeness {
     System,
 }
 
+impl Closeness {
+    /// The name in reports, as in the JSON ("pcie-switch").
+    pub fn label(self) -> &'static str {
+        match self {
+            Closeness::PcieSwitch => "pcie-switch",
+            Closeness::HostBridge => "host-bridge",
+            Closeness::NumaNode => "numa-node",
+            Closeness::System => "system",
+        }
+    }
+}
+
 pub fn closeness(a: &PciPlace, b: &PciPlace) -> Closeness {
     let shared = a.chain.iter().zip(&b.chain).take_while(|(x, y)| x == y).count();
     if shared >= 2 {
@@ -339,6 +351,7 @@ mod tests {
         assert_eq!(closeness(&gpu, &bridge), Closeness::HostBridge);
         assert_eq!(closeness(&gpu, &far), Closeness::System);
         assert!(Closeness::PcieSwitch < Closeness::System);
+        assert_eq!(serde_json::to_value(Closeness::HostBridge).unwrap(), Closeness::HostBridge.label());
         assert!(pci_device(&root, "0000:99:00.0").is_none());
     }
 }
