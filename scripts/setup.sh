@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepare a development environment for freight. Idempotent: safe to run many times.
 #
-#   1. system packages (Debian/Ubuntu, apt-get): protoc, etcd, iperf3, C toolchain, pkg-config
+#   1. system packages (Debian/Ubuntu, apt-get): protoc, etcd, iperf3, iproute2, C toolchain, pkg-config
 #   2. Rust toolchain check (cargo >= 1.80)
 #   3. Python virtualenv at .venv with maturin, numpy, pytest, pytest-timeout
 #   4. build the extension and install it into .venv (maturin develop --release)
@@ -48,6 +48,7 @@ else
     need_pkg protobuf-compiler protoc    # etcd-client build (prost/tonic)
     need_pkg etcd-server etcd            # metadata exchange tests
     need_pkg iperf3 iperf3               # benchmark reference
+    need_pkg iproute2 ip                 # two hosts in network namespaces (scripts/netns.sh)
     if ! have cc || ! have make; then need_pkg build-essential; fi
     need_pkg pkg-config pkg-config
     # Debian's python3 needs python3-venv for `python3 -m venv` (ensurepip).

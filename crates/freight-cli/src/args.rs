@@ -310,6 +310,12 @@ pub struct EngineOpts {
     /// by default for payloads >= 64KiB to other hosts).
     #[arg(long)]
     pub no_zerocopy: bool,
+
+    /// tcp: local addresses (one per NIC, comma-separated) that data streams are bound
+    /// to in turn; each stream then dials the peer's address closest to its own
+    /// [engine default: any, the kernel's route decides].
+    #[arg(long, value_name = "IP,IP", value_delimiter = ',')]
+    pub local_addrs: Vec<std::net::IpAddr>,
 }
 
 pub fn parse_chunk_size(s: &str) -> Result<u64, String> {
@@ -336,6 +342,10 @@ impl EngineOpts {
         if self.no_zerocopy {
             v.push("--no-zerocopy".into());
         }
+        if !self.local_addrs.is_empty() {
+            let list: Vec<String> = self.local_addrs.iter().map(|a| a.to_string()).collect();
+            v.extend(["--local-addrs".to_string(), list.join(",")]);
+        }
         v
     }
 
@@ -351,6 +361,7 @@ impl EngineOpts {
                 chunk_size: self.chunk_size.unwrap_or(tcp.chunk_size),
                 window: self.window.unwrap_or(tcp.window),
                 zerocopy: tcp.zerocopy && !self.no_zerocopy,
+                local_addrs: self.local_addrs.clone(),
                 ..tcp
             },
             shm: ShmConfig { threads: self.shm_threads.unwrap_or(shm.threads), ..shm },
@@ -442,9 +453,12 @@ mod tests {
             window: None,
             shm_threads: Some(1),
             no_zerocopy: true,
+            local_addrs: vec!["10.0.0.1".parse().unwrap(), "10.0.1.1".parse().unwrap()],
         };
+        assert!(o.to_args().join(" ").ends_with("--no-zerocopy --local-addrs 10.0.0.1,10.0.1.1"));
         let c = o.agent_config("127.0.0.1:0", o.transport.require());
         assert!(!c.tcp.zerocopy);
+        assert_eq!(c.tcp.local_addrs, o.local_addrs);
         assert_eq!(
             (c.tcp.streams, c.tcp.chunk_size, c.tcp.window, c.shm.threads),
             (2, 4096, TcpConfig::default().window, 1)

@@ -18,6 +18,34 @@ pub struct Introduction {
     pub token: Vec<u8>,
 }
 
+/// The order in which data stream `index` tries the peer's addresses. Streams bound to
+/// a local address (one per NIC) try first the peer address that shares the longest
+/// prefix with it, the one on the same link when each NIC has a subnet of its own; the
+/// others spread over the peer's addresses in turn.
+pub fn dial_order(addrs: &[String], index: usize, bind: Option<IpAddr>) -> Vec<String> {
+    let mut order = addrs.to_vec();
+    let n = order.len();
+    if n > 0 {
+        order.rotate_left(index % n);
+    }
+    if let Some(local) = bind {
+        let shared = |a: &String| {
+            a.parse::<SocketAddr>().ok().map_or(0, |peer| common_prefix_bits(local, peer.ip()))
+        };
+        // Stable: among equally close addresses the rotation above still spreads streams.
+        order.sort_by_key(|a| std::cmp::Reverse(shared(a)));
+    }
+    order
+}
+
+fn common_prefix_bits(a: IpAddr, b: IpAddr) -> u32 {
+    match (a, b) {
+        (IpAddr::V4(a), IpAddr::V4(b)) => (u32::from(a) ^ u32::from(b)).leading_zeros(),
+        (IpAddr::V6(a), IpAddr::V6(b)) => (u128::from(a) ^ u128::from(b)).leading_zeros(),
+        _ => 0,
+    }
+}
+
 /// Connects to the first reachable address, introduces itself, and waits for a welcome.
 pub fn dial(
     addrs: &[String],
@@ -122,4 +150,24 @@ pub fn tune(stream: &TcpStream) -> Result<()> {
 /// Constant-time comparison, so that a secret cannot be guessed byte by byte.
 pub fn same_secret(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn streams_bound_to_a_nic_dial_the_peer_address_on_its_link() {
+        let peer: Vec<String> = ["10.77.1.2:7000", "10.77.0.2:7000", "10.77.2.2:7000"].map(String::from).to_vec();
+        for (i, local) in ["10.77.0.1", "10.77.1.1", "10.77.2.1", "10.77.0.1"].iter().enumerate() {
+            let order = dial_order(&peer, i, Some(local.parse().unwrap()));
+            let want = format!("{}2:7000", &local[..local.len() - 1]);
+            assert_eq!(order[0], want, "stream {i} bound to {local}: {order:?}");
+            assert_eq!(order.len(), 3);
+        }
+        // Unbound streams take the peer's addresses in turn.
+        let firsts: Vec<String> = (0..3).map(|i| dial_order(&peer, i, None).remove(0)).collect();
+        assert_eq!(firsts, peer);
+        assert!(dial_order(&[], 1, None).is_empty());
+    }
 }

@@ -296,12 +296,7 @@ impl Peer {
         let mut sockets = Vec::with_capacity(n);
         for i in 0..n {
             let bind = (!cfg.local_addrs.is_empty()).then(|| cfg.local_addrs[i % cfg.local_addrs.len()]);
-            // Spread streams over the peer's addresses too (one per NIC).
-            let mut addrs = self.md.addresses.clone();
-            if !addrs.is_empty() {
-                let k = i % addrs.len();
-                addrs.rotate_left(k);
-            }
+            let addrs = net::dial_order(&self.md.addresses, i, bind);
             let s = net::dial(&addrs, bind, Role::Data { index: i as u32 }, &intro, ctx.timeout)
                 .map_err(|e| self.disconnected(format!("cannot open data stream {i}: {e}")))?;
             sockets.push(s);
