@@ -362,7 +362,6 @@ impl EngineOpts {
                 window: self.window.unwrap_or(tcp.window),
                 zerocopy: tcp.zerocopy && !self.no_zerocopy,
                 local_addrs: self.local_addrs.clone(),
-                ..tcp
             },
             shm: ShmConfig { threads: self.shm_threads.unwrap_or(shm.threads), ..shm },
             ..AgentConfig::default()

@@ -29,9 +29,7 @@ pub fn dial_order(addrs: &[String], index: usize, bind: Option<IpAddr>) -> Vec<S
         order.rotate_left(index % n);
     }
     if let Some(local) = bind {
-        let shared = |a: &String| {
-            a.parse::<SocketAddr>().ok().map_or(0, |peer| common_prefix_bits(local, peer.ip()))
-        };
+        let shared = |a: &String| a.parse::<SocketAddr>().ok().map_or(0, |peer| common_prefix_bits(local, peer.ip()));
         // Stable: among equally close addresses the rotation above still spreads streams.
         order.sort_by_key(|a| std::cmp::Reverse(shared(a)));
     }

@@ -146,7 +146,8 @@ fn render(r: &Report) -> String {
             "#", "name", "PCI", "CC", "SMs", "NUMA"
         );
         for g in &r.gpus.gpus {
-            let near: Vec<String> = g.nics.iter().take(3).map(|n| format!("{} ({})", n.nic, n.closeness.label())).collect();
+            let near: Vec<String> =
+                g.nics.iter().take(3).map(|n| format!("{} ({})", n.nic, n.closeness.label())).collect();
             let _ = writeln!(
                 w,
                 "  {:>2}  {:<28} {:<13} {:>4} {:>4} {:>4}  {}",
