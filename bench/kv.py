@@ -5,8 +5,10 @@ For each value size, Redis 7 (Debian's redis-server, measured by its own
 redis-benchmark: SET, then GET of keys that all exist, 4 clients) and freight (`freight serve`, measured by
 `freight kv-bench`: 4 reader threads, each a client of its own, over shared memory and
 over tcp) serve the same number of keys of that size. Each is measured three times
-against one server, and the median run counts. Writes one JSON document and
-prints a table last, with the targets of the KV server issue:
+against one server, and the median run counts. Beside them, plain TCP sockets (four
+pairs of processes sending values and reading them, no protocol) show what the
+machine's loopback allows. Writes one JSON document and prints a table last, with the
+targets of the KV server issue:
 
   4 KiB    GET ops/s >= Redis, and p50 under load <= Redis's p50
   64 KiB   GET ops/s >= 2x Redis

@@ -263,10 +263,11 @@ pub enum SegKind {
     /// Host memory.
     #[value(name = "DRAM")]
     Dram,
-    /// GPU memory (not moved by this build: the engine refuses it).
+    /// GPU memory (this command's buffers are host memory, so the engine refuses it;
+    /// bench/gpu.py measures GPU memory).
     #[value(name = "VRAM")]
     Vram,
-    /// File-backed memory (not moved by this build: the engine refuses it).
+    /// File-backed memory (no transport moves it yet: the engine refuses it).
     #[value(name = "FILE")]
     File,
 }

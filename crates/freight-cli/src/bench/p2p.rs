@@ -82,8 +82,8 @@ pub struct P2pArgs {
     #[arg(long, value_enum, default_value_t = Op::Write, ignore_case = true)]
     pub(super) op: Op,
 
-    /// Memory the initiator's buffer is registered as (this build moves DRAM only; the
-    /// engine refuses the others with its reason).
+    /// Memory the initiator's buffer is registered as (its buffers are host memory, so
+    /// only DRAM moves here; the engine refuses the others with its reason).
     #[arg(long, value_enum, value_name = "KIND", default_value_t = SegKind::Dram, ignore_case = true)]
     pub(super) initiator_seg: SegKind,
 
