@@ -18,7 +18,7 @@ impl Root {
 
     /// A small file's content, trimmed; `None` when it is missing or unreadable (sysfs
     /// refuses some reads, e.g. the speed of a link that is down).
-    fn read(&self, rel: &str) -> Option<String> {
+    pub fn read(&self, rel: &str) -> Option<String> {
         read_trimmed(&self.path(rel))
     }
 

@@ -40,11 +40,10 @@ struct Report {
 }
 
 fn report(root: &Root) -> Report {
-    let read = |rel: &str| std::fs::read_to_string(root.0.join(rel)).ok().map(|s| s.trim().to_string());
     let nics = host::nics(root);
     Report {
-        hostname: read("proc/sys/kernel/hostname"),
-        kernel: read("proc/sys/kernel/osrelease"),
+        hostname: root.read("proc/sys/kernel/hostname"),
+        kernel: root.read("proc/sys/kernel/osrelease"),
         cpus: host::cpus(root),
         numa_nodes: host::numa_nodes(root),
         gpus: gpu::probe(root, &nics),
