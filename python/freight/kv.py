@@ -314,7 +314,7 @@ class Client:
 
     @property
     def live(self) -> bool:
-        """False once closed."""
+        """False once closed, or once a call timed out (see above)."""
         return self._raw.live
 
     # -- writes

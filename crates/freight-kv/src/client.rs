@@ -332,6 +332,7 @@ impl Client {
     }
 
     pub fn exists(&mut self, keys: &[&[u8]]) -> Result<Vec<bool>> {
+        self.check_usable()?;
         let request = KeysRequest { keys: keys.iter().map(|k| k.to_vec()).collect() };
         let reply = self.runtime.block_on(self.rpc.exists(request)).map_err(|e| rpc_error(&self.url, e))?;
         Ok(reply.into_inner().exists)
@@ -339,12 +340,14 @@ impl Client {
 
     /// Deletes the keys; says for each whether it was there.
     pub fn delete(&mut self, keys: &[&[u8]]) -> Result<Vec<bool>> {
+        self.check_usable()?;
         let request = KeysRequest { keys: keys.iter().map(|k| k.to_vec()).collect() };
         let reply = self.runtime.block_on(self.rpc.delete(request)).map_err(|e| rpc_error(&self.url, e))?;
         Ok(reply.into_inner().deleted)
     }
 
     pub fn stats(&mut self) -> Result<ServerStats> {
+        self.check_usable()?;
         let reply = self.runtime.block_on(self.rpc.stats(StatsRequest {})).map_err(|e| rpc_error(&self.url, e))?;
         Ok(reply.into_inner())
     }
@@ -369,11 +372,22 @@ impl Client {
         unsafe { std::slice::from_raw_parts(self.buffer.as_ptr().add(offset as usize), len as usize) }
     }
 
+    /// Whether requests can still be made: not after one timed out (see
+    /// [`ClientConfig::timeout`]); only [`Client::close`] is left then.
+    pub fn usable(&self) -> bool {
+        self.broken.is_none()
+    }
+
+    fn check_usable(&self) -> Result<()> {
+        match &self.broken {
+            Some(why) => Err(Error::InvalidState(why.clone())),
+            None => Ok(()),
+        }
+    }
+
     /// Sends a request made with its first id, and waits for its reply.
     fn call(&mut self, make: impl FnOnce(u64) -> wire::Request) -> Result<Reply> {
-        if let Some(why) = &self.broken {
-            return Err(Error::InvalidState(why.clone()));
-        }
+        self.check_usable()?;
         let request = make(self.next_id);
         let first_id = request.first_id();
         self.next_id += request.len().max(1) as u64;
@@ -404,7 +418,11 @@ impl Client {
                     "a request to the KV server at {} timed out and may still write into this client's buffer; connect a new client",
                     self.url
                 ));
-                return Err(Error::Timeout(format!("no answer from the KV server within {:?}", self.timeout)));
+                return Err(Error::Timeout(format!(
+                    "no answer from the KV server within {:?}; this client is closed now, as the server may \
+                     still carry the request out in its buffer: connect a new one",
+                    self.timeout
+                )));
             }
             for n in crate::poll::next_notifs(&self.agent, left.min(Duration::from_millis(100))) {
                 match Reply::decode(&n.msg) {

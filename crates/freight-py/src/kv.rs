@@ -6,7 +6,6 @@
 //! the server, starts or stops one runs with the GIL released. A client serves one
 //! request at a time: its calls are serialized by a lock, taken with the GIL released.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -79,9 +78,15 @@ fn stats_dict<'py>(py: Python<'py>, fields: &[(&str, u64)]) -> PyResult<Bound<'p
 #[pyclass(frozen, name = "KvServer", module = "freight._native")]
 pub struct PyKvServer {
     inner: Mutex<Option<Server>>,
+    /// The control plane's URL, as a client's `server`: "http://127.0.0.1:PORT".
+    #[pyo3(get)]
     url: String,
+    /// The control plane's bound "ip:port" (with the port picked, where 0 was asked).
+    #[pyo3(get)]
     address: String,
+    #[pyo3(get)]
     memory_bytes: u64,
+    #[pyo3(get)]
     evict: bool,
 }
 
@@ -124,28 +129,6 @@ impl PyKvServer {
             memory_bytes,
             evict,
         })
-    }
-
-    /// The control plane's URL, as a client's `server`: "http://127.0.0.1:PORT".
-    #[getter]
-    fn url(&self) -> &str {
-        &self.url
-    }
-
-    /// The control plane's bound "ip:port" (with the port picked, where 0 was asked).
-    #[getter]
-    fn address(&self) -> &str {
-        &self.address
-    }
-
-    #[getter]
-    fn memory_bytes(&self) -> u64 {
-        self.memory_bytes
-    }
-
-    #[getter]
-    fn evict(&self) -> bool {
-        self.evict
     }
 
     /// False once shut down.
@@ -198,11 +181,14 @@ impl Drop for PyKvServer {
 #[pyclass(frozen, name = "KvClient", module = "freight._native")]
 pub struct PyKvClient {
     inner: Mutex<Option<Client>>,
-    /// Closed because a request that uses the buffer timed out.
-    timed_out: AtomicBool,
+    #[pyo3(get)]
     server: String,
+    #[pyo3(get)]
     name: String,
+    /// Bytes of the receive buffer: the largest value this client can get or put.
+    #[pyo3(get)]
     buffer_bytes: u64,
+    #[pyo3(get)]
     timeout: f64,
 }
 
@@ -216,35 +202,8 @@ impl PyKvClient {
         .or_raise()
     }
 
-    /// [`Self::with`] for a request that moves values through the client's buffer. When
-    /// it times out, the server may still carry it out later: write the value it asked
-    /// for into the buffer, or read a value to store from there, under whatever the next
-    /// request put in it. So the client is closed instead of used again.
-    fn with_buffer<T: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut Client) -> Result<T> + Send) -> PyResult<T> {
-        py.detach(|| {
-            let mut inner = lock(&self.inner);
-            let Some(c) = inner.as_mut() else { return Err(self.closed()) };
-            match f(c) {
-                Err(Error::Timeout(m)) => {
-                    self.timed_out.store(true, Ordering::Release);
-                    drop(inner.take());
-                    Err(Error::Timeout(format!(
-                        "{m}; this client is closed now, as the server may still carry the request out \
-                         in its buffer: connect a new one"
-                    )))
-                }
-                other => other,
-            }
-        })
-        .or_raise()
-    }
-
     fn closed(&self) -> Error {
-        if self.timed_out.load(Ordering::Acquire) {
-            Error::InvalidState("the KV client was closed after a request timed out: connect a new one".into())
-        } else {
-            Error::InvalidState("the KV client is closed".into())
-        }
+        Error::InvalidState("the KV client is closed".into())
     }
 }
 
@@ -324,48 +283,20 @@ impl PyKvClient {
             ..ClientConfig::default()
         };
         let client = py.detach(move || Client::connect(config)).or_raise()?;
-        Ok(PyKvClient {
-            buffer_bytes: client.buffer_bytes(),
-            inner: Mutex::new(Some(client)),
-            timed_out: AtomicBool::new(false),
-            server,
-            name,
-            timeout,
-        })
+        Ok(PyKvClient { buffer_bytes: client.buffer_bytes(), inner: Mutex::new(Some(client)), server, name, timeout })
     }
 
-    #[getter]
-    fn server(&self) -> &str {
-        &self.server
-    }
-
-    #[getter]
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    /// Bytes of the receive buffer: the largest value this client can get or put.
-    #[getter]
-    fn buffer_bytes(&self) -> u64 {
-        self.buffer_bytes
-    }
-
-    #[getter]
-    fn timeout(&self) -> f64 {
-        self.timeout
-    }
-
-    /// False once closed.
+    /// False once closed, or once a request timed out (the client cannot be used again).
     #[getter]
     fn live(&self, py: Python<'_>) -> bool {
-        py.detach(|| lock(&self.inner).is_some())
+        py.detach(|| lock(&self.inner).as_ref().is_some_and(Client::usable))
     }
 
     /// Stores `value` (a contiguous uint8 array) under `key`; returns its version.
     fn put(&self, py: Python<'_>, key: &[u8], value: PyReadonlyArray1<'_, u8>, ttl: f64) -> PyResult<u64> {
         let ttl = ttl_arg(ttl)?;
         let value = slice(&value, "the value")?;
-        self.with_buffer(py, |c| c.put(key, value, ttl))
+        self.with(py, |c| c.put(key, value, ttl))
     }
 
     /// Stores `values[i]` under `keys[i]`; one int (the version) or exception object per
@@ -385,7 +316,7 @@ impl PyKvClient {
         for (k, v) in keys.iter().zip(&values) {
             items.push((k.as_bytes(), slice(v, "every value")?));
         }
-        let results = self.with_buffer(py, |c| put_many(c, &items, ttl))?;
+        let results = self.with(py, |c| put_many(c, &items, ttl))?;
         results
             .into_iter()
             .map(|r| match r {
@@ -397,7 +328,7 @@ impl PyKvClient {
 
     /// The value of `key` as bytes, or None.
     fn get<'py>(&self, py: Python<'py>, key: &[u8]) -> PyResult<Option<Bound<'py, PyBytes>>> {
-        let value = self.with_buffer(py, |c| c.get(key))?;
+        let value = self.with(py, |c| c.get(key))?;
         Ok(value.map(|v| PyBytes::new(py, &v)))
     }
 
@@ -405,7 +336,7 @@ impl PyKvClient {
     /// its length, or None when there is no such key.
     fn get_into(&self, py: Python<'_>, key: &[u8], mut out: PyReadwriteArray1<'_, u8>) -> PyResult<Option<u64>> {
         let out = out.as_slice_mut().map_err(|_| invalid("out must be a contiguous uint8 array"))?;
-        let copied = self.with_buffer(py, |c| {
+        let copied = self.with(py, |c| {
             c.get_with(key, |v| {
                 if v.len() > out.len() {
                     return Err(too_small(v.len() as u64, out.len() as u64));
@@ -427,7 +358,7 @@ impl PyKvClient {
         capacity: u64,
         device: usize,
     ) -> PyResult<Option<u64>> {
-        self.with_buffer(py, |c| c.get_to_gpu(key, addr, capacity, device))
+        self.with(py, |c| c.get_to_gpu(key, addr, capacity, device))
     }
 
     /// Values of `keys` (bytes or None each).
@@ -437,7 +368,7 @@ impl PyKvClient {
         keys: Vec<Bound<'py, PyBytes>>,
     ) -> PyResult<Vec<Option<Bound<'py, PyBytes>>>> {
         let raw: Vec<&[u8]> = keys.iter().map(|k| k.as_bytes()).collect();
-        let values = self.with_buffer(py, |c| get_many(c, &raw))?;
+        let values = self.with(py, |c| get_many(c, &raw))?;
         Ok(values.into_iter().map(|v| v.map(|v| PyBytes::new(py, &v))).collect())
     }
 
