@@ -95,7 +95,7 @@ fn main() {
     fs::write(w.join("ok-hello"), &hello).unwrap();
     fs::write(
         w.join("ok-write-header"),
-        wire::encode(&Frame::Write { tag: 1, segs: vec![Seg { region: 1, addr: 4096, len: 64 }] }),
+        wire::encode(&Frame::Write { tag: 1, segs: vec![Seg { region: 1, addr: 4096, len: 64 }], notif: None }),
     )
     .unwrap();
     fs::write(w.join("ok-notify"), wire::encode(&Frame::Notify { msg: b"layer 3 done".to_vec() })).unwrap();
@@ -111,6 +111,7 @@ fn main() {
         wire::encode(&Frame::Write {
             tag: 1,
             segs: vec![Seg { region: 1, addr: 0, len: u64::MAX }, Seg { region: 1, addr: 0, len: 2 }],
+            notif: None,
         }),
     )
     .unwrap();

@@ -96,12 +96,32 @@ impl AgentConfig {
     }
 }
 
+/// The configuration's transport policy, with `FREIGHT_TRANSPORT` applied (logged, so
+/// that a run's logs say which transport was asked for and by whom).
+fn transport_policy(agent: &str, config: &AgentConfig) -> Result<PathPolicy> {
+    let mut policy =
+        PathPolicy { enabled: config.transports.clone(), require: config.require, required_by: "configuration".into() };
+    let env = std::env::var(path::TRANSPORT_ENV).ok();
+    if path::apply_transport_env(&mut policy, env.as_deref())? {
+        tracing::warn!(agent, configured = ?config.require, by = %policy.required_by, "the environment overrides the configured transport");
+    }
+    match policy.require {
+        Some(t) => {
+            tracing::info!(agent, transport = %t, by = %policy.required_by, "every transfer must use one transport")
+        }
+        None => tracing::debug!(agent, enabled = ?policy.enabled, "transports chosen per path"),
+    }
+    Ok(policy)
+}
+
 pub struct AgentInner {
     pub(crate) name: String,
     pub(crate) id: u64,
     pub(crate) secret: [u8; 16],
     pub(crate) host: Arc<HostIdentity>,
     pub(crate) config: AgentConfig,
+    /// Which transports paths may take: the configuration's, or `FREIGHT_TRANSPORT`'s.
+    policy: PathPolicy,
     pub(crate) registry: Registry,
     peers: RwLock<HashMap<String, Arc<Peer>>>,
     pub(crate) notifs: NotifQueue,
@@ -122,12 +142,14 @@ impl Agent {
             return Err(invalid("agent name must be 1..256 printable characters without '/'"));
         }
         config.validate()?;
+        let policy = transport_policy(name, &config)?;
         let inner = Arc::new(AgentInner {
             name: name.to_string(),
             id: rand::random::<u64>() | 1,
             secret: rand::random(),
             host: Arc::new(HostIdentity::current()),
             config,
+            policy,
             registry: Registry::new(),
             peers: RwLock::new(HashMap::new()),
             notifs: NotifQueue::default(),
@@ -498,7 +520,6 @@ impl AgentInner {
         gpu: std::result::Result<String, String>,
         staging: std::result::Result<(), String>,
     ) -> Result<Path> {
-        let policy = PathPolicy { enabled: self.config.transports.clone(), require: self.config.require };
         let facts = PathFacts {
             same_host: peer.same_host,
             peer_transports: peer.md.transports.clone(),
@@ -508,7 +529,7 @@ impl AgentInner {
             gpu,
             staging,
         };
-        path::choose(&policy, &facts)
+        path::choose(&self.policy, &facts)
     }
 
     pub(crate) fn advertised(&self) -> Vec<String> {
@@ -665,7 +686,14 @@ impl Request {
             (Some(_), _) | (None, TransportKind::Shm | TransportKind::Cuda) => Some(self.peer.control(&ctx)?),
             _ => None,
         };
-        let notif = self.notif.clone();
+        // A one-message tcp write takes its notification along (see `TcpConn::submit`),
+        // where the target takes notifications from our outbox: that is what keeps it
+        // behind the ones sent before it.
+        let rides = self.path.transport == TransportKind::Tcp
+            && self.op == OpKind::Write
+            && self.tcp_chunks().len() == 1
+            && control.as_ref().is_some_and(|c| c.rides_on_data());
+        let (notif, riding) = if rides { (None, self.notif.clone()) } else { (self.notif.clone(), None) };
         let finisher: Finisher = Box::new(move |result| {
             drop(guards);
             result?;
@@ -685,18 +713,20 @@ impl Request {
             }
             TransportKind::Tcp => {
                 let conn = self.peer.tcp(&ctx, &self.agent.config.tcp)?;
-                let chunks = self
-                    .chunks
-                    .get_or_init(|| {
-                        Arc::new(chunk_ops(&self.plan.ops, self.agent.config.tcp.chunk_size, wire::MAX_SEGS))
-                    })
-                    .clone();
+                let chunks = self.tcp_chunks();
                 let gpu = self.local_gpu_regions()?;
                 self.tracker.begin(chunks.len() as u64, finisher)?;
-                conn.submit(self.op, chunks, &self.tracker, gpu);
+                conn.submit(self.op, chunks, &self.tracker, gpu, riding);
                 Ok(())
             }
         }
+    }
+
+    /// The request as tcp messages, cut once.
+    fn tcp_chunks(&self) -> Arc<Vec<Chunk>> {
+        self.chunks
+            .get_or_init(|| Arc::new(chunk_ops(&self.plan.ops, self.agent.config.tcp.chunk_size, wire::MAX_SEGS)))
+            .clone()
     }
 
     /// Fails when the peer revoked a region this request writes or reads.

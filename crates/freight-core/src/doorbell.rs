@@ -158,6 +158,15 @@ impl Doorbell {
         }
     }
 
+    /// Drains the ring, then queues `msg`, under one lock: whatever the sender wrote to
+    /// the ring before it sent `msg` another way (on a data stream) comes out first.
+    pub fn drain_then(&self, queue: &NotifQueue, msg: Vec<u8>) -> Result<()> {
+        let mut ring = self.ring.lock();
+        self.drain_locked(&mut ring, queue)?;
+        queue.push(Notification { from: self.from.clone(), msg });
+        Ok(())
+    }
+
     fn drain_locked(&self, ring: &mut Consumer, queue: &NotifQueue) -> Result<usize> {
         ring.drain(|msg| queue.push(Notification { from: self.from.clone(), msg })).inspect_err(|e| {
             if !self.broken.swap(true, Ordering::Relaxed) {

@@ -139,6 +139,14 @@ impl Inbox {
         }
     }
 
+    fn deliver_after_outbox(&self, msg: Vec<u8>, queue: &NotifQueue) {
+        let d = self.doorbell.get().expect("an inbox with an outbox");
+        if d.drain_then(queue, msg).is_err() {
+            // As in `poll_outbox`: the connection's thread reports it, and the connection ends.
+            let _ = self.writer.lock().shutdown(Shutdown::Both);
+        }
+    }
+
     pub fn fd(&self) -> RawFd {
         self.fd
     }
@@ -195,6 +203,18 @@ impl Inboxes {
                     d.set_asleep(asleep);
                 }
             }
+        }
+    }
+
+    /// Queues a notification that came on a data stream with the payload it follows,
+    /// after every notification its sender put in its outbox before sending it. (A
+    /// sender lets notifications ride on data only while it notifies through an outbox;
+    /// see `ControlLink::rides_on_data`.)
+    pub fn deliver_after(&self, from: &str, msg: Vec<u8>, queue: &NotifQueue) {
+        let inbox = self.open.lock().iter().find(|i| i.from == from && i.doorbell.get().is_some()).cloned();
+        match inbox {
+            Some(inbox) => inbox.deliver_after_outbox(msg, queue),
+            None => queue.push(Notification { from: from.to_string(), msg }),
         }
     }
 

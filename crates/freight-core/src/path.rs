@@ -49,6 +49,35 @@ impl fmt::Display for TransportKind {
 pub struct PathPolicy {
     pub enabled: Vec<TransportKind>,
     pub require: Option<TransportKind>,
+    /// Who asked for `require`, for reasons and errors: "configuration", or the
+    /// environment variable and its value.
+    pub required_by: String,
+}
+
+/// The environment variable that picks an agent's transport, overriding its
+/// configuration: `cuda`, `shm`, `tcp`, or `auto` (the configuration decides).
+pub const TRANSPORT_ENV: &str = "FREIGHT_TRANSPORT";
+
+/// Applies a [`TRANSPORT_ENV`] value to a policy: the transport it names becomes the
+/// required one. Returns whether it overrode a different configured requirement.
+pub fn apply_transport_env(policy: &mut PathPolicy, value: Option<&str>) -> Result<bool> {
+    let value = match value.map(str::trim) {
+        None | Some("") => return Ok(false),
+        Some(v) if v.eq_ignore_ascii_case("auto") => return Ok(false),
+        Some(v) => v,
+    };
+    let t = TransportKind::parse(value).map_err(|_| {
+        Error::InvalidArgument(format!("{TRANSPORT_ENV}={value}: unknown transport (expected cuda, shm, tcp or auto)"))
+    })?;
+    if !policy.enabled.contains(&t) {
+        return Err(Error::InvalidArgument(format!(
+            "{TRANSPORT_ENV}={value}, but this agent's configuration does not enable {t}"
+        )));
+    }
+    let overrode = policy.require.is_some_and(|r| r != t);
+    policy.require = Some(t);
+    policy.required_by = format!("{TRANSPORT_ENV}={value}");
+    Ok(overrode)
 }
 
 /// What is known about one path.
@@ -135,9 +164,12 @@ fn can_serve(t: TransportKind, policy: &PathPolicy, f: &PathFacts) -> std::resul
 pub fn choose(policy: &PathPolicy, facts: &PathFacts) -> Result<Path> {
     if let Some(t) = policy.require {
         return can_serve(t, policy, facts)
-            .map(|reason| Path { transport: t, reason: format!("required by configuration; {reason}") })
+            .map(|reason| Path { transport: t, reason: format!("required by {}; {reason}", policy.required_by) })
             .map_err(|why| {
-                Error::TransportUnavailable(format!("required transport {t} cannot serve this path: {why}"))
+                Error::TransportUnavailable(format!(
+                    "required transport {t} ({}) cannot serve this path: {why}",
+                    policy.required_by
+                ))
             });
     }
     let mut rejected = Vec::new();
@@ -169,7 +201,7 @@ mod tests {
         }
     }
     fn policy() -> PathPolicy {
-        PathPolicy { enabled: TransportKind::ALL.to_vec(), require: None }
+        PathPolicy { enabled: TransportKind::ALL.to_vec(), require: None, required_by: "configuration".into() }
     }
 
     #[test]
@@ -187,6 +219,28 @@ mod tests {
         let p = choose(&policy(), &f).unwrap();
         assert_eq!(p.transport, TransportKind::Tcp);
         assert!(p.reason.contains("region 3"), "{}", p.reason);
+    }
+
+    #[test]
+    fn the_environment_picks_the_transport_and_says_so() {
+        let mut pol = policy();
+        assert!(!apply_transport_env(&mut pol, None).unwrap());
+        assert!(!apply_transport_env(&mut pol, Some(" auto ")).unwrap());
+        assert_eq!(pol.require, None);
+        assert!(!apply_transport_env(&mut pol, Some("TCP")).unwrap());
+        let p = choose(&pol, &facts()).unwrap();
+        assert_eq!(p.transport, TransportKind::Tcp);
+        assert!(p.reason.starts_with("required by FREIGHT_TRANSPORT=TCP;"), "{}", p.reason);
+        // Over a different configured choice, and named in the error when it cannot serve.
+        let mut pol = PathPolicy { require: Some(TransportKind::Tcp), ..policy() };
+        assert!(apply_transport_env(&mut pol, Some("shm")).unwrap());
+        let e = choose(&pol, &PathFacts { same_host: false, ..facts() }).unwrap_err().to_string();
+        assert!(e.contains("required transport shm (FREIGHT_TRANSPORT=shm)"), "{e}");
+        let e = apply_transport_env(&mut policy(), Some("fabric")).unwrap_err().to_string();
+        assert!(e.contains("FREIGHT_TRANSPORT=fabric: unknown transport"), "{e}");
+        let mut tcp_only = PathPolicy { enabled: vec![TransportKind::Tcp], ..policy() };
+        let e = apply_transport_env(&mut tcp_only, Some("shm")).unwrap_err().to_string();
+        assert!(e.contains("does not enable shm"), "{e}");
     }
 
     #[test]
@@ -250,7 +304,7 @@ mod tests {
         let e = choose(&policy(), &f).unwrap_err().to_string();
         assert!(e.contains("VRAM") && e.contains("CUDA is not available"), "{e}");
         assert!(e.contains("without CUDA"), "{e}");
-        let pol = PathPolicy { enabled: vec![TransportKind::Shm], require: None };
+        let pol = PathPolicy { enabled: vec![TransportKind::Shm], ..policy() };
         let f = PathFacts { same_host: false, ..facts() };
         assert!(choose(&pol, &f).is_err());
     }

@@ -138,6 +138,14 @@ impl ControlLink {
         }
     }
 
+    /// Whether a notification may ride on the data it follows instead of travelling
+    /// here: only once notifications go through an outbox, which the target drains
+    /// before it queues one that came with data (see `Inboxes::deliver_after`). Over
+    /// tcp nothing would keep it behind the notifications sent here before it.
+    pub fn rides_on_data(&self) -> bool {
+        matches!(*self.route.lock(), Route::Ring(_))
+    }
+
     /// Offers a same-host peer an outbox and waits for its answer: nothing goes into
     /// the ring before the peer reads it, so a refusal loses nothing. Fails only when
     /// the link itself does.

@@ -143,7 +143,8 @@ fn serve_connection(mut stream: TcpStream, agent: &Weak<AgentInner>, id: u64) ->
         Role::Control => serve_control(stream, agent, &from_name, id),
         Role::Data { .. } => {
             let a = agent.upgrade().ok_or_else(|| Error::Io("agent closed".into()))?;
-            serve_data_stream(stream, &a.registry, &a.config.tcp, &from_name)
+            let deliver = |msg| a.server.inboxes.deliver_after(&from_name, msg, &a.notifs);
+            serve_data_stream(stream, &a.registry, &a.config.tcp, &from_name, deliver)
         }
         Role::Metadata => unreachable!("handled above"),
     }

@@ -12,7 +12,8 @@ use crate::error::{Error, Result};
 use crate::metadata::HostIdentity;
 
 /// 2: notification outboxes in shared memory (`Outbox`, `OutboxReply`, `Wake`).
-pub const PROTOCOL_VERSION: u16 = 2;
+/// 3: a one-message write carries its notification (`Write::notif`).
+pub const PROTOCOL_VERSION: u16 = 3;
 /// Headers larger than this are a protocol violation (metadata replies are the largest).
 pub const MAX_HEADER: usize = 130 << 20;
 /// A single frame may carry at most this much payload.
@@ -62,6 +63,10 @@ pub enum Frame {
     Write {
         tag: u64,
         segs: Vec<Seg>,
+        /// The request's notification, when this message is the whole request: the
+        /// target queues it once the payload is in place (after the notifications the
+        /// sender queued before it), without waiting for the initiator to learn of it.
+        notif: Option<Vec<u8>>,
     },
     WriteAck {
         tag: u64,
@@ -271,6 +276,7 @@ mod tests {
         let f = Frame::Write {
             tag: 9,
             segs: vec![Seg { region: 1, addr: 0x10, len: 3 }, Seg { region: 1, addr: 0x20, len: 2 }],
+            notif: Some(b"layer 3 done".to_vec()),
         };
         let mut buf = Vec::new();
         write_frame(&mut buf, &f, &[IoSlice::new(b"abc"), IoSlice::new(b"de")]).unwrap();

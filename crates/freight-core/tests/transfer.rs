@@ -214,3 +214,83 @@ fn notifications_to_another_host_go_over_tcp_in_order() {
     }
     assert_eq!(got, (0..100).collect::<Vec<u8>>());
 }
+
+/// A one-message tcp write to a same-host peer carries its notification with its data.
+/// The notification must still come after that data, and after every notification sent
+/// before it through the outbox, with many requests in flight at once; a write the
+/// target refuses delivers none.
+#[test]
+fn tcp_write_notifications_follow_their_data_and_the_notifications_before_them() {
+    const N: usize = 64;
+    const LEN: usize = 64 << 10;
+    let cfg = AgentConfig { require: Some(TransportKind::Tcp), ..Default::default() };
+    let (a, b) = agents(cfg);
+    let src = a.alloc(N * LEN).unwrap();
+    let dst = b.alloc(N * LEN).unwrap();
+    // SAFETY: test buffers we own; block i holds the byte i + 1.
+    let s = unsafe { std::slice::from_raw_parts_mut(src.as_ptr(), N * LEN) };
+    for (i, block) in s.chunks_mut(LEN).enumerate() {
+        block.fill(i as u8 + 1);
+    }
+    a.register(MemKind::Dram, src.addr(), (N * LEN) as u64, 0).unwrap();
+    let dst_key = b.register(MemKind::Dram, dst.addr(), (N * LEN) as u64, 0).unwrap();
+    a.add_peer(&b.metadata()).unwrap();
+    // Sets the outbox up. Once the target is back from waiting, the sender stops ringing
+    // and the outbox is read only when the target polls (below): a notification that
+    // came with data would overtake the ones waiting in the outbox, were they not
+    // drained first.
+    a.notify("target", b"hello".to_vec()).unwrap();
+    assert_eq!(b.wait_notifs(Duration::from_secs(5))[0].msg, b"hello");
+    let at = |i: usize| (i * LEN) as u64;
+    let mut requests = Vec::new();
+    for i in 0..N {
+        a.notify("target", format!("before {i}").into_bytes()).unwrap();
+        let notif = Some(format!("data {i}").into_bytes());
+        let r = a.transfer(
+            OpKind::Write,
+            &list(src.addr() + at(i), LEN as u64),
+            "target",
+            &list(dst.addr() + at(i), LEN as u64),
+            notif,
+        );
+        requests.push(r.unwrap());
+        // Most writes land while their "before" waits in the outbox for the next poll.
+        std::thread::sleep(Duration::from_micros(500));
+    }
+    let mut before = [false; N];
+    let mut data = 0;
+    std::thread::sleep(Duration::from_millis(5));
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while data < N {
+        assert!(std::time::Instant::now() < deadline, "only {data} of {N} write notifications arrived");
+        let got = b.get_notifs();
+        if got.is_empty() {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        for n in got {
+            let msg = String::from_utf8(n.msg).unwrap();
+            if let Some(i) = msg.strip_prefix("before ") {
+                before[i.parse::<usize>().unwrap()] = true;
+            } else if let Some(i) = msg.strip_prefix("data ") {
+                let i: usize = i.parse().unwrap();
+                assert!(before[i], "write {i}'s notification overtook the one sent before it");
+                // SAFETY: the target's buffer; write i is done with it once notified.
+                let block = unsafe { std::slice::from_raw_parts(dst.as_ptr().add(i * LEN), LEN) };
+                assert!(block.iter().all(|&x| x == i as u8 + 1), "write {i} notified before its data was in place");
+                data += 1;
+            }
+        }
+    }
+    for r in &requests {
+        assert_eq!(r.wait(T), Status::Done);
+    }
+
+    b.deregister(dst_key).unwrap();
+    // The target refuses it, or the initiator already heard of the region's end.
+    let refused = Some(b"refused".to_vec());
+    if let Ok(r) = a.transfer(OpKind::Write, &list(src.addr(), 16), "target", &list(dst.addr(), 16), refused) {
+        assert!(matches!(r.wait(T), Status::Error(_)), "a write into deregistered memory must fail");
+    }
+    let late = b.wait_notifs(Duration::from_millis(200));
+    assert!(late.iter().all(|n| n.msg != b"refused"), "a refused write delivered its notification");
+}

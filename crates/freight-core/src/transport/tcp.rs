@@ -61,6 +61,8 @@ struct Job {
     tracker: Arc<Tracker>,
     /// The request's local GPU regions, if it has any.
     gpu: Option<Arc<GpuRegions>>,
+    /// The request's notification, carried by its only chunk (see [`TcpConn::submit`]).
+    notif: Option<Vec<u8>>,
 }
 
 impl Job {
@@ -158,13 +160,30 @@ impl TcpConn {
     }
 
     /// Queues every chunk of a request; the tracker must expect `chunks.len()` parts.
-    /// `gpu` names the request's local GPU regions, which are staged.
-    pub fn submit(&self, op: OpKind, chunks: Arc<Vec<Chunk>>, tracker: &Arc<Tracker>, gpu: Option<Arc<GpuRegions>>) {
+    /// `gpu` names the request's local GPU regions, which are staged. `notif` rides on
+    /// the message of a one-chunk WRITE (the caller checks both): the target queues it
+    /// as soon as the payload is in place, a round trip before the answer gets back.
+    pub fn submit(
+        &self,
+        op: OpKind,
+        chunks: Arc<Vec<Chunk>>,
+        tracker: &Arc<Tracker>,
+        gpu: Option<Arc<GpuRegions>>,
+        mut notif: Option<Vec<u8>>,
+    ) {
+        debug_assert!(notif.is_none() || (op == OpKind::Write && chunks.len() == 1));
         let n = self.streams.len();
         // Start where the previous request stopped so that small requests spread out.
         let start = self.next.fetch_add(chunks.len(), Ordering::Relaxed);
         for index in 0..chunks.len() {
-            let job = Job { op, chunks: chunks.clone(), index, tracker: tracker.clone(), gpu: gpu.clone() };
+            let job = Job {
+                op,
+                chunks: chunks.clone(),
+                index,
+                tracker: tracker.clone(),
+                gpu: gpu.clone(),
+                notif: notif.take(),
+            };
             if let Err(e) = self.streams[(start + index) % n].send(job) {
                 e.0.tracker.finish_part(Err(self.disconnected("stream closed")));
             }
@@ -239,7 +258,7 @@ fn send_loop(
     let mut staging = SendStaging::default();
     let mut ahead: Option<(Job, Result<Option<usize>>)> = None;
     loop {
-        let (job, slot) = match ahead.take() {
+        let (mut job, slot) = match ahead.take() {
             Some(next) => next,
             None => match jobs.recv() {
                 Ok(job) => {
@@ -259,6 +278,7 @@ fn send_loop(
             job.tracker.finish_part(Err(Error::PeerDisconnected { peer: peer.clone(), reason }));
             continue;
         }
+        let notif = job.notif.take();
         let chunk = job.chunk();
         let staged_payload = matches!(slot, Ok(Some(_)));
         let payload = match slot.and_then(|s| s.map(|s| staging.ready(s, chunk.bytes as usize)).transpose()) {
@@ -279,7 +299,7 @@ fn send_loop(
         };
         tag += 1;
         let frame = match job.op {
-            OpKind::Write => Frame::Write { tag, segs: segs_of(chunk) },
+            OpKind::Write => Frame::Write { tag, segs: segs_of(chunk), notif },
             OpKind::Read => Frame::Read { tag, segs: segs_of(chunk) },
         };
         let header = wire::encode(&frame);
@@ -385,8 +405,15 @@ fn receive_staged(sock: &mut TcpStream, slot: &mut Option<Bounce>, pieces: &[Pie
 
 /// The target's side of one data stream: checks every access against the registry and
 /// moves payload straight between the socket and registered host memory (through a
-/// bounce buffer where GPU memory is involved).
-pub fn serve_data_stream(mut sock: TcpStream, registry: &Registry, cfg: &TcpConfig, peer: &str) -> Result<()> {
+/// bounce buffer where GPU memory is involved). A notification that rides on a write
+/// goes to `deliver` once the payload is in place, and not at all if it was refused.
+pub fn serve_data_stream(
+    mut sock: TcpStream,
+    registry: &Registry,
+    cfg: &TcpConfig,
+    peer: &str,
+    deliver: impl Fn(Vec<u8>),
+) -> Result<()> {
     let mut zc = ZeroCopySocket::new(&sock, cfg.zerocopy && sock.peer_addr().is_ok_and(zerocopy::worthwhile));
     let mut bounce: Option<Bounce> = None;
     loop {
@@ -395,7 +422,7 @@ pub fn serve_data_stream(mut sock: TcpStream, registry: &Registry, cfg: &TcpConf
             None => return Ok(()),
         };
         match frame {
-            Frame::Write { tag, segs } => {
+            Frame::Write { tag, segs, notif } => {
                 let total = wire::seg_bytes(&segs)?;
                 let outcome = match check_access(registry, &segs) {
                     Ok((guards, Some(pieces))) => {
@@ -426,8 +453,10 @@ pub fn serve_data_stream(mut sock: TcpStream, registry: &Registry, cfg: &TcpConf
                         Err(e)
                     }
                 };
-                if let Err(e) = &outcome {
-                    tracing::warn!(peer, error = %e, "refused a remote write");
+                match (&outcome, notif) {
+                    (Ok(()), Some(msg)) => deliver(msg),
+                    (Err(e), _) => tracing::warn!(peer, error = %e, "refused a remote write"),
+                    (Ok(()), None) => {}
                 }
                 let error = outcome.err().map(|e| e.to_string());
                 wire::write_frame(&mut sock, &Frame::WriteAck { tag, error }, &[])?;
