@@ -18,10 +18,13 @@ except freight.InvalidArgumentError as e:
     raise SystemExit(0)
 buf = b.alloc(4096)
 b.register(buf)
-a.register(a.alloc(4096))
+src = a.alloc(4096)
+a.register(src)
 a.add_peer(b.metadata())
 path = a.path_to("b")
-print(json.dumps({"transport": path.transport, "reason": path.reason}))
+for _ in range(3):
+    a.transfer("WRITE", [src], "b", [buf], notif=b"done").wait(30)
+print(json.dumps({"transport": path.transport, "reason": path.reason, "conns": a.connection_stats("b")}))
 """
 
 
@@ -45,6 +48,10 @@ def test_the_variable_switches_the_transport_and_the_path_says_so():
     got = run_with("tcp")
     assert got["transport"] == "tcp", got
     assert got["reason"].startswith("required by FREIGHT_TRANSPORT=tcp"), got
+    # Three transfers, one tcp connection of four streams and one control connection.
+    conns = got["conns"]
+    assert (conns["control_connections"], conns["tcp_connections"], conns["handshakes"]) == (1, 1, 5), conns
+    assert 0 < conns["last_setup_us"] <= conns["setup_us"], conns
     assert run_with("auto")["transport"] == "shm"
 
 

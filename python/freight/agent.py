@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 
@@ -240,6 +240,14 @@ class Agent:
     def path_to(self, peer: str) -> Path:
         """Which transport serves host-memory transfers to ``peer``, and why."""
         return Path(*self._core.path_to(peer))
+
+    def connection_stats(self, peer: str) -> Dict[str, int]:
+        """The connections this agent made to ``peer`` since it was added:
+        ``control_connections`` and ``tcp_connections`` (more than one of either means it
+        reconnected), ``handshakes`` (one per control connection and per tcp data
+        stream), ``setup_us`` (time spent setting them all up) and ``last_setup_us``."""
+        names = ("control_connections", "tcp_connections", "handshakes", "setup_us", "last_setup_us")
+        return dict(zip(names, self._core.connection_stats(peer)))
 
     # ------------------------------------------------------------------ etcd
 

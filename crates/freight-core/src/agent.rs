@@ -22,7 +22,7 @@ use crate::metadata::{AgentMetadata, HostIdentity};
 use crate::net::{self, Introduction};
 use crate::notify::{NotifQueue, Notification};
 use crate::path::{self, Path, PathFacts, PathPolicy, TransportKind};
-use crate::peer::{DialContext, Peer};
+use crate::peer::{ConnectionStats, DialContext, Peer};
 use crate::plan::{chunk_ops, Chunk, Plan, PreparedList};
 use crate::request::{Finisher, Status, Tracker};
 use crate::server::{self, Server};
@@ -286,6 +286,12 @@ impl Agent {
     /// (a cheap check for code that waits on a peer, such as a stream's receiver).
     pub fn check_peer(&self, peer: &str) -> Result<()> {
         self.inner.peer(peer)?.check_alive()
+    }
+
+    /// The connections this agent made to `peer` since it was added: how many, the
+    /// handshakes they took and how long setting them up took.
+    pub fn connection_stats(&self, peer: &str) -> Result<ConnectionStats> {
+        Ok(self.inner.peer(peer)?.connection_stats())
     }
 
     pub fn peers(&self) -> Vec<String> {

@@ -36,6 +36,7 @@ pub use error::{Error, Result};
 pub use memory::{MemKind, SharedSegment};
 pub use notify::Notification;
 pub use path::{Path, TransportKind};
+pub use peer::ConnectionStats;
 pub use plan::PreparedList;
 pub use request::Status;
 pub use transport::cuda::CudaConfig;

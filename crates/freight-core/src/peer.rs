@@ -37,6 +37,40 @@ pub struct Peer {
     pub cuda: CudaPeer,
     links: Mutex<Links>,
     removed: AtomicBool,
+    /// Connections made to this peer so far, and what they cost.
+    dials: Mutex<ConnectionStats>,
+}
+
+/// The connections an agent made to one peer: how many, and how long setting them up
+/// took (dialling, the hello/welcome handshake and, for tcp, starting the stream
+/// threads). More than one control connection or tcp connection means the peer was
+/// reconnected to.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ConnectionStats {
+    /// Control connections dialled (notifications, revocations).
+    pub control_connections: u64,
+    /// tcp connections set up (each one `streams` data streams).
+    pub tcp_connections: u64,
+    /// Handshakes: one per control connection and one per data stream.
+    pub handshakes: u64,
+    /// Time spent setting connections up, all of them together, in microseconds.
+    pub setup_us: u64,
+    /// The same for the last connection set up.
+    pub last_setup_us: u64,
+}
+
+impl ConnectionStats {
+    fn record(&mut self, control: bool, handshakes: u64, took: Duration) {
+        let us = took.as_micros() as u64;
+        if control {
+            self.control_connections += 1;
+        } else {
+            self.tcp_connections += 1;
+        }
+        self.handshakes += handshakes;
+        self.setup_us += us;
+        self.last_setup_us = us;
+    }
 }
 
 #[derive(Default)]
@@ -196,11 +230,16 @@ impl Peer {
             same_host,
             links: Mutex::new(Links::default()),
             removed: AtomicBool::new(false),
+            dials: Mutex::new(ConnectionStats::default()),
         }
     }
 
     fn disconnected(&self, reason: impl Into<String>) -> Error {
         disconnected(&self.name, reason)
+    }
+
+    pub fn connection_stats(&self) -> ConnectionStats {
+        *self.dials.lock()
     }
 
     /// Fails when the peer was removed or a connection to it broke.
@@ -228,6 +267,7 @@ impl Peer {
             return Ok(c.clone());
         }
         let intro = self.intro(ctx);
+        let started = Instant::now();
         let stream = net::dial(&self.md.addresses, None, Role::Control, &intro, ctx.timeout)
             .map_err(|e| self.disconnected(format!("cannot open control connection: {e}")))?;
         let reader = stream.try_clone()?;
@@ -244,6 +284,7 @@ impl Peer {
         });
         let (peer, l) = (self.clone(), link.clone());
         thread::Builder::new().name("freight-ctl-rx".into()).spawn(move || peer.watch_control(reader, l))?;
+        self.dials.lock().record(true, 1, started.elapsed());
         links.control = Some(link.clone());
         Ok(link)
     }
@@ -300,6 +341,7 @@ impl Peer {
             return Ok(t.clone());
         }
         let intro = self.intro(ctx);
+        let started = Instant::now();
         let n = cfg.streams.max(1);
         let mut sockets = Vec::with_capacity(n);
         for i in 0..n {
@@ -310,7 +352,9 @@ impl Peer {
             sockets.push(s);
         }
         let conn = Arc::new(TcpConn::start(&self.name, sockets, cfg, ctx.peer_timeout, Arc::new(Health::default()))?);
-        tracing::info!(peer = %self.name, streams = n, chunk_size = cfg.chunk_size, window = cfg.window, "tcp connection up");
+        let took = started.elapsed();
+        self.dials.lock().record(false, n as u64, took);
+        tracing::info!(peer = %self.name, streams = n, chunk_size = cfg.chunk_size, window = cfg.window, setup_us = took.as_micros() as u64, "tcp connection up");
         links.tcp = Some(conn.clone());
         Ok(conn)
     }

@@ -294,3 +294,27 @@ fn tcp_write_notifications_follow_their_data_and_the_notifications_before_them()
     let late = b.wait_notifs(Duration::from_millis(200));
     assert!(late.iter().all(|n| n.msg != b"refused"), "a refused write delivered its notification");
 }
+
+/// Connection set-up is counted per peer: one control connection and one tcp connection
+/// of `streams` data streams, each with its handshake, however many requests use them.
+#[test]
+fn connections_to_a_peer_are_counted_and_timed() {
+    let mut cfg = AgentConfig { require: Some(TransportKind::Tcp), ..Default::default() };
+    cfg.tcp.streams = 3;
+    let (a, b) = agents(cfg);
+    let src = a.alloc(4096).unwrap();
+    let dst = b.alloc(4096).unwrap();
+    a.register(MemKind::Dram, src.addr(), 4096, 0).unwrap();
+    b.register(MemKind::Dram, dst.addr(), 4096, 0).unwrap();
+    a.add_peer(&b.metadata()).unwrap();
+    assert_eq!(a.connection_stats("target").unwrap(), freight_core::ConnectionStats::default());
+    for _ in 0..5 {
+        let r =
+            a.transfer(OpKind::Write, &list(src.addr(), 4096), "target", &list(dst.addr(), 4096), Some(b"n".to_vec()));
+        assert_eq!(r.unwrap().wait(T), Status::Done);
+    }
+    let s = a.connection_stats("target").unwrap();
+    assert_eq!((s.control_connections, s.tcp_connections, s.handshakes), (1, 1, 4), "{s:?}");
+    assert!(s.setup_us > 0 && s.last_setup_us > 0 && s.last_setup_us <= s.setup_us, "{s:?}");
+    assert!(matches!(a.connection_stats("nobody"), Err(Error::UnknownPeer(_))));
+}

@@ -373,6 +373,12 @@ impl PyAgent {
         Ok((p.transport.as_str(), p.reason))
     }
 
+    /// (control connections, tcp connections, handshakes, set-up us, last set-up us).
+    fn connection_stats(&self, peer: &str) -> PyResult<(u64, u64, u64, u64, u64)> {
+        let s = self.inner.connection_stats(peer).or_raise()?;
+        Ok((s.control_connections, s.tcp_connections, s.handshakes, s.setup_us, s.last_setup_us))
+    }
+
     // -- descriptors and requests ----------------------------------------------------
 
     /// Checks a descriptor list against this agent's registered memory.
