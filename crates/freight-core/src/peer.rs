@@ -175,9 +175,11 @@ impl ControlLink {
     /// Whether a notification may ride on the data it follows instead of travelling
     /// here: only once notifications go through an outbox, which the target drains
     /// before it queues one that came with data (see `Inboxes::deliver_after`). Over
-    /// tcp nothing would keep it behind the notifications sent here before it.
+    /// tcp nothing would keep it behind the notifications sent here before it. Never
+    /// waits: while another thread is notifying (it may wait for room in the ring),
+    /// the answer is no, and the notification takes the usual way.
     pub fn rides_on_data(&self) -> bool {
-        matches!(*self.route.lock(), Route::Ring(_))
+        self.route.try_lock().is_some_and(|route| matches!(*route, Route::Ring(_)))
     }
 
     /// Offers a same-host peer an outbox and waits for its answer: nothing goes into
