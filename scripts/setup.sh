@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prepare a development environment for freight. Idempotent: safe to run many times.
 #
-#   1. system packages (Debian/Ubuntu, apt-get): protoc, etcd, iperf3, iproute2, C toolchain, pkg-config
+#   1. system packages (Debian/Ubuntu, apt-get): protoc, etcd, iperf3, iproute2, libfabric, C toolchain,
+#      pkg-config
 #   2. Rust toolchain check (cargo >= 1.80)
 #   3. Python virtualenv at .venv with maturin, numpy, pytest, pytest-timeout
 #   4. build the extension and install it into .venv (maturin develop --release)
@@ -49,6 +50,7 @@ else
     need_pkg etcd-server etcd            # metadata exchange tests
     need_pkg iperf3 iperf3               # benchmark reference
     need_pkg iproute2 ip                 # two hosts in network namespaces (scripts/netns.sh)
+    need_pkg libfabric1                  # the fabric transport's tests (tcp and shm providers)
     if ! have cc || ! have make; then need_pkg build-essential; fi
     need_pkg pkg-config pkg-config
     # Debian's python3 needs python3-venv for `python3 -m venv` (ensurepip).

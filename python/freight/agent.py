@@ -243,10 +243,12 @@ class Agent:
 
     def connection_stats(self, peer: str) -> Dict[str, int]:
         """The connections this agent made to ``peer`` since it was added:
-        ``control_connections`` and ``tcp_connections`` (more than one of either means it
-        reconnected), ``handshakes`` (one per control connection and per tcp data
-        stream), ``setup_us`` (time spent setting them all up) and ``last_setup_us``."""
-        names = ("control_connections", "tcp_connections", "handshakes", "setup_us", "last_setup_us")
+        ``control_connections``, ``tcp_connections`` and ``fabric_connections`` (more than
+        one of any means it reconnected), ``handshakes`` (one per control connection, tcp
+        data stream and fabric exchange), ``setup_us`` (time spent setting them all up)
+        and ``last_setup_us``."""
+        names = ("control_connections", "tcp_connections", "fabric_connections", "handshakes", "setup_us",
+                 "last_setup_us")
         return dict(zip(names, self._core.connection_stats(peer)))
 
     # ------------------------------------------------------------------ etcd

@@ -12,7 +12,7 @@ from .errors import InvalidArgumentError
 __all__ = ["AgentConfig", "TRANSPORTS"]
 
 #: Transports this build knows, in order of preference.
-TRANSPORTS: Tuple[str, ...] = ("cuda", "shm", "tcp")
+TRANSPORTS: Tuple[str, ...] = ("cuda", "shm", "fabric", "tcp")
 
 # What the copy kernel accepts (crates/freight-core/src/cuda/kernel.rs checks the same).
 _KERNEL_THREADS = (128, 256, 512, 1024)
@@ -78,11 +78,13 @@ class AgentConfig:
         Addresses to advertise to peers instead of the bound ones (NAT, several NICs).
     transports:
         Transports this agent may use and serve, among ``"cuda"`` (same host, GPU
-        memory on either side), ``"shm"`` (same host, memory from :meth:`Agent.alloc`)
+        memory on either side), ``"shm"`` (same host, memory from :meth:`Agent.alloc`),
+        ``"fabric"`` (anywhere, one-sided RDMA through libfabric; see ``fabric_provider``)
         and ``"tcp"`` (anywhere). A lone string is one transport.
     require:
-        When set (``"cuda"``, ``"shm"`` or ``"tcp"``), every transfer must use that transport or
-        fail with :class:`freight.TransportUnavailableError`; never silently replaced.
+        When set (``"cuda"``, ``"shm"``, ``"fabric"`` or ``"tcp"``), every transfer must use
+        that transport or fail with :class:`freight.TransportUnavailableError`; never
+        silently replaced. The environment variable ``FREIGHT_TRANSPORT`` overrides it.
     tcp_streams, tcp_chunk_size, tcp_window:
         TCP data streams per peer, largest message payload in bytes (large copies are
         split into chunks of this size) and chunks in flight per stream.
@@ -92,6 +94,18 @@ class AgentConfig:
         Send payloads of 64 KiB and more with Linux ``MSG_ZEROCOPY`` to peers on other
         hosts: the NIC reads registered memory directly. Never used on loopback, where
         the kernel copies anyway; turned off per stream if the kernel reports copying.
+    fabric_provider:
+        The libfabric provider (``"efa"``, ``"verbs"``, ``"tcp"``, ``"shm"``...). Naming one
+        opens the fabric transport (so does requiring it); ``FREIGHT_FABRIC_PROVIDER``
+        overrides it. libfabric is loaded at run time: without it, fabric is not offered.
+        Software providers (tcp, shm...) are used only when fabric is required.
+    fabric_domains:
+        Domains to use as rails, one endpoint each (for the tcp provider, interface
+        names; a name may repeat). Empty: the provider's first domain.
+        ``FREIGHT_FABRIC_DOMAINS`` (comma-separated) overrides it.
+    fabric_chunk_size:
+        Largest single RDMA operation in bytes; larger copies are split and dealt to the
+        rails in turn (default 4 MiB).
     shm_threads:
         Copy threads for large shm transfers (None: number of cores, at most 8).
     shm_inline_bytes:
@@ -141,6 +155,9 @@ class AgentConfig:
     tcp_window: int = 8
     tcp_local_addrs: Sequence[str] = ()
     tcp_zerocopy: bool = True
+    fabric_provider: Optional[str] = None
+    fabric_domains: Sequence[str] = ()
+    fabric_chunk_size: int = 4 << 20
     shm_threads: Optional[int] = None
     shm_inline_bytes: Optional[int] = None
     cuda_copy_engine_min_host: Optional[int] = None
@@ -183,6 +200,10 @@ class AgentConfig:
         put("tcp_local_addrs", _strings("tcp_local_addrs", self.tcp_local_addrs))
         if not isinstance(self.tcp_zerocopy, bool):
             raise _type_error("tcp_zerocopy", "a bool", self.tcp_zerocopy)
+        if self.fabric_provider is not None and not isinstance(self.fabric_provider, str):
+            raise _type_error("fabric_provider", "None or a provider name", self.fabric_provider)
+        put("fabric_domains", _strings("fabric_domains", self.fabric_domains))
+        put("fabric_chunk_size", _int("fabric_chunk_size", self.fabric_chunk_size, 1))
         if self.shm_threads is not None:
             put("shm_threads", _int("shm_threads", self.shm_threads, 1))
         if self.shm_inline_bytes is not None:
@@ -236,6 +257,9 @@ class AgentConfig:
             "tcp_window": self.tcp_window,
             "tcp_local_addrs": list(self.tcp_local_addrs),
             "tcp_zerocopy": self.tcp_zerocopy,
+            "fabric_provider": self.fabric_provider,
+            "fabric_domains": list(self.fabric_domains),
+            "fabric_chunk_size": self.fabric_chunk_size,
             "shm_threads": self.shm_threads,
             "shm_inline_bytes": self.shm_inline_bytes,
             "cuda_copy_engine_min_host": self.cuda_copy_engine_min_host,

@@ -6,7 +6,7 @@ use std::fmt;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
-use freight_core::{AgentConfig, MemKind, ShmConfig, TcpConfig, TransportKind};
+use freight_core::{AgentConfig, FabricConfig, MemKind, ShmConfig, TcpConfig, TransportKind};
 
 /// How a command failed. The split decides the exit code: a usage error (2) means "you
 /// asked for something impossible", a runtime error (1) means "it did not work".
@@ -239,6 +239,8 @@ pub enum TransportChoice {
     Shm,
     /// Require tcp, even on the same host.
     Tcp,
+    /// Require one-sided RDMA through libfabric (see --fabric-provider).
+    Fabric,
 }
 
 impl TransportChoice {
@@ -247,6 +249,7 @@ impl TransportChoice {
             TransportChoice::Auto => None,
             TransportChoice::Shm => Some(TransportKind::Shm),
             TransportChoice::Tcp => Some(TransportKind::Tcp),
+            TransportChoice::Fabric => Some(TransportKind::Fabric),
         }
     }
     pub fn as_str(self) -> &'static str {
@@ -254,6 +257,7 @@ impl TransportChoice {
             TransportChoice::Auto => "auto",
             TransportChoice::Shm => "shm",
             TransportChoice::Tcp => "tcp",
+            TransportChoice::Fabric => "fabric",
         }
     }
 }
@@ -285,7 +289,8 @@ impl SegKind {
 /// Engine tuning shared by commands that move data. `None` keeps the engine's default.
 #[derive(Debug, Clone, Args)]
 pub struct EngineOpts {
-    /// Transport: auto (engine picks: shm on the same host, else tcp), or require shm or tcp.
+    /// Transport: auto (engine picks: shm on the same host, else tcp), or require shm, tcp
+    /// or fabric. FREIGHT_TRANSPORT overrides it.
     #[arg(long, value_enum, default_value_t = TransportChoice::Auto, ignore_case = true)]
     pub transport: TransportChoice,
 
@@ -317,6 +322,23 @@ pub struct EngineOpts {
     /// [engine default: any, the kernel's route decides].
     #[arg(long, value_name = "IP,IP", value_delimiter = ',')]
     pub local_addrs: Vec<std::net::IpAddr>,
+
+    /// fabric: the libfabric provider (efa, verbs, tcp, shm...); naming one opens the
+    /// fabric transport. `freight doctor` lists those found [FREIGHT_FABRIC_PROVIDER
+    /// overrides it; default: the first that offers RDMA reads and writes].
+    #[arg(long, value_name = "NAME")]
+    pub fabric_provider: Option<String>,
+
+    /// fabric: domains to use as rails, comma-separated, one endpoint each (for the tcp
+    /// provider, interface names; a name may repeat) [FREIGHT_FABRIC_DOMAINS overrides
+    /// it; default: the provider's first domain].
+    #[arg(long, value_name = "NAME,NAME", value_delimiter = ',')]
+    pub fabric_domains: Vec<String>,
+
+    /// fabric: largest single RDMA operation; bigger copies are split and dealt to the
+    /// rails in turn [engine default: 4MiB].
+    #[arg(long, value_name = "SIZE", value_parser = parse_positive_size)]
+    pub fabric_chunk_size: Option<u64>,
 }
 
 pub fn parse_chunk_size(s: &str) -> Result<u64, String> {
@@ -347,7 +369,31 @@ impl EngineOpts {
             let list: Vec<String> = self.local_addrs.iter().map(|a| a.to_string()).collect();
             v.extend(["--local-addrs".to_string(), list.join(",")]);
         }
+        v.extend(self.fabric_args());
+        if let Some(n) = self.fabric_chunk_size {
+            v.extend(["--fabric-chunk-size".to_string(), n.to_string()]);
+        }
         v
+    }
+
+    /// The options a target process needs to open the same fabric transport.
+    pub fn fabric_args(&self) -> Vec<String> {
+        let mut v = Vec::new();
+        if let Some(p) = &self.fabric_provider {
+            v.extend(["--fabric-provider".to_string(), p.clone()]);
+        }
+        if !self.fabric_domains.is_empty() {
+            v.extend(["--fabric-domains".to_string(), self.fabric_domains.join(",")]);
+        }
+        v
+    }
+
+    pub fn fabric_config(&self) -> FabricConfig {
+        FabricConfig {
+            provider: self.fabric_provider.clone(),
+            domains: self.fabric_domains.clone(),
+            chunk_size: self.fabric_chunk_size.unwrap_or(FabricConfig::default().chunk_size),
+        }
     }
 
     /// The agent configuration these options describe, listening on `listen`.
@@ -365,6 +411,7 @@ impl EngineOpts {
                 local_addrs: self.local_addrs.clone(),
             },
             shm: ShmConfig { threads: self.shm_threads.unwrap_or(shm.threads), ..shm },
+            fabric: self.fabric_config(),
             ..AgentConfig::default()
         }
     }
@@ -454,11 +501,19 @@ mod tests {
             shm_threads: Some(1),
             no_zerocopy: true,
             local_addrs: vec!["10.0.0.1".parse().unwrap(), "10.0.1.1".parse().unwrap()],
+            fabric_provider: Some("tcp".into()),
+            fabric_domains: vec!["a1".into(), "a2".into()],
+            fabric_chunk_size: Some(1 << 20),
         };
-        assert!(o.to_args().join(" ").ends_with("--no-zerocopy --local-addrs 10.0.0.1,10.0.1.1"));
+        assert!(o.to_args().join(" ").ends_with(
+            "--no-zerocopy --local-addrs 10.0.0.1,10.0.1.1 --fabric-provider tcp --fabric-domains a1,a2 \
+             --fabric-chunk-size 1048576"
+        ));
         let c = o.agent_config("127.0.0.1:0", o.transport.require());
         assert!(!c.tcp.zerocopy);
         assert_eq!(c.tcp.local_addrs, o.local_addrs);
+        assert_eq!(c.fabric.provider.as_deref(), Some("tcp"));
+        assert_eq!((c.fabric.domains.len(), c.fabric.chunk_size), (2, 1 << 20));
         assert_eq!(
             (c.tcp.streams, c.tcp.chunk_size, c.tcp.window, c.shm.threads),
             (2, 4096, TcpConfig::default().window, 1)

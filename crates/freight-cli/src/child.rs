@@ -29,8 +29,10 @@ pub struct TargetProcess {
 }
 
 impl TargetProcess {
-    pub fn spawn(self_command: &[String], log_level: Option<&str>) -> CliResult<TargetProcess> {
-        let args = [target::SUBCOMMAND, "--listen", "127.0.0.1:0"].map(String::from);
+    /// Starts a target process; `extra` are more of its options (`--fabric-provider`...).
+    pub fn spawn(self_command: &[String], log_level: Option<&str>, extra: &[String]) -> CliResult<TargetProcess> {
+        let mut args: Vec<String> = [target::SUBCOMMAND, "--listen", "127.0.0.1:0"].map(String::from).to_vec();
+        args.extend_from_slice(extra);
         TargetProcess::spawn_with(self_command, &args, log_level)
     }
 

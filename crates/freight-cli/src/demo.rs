@@ -51,7 +51,7 @@ pub fn run(a: &DemoArgs, ctx: &Context) -> CliResult<()> {
         t => vec![t.require()],
     };
 
-    let target = TargetProcess::spawn(&ctx.self_command, ctx.log_level.as_deref())?;
+    let target = TargetProcess::spawn(&ctx.self_command, ctx.log_level.as_deref(), &[])?;
     // One buffer each side: the READ lands back in the source after it was poisoned.
     // Fresh shared pages cost a fault each, which on a small VM is most of the run time.
     let src = SharedSegment::allocate(len)?;

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use freight_core::{Agent, AgentConfig, MemKind, Notification, SharedSegment};
+use freight_core::{Agent, AgentConfig, FabricConfig, MemKind, Notification, SharedSegment};
 
 use crate::args::{format_size, CliError, CliResult};
 use crate::pattern;
@@ -23,6 +23,24 @@ pub struct TargetArgs {
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1:0")]
     listen: String,
+
+    /// The libfabric provider to open the fabric transport with (as the initiator's).
+    #[arg(long)]
+    fabric_provider: Option<String>,
+
+    /// Domains to use as fabric rails (as the initiator's).
+    #[arg(long, value_delimiter = ',')]
+    fabric_domains: Vec<String>,
+}
+
+impl TargetArgs {
+    fn fabric(&self) -> FabricConfig {
+        FabricConfig {
+            provider: self.fabric_provider.clone(),
+            domains: self.fabric_domains.clone(),
+            ..FabricConfig::default()
+        }
+    }
 }
 
 /// As a child process: exits by itself when the parent goes away (its stdin closes).
@@ -36,7 +54,7 @@ pub fn run_child(a: &TargetArgs) -> CliResult<()> {
             std::process::exit(0);
         })
         .map_err(|e| CliError::runtime(format!("cannot start a thread: {e}")))?;
-    serve(&a.listen, false)
+    serve(&a.listen, false, a.fabric())
 }
 
 /// The first line a target prints; its parent reads the address from it.
@@ -53,9 +71,10 @@ pub fn parse_listen_line(line: &str) -> Option<(Vec<String>, u32)> {
     (!addrs.is_empty()).then_some((addrs, pid))
 }
 
-/// Serves initiators until one says bye. `standalone` targets narrate on stdout.
-pub fn serve(listen: &str, standalone: bool) -> CliResult<()> {
-    let agent = Agent::new(NAME, AgentConfig { listen: listen.to_string(), ..AgentConfig::default() })
+/// Serves initiators until one says bye. `standalone` targets narrate on stdout. The
+/// fabric transport opens where `fabric` names a provider (or the environment does).
+pub fn serve(listen: &str, standalone: bool, fabric: FabricConfig) -> CliResult<()> {
+    let agent = Agent::new(NAME, AgentConfig { listen: listen.to_string(), fabric, ..AgentConfig::default() })
         .map_err(|e| CliError::runtime(format!("cannot start the target agent on {listen}: {e}")))?;
     say(&listen_line(&agent.addresses(), std::process::id()));
     if standalone {

@@ -27,6 +27,7 @@ use crate::plan::{chunk_ops, Chunk, Plan, PreparedList};
 use crate::request::{Finisher, Status, Tracker};
 use crate::server::{self, Server};
 use crate::transport::cuda::{self as gpu, CudaConfig, CudaProgram};
+use crate::transport::fabric::{self, Fabric, FabricConfig, FabricProgram};
 use crate::transport::pool::CopyPool;
 use crate::transport::shm::{ShmConfig, ShmProgram};
 use crate::transport::staged::{self, GpuRegions};
@@ -48,6 +49,7 @@ pub struct AgentConfig {
     pub tcp: TcpConfig,
     pub shm: ShmConfig,
     pub cuda: CudaConfig,
+    pub fabric: FabricConfig,
     /// A peer that does not answer for this long is declared dead.
     pub peer_timeout: Duration,
     /// Bound on connecting and on each handshake.
@@ -66,6 +68,7 @@ impl Default for AgentConfig {
             tcp: TcpConfig::default(),
             shm: ShmConfig::default(),
             cuda: CudaConfig::default(),
+            fabric: FabricConfig::default(),
             peer_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(5),
             metadata_token: None,
@@ -92,6 +95,7 @@ impl AgentConfig {
         if self.peer_timeout.is_zero() || self.connect_timeout.is_zero() {
             return Err(invalid("timeouts must be positive"));
         }
+        self.fabric.validate()?;
         self.cuda.validate()
     }
 }
@@ -114,6 +118,38 @@ fn transport_policy(agent: &str, config: &AgentConfig) -> Result<PathPolicy> {
     Ok(policy)
 }
 
+/// Opens the fabric transport where the policy requires it or a provider is named
+/// (by the configuration or [`fabric::PROVIDER_ENV`]). Failing to open it is an error
+/// only where it is required; a named provider that cannot open is logged and left out.
+fn open_fabric(agent: &str, config: &AgentConfig, policy: &PathPolicy) -> Result<Option<Arc<Fabric>>> {
+    if !policy.enabled.contains(&TransportKind::Fabric) {
+        return Ok(None);
+    }
+    let env = |name| std::env::var(name).ok();
+    let cfg = config.fabric.with_env(env(fabric::PROVIDER_ENV).as_deref(), env(fabric::DOMAINS_ENV).as_deref());
+    let required = policy.require == Some(TransportKind::Fabric);
+    if !required && cfg.provider.is_none() {
+        return Ok(None);
+    }
+    match Fabric::open(&cfg) {
+        Ok(f) => Ok(Some(Arc::new(f))),
+        Err(e) if required => {
+            let why = match e {
+                Error::TransportUnavailable(why) => why,
+                other => other.to_string(),
+            };
+            Err(Error::TransportUnavailable(format!(
+                "fabric is required ({}) but cannot be opened: {why}",
+                policy.required_by
+            )))
+        }
+        Err(e) => {
+            tracing::warn!(agent, provider = ?cfg.provider, error = %e, "the fabric transport cannot be opened; not offering it");
+            Ok(None)
+        }
+    }
+}
+
 pub struct AgentInner {
     pub(crate) name: String,
     pub(crate) id: u64,
@@ -128,6 +164,8 @@ pub struct AgentInner {
     pub(crate) server: Server,
     copy_pool: OnceLock<CopyPool>,
     completions: OnceLock<Completions>,
+    /// The fabric transport, where it was opened (see [`open_fabric`]).
+    pub(crate) fabric: Option<Arc<Fabric>>,
     closed: AtomicBool,
 }
 
@@ -143,6 +181,7 @@ impl Agent {
         }
         config.validate()?;
         let policy = transport_policy(name, &config)?;
+        let fabric = open_fabric(name, &config, &policy)?;
         let inner = Arc::new(AgentInner {
             name: name.to_string(),
             id: rand::random::<u64>() | 1,
@@ -156,6 +195,7 @@ impl Agent {
             server: Server::default(),
             copy_pool: OnceLock::new(),
             completions: OnceLock::new(),
+            fabric,
             closed: AtomicBool::new(false),
         });
         server::listen(&inner, &inner.config.listen.clone())?;
@@ -221,8 +261,10 @@ impl Agent {
     pub fn deregister(&self, key: u64) -> Result<()> {
         let info = self.inner.registry.get(key).map(|r| (r.info.clone(), r.is_private()));
         self.inner.registry.deregister(key)?;
+        // Peers' one-sided accesses fail from here on.
+        let fabric_keys = self.inner.fabric.as_ref().is_some_and(|f| f.forget(key));
         if let Some((info, private)) = info {
-            if !private && (info.shared.is_some() || info.gpu.is_some()) {
+            if !private && (info.shared.is_some() || info.gpu.is_some() || fabric_keys) {
                 self.inner.server.broadcast(&Frame::Revoke { region: key });
             }
             if info.kind == MemKind::Dram && crate::cuda::pinned::any() {
@@ -410,6 +452,7 @@ impl Agent {
             tracker: Arc::new(Tracker::new()),
             shm: OnceLock::new(),
             cuda: OnceLock::new(),
+            fabric: OnceLock::new(),
             chunks: OnceLock::new(),
             local_gpu: OnceLock::new(),
         };
@@ -534,6 +577,14 @@ impl AgentInner {
             remote_shared: shared,
             gpu,
             staging,
+            fabric: match &self.fabric {
+                Some(f) => Ok(path::FabricFacts { description: f.describe(), hardware: f.is_hardware() }),
+                None => Err(format!(
+                    "not open on this agent (it opens where {}=fabric or {} names a provider)",
+                    path::TRANSPORT_ENV,
+                    fabric::PROVIDER_ENV
+                )),
+            },
         };
         path::choose(&self.policy, &facts)
     }
@@ -564,7 +615,13 @@ impl AgentInner {
             secret: self.secret,
             host: (*self.host).clone(),
             addresses: self.advertised(),
-            transports: self.config.transports.iter().map(|t| t.as_str().to_string()).collect(),
+            transports: self
+                .config
+                .transports
+                .iter()
+                .filter(|&&t| t != TransportKind::Fabric || self.fabric.is_some())
+                .map(|t| t.as_str().to_string())
+                .collect(),
             regions,
         }
         .encode()
@@ -576,6 +633,10 @@ impl AgentInner {
         }
         let c = Completions::start(&self.name, self.config.cuda.completion)?;
         Ok(self.completions.get_or_init(|| c))
+    }
+
+    fn fabric(&self) -> Result<&Arc<Fabric>> {
+        self.fabric.as_ref().ok_or_else(|| Error::TransportUnavailable("fabric is not open on this agent".into()))
     }
 
     fn copy_pool(&self) -> Result<&CopyPool> {
@@ -645,6 +706,7 @@ pub struct Request {
     tracker: Arc<Tracker>,
     shm: OnceLock<Arc<ShmProgram>>,
     cuda: OnceLock<Arc<CudaProgram>>,
+    fabric: OnceLock<Arc<FabricProgram>>,
     chunks: OnceLock<Arc<Vec<Chunk>>>,
     /// For tcp: the local GPU regions, whose bytes are staged (`None`: host memory only).
     local_gpu: OnceLock<Option<Arc<GpuRegions>>>,
@@ -717,6 +779,11 @@ impl Request {
                 let program = self.shm_program()?;
                 self.agent.copy_pool()?.execute(&program, self.op, &self.tracker, finisher)
             }
+            TransportKind::Fabric => {
+                let fabric = self.agent.fabric()?;
+                let program = self.fabric_program(fabric, &ctx)?;
+                fabric.execute(&program, &self.tracker, finisher)
+            }
             TransportKind::Tcp => {
                 let conn = self.peer.tcp(&ctx, &self.agent.config.tcp)?;
                 let chunks = self.tcp_chunks();
@@ -769,6 +836,22 @@ impl Request {
             )?
         };
         Ok(self.cuda.get_or_init(|| Arc::new(program)).clone())
+    }
+
+    fn fabric_program(&self, fabric: &Arc<Fabric>, ctx: &crate::peer::DialContext) -> Result<Arc<FabricProgram>> {
+        self.check_remote_regions()?;
+        if let Some(p) = self.fabric.get() {
+            return Ok(p.clone());
+        }
+        let link = self.peer.fabric(ctx, fabric)?;
+        let program = fabric.compile(
+            &link,
+            &self.plan.ops,
+            self.op,
+            |k| self.agent.registry.get(k).map(|r| r.info.clone()),
+            |k| self.peer.regions.read().get(k).cloned(),
+        )?;
+        Ok(self.fabric.get_or_init(|| Arc::new(program)).clone())
     }
 
     fn local_gpu_regions(&self) -> Result<Option<Arc<GpuRegions>>> {

@@ -40,6 +40,7 @@ pub use peer::ConnectionStats;
 pub use plan::PreparedList;
 pub use request::Status;
 pub use transport::cuda::CudaConfig;
+pub use transport::fabric::FabricConfig;
 pub use transport::shm::ShmConfig;
 pub use transport::tcp::TcpConfig;
 pub use transport::OpKind;

@@ -13,17 +13,22 @@ pub enum TransportKind {
     Cuda,
     /// Same host, host memory, through shared mappings.
     Shm,
+    /// Any host, host memory, through libfabric's one-sided RDMA (see
+    /// [`crate::transport::fabric`]).
+    Fabric,
     /// Any host, host memory, through parallel TCP streams.
     Tcp,
 }
 
 impl TransportKind {
-    pub const ALL: [TransportKind; 3] = [TransportKind::Cuda, TransportKind::Shm, TransportKind::Tcp];
+    pub const ALL: [TransportKind; 4] =
+        [TransportKind::Cuda, TransportKind::Shm, TransportKind::Fabric, TransportKind::Tcp];
 
     pub fn as_str(self) -> &'static str {
         match self {
             TransportKind::Cuda => "cuda",
             TransportKind::Shm => "shm",
+            TransportKind::Fabric => "fabric",
             TransportKind::Tcp => "tcp",
         }
     }
@@ -32,8 +37,11 @@ impl TransportKind {
         match s.trim().to_ascii_lowercase().as_str() {
             "cuda" => Ok(TransportKind::Cuda),
             "shm" => Ok(TransportKind::Shm),
+            "fabric" => Ok(TransportKind::Fabric),
             "tcp" => Ok(TransportKind::Tcp),
-            other => Err(Error::InvalidArgument(format!("unknown transport '{other}' (expected cuda, shm or tcp)"))),
+            other => {
+                Err(Error::InvalidArgument(format!("unknown transport '{other}' (expected cuda, shm, fabric or tcp)")))
+            }
         }
     }
 }
@@ -55,7 +63,7 @@ pub struct PathPolicy {
 }
 
 /// The environment variable that picks an agent's transport, overriding its
-/// configuration: `cuda`, `shm`, `tcp`, or `auto` (the configuration decides).
+/// configuration: `cuda`, `shm`, `fabric`, `tcp`, or `auto` (the configuration decides).
 pub const TRANSPORT_ENV: &str = "FREIGHT_TRANSPORT";
 
 /// Applies a [`TRANSPORT_ENV`] value to a policy: the transport it names becomes the
@@ -67,7 +75,9 @@ pub fn apply_transport_env(policy: &mut PathPolicy, value: Option<&str>) -> Resu
         Some(v) => v,
     };
     let t = TransportKind::parse(value).map_err(|_| {
-        Error::InvalidArgument(format!("{TRANSPORT_ENV}={value}: unknown transport (expected cuda, shm, tcp or auto)"))
+        Error::InvalidArgument(format!(
+            "{TRANSPORT_ENV}={value}: unknown transport (expected cuda, shm, fabric, tcp or auto)"
+        ))
     })?;
     if !policy.enabled.contains(&t) {
         return Err(Error::InvalidArgument(format!(
@@ -96,6 +106,17 @@ pub struct PathFacts {
     /// Whether the GPU memory of the path can pass through host memory on both sides
     /// (for tcp), or why not.
     pub staging: std::result::Result<(), String>,
+    /// This agent's open fabric transport, or why there is none.
+    pub fabric: std::result::Result<FabricFacts, String>,
+}
+
+/// What the path decision needs to know about an open fabric transport.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FabricFacts {
+    /// "provider tcp;ofi_rxm, 1 rail (lo)".
+    pub description: String,
+    /// Whether the provider drives RDMA hardware: only then is fabric chosen unasked.
+    pub hardware: bool,
 }
 
 /// The chosen transport and the reason, as reported to users and logs.
@@ -152,6 +173,17 @@ fn can_serve(t: TransportKind, policy: &PathPolicy, f: &PathFacts) -> std::resul
             f.remote_shared.clone()?;
             Ok("same host, remote memory in shared segments: one memcpy, no syscalls".into())
         }
+        TransportKind::Fabric => {
+            let fabric = f.fabric.clone()?;
+            if policy.require != Some(TransportKind::Fabric) && !fabric.hardware {
+                return Err(format!(
+                    "{} drives no RDMA hardware, so it is used only when required ({TRANSPORT_ENV}=fabric)",
+                    fabric.description
+                ));
+            }
+            let host = if f.same_host { "same host" } else { "peer on another host" };
+            Ok(format!("{host}, one-sided RDMA through libfabric, {}", fabric.description))
+        }
         TransportKind::Tcp => Ok(if f.same_host {
             format!("same host, but neither cuda nor shm can serve this path{staged}")
         } else {
@@ -198,6 +230,7 @@ mod tests {
             remote_shared: Ok(()),
             gpu: Ok("same host, GPU 0 reaches GPU 1 over NVLink".into()),
             staging: Ok(()),
+            fabric: Err("no fabric transport open".into()),
         }
     }
     fn policy() -> PathPolicy {
@@ -236,8 +269,8 @@ mod tests {
         assert!(apply_transport_env(&mut pol, Some("shm")).unwrap());
         let e = choose(&pol, &PathFacts { same_host: false, ..facts() }).unwrap_err().to_string();
         assert!(e.contains("required transport shm (FREIGHT_TRANSPORT=shm)"), "{e}");
-        let e = apply_transport_env(&mut policy(), Some("fabric")).unwrap_err().to_string();
-        assert!(e.contains("FREIGHT_TRANSPORT=fabric: unknown transport"), "{e}");
+        let e = apply_transport_env(&mut policy(), Some("rdma")).unwrap_err().to_string();
+        assert!(e.contains("FREIGHT_TRANSPORT=rdma: unknown transport"), "{e}");
         let mut tcp_only = PathPolicy { enabled: vec![TransportKind::Tcp], ..policy() };
         let e = apply_transport_env(&mut tcp_only, Some("shm")).unwrap_err().to_string();
         assert!(e.contains("does not enable shm"), "{e}");
@@ -307,5 +340,29 @@ mod tests {
         let pol = PathPolicy { enabled: vec![TransportKind::Shm], ..policy() };
         let f = PathFacts { same_host: false, ..facts() };
         assert!(choose(&pol, &f).is_err());
+    }
+
+    #[test]
+    fn fabric_is_chosen_unasked_only_over_rdma_hardware() {
+        let software = FabricFacts { description: "provider tcp;ofi_rxm, 1 rail (lo)".into(), hardware: false };
+        let remote = PathFacts { same_host: false, fabric: Ok(software.clone()), ..facts() };
+        let remote = PathFacts { peer_transports: vec!["fabric".into(), "tcp".into()], ..remote };
+        let p = choose(&policy(), &remote).unwrap();
+        assert_eq!(p.transport, TransportKind::Tcp);
+        assert!(p.reason.contains("drives no RDMA hardware"), "{}", p.reason);
+        let pol = PathPolicy { require: Some(TransportKind::Fabric), ..policy() };
+        let p = choose(&pol, &remote).unwrap();
+        assert_eq!(p.transport, TransportKind::Fabric);
+        assert!(p.reason.contains("one-sided RDMA") && p.reason.contains("tcp;ofi_rxm"), "{}", p.reason);
+        let hardware = FabricFacts { description: "provider efa, 4 rails".into(), hardware: true };
+        let p = choose(&policy(), &PathFacts { fabric: Ok(hardware), ..remote.clone() }).unwrap();
+        assert_eq!(p.transport, TransportKind::Fabric);
+        // Host memory only, and never without an open transport on both sides.
+        let gpu = PathFacts { local_kind: MemKind::Vram, ..remote.clone() };
+        assert!(choose(&pol, &gpu).unwrap_err().to_string().contains("host memory only"));
+        let closed = PathFacts { fabric: Err("libfabric is not installed".into()), ..remote.clone() };
+        assert!(choose(&pol, &closed).unwrap_err().to_string().contains("not installed"));
+        let e = choose(&pol, &PathFacts { fabric: Ok(software), ..facts() }).unwrap_err().to_string();
+        assert!(e.contains("the peer does not serve it"), "{e}");
     }
 }

@@ -14,6 +14,7 @@ use crate::memory::RemoteRegions;
 use crate::metadata::{AgentMetadata, HostIdentity};
 use crate::net::{self, Introduction};
 use crate::transport::cuda::CudaPeer;
+use crate::transport::fabric::{Fabric, FabricLink};
 use crate::transport::shm::ShmPeer;
 use crate::transport::tcp::{Health, TcpConfig, TcpConn};
 use crate::wire::{self, Frame, Role};
@@ -51,7 +52,9 @@ pub struct ConnectionStats {
     pub control_connections: u64,
     /// tcp connections set up (each one `streams` data streams).
     pub tcp_connections: u64,
-    /// Handshakes: one per control connection and one per data stream.
+    /// Fabric exchanges set up (each one connection, then one-sided operations only).
+    pub fabric_connections: u64,
+    /// Handshakes: one per control connection, data stream and fabric exchange.
     pub handshakes: u64,
     /// Time spent setting connections up, all of them together, in microseconds.
     pub setup_us: u64,
@@ -59,13 +62,21 @@ pub struct ConnectionStats {
     pub last_setup_us: u64,
 }
 
+/// The kinds of connection [`ConnectionStats`] counts.
+#[derive(Debug, Clone, Copy)]
+enum Dialled {
+    Control,
+    Tcp,
+    Fabric,
+}
+
 impl ConnectionStats {
-    fn record(&mut self, control: bool, handshakes: u64, took: Duration) {
+    fn record(&mut self, kind: Dialled, handshakes: u64, took: Duration) {
         let us = took.as_micros() as u64;
-        if control {
-            self.control_connections += 1;
-        } else {
-            self.tcp_connections += 1;
+        match kind {
+            Dialled::Control => self.control_connections += 1,
+            Dialled::Tcp => self.tcp_connections += 1,
+            Dialled::Fabric => self.fabric_connections += 1,
         }
         self.handshakes += handshakes;
         self.setup_us += us;
@@ -77,6 +88,7 @@ impl ConnectionStats {
 struct Links {
     control: Option<Arc<ControlLink>>,
     tcp: Option<Arc<TcpConn>>,
+    fabric: Option<Arc<FabricLink>>,
 }
 
 fn disconnected(peer: &str, reason: impl Into<String>) -> Error {
@@ -254,7 +266,8 @@ impl Peer {
             .control
             .as_ref()
             .and_then(|c| c.health.reason())
-            .or_else(|| links.tcp.as_ref().and_then(|t| t.dead_reason()));
+            .or_else(|| links.tcp.as_ref().and_then(|t| t.dead_reason()))
+            .or_else(|| links.fabric.as_ref().and_then(|f| f.dead_reason()));
         match dead {
             Some(reason) => Err(broken(&self.name, &reason)),
             None => Ok(()),
@@ -286,7 +299,7 @@ impl Peer {
         });
         let (peer, l) = (self.clone(), link.clone());
         thread::Builder::new().name("freight-ctl-rx".into()).spawn(move || peer.watch_control(reader, l))?;
-        self.dials.lock().record(true, 1, started.elapsed());
+        self.dials.lock().record(Dialled::Control, 1, started.elapsed());
         links.control = Some(link.clone());
         Ok(link)
     }
@@ -308,6 +321,9 @@ impl Peer {
                     let live: Vec<u64> = regions.iter().filter_map(|r| r.gpu.as_ref().map(|g| g.alloc_base)).collect();
                     drop(regions);
                     self.cuda.imports.retain(|base| live.contains(&base));
+                    if let Some(f) = &self.links.lock().fabric {
+                        f.forget(region);
+                    }
                 }
                 Ok(Some(Frame::OutboxReply { error })) => link.answer.post(error.map_or(Ok(()), Err)),
                 Ok(Some(other)) => {
@@ -355,10 +371,29 @@ impl Peer {
         }
         let conn = Arc::new(TcpConn::start(&self.name, sockets, cfg, ctx.peer_timeout, Arc::new(Health::default()))?);
         let took = started.elapsed();
-        self.dials.lock().record(false, n as u64, took);
+        self.dials.lock().record(Dialled::Tcp, n as u64, took);
         tracing::info!(peer = %self.name, streams = n, chunk_size = cfg.chunk_size, window = cfg.window, setup_us = took.as_micros() as u64, "tcp connection up");
         links.tcp = Some(conn.clone());
         Ok(conn)
+    }
+
+    /// The fabric exchange with the peer, set up on first use.
+    pub fn fabric(&self, ctx: &DialContext, fabric: &Arc<Fabric>) -> Result<Arc<FabricLink>> {
+        self.check_alive()?;
+        let mut links = self.links.lock();
+        if let Some(f) = &links.fabric {
+            return Ok(f.clone());
+        }
+        let started = Instant::now();
+        let stream = net::dial(&self.md.addresses, None, Role::Fabric, &self.intro(ctx), ctx.timeout)
+            .map_err(|e| self.disconnected(format!("cannot open the fabric exchange: {e}")))?;
+        stream.set_read_timeout(Some(ctx.peer_timeout))?;
+        let link = Arc::new(FabricLink::connect(stream, fabric, &self.name)?);
+        let took = started.elapsed();
+        self.dials.lock().record(Dialled::Fabric, 1, took);
+        tracing::info!(peer = %self.name, transport = %fabric.describe(), setup_us = took.as_micros() as u64, "fabric connection up");
+        links.fabric = Some(link.clone());
+        Ok(link)
     }
 
     /// Closes every connection; in-flight requests fail.

@@ -14,6 +14,7 @@ use crate::agent::AgentInner;
 use crate::error::{Error, Result};
 use crate::inbox::{ControlWriter, Inbox, Inboxes};
 use crate::net::{same_secret, tune};
+use crate::transport::fabric::serve_fabric;
 use crate::transport::tcp::serve_data_stream;
 use crate::wire::{self, Frame, Role, PROTOCOL_VERSION};
 
@@ -145,6 +146,10 @@ fn serve_connection(mut stream: TcpStream, agent: &Weak<AgentInner>, id: u64) ->
             let a = agent.upgrade().ok_or_else(|| Error::Io("agent closed".into()))?;
             let deliver = |msg| a.server.inboxes.deliver_after(&from_name, msg, &a.notifs);
             serve_data_stream(stream, &a.registry, &a.config.tcp, &from_name, deliver)
+        }
+        Role::Fabric => {
+            let a = agent.upgrade().ok_or_else(|| Error::Io("agent closed".into()))?;
+            serve_fabric(stream, &a.registry, a.fabric.as_deref(), &from_name)
         }
         Role::Metadata => unreachable!("handled above"),
     }

@@ -13,7 +13,8 @@ use crate::metadata::HostIdentity;
 
 /// 2: notification outboxes in shared memory (`Outbox`, `OutboxReply`, `Wake`).
 /// 3: a one-message write carries its notification (`Write::notif`).
-pub const PROTOCOL_VERSION: u16 = 3;
+/// 4: the fabric exchange (`Role::Fabric`, `Fabric*` frames).
+pub const PROTOCOL_VERSION: u16 = 4;
 /// Headers larger than this are a protocol violation (metadata replies are the largest).
 pub const MAX_HEADER: usize = 130 << 20;
 /// A single frame may carry at most this much payload.
@@ -32,6 +33,8 @@ pub enum Role {
     Data { index: u32 },
     /// A one-shot metadata fetch (listener exchange).
     Metadata,
+    /// The fabric transport's set-up: endpoint addresses and region keys.
+    Fabric,
 }
 
 /// A remote range named by region key and address, checked by the owner on arrival.
@@ -105,6 +108,26 @@ pub enum Frame {
     /// The sender wrote to its ring after the target had drained it: the target may be
     /// asleep and must look.
     Wake,
+    /// Opens the fabric exchange: the initiator's libfabric provider.
+    FabricHello {
+        provider: String,
+    },
+    /// The target's endpoint address on each of its rails, and whether its memory is
+    /// addressed by virtual address (else by offset into the region).
+    FabricWelcome {
+        provider: String,
+        rails: Vec<Vec<u8>>,
+        virt_addr: bool,
+    },
+    /// Asks for the keys of regions the initiator is about to read or write.
+    FabricKeys {
+        regions: Vec<u64>,
+    },
+    /// One key per target rail for each region asked, in order; or why not.
+    FabricKeysReply {
+        keys: Vec<Vec<u64>>,
+        error: Option<String>,
+    },
 }
 
 impl Frame {

@@ -7,8 +7,8 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
 use freight_core::{
-    Agent, AgentConfig, CompletionMode, CudaConfig, KernelMode, LaunchShape, MemKind, OpKind, SharedSegment, ShmConfig,
-    TcpConfig, TransportKind,
+    Agent, AgentConfig, CompletionMode, CudaConfig, FabricConfig, KernelMode, LaunchShape, MemKind, OpKind,
+    SharedSegment, ShmConfig, TcpConfig, TransportKind,
 };
 use freight_stream::router::Router;
 use numpy::ndarray::ArrayView1;
@@ -104,6 +104,7 @@ impl PyAgent {
         name, *, listen = "127.0.0.1:0".to_string(), advertise = Vec::new(),
         transports = vec!["shm".to_string(), "tcp".to_string()], require = None,
         tcp_streams = 4, tcp_chunk_size = 1 << 20, tcp_window = 8, tcp_local_addrs = Vec::new(), tcp_zerocopy = true,
+        fabric_provider = None, fabric_domains = Vec::new(), fabric_chunk_size = 4 << 20,
         shm_threads = None, shm_inline_bytes = None, cuda_copy_engine_min_host = None,
         cuda_copy_engine_min_peer = None, cuda_kernel_item_bytes = None, cuda_kernel_blocks_per_sm = None,
         cuda_kernel_threads = None, cuda_kernel_mode = None, cuda_completion = None, peer_timeout = 30.0,
@@ -122,6 +123,9 @@ impl PyAgent {
         tcp_window: usize,
         tcp_local_addrs: Vec<String>,
         tcp_zerocopy: bool,
+        fabric_provider: Option<String>,
+        fabric_domains: Vec<String>,
+        fabric_chunk_size: u64,
         shm_threads: Option<usize>,
         shm_inline_bytes: Option<u64>,
         cuda_copy_engine_min_host: Option<u64>,
@@ -162,6 +166,7 @@ impl PyAgent {
                 local_addrs,
                 zerocopy: tcp_zerocopy,
             },
+            fabric: FabricConfig { provider: fabric_provider, domains: fabric_domains, chunk_size: fabric_chunk_size },
             shm: ShmConfig {
                 threads: shm_threads.unwrap_or(shm_default.threads),
                 inline_bytes: shm_inline_bytes.unwrap_or(shm_default.inline_bytes),
@@ -374,9 +379,9 @@ impl PyAgent {
     }
 
     /// (control connections, tcp connections, handshakes, set-up us, last set-up us).
-    fn connection_stats(&self, peer: &str) -> PyResult<(u64, u64, u64, u64, u64)> {
+    fn connection_stats(&self, peer: &str) -> PyResult<(u64, u64, u64, u64, u64, u64)> {
         let s = self.inner.connection_stats(peer).or_raise()?;
-        Ok((s.control_connections, s.tcp_connections, s.handshakes, s.setup_us, s.last_setup_us))
+        Ok((s.control_connections, s.tcp_connections, s.fabric_connections, s.handshakes, s.setup_us, s.last_setup_us))
     }
 
     // -- descriptors and requests ----------------------------------------------------

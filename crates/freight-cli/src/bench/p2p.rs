@@ -254,7 +254,7 @@ impl P2pArgs {
 
 pub fn run(a: &P2pArgs, ctx: &Context) -> CliResult<()> {
     match a.plan()? {
-        Plan::Target { listen } => target::serve(&listen, true),
+        Plan::Target { listen } => target::serve(&listen, true, a.engine.fabric_config()),
         Plan::Initiator { connect, listen } => {
             let grid = a.grid()?;
             initiator(a, &grid, connect.as_deref(), &listen, ctx)
@@ -264,7 +264,7 @@ pub fn run(a: &P2pArgs, ctx: &Context) -> CliResult<()> {
 
 fn initiator(a: &P2pArgs, grid: &Grid, connect: Option<&str>, listen: &str, ctx: &Context) -> CliResult<()> {
     let process = match connect {
-        None => Some(TargetProcess::spawn(&ctx.self_command, ctx.log_level.as_deref())?),
+        None => Some(TargetProcess::spawn(&ctx.self_command, ctx.log_level.as_deref(), &a.engine.fabric_args())?),
         Some(_) => None,
     };
     let target_addr = connect.map_or_else(|| process.as_ref().expect("spawned").addr.clone(), str::to_string);

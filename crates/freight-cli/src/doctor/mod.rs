@@ -172,8 +172,9 @@ fn render(r: &Report) -> String {
     let _ = match (&f.library, &f.version) {
         (Some(lib), Some(v)) => writeln!(
             w,
-            "\nlibfabric  {v} ({lib}); providers: {}",
-            if f.providers.is_empty() { "none".into() } else { f.providers.join(", ") }
+            "\nlibfabric  {v} ({lib}); providers with RDMA reads and writes: {}\n           domains: {}",
+            if f.providers.is_empty() { "none".into() } else { f.providers.join(", ") },
+            if f.domains.is_empty() { "none".into() } else { f.domains.join(", ") }
         ),
         _ => writeln!(w, "\nlibfabric  {}", or_dash(f.note.as_ref())),
     };

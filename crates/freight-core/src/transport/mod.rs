@@ -2,6 +2,7 @@
 //! agent decides which one serves a request (see [`crate::path`]).
 
 pub mod cuda;
+pub mod fabric;
 pub mod pool;
 pub mod shm;
 pub mod staged;

@@ -1,0 +1,271 @@
+//! The fabric transport: one-sided RDMA reads and writes through libfabric's reliable
+//! datagram endpoints, over one or more rails (domains: NICs, or provider instances).
+//!
+//! libfabric is loaded at run time ([`ffi`]): without it the transport is simply not
+//! available. An agent opens it when it is required (`FREIGHT_TRANSPORT=fabric`) or a
+//! provider is named (`FREIGHT_FABRIC_PROVIDER`, [`FabricConfig::provider`]), and then
+//! advertises `fabric` to its peers.
+//!
+//! A peer connection starts with an exchange over the peer's listener ([`link`]): the
+//! target's endpoint addresses, one per rail, and later the keys of the regions the
+//! initiator names. The target registers a region with its domains the first time a
+//! peer asks for it (the registration cache) and drops the registrations when the region
+//! is deregistered. After that the target's CPU takes no part: each transfer is cut into
+//! operations of at most `chunk_size` bytes, dealt to the rails in turn, and each rail's
+//! thread posts them and reaps their completions ([`progress`]). Writes complete only
+//! once delivered (`FI_DELIVERY_COMPLETE`), so a notification sent after them finds the
+//! data in place.
+
+pub mod ffi;
+pub mod link;
+pub mod progress;
+pub mod rail;
+
+use std::sync::Arc;
+
+use crate::error::{invalid, Error, Result};
+use crate::memory::RegionInfo;
+use crate::plan::{chunk_ops, Op};
+use crate::request::{Finisher, Tracker};
+use crate::transport::OpKind;
+use ffi::Lib;
+use progress::{Work, Worker};
+use rail::{DomainInfo, InfoList, Rail};
+
+pub use link::{serve_fabric, FabricLink};
+
+/// Names the libfabric provider, and so opens the fabric transport.
+pub const PROVIDER_ENV: &str = "FREIGHT_FABRIC_PROVIDER";
+/// Comma-separated domains to use as rails (for the tcp provider: interface names).
+pub const DOMAINS_ENV: &str = "FREIGHT_FABRIC_DOMAINS";
+
+/// Tunables of the fabric transport.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FabricConfig {
+    /// The libfabric provider ("efa", "verbs", "tcp", "shm"...); `None`: the first that
+    /// offers what freight needs. Naming one opens the transport.
+    pub provider: Option<String>,
+    /// The domains to use, one rail each (a name may repeat: several endpoints on one
+    /// NIC). Empty: the provider's first domain. Peers pair their rails in order.
+    pub domains: Vec<String>,
+    /// Largest single operation; larger copies are split and spread over the rails.
+    pub chunk_size: u64,
+}
+
+impl Default for FabricConfig {
+    fn default() -> Self {
+        FabricConfig { provider: None, domains: Vec::new(), chunk_size: 4 << 20 }
+    }
+}
+
+impl FabricConfig {
+    /// The configuration with [`PROVIDER_ENV`] and [`DOMAINS_ENV`] applied.
+    pub fn with_env(&self, provider: Option<&str>, domains: Option<&str>) -> FabricConfig {
+        let mut cfg = self.clone();
+        if let Some(p) = provider.map(str::trim).filter(|p| !p.is_empty()) {
+            cfg.provider = Some(p.to_string());
+        }
+        if let Some(d) = domains.map(str::trim).filter(|d| !d.is_empty()) {
+            cfg.domains = d.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
+        }
+        cfg
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        if self.chunk_size == 0 {
+            return Err(invalid("fabric chunk size must be positive"));
+        }
+        Ok(())
+    }
+}
+
+/// Providers that move bytes through the kernel's sockets or memory copies: freight's
+/// own tcp and shm transports do that at least as fast, so these are used only when
+/// asked for by name. Any other provider drives RDMA hardware.
+const SOFTWARE_PROVIDERS: [&str; 5] = ["tcp", "sockets", "udp", "shm", "net"];
+
+/// An agent's open fabric transport: its rails and their threads.
+pub struct Fabric {
+    /// The provider as libfabric names it ("tcp;ofi_rxm").
+    pub provider: String,
+    workers: Vec<Worker>,
+    chunk_size: u64,
+    /// Whether writes complete only once delivered (else notifications could overtake).
+    pub delivery_complete: bool,
+}
+
+impl Fabric {
+    pub fn open(cfg: &FabricConfig) -> Result<Fabric> {
+        cfg.validate()?;
+        let lib = Lib::get().map_err(|e| Error::TransportUnavailable(format!("fabric: {e}")))?;
+        let provider = cfg.provider.as_deref();
+        let (list, delivery_complete) = match InfoList::discover(lib, provider, true) {
+            Ok(list) => (list, true),
+            Err(first) => match InfoList::discover(lib, provider, false) {
+                Ok(list) => {
+                    tracing::warn!(error = %first, "the provider cannot complete writes on delivery; notifications wait for transmit completion only");
+                    (list, false)
+                }
+                Err(_) => return Err(first),
+            },
+        };
+        let first = list
+            .domains()
+            .first()
+            .map(|d| d.domain.clone())
+            .ok_or_else(|| Error::TransportUnavailable("fabric: the provider offers no domain".into()))?;
+        let names = if cfg.domains.is_empty() { vec![first] } else { cfg.domains.clone() };
+        let mut workers = Vec::with_capacity(names.len());
+        for (i, name) in names.iter().enumerate() {
+            let rail = Arc::new(Rail::open(&list, name)?);
+            workers.push(Worker::start(rail, i)?);
+        }
+        let provider = workers[0].rail.info.provider.clone();
+        let max_msg = workers.iter().map(|w| w.rail.max_msg).min().unwrap_or(0).max(1);
+        let fabric = Fabric { provider, workers, chunk_size: cfg.chunk_size.min(max_msg), delivery_complete };
+        tracing::info!(transport = %fabric.describe(), chunk_size = fabric.chunk_size, lib = %lib.version_text(), "fabric transport open");
+        Ok(fabric)
+    }
+
+    /// "provider tcp;ofi_rxm, 2 rails (lo, eth0)", for path reasons and logs.
+    pub fn describe(&self) -> String {
+        let names: Vec<&str> = self.workers.iter().map(|w| w.rail.info.domain.as_str()).collect();
+        let rails = if names.len() == 1 { "1 rail".to_string() } else { format!("{} rails", names.len()) };
+        format!("provider {}, {rails} ({})", self.provider, names.join(", "))
+    }
+
+    /// Whether the provider drives RDMA hardware (see [`SOFTWARE_PROVIDERS`]).
+    pub fn is_hardware(&self) -> bool {
+        let core = self.provider.split(';').next().unwrap_or_default();
+        !SOFTWARE_PROVIDERS.contains(&core)
+    }
+
+    pub fn rails(&self) -> usize {
+        self.workers.len()
+    }
+
+    /// The endpoint address of each rail, for peers.
+    pub fn addresses(&self) -> Vec<Vec<u8>> {
+        self.workers.iter().map(|w| w.rail.address.clone()).collect()
+    }
+
+    /// Whether peers address our memory by virtual address (else by offset into the
+    /// region), the same on every rail.
+    pub fn virt_addr(&self) -> bool {
+        self.workers.iter().all(|w| w.rail.virt_addr)
+    }
+
+    /// Registers a region with every rail (cached): its keys, one per rail.
+    pub fn keys(&self, region: &RegionInfo) -> Result<Vec<u64>> {
+        self.workers.iter().map(|w| w.rail.registration(region.key, region.addr, region.len).map(|m| m.key)).collect()
+    }
+
+    /// Drops a region's registrations; whether it had any.
+    pub fn forget(&self, key: u64) -> bool {
+        self.workers.iter().fold(false, |had, w| w.rail.forget(key) | had)
+    }
+
+    /// Fails every operation to a peer that died (`routes`: its handle on each rail).
+    pub fn abandon(&self, routes: &[(u64, usize)], reason: &str) {
+        for (worker, &(dest, _)) in self.workers.iter().zip(routes) {
+            worker.abandon(dest, reason.to_string());
+        }
+    }
+
+    /// Resolves a request's copies into operations, dealt to the rails in turn.
+    /// `local` and `remote` describe the regions the copies name.
+    pub fn compile(
+        &self,
+        link: &FabricLink,
+        ops: &[Op],
+        op: OpKind,
+        local: impl Fn(u64) -> Option<RegionInfo>,
+        remote: impl Fn(u64) -> Option<RegionInfo>,
+    ) -> Result<FabricProgram> {
+        let mut remote_regions: Vec<u64> = ops.iter().map(|o| o.remote_region).collect();
+        remote_regions.sort_unstable();
+        remote_regions.dedup();
+        let keys = link.keys(&remote_regions)?;
+        let mut per_rail: Vec<Vec<Planned>> = vec![Vec::new(); self.workers.len()];
+        for (i, chunk) in chunk_ops(ops, self.chunk_size, 1).into_iter().enumerate() {
+            let o = chunk.segs[0];
+            let rail = i % self.workers.len();
+            let lr = local(o.local_region).ok_or(Error::UnknownRegion(o.local_region))?;
+            let rr = remote(o.remote_region).ok_or_else(|| Error::RemoteRejected {
+                peer: link.peer().to_string(),
+                reason: format!("region {} was deregistered by its owner", o.remote_region),
+            })?;
+            let mr = self.workers[rail].rail.registration(lr.key, lr.addr, lr.len)?;
+            let (dest, remote_rail) = link.route(rail);
+            per_rail[rail].push(Planned {
+                local: o.local_addr,
+                len: o.len,
+                desc: mr.desc as usize,
+                dest,
+                remote: if link.virt_addr() { o.remote_addr } else { o.remote_addr - rr.addr },
+                key: keys[&o.remote_region][remote_rail],
+            });
+        }
+        Ok(FabricProgram { read: op == OpKind::Read, per_rail, peer: link.peer().into() })
+    }
+
+    /// Starts a compiled request.
+    pub fn execute(&self, program: &FabricProgram, tracker: &Arc<Tracker>, finisher: Finisher) -> Result<()> {
+        let parts: usize = program.per_rail.iter().map(Vec::len).sum();
+        tracker.begin(parts as u64, finisher)?;
+        for (worker, planned) in self.workers.iter().zip(&program.per_rail) {
+            if planned.is_empty() {
+                continue;
+            }
+            let batch = planned
+                .iter()
+                .map(|p| Work {
+                    read: program.read,
+                    local: p.local,
+                    len: p.len,
+                    desc: p.desc,
+                    dest: p.dest,
+                    remote: p.remote,
+                    key: p.key,
+                    tracker: tracker.clone(),
+                    peer: program.peer.clone(),
+                })
+                .collect();
+            worker.submit(batch);
+        }
+        Ok(())
+    }
+}
+
+/// One operation of a compiled request (see [`Work`]).
+#[derive(Debug, Clone, Copy)]
+struct Planned {
+    local: u64,
+    len: u64,
+    desc: usize,
+    dest: u64,
+    remote: u64,
+    key: u64,
+}
+
+/// A request resolved for the fabric: posting it only hands operations to the rails.
+pub struct FabricProgram {
+    read: bool,
+    per_rail: Vec<Vec<Planned>>,
+    peer: Arc<str>,
+}
+
+/// libfabric's version where it can be loaded, else why not.
+pub fn available() -> std::result::Result<String, String> {
+    Lib::get().map(Lib::version_text)
+}
+
+/// What `freight doctor` reports: the library's name and version, and the domains its
+/// providers offer for freight's use (reliable datagram endpoints with one-sided reads
+/// and writes; none where libfabric is installed but offers nothing suitable), or why
+/// libfabric cannot be loaded.
+pub fn discover_domains() -> std::result::Result<(String, String, Vec<DomainInfo>), String> {
+    let lib = Lib::get()?;
+    let domains = InfoList::discover(lib, None, false).map(|l| l.domains()).unwrap_or_default();
+    Ok((lib.name.clone(), lib.version_text(), domains))
+}

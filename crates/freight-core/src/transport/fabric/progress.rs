@@ -1,0 +1,324 @@
+//! The thread that drives one rail: it alone posts operations to the rail's endpoint
+//! and reaps its completion queue, in batches, so the hot path takes no lock of ours
+//! (requests hand work over through a channel). While the rail is idle the thread sleeps
+//! on the completion queue's wait object, which also lets the provider serve peers'
+//! one-sided operations on this endpoint (providers with manual progress need someone
+//! to call into them for that).
+
+use std::collections::{HashSet, VecDeque};
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{unbounded, Receiver, Sender, TryRecvError};
+
+use super::ffi::{FiCqEntry, FI_EAGAIN, FI_EAVAIL, FI_ETIMEDOUT};
+use super::rail::Rail;
+use crate::error::{Error, Result};
+use crate::request::Tracker;
+
+/// One one-sided operation, ready to post: every address and key resolved.
+pub struct Work {
+    pub read: bool,
+    pub local: u64,
+    pub len: u64,
+    /// The local registration's descriptor (a pointer, kept as an integer to be `Send`).
+    pub desc: usize,
+    /// The peer's endpoint, as this rail's address vector knows it.
+    pub dest: u64,
+    pub remote: u64,
+    pub key: u64,
+    pub tracker: Arc<Tracker>,
+    pub peer: Arc<str>,
+}
+
+impl Work {
+    fn finish(self, result: Result<()>) {
+        self.tracker.finish_part(result)
+    }
+}
+
+/// An operation the provider holds. The first 64 bytes are the provider's (the
+/// `FI_CONTEXT`/`FI_CONTEXT2` modes let it keep state there); their address is the
+/// operation's context, which comes back in its completion.
+#[repr(C)]
+struct InFlight {
+    scratch: [usize; 8],
+    work: Work,
+    /// Its request was already failed (the peer died): the completion, if it ever
+    /// comes, only frees it.
+    abandoned: bool,
+}
+
+/// What a rail's thread is told.
+enum Command {
+    Run(Vec<Work>),
+    /// Fail everything queued or in flight to `dest`: the peer is gone.
+    Abandon {
+        dest: u64,
+        reason: String,
+    },
+}
+
+/// Errors that mean the peer (or the way to it) is gone rather than that it refused.
+fn completion_error(peer: &str, errno: i32, reason: String) -> Error {
+    let reason = format!("fabric: {reason}");
+    match errno {
+        libc::ECONNREFUSED
+        | libc::ECONNRESET
+        | libc::ECONNABORTED
+        | libc::ENOTCONN
+        | libc::EHOSTUNREACH
+        | libc::ETIMEDOUT
+        | libc::EPIPE => Error::PeerDisconnected { peer: peer.to_string(), reason },
+        _ => Error::RemoteRejected { peer: peer.to_string(), reason },
+    }
+}
+
+/// A rail and the thread that drives it.
+pub struct Worker {
+    pub rail: Arc<Rail>,
+    queue: Sender<Command>,
+    sleeping: Arc<AtomicBool>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Worker {
+    pub fn start(rail: Arc<Rail>, index: usize) -> Result<Worker> {
+        let (queue, jobs) = unbounded::<Command>();
+        let sleeping = Arc::new(AtomicBool::new(false));
+        let stop = Arc::new(AtomicBool::new(false));
+        let driver = Driver { rail: rail.clone(), jobs, sleeping: sleeping.clone(), stop: stop.clone() };
+        let thread = thread::Builder::new().name(format!("freight-fabric{index}")).spawn(move || driver.run())?;
+        Ok(Worker { rail, queue, sleeping, stop, thread: Some(thread) })
+    }
+
+    /// Hands operations to the rail's thread (waking it if it sleeps).
+    pub fn submit(&self, batch: Vec<Work>) {
+        if let Err(e) = self.queue.send(Command::Run(batch)) {
+            if let Command::Run(batch) = e.0 {
+                for w in batch {
+                    let peer = w.peer.to_string();
+                    w.finish(Err(Error::PeerDisconnected { peer, reason: "the fabric transport stopped".into() }));
+                }
+            }
+            return;
+        }
+        self.wake();
+    }
+
+    /// Fails the operations to `dest` (a peer that died) now rather than when, or if,
+    /// the provider gives up on them.
+    pub fn abandon(&self, dest: u64, reason: String) {
+        if self.queue.send(Command::Abandon { dest, reason }).is_ok() {
+            self.wake();
+        }
+    }
+
+    fn wake(&self) {
+        if self.sleeping.load(Ordering::SeqCst) {
+            self.rail.wake();
+        }
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        self.rail.wake();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+struct Driver {
+    rail: Arc<Rail>,
+    jobs: Receiver<Command>,
+    sleeping: Arc<AtomicBool>,
+    stop: Arc<AtomicBool>,
+}
+
+/// How long an idle rail sleeps before looking at its queue on its own (a safety net:
+/// submitters wake it).
+const IDLE_WAIT_MS: i32 = 1;
+/// How long a busy rail waits for a completion before posting what arrived meanwhile.
+const BUSY_WAIT_MS: i32 = 1;
+
+impl Driver {
+    fn run(self) {
+        let mut waiting: VecDeque<Work> = VecDeque::new();
+        let mut held: HashSet<usize> = HashSet::new();
+        let mut entries = [FiCqEntry { op_context: std::ptr::null_mut() }; 64];
+        let mut waitable = self.rail.waitable;
+        loop {
+            if self.stop.load(Ordering::SeqCst) {
+                self.shut_down(waiting, held, &mut entries);
+                return;
+            }
+            loop {
+                match self.jobs.try_recv() {
+                    Ok(command) => self.obey(command, &mut waiting, &held),
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => {
+                        self.stop.store(true, Ordering::SeqCst);
+                        break;
+                    }
+                }
+            }
+            self.post(&mut waiting, &mut held);
+            let n = if waitable {
+                let timeout = if held.is_empty() { IDLE_WAIT_MS } else { BUSY_WAIT_MS };
+                self.sleeping.store(true, Ordering::SeqCst);
+                let n = if self.jobs.is_empty() && !self.stop.load(Ordering::SeqCst) {
+                    self.rail.reap_waiting(&mut entries, timeout)
+                } else {
+                    self.rail.reap(&mut entries)
+                };
+                self.sleeping.store(false, Ordering::SeqCst);
+                if n < 0 && n != -FI_EAGAIN && n != -FI_EAVAIL && n != -FI_ETIMEDOUT {
+                    tracing::warn!(domain = %self.rail.info.domain, code = n, "the completion queue cannot be waited on; polling it instead");
+                    waitable = false;
+                }
+                n
+            } else {
+                let n = self.rail.reap(&mut entries);
+                if n == -FI_EAGAIN {
+                    self.pause(held.is_empty(), &mut waiting, &held);
+                }
+                n
+            };
+            self.settle(n, &entries, &mut held);
+        }
+    }
+
+    /// Without a wait object: spin briefly while operations are out, else sleep on the
+    /// queue of new work (the provider still gets called every millisecond).
+    fn pause(&self, idle: bool, waiting: &mut VecDeque<Work>, held: &HashSet<usize>) {
+        if idle {
+            if let Ok(command) = self.jobs.recv_timeout(Duration::from_millis(1)) {
+                self.obey(command, waiting, held);
+            }
+        } else {
+            thread::yield_now();
+        }
+    }
+
+    fn obey(&self, command: Command, waiting: &mut VecDeque<Work>, held: &HashSet<usize>) {
+        match command {
+            Command::Run(batch) => waiting.extend(batch),
+            Command::Abandon { dest, reason } => {
+                let gone = |w: &Work| Error::PeerDisconnected { peer: w.peer.to_string(), reason: reason.clone() };
+                for w in std::mem::take(waiting) {
+                    if w.dest == dest {
+                        let e = gone(&w);
+                        w.finish(Err(e));
+                    } else {
+                        waiting.push_back(w);
+                    }
+                }
+                for &context in held {
+                    // SAFETY: a held operation is allocated until settled, which only
+                    // this thread does; the provider touches only its scratch bytes.
+                    let op = unsafe { &mut *(context as *mut InFlight) };
+                    if op.work.dest == dest && !op.abandoned {
+                        op.abandoned = true;
+                        op.work.tracker.finish_part(Err(gone(&op.work)));
+                    }
+                }
+            }
+        }
+    }
+
+    fn post(&self, waiting: &mut VecDeque<Work>, held: &mut HashSet<usize>) {
+        while let Some(work) = waiting.pop_front() {
+            let op = Box::into_raw(Box::new(InFlight { scratch: [0; 8], work, abandoned: false }));
+            // SAFETY: `op` stays allocated until its completion is reaped (`settle`);
+            // the local memory is held registered by the request's guards until then.
+            let rc = unsafe {
+                let w = &(*op).work;
+                self.rail.post(w.read, w.local, w.len, w.desc as *mut c_void, w.dest, w.remote, w.key, op.cast())
+            };
+            if rc == 0 {
+                held.insert(op as usize);
+                continue;
+            }
+            // SAFETY: the provider refused the operation, so it never saw `op`.
+            let work = unsafe { Box::from_raw(op) }.work;
+            if rc == -FI_EAGAIN {
+                waiting.push_front(work);
+                return;
+            }
+            let what = if work.read { "fi_read" } else { "fi_write" };
+            let reason = format!(
+                "{what} failed: {}",
+                crate::transport::fabric::ffi::Lib::get().map_or_else(|e| e, |l| l.error_text(rc))
+            );
+            let peer = work.peer.to_string();
+            work.finish(Err(completion_error(&peer, (-rc) as i32, reason)));
+        }
+    }
+
+    /// Finishes the operations a reap returned.
+    fn settle(&self, n: isize, entries: &[FiCqEntry], held: &mut HashSet<usize>) {
+        if n > 0 {
+            for e in &entries[..n as usize] {
+                self.complete(e.op_context, Ok(()), held);
+            }
+        } else if n == -FI_EAVAIL {
+            if let Some((context, errno, reason)) = self.rail.read_error() {
+                self.complete(context, Err((errno, reason)), held);
+            }
+        }
+    }
+
+    fn complete(
+        &self,
+        context: *mut c_void,
+        result: std::result::Result<(), (i32, String)>,
+        held: &mut HashSet<usize>,
+    ) {
+        if !held.remove(&(context as usize)) {
+            tracing::warn!(domain = %self.rail.info.domain, "a completion for an operation this rail does not hold");
+            return;
+        }
+        // SAFETY: `context` is an `InFlight` this thread posted and has not freed.
+        let op = unsafe { Box::from_raw(context.cast::<InFlight>()) };
+        if op.abandoned {
+            return;
+        }
+        let work = op.work;
+        let peer = work.peer.clone();
+        work.finish(result.map_err(|(errno, reason)| completion_error(&peer, errno, reason)));
+    }
+
+    /// Fails queued work, and gives operations in flight a moment to complete; those
+    /// that do not are failed too, and their contexts leaked (the provider may still
+    /// write to them until the endpoint closes).
+    fn shut_down(&self, waiting: VecDeque<Work>, mut held: HashSet<usize>, entries: &mut [FiCqEntry]) {
+        let closed =
+            |peer: &str| Error::PeerDisconnected { peer: peer.to_string(), reason: "the local agent closed".into() };
+        for w in waiting {
+            let e = closed(&w.peer);
+            w.finish(Err(e));
+        }
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while !held.is_empty() && Instant::now() < deadline {
+            let n = self.rail.reap(entries);
+            if n == -FI_EAGAIN {
+                thread::yield_now();
+            }
+            self.settle(n, entries, &mut held);
+        }
+        for context in held {
+            // SAFETY: still allocated (never settled); we only read the work's tracker.
+            let op = unsafe { &*(context as *const InFlight) };
+            if !op.abandoned {
+                op.work.tracker.finish_part(Err(closed(&op.work.peer)));
+            }
+        }
+    }
+}

@@ -1,0 +1,239 @@
+//! The fabric transport for real, through Debian's libfabric with its tcp and shm
+//! providers (no RDMA hardware needed). Skipped, with the reason, where libfabric is not
+//! installed.
+
+use std::time::Duration;
+
+use freight_core::transport::fabric;
+use freight_core::{Agent, AgentConfig, Desc, DescList, Error, FabricConfig, MemKind, OpKind, Status, TransportKind};
+use rand::{Rng, SeedableRng};
+
+const T: Option<Duration> = Some(Duration::from_secs(20));
+
+fn libfabric() -> bool {
+    match fabric::available() {
+        Ok(_) => true,
+        Err(why) => {
+            eprintln!("SKIPPED: {why}");
+            false
+        }
+    }
+}
+
+fn config(provider: &str, domains: &[&str], chunk_size: u64) -> AgentConfig {
+    AgentConfig {
+        require: Some(TransportKind::Fabric),
+        fabric: FabricConfig {
+            provider: Some(provider.into()),
+            domains: domains.iter().map(|d| d.to_string()).collect(),
+            chunk_size,
+        },
+        ..Default::default()
+    }
+}
+
+/// Host memory that is not in a shared segment: only a network transport reaches it.
+struct Buffer(Vec<u8>);
+
+impl Buffer {
+    fn new(len: usize, seed: u64) -> Buffer {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        Buffer((0..len).map(|_| rng.random()).collect())
+    }
+    fn addr(&self) -> u64 {
+        self.0.as_ptr() as u64
+    }
+}
+
+fn list(descs: &[(u64, u64)]) -> DescList {
+    DescList::from_descs(MemKind::Dram, descs.iter().map(|&(addr, len)| Desc { addr, len, dev: 0 })).unwrap()
+}
+
+/// Random blocks of 1 byte to 6 MiB at random offsets, in random order: the same
+/// blocks on both sides, with the target side shuffled.
+fn scattered(rng: &mut impl Rng, local: u64, remote: u64, room: u64) -> (DescList, DescList, Vec<(u64, u64, u64)>) {
+    let mut blocks = Vec::new();
+    let mut at = 0u64;
+    while at < room {
+        let len = match rng.random_range(0..4) {
+            0 => rng.random_range(1..64),
+            1 => rng.random_range(1..64 << 10),
+            2 => rng.random_range(1..1 << 20),
+            _ => rng.random_range(1..6 << 20),
+        }
+        .min(room - at);
+        blocks.push((at, len));
+        at += len + rng.random_range(0..4096);
+    }
+    let mut targets: Vec<(u64, u64)> = blocks.clone();
+    // Pair each local block with a target block of the same length elsewhere.
+    use rand::seq::SliceRandom;
+    targets.shuffle(rng);
+    let mut cursor = 0u64;
+    let plan: Vec<(u64, u64, u64)> = targets
+        .iter()
+        .map(|&(src, len)| {
+            let dst = cursor;
+            cursor += len + 64;
+            (src, dst, len)
+        })
+        .filter(|&(_, dst, len)| dst + len <= room + (room / 2))
+        .collect();
+    let l = list(&plan.iter().map(|&(s, _, n)| (local + s, n)).collect::<Vec<_>>());
+    let r = list(&plan.iter().map(|&(_, d, n)| (remote + d, n)).collect::<Vec<_>>());
+    (l, r, plan)
+}
+
+/// Writes scattered blocks to the target (with a notification) and reads them back,
+/// checking every byte, with `provider` over `domains`.
+fn scattered_roundtrip(provider: &str, domains: &[&str], chunk_size: u64) {
+    let room = 24u64 << 20;
+    let a = Agent::new("initiator", config(provider, domains, chunk_size)).unwrap();
+    let b = Agent::new("target", config(provider, domains, chunk_size)).unwrap();
+    let src = Buffer::new(room as usize, 7);
+    let mut dst = Buffer::new((room + room / 2) as usize, 8);
+    let mut back = Buffer::new(room as usize, 9);
+    a.register(MemKind::Dram, src.addr(), room, 0).unwrap();
+    a.register(MemKind::Dram, back.addr(), room, 0).unwrap();
+    b.register(MemKind::Dram, dst.addr(), room + room / 2, 0).unwrap();
+    a.add_peer(&b.metadata()).unwrap();
+    let path = a.path_to("target").unwrap();
+    assert_eq!(path.transport, TransportKind::Fabric);
+    assert!(path.reason.contains("required by configuration") && path.reason.contains(provider), "{}", path.reason);
+
+    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+    for round in 0..3u8 {
+        dst.0.fill(0xA5);
+        back.0.fill(0x5A);
+        let (l, r, plan) = scattered(&mut rng, src.addr(), dst.addr(), room);
+        let w = a.transfer(OpKind::Write, &l, "target", &r, Some(vec![round])).unwrap();
+        assert_eq!(w.wait(T), Status::Done, "write, round {round}");
+        let n = b.wait_notifs(Duration::from_secs(5));
+        assert_eq!(n.iter().map(|n| n.msg.clone()).collect::<Vec<_>>(), vec![vec![round]]);
+        for &(s, d, len) in &plan {
+            let (s, d, len) = (s as usize, d as usize, len as usize);
+            assert!(dst.0[d..d + len] == src.0[s..s + len], "block at {s} -> {d} (+{len}) differs");
+        }
+        let back_list = list(&plan.iter().map(|&(s, _, n)| (back.addr() + s, n)).collect::<Vec<_>>());
+        let rd = a.transfer(OpKind::Read, &back_list, "target", &r, None).unwrap();
+        assert_eq!(rd.wait(T), Status::Done, "read, round {round}");
+        for &(s, _, len) in &plan {
+            let (s, len) = (s as usize, len as usize);
+            assert!(back.0[s..s + len] == src.0[s..s + len], "read back block at {s} (+{len}) differs");
+        }
+    }
+    let stats = a.connection_stats("target").unwrap();
+    assert_eq!((stats.fabric_connections, stats.tcp_connections), (1, 0), "{stats:?}");
+}
+
+#[test]
+fn the_tcp_provider_moves_scattered_blocks_both_ways() {
+    if libfabric() {
+        scattered_roundtrip("tcp", &["lo"], 4 << 20);
+    }
+}
+
+#[test]
+fn two_rails_share_a_transfer() {
+    if libfabric() {
+        scattered_roundtrip("tcp", &["lo", "lo"], 256 << 10);
+    }
+}
+
+#[test]
+fn the_shm_provider_moves_scattered_blocks_both_ways() {
+    if libfabric() {
+        scattered_roundtrip("shm", &[], 4 << 20);
+    }
+}
+
+#[test]
+fn a_software_provider_is_not_chosen_unasked() {
+    if !libfabric() {
+        return;
+    }
+    let cfg = AgentConfig { require: None, ..config("tcp", &["lo"], 1 << 20) };
+    let a = Agent::new("initiator", cfg.clone()).unwrap();
+    let b = Agent::new("target", cfg).unwrap();
+    let dst = Buffer::new(4096, 1);
+    b.register(MemKind::Dram, dst.addr(), 4096, 0).unwrap();
+    a.add_peer(&b.metadata()).unwrap();
+    let path = a.path_to("target").unwrap();
+    assert_eq!(path.transport, TransportKind::Tcp, "{}", path.reason);
+    assert!(
+        path.reason.contains("fabric: provider tcp;ofi_rxm") && path.reason.contains("no RDMA hardware"),
+        "{}",
+        path.reason
+    );
+}
+
+#[test]
+fn bad_set_ups_are_refused_with_the_reason() {
+    if !libfabric() {
+        return;
+    }
+    let e = Agent::new("x", config("no-such-provider", &[], 1 << 20)).err().unwrap();
+    assert!(matches!(&e, Error::TransportUnavailable(m) if m.contains("no-such-provider")), "{e}");
+    let e = Agent::new("x", config("tcp", &["no-such-nic"], 1 << 20)).err().unwrap();
+    assert!(e.to_string().contains("no-such-nic") && e.to_string().contains("lo"), "{e}");
+    let e = Agent::new("x", config("tcp", &["lo"], 0)).err().unwrap();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    // A peer without fabric: required fabric cannot reach it.
+    let a = Agent::new("initiator", config("tcp", &["lo"], 1 << 20)).unwrap();
+    let b = Agent::new("target", AgentConfig::default()).unwrap();
+    let dst = Buffer::new(4096, 1);
+    b.register(MemKind::Dram, dst.addr(), 4096, 0).unwrap();
+    a.add_peer(&b.metadata()).unwrap();
+    let e = a.path_to("target").unwrap_err().to_string();
+    assert!(e.contains("required transport fabric") && e.contains("the peer does not serve it"), "{e}");
+}
+
+/// An initiator and a target over the tcp provider, and a `len`-byte WRITE between them
+/// that completed once: (initiator, target, the target region's key, request, buffers).
+fn written_once(len: u64) -> (Agent, Agent, u64, freight_core::Request, [Buffer; 2]) {
+    let a = Agent::new("initiator", config("tcp", &["lo"], 1 << 20)).unwrap();
+    let b = Agent::new("target", config("tcp", &["lo"], 1 << 20)).unwrap();
+    let (src, dst) = (Buffer::new(len as usize, 1), Buffer::new(len as usize, 2));
+    a.register(MemKind::Dram, src.addr(), len, 0).unwrap();
+    let key = b.register(MemKind::Dram, dst.addr(), len, 0).unwrap();
+    a.add_peer(&b.metadata()).unwrap();
+    let l = a.prepare_local(&list(&[(src.addr(), len)])).unwrap();
+    let r = a.prepare_remote("target", &list(&[(dst.addr(), len)])).unwrap();
+    let req = a.make_request(OpKind::Write, &l, None, &r, None, None).unwrap();
+    req.post().unwrap();
+    assert_eq!(req.wait(T), Status::Done);
+    (a, b, key, req, [src, dst])
+}
+
+/// Memory the target deregistered is out of reach at once: its registrations are gone,
+/// so even an initiator that has not heard of it yet gets an error, not the bytes.
+#[test]
+fn deregistered_memory_is_refused_by_the_provider() {
+    if !libfabric() {
+        return;
+    }
+    let (_a, b, key, req, _buffers) = written_once(1 << 16);
+    b.deregister(key).unwrap();
+    req.post().unwrap();
+    match req.wait(T) {
+        Status::Error(Error::RemoteRejected { reason, .. }) => assert!(reason.starts_with("fabric:"), "{reason}"),
+        other => panic!("expected a rejection, got {other:?}"),
+    }
+}
+
+/// A target that went away fails transfers to it; nothing hangs.
+#[test]
+fn a_dead_peer_fails_transfers() {
+    if !libfabric() {
+        return;
+    }
+    let (_a, b, _key, req, _buffers) = written_once(1 << 20);
+    drop(b);
+    std::thread::sleep(Duration::from_millis(200));
+    match req.post().map(|_| req.wait(T)) {
+        Err(e) | Ok(Status::Error(e)) => {
+            assert!(matches!(e, Error::PeerDisconnected { .. } | Error::RemoteRejected { .. }), "{e}")
+        }
+        Ok(other) => panic!("a write to a closed agent ended {other:?}"),
+    }
+}
