@@ -40,6 +40,19 @@ up)
             ip netns exec "$A" tc qdisc add dev "${P}a$i" root netem delay "${delay}ms"
         fi
     done
+    # A veth pair carries traffic a moment after both ends are up; programs that list
+    # the interfaces that run (libfabric's providers do) must not start before.
+    for ((t = 0; t < 50; t++)); do
+        waiting=0
+        for ((i = 0; i < n; i++)); do
+            for side in a b; do
+                ns="$A"; [ "$side" = b ] && ns="$B"
+                ip -n "$ns" -br link show dev "${P}$side$i" | grep -q ' UP ' || waiting=1
+            done
+        done
+        [ "$waiting" = 0 ] && break
+        sleep 0.1
+    done
     ;;
 exec)
     side="${2:?a or b}"

@@ -1,13 +1,15 @@
 """Two hosts on one machine: network namespaces joined by veth pairs
 (``scripts/netns.sh``), one pair per NIC. A transfer between a target in one namespace
-and an initiator in the other, its data streams bound to both local addresses, must
-spread its bytes over both pairs.
+and an initiator in the other must spread its bytes over both pairs: tcp streams bound
+to both local addresses as configured, or as chosen automatically (every NIC on a subnet
+of the peer), and fabric rails on both interfaces (libfabric's tcp provider).
 
 Needs root and iproute2; skipped (with the reason) where either is missing.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import pathlib
@@ -62,20 +64,45 @@ def tx_bytes(side: str) -> dict:
     return {link["ifname"]: link["stats64"]["tx"]["bytes"] for link in json.loads(out) if link["ifname"] != "lo"}
 
 
+def _libfabric() -> bool:
+    try:
+        ctypes.CDLL("libfabric.so.1")
+        return True
+    except OSError:
+        return False
+
+
+# (initiator options, target options) per way of using both NICs.
+WAYS = {
+    "tcp, configured NICs": (["--transport", "tcp", "--local-addrs", "10.77.0.1,10.77.1.1"], []),
+    "tcp, NICs chosen automatically": (["--transport", "tcp"], []),
+    "fabric, one rail per NIC": (
+        ["--transport", "fabric", "--fabric-provider", "tcp", "--fabric-domains", f"{PREFIX}a0,{PREFIX}a1",
+         "--fabric-chunk-size", "1MiB"],
+        ["--fabric-provider", "tcp", "--fabric-domains", f"{PREFIX}b0,{PREFIX}b1"],
+    ),
+}
+
+
 @pytest.mark.timeout(120)
-def test_a_transfer_between_namespaces_spreads_over_both_veth_pairs(two_hosts):
+@pytest.mark.parametrize("way", list(WAYS))
+def test_a_transfer_between_namespaces_spreads_over_both_veth_pairs(two_hosts, way):
+    if way.startswith("fabric") and not _libfabric():
+        pytest.skip("libfabric is not installed (apt-get install libfabric1)")
+    initiator_opts, target_opts = WAYS[way]
     freight = [sys.executable, "-m", "freight"]
     target = subprocess.Popen(
-        ["bash", str(NETNS), "exec", "b", *freight, "bench", "p2p", "--role", "target", "--listen", "0.0.0.0:7100"],
+        ["bash", str(NETNS), "exec", "b", *freight, "bench", "p2p", "--role", "target", "--listen", "0.0.0.0:7100",
+         *target_opts],
         env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
         line = target.stdout.readline()
         assert "10.77.0.2:7100" in line and "10.77.1.2:7100" in line, line
         before = tx_bytes("a")
-        run = netns("exec", "a", *freight, "bench", "p2p", "--connect", "10.77.0.2:7100", "--transport", "tcp",
-                    "--streams", "4", "--local-addrs", "10.77.0.1,10.77.1.1", "--block-sizes", "4MiB",
-                    "--batch-sizes", "1", "--iters", "20", "--json", timeout=90)
+        run = netns("exec", "a", *freight, "bench", "p2p", "--connect", "10.77.0.2:7100", *initiator_opts,
+                    "--streams", "4", "--block-sizes", "4MiB", "--batch-sizes", "1", "--iters", "20", "--json",
+                    timeout=90)
         assert run.returncode == 0, run.stdout + run.stderr
         report = json.loads(run.stdout)
         assert all(row["verified"] for row in report["rows"]), report["rows"]

@@ -89,7 +89,12 @@ class AgentConfig:
         TCP data streams per peer, largest message payload in bytes (large copies are
         split into chunks of this size) and chunks in flight per stream.
     tcp_local_addrs:
-        Local IP addresses to bind data streams to, round-robin (several NICs).
+        Local IP addresses to bind data streams to, round-robin (several NICs). Empty: one
+        per local NIC whose subnet holds one of the peer's addresses, else the kernel routes.
+    tcp_pin:
+        Where each tcp stream's sender and receiver threads run: ``"numa"`` (the cores of
+        the NUMA node of the stream's NIC, where it has one), ``"off"``, or cores (a list
+        of ints, or a string such as ``"0-3,8"``) that stream threads take in turn.
     tcp_zerocopy:
         Send payloads of 64 KiB and more with Linux ``MSG_ZEROCOPY`` to peers on other
         hosts: the NIC reads registered memory directly. Never used on loopback, where
@@ -155,6 +160,7 @@ class AgentConfig:
     tcp_window: int = 8
     tcp_local_addrs: Sequence[str] = ()
     tcp_zerocopy: bool = True
+    tcp_pin: Union[str, Sequence[int]] = "numa"
     fabric_provider: Optional[str] = None
     fabric_domains: Sequence[str] = ()
     fabric_chunk_size: int = 4 << 20
@@ -198,6 +204,13 @@ class AgentConfig:
         put("tcp_chunk_size", _int("tcp_chunk_size", self.tcp_chunk_size, 1))
         put("tcp_window", _int("tcp_window", self.tcp_window, 1))
         put("tcp_local_addrs", _strings("tcp_local_addrs", self.tcp_local_addrs))
+        pin = self.tcp_pin
+        if isinstance(pin, (list, tuple)) and pin and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0
+                                                          for c in pin):
+            pin = ",".join(str(c) for c in pin)
+        if not isinstance(pin, str):
+            raise _type_error("tcp_pin", '"numa", "off" or a list of cores', self.tcp_pin)
+        put("tcp_pin", pin)
         if not isinstance(self.tcp_zerocopy, bool):
             raise _type_error("tcp_zerocopy", "a bool", self.tcp_zerocopy)
         if self.fabric_provider is not None and not isinstance(self.fabric_provider, str):
@@ -257,6 +270,7 @@ class AgentConfig:
             "tcp_window": self.tcp_window,
             "tcp_local_addrs": list(self.tcp_local_addrs),
             "tcp_zerocopy": self.tcp_zerocopy,
+            "tcp_pin": self.tcp_pin,
             "fabric_provider": self.fabric_provider,
             "fabric_domains": list(self.fabric_domains),
             "fabric_chunk_size": self.fabric_chunk_size,

@@ -6,7 +6,7 @@ use std::fmt;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
-use freight_core::{AgentConfig, FabricConfig, MemKind, ShmConfig, TcpConfig, TransportKind};
+use freight_core::{AgentConfig, FabricConfig, MemKind, Pinning, ShmConfig, TcpConfig, TransportKind};
 
 /// How a command failed. The split decides the exit code: a usage error (2) means "you
 /// asked for something impossible", a runtime error (1) means "it did not work".
@@ -319,9 +319,16 @@ pub struct EngineOpts {
 
     /// tcp: local addresses (one per NIC, comma-separated) that data streams are bound
     /// to in turn; each stream then dials the peer's address closest to its own
-    /// [engine default: any, the kernel's route decides].
+    /// [engine default: every local NIC whose subnet holds one of the peer's addresses,
+    /// else wherever the kernel routes].
     #[arg(long, value_name = "IP,IP", value_delimiter = ',')]
     pub local_addrs: Vec<std::net::IpAddr>,
+
+    /// tcp: where each stream's sender and receiver threads run: numa (on the cores of
+    /// the NUMA node of the stream's NIC, where it has one), off, or a core list such
+    /// as 0-3,8 (stream threads take its cores in turn) [engine default: numa].
+    #[arg(long, value_name = "off|numa|CORES", value_parser = Pinning::parse)]
+    pub pin: Option<Pinning>,
 
     /// fabric: the libfabric provider (efa, verbs, tcp, shm...); naming one opens the
     /// fabric transport. `freight doctor` lists those found [FREIGHT_FABRIC_PROVIDER
@@ -369,6 +376,14 @@ impl EngineOpts {
             let list: Vec<String> = self.local_addrs.iter().map(|a| a.to_string()).collect();
             v.extend(["--local-addrs".to_string(), list.join(",")]);
         }
+        if let Some(p) = &self.pin {
+            let value = match p {
+                Pinning::Off => "off".to_string(),
+                Pinning::Numa => "numa".to_string(),
+                Pinning::Cores(c) => c.iter().map(|c| c.to_string()).collect::<Vec<_>>().join(","),
+            };
+            v.extend(["--pin".to_string(), value]);
+        }
         v.extend(self.fabric_args());
         if let Some(n) = self.fabric_chunk_size {
             v.extend(["--fabric-chunk-size".to_string(), n.to_string()]);
@@ -409,6 +424,7 @@ impl EngineOpts {
                 window: self.window.unwrap_or(tcp.window),
                 zerocopy: tcp.zerocopy && !self.no_zerocopy,
                 local_addrs: self.local_addrs.clone(),
+                pin: self.pin.clone().unwrap_or(tcp.pin),
             },
             shm: ShmConfig { threads: self.shm_threads.unwrap_or(shm.threads), ..shm },
             fabric: self.fabric_config(),
@@ -501,17 +517,19 @@ mod tests {
             shm_threads: Some(1),
             no_zerocopy: true,
             local_addrs: vec!["10.0.0.1".parse().unwrap(), "10.0.1.1".parse().unwrap()],
+            pin: Some(Pinning::Cores(vec![2, 3])),
             fabric_provider: Some("tcp".into()),
             fabric_domains: vec!["a1".into(), "a2".into()],
             fabric_chunk_size: Some(1 << 20),
         };
         assert!(o.to_args().join(" ").ends_with(
-            "--no-zerocopy --local-addrs 10.0.0.1,10.0.1.1 --fabric-provider tcp --fabric-domains a1,a2 \
+            "--no-zerocopy --local-addrs 10.0.0.1,10.0.1.1 --pin 2,3 --fabric-provider tcp --fabric-domains a1,a2 \
              --fabric-chunk-size 1048576"
         ));
         let c = o.agent_config("127.0.0.1:0", o.transport.require());
         assert!(!c.tcp.zerocopy);
         assert_eq!(c.tcp.local_addrs, o.local_addrs);
+        assert_eq!(c.tcp.pin, Pinning::Cores(vec![2, 3]));
         assert_eq!(c.fabric.provider.as_deref(), Some("tcp"));
         assert_eq!((c.fabric.domains.len(), c.fabric.chunk_size), (2, 1 << 20));
         assert_eq!(

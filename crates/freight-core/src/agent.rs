@@ -650,24 +650,7 @@ impl AgentInner {
 
 /// The host's IPv4 addresses, non-loopback first (for listeners bound to 0.0.0.0).
 fn local_ips() -> Vec<IpAddr> {
-    let mut ips = Vec::new();
-    // SAFETY: getifaddrs hands us a list we free with freeifaddrs; we only read it.
-    unsafe {
-        let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
-        if libc::getifaddrs(&mut head) == 0 {
-            let mut cur = head;
-            while !cur.is_null() {
-                let ifa = &*cur;
-                let up = ifa.ifa_flags & libc::IFF_UP as u32 != 0;
-                if up && !ifa.ifa_addr.is_null() && (*ifa.ifa_addr).sa_family as i32 == libc::AF_INET {
-                    let sin = &*(ifa.ifa_addr as *const libc::sockaddr_in);
-                    ips.push(IpAddr::from(u32::from_be(sin.sin_addr.s_addr).to_be_bytes()));
-                }
-                cur = ifa.ifa_next;
-            }
-            libc::freeifaddrs(head);
-        }
-    }
+    let mut ips: Vec<IpAddr> = crate::nic::local_nics().into_iter().map(|n| IpAddr::V4(n.addr)).collect();
     ips.sort_by_key(|ip| ip.is_loopback());
     ips.dedup();
     if ips.is_empty() {

@@ -361,9 +361,14 @@ impl Peer {
         let intro = self.intro(ctx);
         let started = Instant::now();
         let n = cfg.streams.max(1);
+        let local_addrs = if cfg.local_addrs.is_empty() {
+            crate::nic::towards(&crate::nic::local_nics(), &self.md.addresses, self.same_host, None)
+        } else {
+            cfg.local_addrs.clone()
+        };
         let mut sockets = Vec::with_capacity(n);
         for i in 0..n {
-            let bind = (!cfg.local_addrs.is_empty()).then(|| cfg.local_addrs[i % cfg.local_addrs.len()]);
+            let bind = (!local_addrs.is_empty()).then(|| local_addrs[i % local_addrs.len()]);
             let addrs = net::dial_order(&self.md.addresses, i, bind);
             let s = net::dial(&addrs, bind, Role::Data { index: i as u32 }, &intro, ctx.timeout)
                 .map_err(|e| self.disconnected(format!("cannot open data stream {i}: {e}")))?;
@@ -372,7 +377,7 @@ impl Peer {
         let conn = Arc::new(TcpConn::start(&self.name, sockets, cfg, ctx.peer_timeout, Arc::new(Health::default()))?);
         let took = started.elapsed();
         self.dials.lock().record(Dialled::Tcp, n as u64, took);
-        tracing::info!(peer = %self.name, streams = n, chunk_size = cfg.chunk_size, window = cfg.window, setup_us = took.as_micros() as u64, "tcp connection up");
+        tracing::info!(peer = %self.name, streams = n, nics = ?local_addrs, chunk_size = cfg.chunk_size, window = cfg.window, setup_us = took.as_micros() as u64, "tcp connection up");
         links.tcp = Some(conn.clone());
         Ok(conn)
     }

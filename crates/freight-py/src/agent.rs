@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
 use freight_core::{
-    Agent, AgentConfig, CompletionMode, CudaConfig, FabricConfig, KernelMode, LaunchShape, MemKind, OpKind,
+    Agent, AgentConfig, CompletionMode, CudaConfig, FabricConfig, KernelMode, LaunchShape, MemKind, OpKind, Pinning,
     SharedSegment, ShmConfig, TcpConfig, TransportKind,
 };
 use freight_stream::router::Router;
@@ -103,7 +103,7 @@ impl PyAgent {
     #[pyo3(signature = (
         name, *, listen = "127.0.0.1:0".to_string(), advertise = Vec::new(),
         transports = vec!["shm".to_string(), "tcp".to_string()], require = None,
-        tcp_streams = 4, tcp_chunk_size = 1 << 20, tcp_window = 8, tcp_local_addrs = Vec::new(), tcp_zerocopy = true,
+        tcp_streams = 4, tcp_chunk_size = 1 << 20, tcp_window = 8, tcp_local_addrs = Vec::new(), tcp_zerocopy = true, tcp_pin = "numa".to_string(),
         fabric_provider = None, fabric_domains = Vec::new(), fabric_chunk_size = 4 << 20,
         shm_threads = None, shm_inline_bytes = None, cuda_copy_engine_min_host = None,
         cuda_copy_engine_min_peer = None, cuda_kernel_item_bytes = None, cuda_kernel_blocks_per_sm = None,
@@ -123,6 +123,7 @@ impl PyAgent {
         tcp_window: usize,
         tcp_local_addrs: Vec<String>,
         tcp_zerocopy: bool,
+        tcp_pin: String,
         fabric_provider: Option<String>,
         fabric_domains: Vec<String>,
         fabric_chunk_size: u64,
@@ -164,6 +165,7 @@ impl PyAgent {
                 chunk_size: tcp_chunk_size,
                 window: tcp_window,
                 local_addrs,
+                pin: Pinning::parse(&tcp_pin).map_err(|e| invalid(format!("tcp_pin: {e}")))?,
                 zerocopy: tcp_zerocopy,
             },
             fabric: FabricConfig { provider: fabric_provider, domains: fabric_domains, chunk_size: fabric_chunk_size },

@@ -24,6 +24,7 @@ use parking_lot::Mutex;
 use crate::cuda::bounce::Bounce;
 use crate::error::{Error, Result};
 use crate::memory::{MemKind, Registry};
+use crate::nic::{self, Pinning};
 use crate::plan::Chunk;
 use crate::request::Tracker;
 use crate::transport::staged::{self, GpuRegions, Piece};
@@ -40,8 +41,12 @@ pub struct TcpConfig {
     pub chunk_size: u64,
     /// Chunks in flight per stream before the sender waits for answers.
     pub window: usize,
-    /// Local addresses to bind data streams to, round-robin (several NICs); empty = any.
+    /// Local addresses to bind data streams to, round-robin (several NICs). Empty: one
+    /// per local NIC whose subnet holds one of the peer's addresses (every NIC that
+    /// reaches it directly), or, where none does, wherever the kernel routes.
     pub local_addrs: Vec<std::net::IpAddr>,
+    /// Where the streams' sender and receiver threads run (see [`Pinning`]).
+    pub pin: Pinning,
     /// Send payloads of 64 KiB and more with `MSG_ZEROCOPY` to peers on other hosts
     /// (never on loopback, where the kernel copies anyway).
     pub zerocopy: bool,
@@ -49,7 +54,14 @@ pub struct TcpConfig {
 
 impl Default for TcpConfig {
     fn default() -> Self {
-        TcpConfig { streams: 4, chunk_size: 1 << 20, window: 8, local_addrs: Vec::new(), zerocopy: true }
+        TcpConfig {
+            streams: 4,
+            chunk_size: 1 << 20,
+            window: 8,
+            local_addrs: Vec::new(),
+            pin: Pinning::default(),
+            zerocopy: true,
+        }
     }
 }
 
@@ -143,12 +155,15 @@ impl TcpConn {
             reader.set_read_timeout(Some(timeout))?;
             let (h1, h2) = (health.clone(), health.clone());
             let (p1, p2) = (peer.to_string(), peer.to_string());
-            thread::Builder::new()
-                .name(format!("freight-tcp-tx{i}"))
-                .spawn(move || send_loop(writer, zc, job_rx, exp_tx, h1, p1))?;
-            thread::Builder::new()
-                .name(format!("freight-tcp-rx{i}"))
-                .spawn(move || receive_loop(reader, exp_rx, h2, p2))?;
+            let (pin1, pin2, local) = (cfg.pin.clone(), cfg.pin.clone(), sock.local_addr().ok());
+            thread::Builder::new().name(format!("freight-tcp-tx{i}")).spawn(move || {
+                nic::pin_stream_thread(&pin1, 2 * i, local);
+                send_loop(writer, zc, job_rx, exp_tx, h1, p1)
+            })?;
+            thread::Builder::new().name(format!("freight-tcp-rx{i}")).spawn(move || {
+                nic::pin_stream_thread(&pin2, 2 * i + 1, local);
+                receive_loop(reader, exp_rx, h2, p2)
+            })?;
             streams.push(job_tx);
             kept.push(sock);
         }
