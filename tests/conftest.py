@@ -1,6 +1,6 @@
 """Shared pytest fixtures and helpers for freight's Python tests.
 
-Helpers (importable from tests as ``from conftest import free_port, spawn_python``):
+Helpers (importable from tests as ``from conftest import free_port, spawn_python, libfabric_missing``):
     free_port()                      -> an unused TCP port on 127.0.0.1
     spawn_python(code, *args, ...)   -> subprocess.Popen running ``code`` in a new process
                                         (``stdin=True``: a pipe to its stdin)
@@ -33,6 +33,17 @@ ETCD_START_TIMEOUT_S = 20.0
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def libfabric_missing() -> str:
+    """Why the fabric transport cannot run here ("" where libfabric loads)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libfabric.so.1")
+        return ""
+    except OSError:
+        return "libfabric is not installed (apt-get install libfabric1)"
 
 
 def free_port() -> int:

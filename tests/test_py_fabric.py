@@ -5,7 +5,6 @@ installed."""
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import subprocess
@@ -15,17 +14,10 @@ import numpy as np
 import pytest
 
 import freight
+from conftest import libfabric_missing
 
 
-def _libfabric() -> bool:
-    try:
-        ctypes.CDLL("libfabric.so.1")
-        return True
-    except OSError:
-        return False
-
-
-pytestmark = pytest.mark.skipif(not _libfabric(), reason="libfabric is not installed (apt-get install libfabric1)")
+pytestmark = pytest.mark.skipif(bool(libfabric_missing()), reason=libfabric_missing() or "libfabric loads")
 
 ENV = {"FREIGHT_TRANSPORT": "fabric", "FREIGHT_FABRIC_PROVIDER": "tcp", "FREIGHT_FABRIC_DOMAINS": "lo"}
 SIZE = 8 << 20

@@ -9,7 +9,6 @@ Needs root and iproute2; skipped (with the reason) where either is missing.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import pathlib
@@ -19,6 +18,7 @@ import sys
 import time
 
 import pytest
+from conftest import libfabric_missing
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NETNS = ROOT / "scripts" / "netns.sh"
@@ -64,14 +64,6 @@ def tx_bytes(side: str) -> dict:
     return {link["ifname"]: link["stats64"]["tx"]["bytes"] for link in json.loads(out) if link["ifname"] != "lo"}
 
 
-def _libfabric() -> bool:
-    try:
-        ctypes.CDLL("libfabric.so.1")
-        return True
-    except OSError:
-        return False
-
-
 # (initiator options, target options) per way of using both NICs.
 WAYS = {
     "tcp, configured NICs": (["--transport", "tcp", "--local-addrs", "10.77.0.1,10.77.1.1"], []),
@@ -87,8 +79,8 @@ WAYS = {
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("way", list(WAYS))
 def test_a_transfer_between_namespaces_spreads_over_both_veth_pairs(two_hosts, way):
-    if way.startswith("fabric") and not _libfabric():
-        pytest.skip("libfabric is not installed (apt-get install libfabric1)")
+    if way.startswith("fabric") and libfabric_missing():
+        pytest.skip(libfabric_missing())
     initiator_opts, target_opts = WAYS[way]
     freight = [sys.executable, "-m", "freight"]
     target = subprocess.Popen(
