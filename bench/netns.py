@@ -1,17 +1,19 @@
 #!/usr/bin/env python3
-"""freight over tcp between two "hosts" joined by 1, 2 and 4 NICs, beside iperf3 on the
-same links, in one run.
+"""freight over tcp and over fabric (libfabric's tcp provider) between two "hosts" joined
+by 1, 2 and 4 NICs, beside iperf3 on the same links, in one run; then with netem delays;
+then the effect of window, chunk size and thread pinning.
 
 The hosts are two network namespaces joined by veth pairs (scripts/netns.sh), each pair
 a NIC with a subnet of its own. For each number of pairs: `freight bench p2p` moves
 64 MiB requests (host memory, WRITE, every row verified) from side a to side b with its
-data streams bound to every local address (two streams per pair), then iperf3 runs one
-client per pair (two parallel streams each, bound to that pair's addresses) at once.
+data streams bound to every local address (two streams per pair), then over fabric with
+one rail per pair, then iperf3 runs one client per pair (two parallel streams each, bound
+to that pair's addresses) at once.
 Both report 10^9 bytes per second; the table is printed last, `--out` writes the JSON.
 
     sudo python3 bench/netns.py --machine "2-vCPU VM" --out bench/results/netns-dev-vm-2cpu.json
 
-Needs root, iproute2 and iperf3 (scripts/setup.sh installs them).
+Needs root, iproute2, iperf3 and libfabric (scripts/setup.sh installs them).
 """
 
 from __future__ import annotations
@@ -40,15 +42,25 @@ def in_ns(side: str, cmd: list, **kw) -> subprocess.Popen:
     return subprocess.Popen(["bash", str(NETNS), "exec", side, *cmd], env=ENV, **kw)
 
 
-def freight_run(freight: list, pairs: int) -> float:
-    target = in_ns("b", [*freight, "bench", "p2p", "--role", "target", "--listen", "0.0.0.0:7200"],
+def freight_run(freight: list, pairs: int, transport: str = "tcp", extra: tuple = ()) -> float:
+    """GB/s of 64 MiB WRITEs from side a to side b over `pairs` pairs: tcp with two data
+    streams per pair bound to its addresses, or fabric (libfabric's tcp provider) with one
+    rail per pair. `extra` are more initiator options (window, chunk size, pinning)."""
+    fabric = transport == "fabric"
+    rails = lambda side: ",".join(f"{ENV['FREIGHT_NETNS']}{side}{i}" for i in range(pairs))  # noqa: E731
+    target_opts = ["--fabric-provider", "tcp", "--fabric-domains", rails("b")] if fabric else []
+    target = in_ns("b", [*freight, "bench", "p2p", "--role", "target", "--listen", "0.0.0.0:7200", *target_opts],
                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         target.stdout.readline()  # listening on ...
-        local = ",".join(f"10.77.{i}.1" for i in range(pairs))
-        out = netns("exec", "a", *freight, "bench", "p2p", "--connect", "10.77.0.2:7200", "--transport", "tcp",
-                    "--streams", str(2 * pairs), "--local-addrs", local, "--block-sizes", "64MiB",
-                    "--batch-sizes", "1", "--duration", f"{SECONDS}s", "--json", timeout=300).stdout
+        if fabric:
+            opts = ["--transport", "fabric", "--fabric-provider", "tcp", "--fabric-domains", rails("a")]
+        else:
+            local = ",".join(f"10.77.{i}.1" for i in range(pairs))
+            opts = ["--transport", "tcp", "--streams", str(2 * pairs), "--local-addrs", local]
+        out = netns("exec", "a", *freight, "bench", "p2p", "--connect", "10.77.0.2:7200", *opts, *extra,
+                    "--block-sizes", "64MiB", "--batch-sizes", "1", "--duration", f"{SECONDS}s", "--json",
+                    timeout=300).stdout
         doc = json.loads(out)
         if not doc["verified"]:
             sys.exit("freight's transfers did not verify")
@@ -76,34 +88,91 @@ def iperf_run(pairs: int) -> float:
             s.wait(timeout=10)
 
 
+def netem_missing() -> str:
+    """Why netem delays cannot be added here ("" where they can)."""
+    try:
+        netns("up", "1", "1")
+        return ""
+    except subprocess.CalledProcessError as e:
+        return f"netem is not available here: {e.stderr.strip().splitlines()[-1]}"
+    finally:
+        netns("down")
+
+
+def scaling(freight: list, delays: tuple) -> list:
+    """freight tcp, fabric and iperf3 over 1, 2 and 4 pairs, then over 2 pairs with delays."""
+    rows = []
+    for pairs, delay in [(p, 0) for p in PAIRS] + [(2, d) for d in delays]:
+        netns("up", str(pairs), str(delay))
+        try:
+            t, f, i = freight_run(freight, pairs), freight_run(freight, pairs, "fabric"), iperf_run(pairs)
+        finally:
+            netns("down")
+        rows.append({"pairs": pairs, "delay_ms": delay, "freight_gbps": t, "fabric_gbps": f, "iperf3_gbps": i,
+                     "ratio": t / i, "fabric_ratio": f / i})
+        print(f"[netns] {pairs} pair(s), {delay} ms: freight tcp {t:.2f}, fabric {f:.2f}, iperf3 {i:.2f} GB/s",
+              flush=True)
+    return rows
+
+
+def tuning(freight: list) -> list:
+    """freight tcp over 2 pairs as window, chunk size and pinning vary (the others at the
+    defaults: window 8, chunk 1 MiB, pinning numa), without delay and with 1 ms."""
+    cpus = os.cpu_count() or 2
+    half = f"0-{max(cpus // 2 - 1, 0)}"
+    knobs = [("window", str(w)) for w in (1, 2, 8, 32)] + [("chunk-size", c) for c in ("256KiB", "1MiB", "4MiB")] \
+        + [("pin", p) for p in ("off", "numa", half)]
+    rows = []
+    for delay in (0, 1) if not netem_missing() else (0,):
+        netns("up", "2", str(delay))
+        try:
+            for knob, value in knobs:
+                if delay and knob != "window":
+                    continue
+                g = freight_run(freight, 2, extra=(f"--{knob}", value))
+                rows.append({"delay_ms": delay, "knob": knob, "value": value, "gbps": g})
+                print(f"[netns] tuning, {delay} ms: --{knob} {value}: {g:.2f} GB/s", flush=True)
+        finally:
+            netns("down")
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--machine", required=True, help="the machine, in words")
     ap.add_argument("--out", type=pathlib.Path)
     ap.add_argument("--freight", default=f"{sys.executable} -m freight", help="the freight command")
+    ap.add_argument("--delays", default="1,5", help="netem delays (ms, comma-separated) for the 2-pair rows")
+    ap.add_argument("--no-tuning", action="store_true", help="skip the window / chunk size / pinning table")
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("network namespaces need root")
     freight = args.freight.split()
-    rows = []
-    try:
-        for pairs in PAIRS:
-            netns("up", str(pairs))
-            f, i = freight_run(freight, pairs), iperf_run(pairs)
-            rows.append({"pairs": pairs, "freight_gbps": f, "iperf3_gbps": i, "ratio": f / i})
-            print(f"[netns] {pairs} pair(s): freight {f:.2f} GB/s, iperf3 {i:.2f} GB/s", flush=True)
-    finally:
-        netns("down")
+    delays = tuple(int(d) for d in args.delays.split(",") if d)
+    no_netem = netem_missing()
+    if no_netem:
+        print(f"[netns] {no_netem}: no delayed rows", flush=True)
+        delays = ()
+    rows = scaling(freight, delays)
+    tuned = [] if args.no_tuning else tuning(freight)
     doc = {"benchmark": "bench/netns.py", "machine": args.machine,
            "host": {"cpus": os.cpu_count(), "platform": platform.platform()},
-           "request_bytes": 64 << 20, "seconds": SECONDS, "results": rows}
+           "request_bytes": 64 << 20, "seconds": SECONDS, "results": rows, "tuning": tuned,
+           "netem": no_netem or "available"}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=2) + "\n")
-    print("\n| veth pairs | freight tcp GB/s | iperf3 GB/s | freight / iperf3 |")
-    print("| --- | --- | --- | --- |")
+    print("\n| veth pairs | delay ms | freight tcp GB/s | fabric (tcp provider) GB/s | iperf3 GB/s | tcp / iperf3 |"
+          " fabric / iperf3 |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['pairs']} | {r['freight_gbps']:.2f} | {r['iperf3_gbps']:.2f} | {r['ratio']:.2f} |")
+        print(f"| {r['pairs']} | {r['delay_ms']} | {r['freight_gbps']:.2f} | {r['fabric_gbps']:.2f} | "
+              f"{r['iperf3_gbps']:.2f} | {r['ratio']:.2f} | {r['fabric_ratio']:.2f} |")
+    if tuned:
+        print("\n| delay ms | option | value | freight tcp GB/s |")
+        print("| --- | --- | --- | --- |")
+        for r in tuned:
+            print(f"| {r['delay_ms']} | --{r['knob']} | {r['value']} | {r['gbps']:.2f} |")
     return 0
 
 

@@ -72,6 +72,9 @@ enum Command {
     /// The target side of `demo` and `bench p2p`, started by them as a child process.
     #[command(name = target::SUBCOMMAND, hide = true)]
     Target(target::TargetArgs),
+    /// One process of `bench p2p --full-mesh`, started by it.
+    #[command(name = bench::mesh::SUBCOMMAND, hide = true)]
+    MeshMember(bench::mesh::MemberArgs),
 }
 
 /// What commands need from the invocation besides their own arguments.
@@ -105,6 +108,7 @@ pub fn run(args: Vec<String>, self_command: Vec<String>) -> i32 {
             Command::KvBench(a) => kv_bench::run(a),
             Command::Doctor(a) => doctor::run(a),
             Command::Target(a) => target::run_child(a),
+            Command::MeshMember(a) => bench::mesh::run_member(a),
         }
     });
     match result {

@@ -184,3 +184,24 @@ fn doctor_describes_this_machine_as_json_and_refuses_a_root_without_sysfs() {
     assert!(text(&bad.stderr).contains("no sys/ directory"));
     std::fs::remove_dir_all(&empty).unwrap();
 }
+
+/// Three processes write to each other at once; each reports its bandwidth, and each
+/// checked what the other two wrote into it.
+#[test]
+fn a_full_mesh_of_three_processes_writes_and_checks() {
+    let out = freight(&["bench", "p2p", "--full-mesh", "3", "--block-sizes", "1MiB", "--duration", "300ms", "--json"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let doc: serde_json::Value = serde_json::from_str(&text(&out.stdout)).unwrap();
+    assert_eq!(doc["verified"], true, "{doc}");
+    let results = doc["results"].as_array().unwrap();
+    assert_eq!(results.len(), 3);
+    for r in results {
+        assert!(r["bytes"].as_u64().unwrap() >= 2 << 20, "{r}");
+        assert!(r["errors"].as_array().unwrap().is_empty(), "{r}");
+    }
+    let total: f64 = results.iter().map(|r| r["gbps"].as_f64().unwrap()).sum();
+    assert!((doc["total_gbps"].as_f64().unwrap() - total).abs() < 1e-9);
+    let one = freight(&["bench", "p2p", "--full-mesh", "1"]);
+    assert_eq!(one.status.code(), Some(2), "{}", text(&one.stderr));
+    assert!(text(&one.stderr).contains("at least 2"), "{}", text(&one.stderr));
+}

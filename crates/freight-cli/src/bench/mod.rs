@@ -2,6 +2,7 @@
 
 mod descriptors;
 mod measure;
+pub mod mesh;
 mod p2p;
 pub(crate) mod report;
 mod stream;

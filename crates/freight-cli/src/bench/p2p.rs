@@ -144,6 +144,13 @@ pub struct P2pArgs {
     /// freight's bandwidth relative to it.
     #[arg(long)]
     pub(super) memcpy_baseline: bool,
+
+    /// Instead of initiator and target: start N processes (one GPU each, in turn, where
+    /// GPUs exist) that all WRITE blocks of the largest --block-sizes to each other at
+    /// once for --duration (default 3s) over --transport, every byte checked at the end;
+    /// reports each process's bandwidth and the total.
+    #[arg(long, value_name = "N", conflicts_with_all = ["connect", "role"])]
+    pub(super) full_mesh: Option<usize>,
 }
 
 fn parse_iters(s: &str) -> Result<usize, String> {
@@ -253,6 +260,11 @@ impl P2pArgs {
 }
 
 pub fn run(a: &P2pArgs, ctx: &Context) -> CliResult<()> {
+    if let Some(n) = a.full_mesh {
+        let block = a.block_sizes.0.iter().copied().max().unwrap_or(64 << 20);
+        let duration = a.duration.unwrap_or(Duration::from_secs(3));
+        return super::mesh::run(n, block, duration, &a.engine, a.json, ctx);
+    }
     match a.plan()? {
         Plan::Target { listen } => target::serve(&listen, true, a.engine.fabric_config()),
         Plan::Initiator { connect, listen } => {

@@ -92,7 +92,7 @@ impl FabricLink {
                 return;
             }
             let reason = "the peer closed its fabric exchange (its agent closed or its process died)".to_string();
-            tracing::warn!(%peer, %reason, "fabric peer gone");
+            tracing::info!(%peer, %reason, "fabric peer gone");
             *dead.lock() = Some(reason.clone());
             if let Some(f) = fabric.upgrade() {
                 f.abandon(&routes, &reason);
