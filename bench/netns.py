@@ -70,6 +70,34 @@ def freight_run(freight: list, pairs: int, transport: str = "tcp", extra: tuple 
         target.wait(timeout=10)
 
 
+def gpu_available() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def gpu_run(pairs: int) -> dict:
+    """GB/s of 64 MiB WRITEs of GPU memory into GPU memory across the pairs (tcp, staged
+    through pinned buffers on both sides; bench/netns_gpu_peer.py)."""
+    peer = [sys.executable, str(ROOT / "bench" / "netns_gpu_peer.py")]
+    size = 64 << 20
+    target = in_ns("b", [*peer, "target", "0.0.0.0:7300", str(size)], stdout=subprocess.PIPE, text=True)
+    try:
+        hello = json.loads(target.stdout.readline())
+        local = ",".join(f"10.77.{i}.1" for i in range(pairs))
+        out = netns("exec", "a", *peer, "initiator", "10.77.0.2:7300", str(size), str(SECONDS), local,
+                    str(hello["addr"]), timeout=300).stdout
+        doc = json.loads(out.strip().splitlines()[-1])
+        if not doc["verified"]:
+            sys.exit("GPU memory did not arrive intact")
+        return doc
+    finally:
+        target.kill()
+        target.wait(timeout=10)
+
+
 def iperf_run(pairs: int) -> float:
     servers = [in_ns("b", ["iperf3", "-s", "-1", "-B", f"10.77.{i}.2", "-p", str(5300 + i)],
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(pairs)]
@@ -100,16 +128,21 @@ def netem_missing() -> str:
 
 
 def scaling(freight: list, delays: tuple) -> list:
-    """freight tcp, fabric and iperf3 over 1, 2 and 4 pairs, then over 2 pairs with delays."""
+    """freight tcp, fabric and iperf3 over 1, 2 and 4 pairs, then over 2 pairs with delays;
+    GPU memory over tcp too where a GPU and PyTorch are present."""
+    gpu = gpu_available()
     rows = []
     for pairs, delay in [(p, 0) for p in PAIRS] + [(2, d) for d in delays]:
         netns("up", str(pairs), str(delay))
         try:
             t, f, i = freight_run(freight, pairs), freight_run(freight, pairs, "fabric"), iperf_run(pairs)
+            g = gpu_run(pairs)["gbps"] if gpu else None
         finally:
             netns("down")
         rows.append({"pairs": pairs, "delay_ms": delay, "freight_gbps": t, "fabric_gbps": f, "iperf3_gbps": i,
-                     "ratio": t / i, "fabric_ratio": f / i})
+                     "ratio": t / i, "fabric_ratio": f / i, "gpu_tcp_gbps": g})
+        if g is not None:
+            print(f"[netns] {pairs} pair(s), {delay} ms: GPU memory over tcp {g:.2f} GB/s", flush=True)
         print(f"[netns] {pairs} pair(s), {delay} ms: freight tcp {t:.2f}, fabric {f:.2f}, iperf3 {i:.2f} GB/s",
               flush=True)
     return rows
@@ -137,6 +170,27 @@ def tuning(freight: list) -> list:
     return rows
 
 
+def gpu_only(args) -> int:
+    if not gpu_available():
+        sys.exit("no GPU (or no PyTorch with CUDA) here")
+    rows = []
+    for pairs in PAIRS:
+        netns("up", str(pairs))
+        try:
+            doc = gpu_run(pairs)
+        finally:
+            netns("down")
+        rows.append({"pairs": pairs, "gpu_tcp_gbps": doc["gbps"], "verified": doc["verified"], "path": doc["path"]})
+        print(f"[netns] {pairs} pair(s): GPU memory over tcp {doc['gbps']:.2f} GB/s", flush=True)
+    doc = {"benchmark": "bench/netns.py --gpu-only", "machine": args.machine,
+           "host": {"cpus": os.cpu_count(), "platform": platform.platform()},
+           "request_bytes": 64 << 20, "seconds": SECONDS, "results": rows}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(doc, indent=2) + "\n")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--machine", required=True, help="the machine, in words")
@@ -144,10 +198,13 @@ def main() -> int:
     ap.add_argument("--freight", default=f"{sys.executable} -m freight", help="the freight command")
     ap.add_argument("--delays", default="1,5", help="netem delays (ms, comma-separated) for the 2-pair rows")
     ap.add_argument("--no-tuning", action="store_true", help="skip the window / chunk size / pinning table")
+    ap.add_argument("--gpu-only", action="store_true", help="only GPU memory over tcp, over 1, 2 and 4 pairs")
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("network namespaces need root")
     freight = args.freight.split()
+    if args.gpu_only:
+        return gpu_only(args)
     delays = tuple(int(d) for d in args.delays.split(",") if d)
     no_netem = netem_missing()
     if no_netem:
@@ -163,11 +220,12 @@ def main() -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=2) + "\n")
     print("\n| veth pairs | delay ms | freight tcp GB/s | fabric (tcp provider) GB/s | iperf3 GB/s | tcp / iperf3 |"
-          " fabric / iperf3 |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+          " fabric / iperf3 | GPU memory over tcp GB/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
+        g = "-" if r["gpu_tcp_gbps"] is None else f"{r['gpu_tcp_gbps']:.2f}"
         print(f"| {r['pairs']} | {r['delay_ms']} | {r['freight_gbps']:.2f} | {r['fabric_gbps']:.2f} | "
-              f"{r['iperf3_gbps']:.2f} | {r['ratio']:.2f} | {r['fabric_ratio']:.2f} |")
+              f"{r['iperf3_gbps']:.2f} | {r['ratio']:.2f} | {r['fabric_ratio']:.2f} | {g} |")
     if tuned:
         print("\n| delay ms | option | value | freight tcp GB/s |")
         print("| --- | --- | --- | --- |")
