@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import freight
+from conftest import libfabric_missing
 
 HERE = Path(__file__).resolve().parent
 CUDA_OK, CUDA_WHY = freight.cuda_status()
@@ -147,6 +148,17 @@ def seed_source(op: str, local, peer, seed: int):
         peer.call(op="fill", seed=seed)
         local.fill_(0xA5)
         torch.cuda.synchronize()
+
+
+def transfer_copies(agent, name: str, op: str, here, there, copies):
+    """Moves `copies` ((source offset, destination offset, length) triples) between
+    `here` and `there`, each (base address, memory kind, device), in one request."""
+    pairs = [(s, d, n) if op == "WRITE" else (d, s, n) for s, d, n in copies]
+    ldesc = freight.DescList([(here[0] + lo, n, here[2]) for lo, _, n in pairs], kind=here[1])
+    rdesc = freight.DescList([(there[0] + ro, n, there[2]) for _, ro, n in pairs], kind=there[1])
+    req = agent.transfer(op, ldesc, name, rdesc)
+    req.wait(timeout=60)
+    assert req.status() == "DONE"
 
 
 def check_destination(op: str, local, peer, seed: int, copies, what: str = ""):
@@ -345,16 +357,42 @@ def test_gpu_memory_over_tcp_to_and_from_host_memory(op):
                 path = agent.path_to(name)
                 assert path.transport == "tcp" and "staged" in path.reason, path
                 seed_source(op, local, peer, 6)
-                pairs = [(s, d, n) if op == "WRITE" else (d, s, n) for s, d, n in copies]
                 rdev = TORCH_GPUS - 1 if there == "VRAM" else 0
-                ldesc = freight.DescList([(base + lo, n, 0) for lo, _, n in pairs], kind=here)
-                rdesc = freight.DescList([(peer.base + ro, n, rdev) for _, ro, n in pairs], kind=there)
-                req = agent.transfer(op, ldesc, name, rdesc)
-                req.wait(timeout=60)
-                assert req.status() == "DONE"
+                transfer_copies(agent, name, op, (base, here, 0), (peer.base, there, rdev), copies)
                 check_destination(op, local, peer, 6, copies, f"{here} {op} {there}")
         finally:
             peer.close()
+
+
+@needs_gpu
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+def test_gpu_memory_over_fabric_to_and_from_host_memory(op, monkeypatch):
+    """VRAM here <-> the peer's host memory over the fabric transport (libfabric's tcp
+    provider), staged through the rails' pinned buffers; 1 MiB operations, so that a
+    request needs more of them than a rail has buffers."""
+    why = libfabric_missing()
+    if why:
+        pytest.skip(why)
+    fabric = {"FREIGHT_FABRIC_PROVIDER": "tcp", "FREIGHT_FABRIC_DOMAINS": "lo"}
+    for k, v in fabric.items():
+        monkeypatch.setenv(k, v)
+    size = 24 * MIB
+    copies = [(0, 0, 8 * MIB), (8 * MIB + 3, 9 * MIB + 1, 70001), (10 * MIB, 16 * MIB, 5 * MIB), (20 * MIB, 22 * MIB, 1)]
+    peer = Peer(size, kind="DRAM", gpu=0)
+    try:
+        cfg = freight.AgentConfig(require="fabric", fabric_chunk_size=1 * MIB)
+        with freight.Agent("initiator", cfg) as agent:
+            name = agent.connect(peer.addr)
+            local = torch.empty(size, dtype=torch.uint8, device="cuda:0")
+            agent.register(local)
+            path = agent.path_to(name)
+            assert path.transport == "fabric" and "staged" in path.reason, path
+            seed_source(op, local, peer, 7)
+            for _ in range(2):  # twice: the second time with the peer's keys cached
+                transfer_copies(agent, name, op, (local.data_ptr(), "VRAM", 0), (peer.base, "DRAM", 0), copies)
+            check_destination(op, local, peer, 7, copies, f"VRAM {op} DRAM over fabric")
+    finally:
+        peer.close()
 
 
 @needs_gpu

@@ -156,6 +156,18 @@ fn can_serve(t: TransportKind, policy: &PathPolicy, f: &PathFacts) -> std::resul
         if gpu_involved {
             f.staging.clone()?;
         }
+    } else if t == TransportKind::Fabric {
+        if f.remote_kind != MemKind::Dram {
+            return Err(format!(
+                "moves the peer's host memory only, not {} (remote GPU memory needs FI_HMEM, not used yet)",
+                f.remote_kind
+            ));
+        }
+        match f.local_kind {
+            MemKind::Dram => {}
+            MemKind::Vram => f.staging.clone()?,
+            other => return Err(format!("moves host and GPU memory only, not {other}")),
+        }
     } else {
         for kind in [f.local_kind, f.remote_kind] {
             if kind != MemKind::Dram {
@@ -182,7 +194,7 @@ fn can_serve(t: TransportKind, policy: &PathPolicy, f: &PathFacts) -> std::resul
                 ));
             }
             let host = if f.same_host { "same host" } else { "peer on another host" };
-            Ok(format!("{host}, one-sided RDMA through libfabric, {}", fabric.description))
+            Ok(format!("{host}, one-sided RDMA through libfabric, {}{staged}", fabric.description))
         }
         TransportKind::Tcp => Ok(if f.same_host {
             format!("same host, but neither cuda nor shm can serve this path{staged}")
@@ -357,9 +369,14 @@ mod tests {
         let hardware = FabricFacts { description: "provider efa, 4 rails".into(), hardware: true };
         let p = choose(&policy(), &PathFacts { fabric: Ok(hardware), ..remote.clone() }).unwrap();
         assert_eq!(p.transport, TransportKind::Fabric);
-        // Host memory only, and never without an open transport on both sides.
+        // Local GPU memory is staged; the peer's needs FI_HMEM; nothing without an open
+        // transport on both sides.
         let gpu = PathFacts { local_kind: MemKind::Vram, ..remote.clone() };
-        assert!(choose(&pol, &gpu).unwrap_err().to_string().contains("host memory only"));
+        assert!(choose(&pol, &gpu).unwrap().reason.contains("staged through pinned host buffers"));
+        let no_cuda = PathFacts { staging: Err("CUDA is not available".into()), ..gpu };
+        assert!(choose(&pol, &no_cuda).unwrap_err().to_string().contains("CUDA is not available"));
+        let remote_gpu = PathFacts { remote_kind: MemKind::Vram, ..remote.clone() };
+        assert!(choose(&pol, &remote_gpu).unwrap_err().to_string().contains("FI_HMEM"));
         let closed = PathFacts { fabric: Err("libfabric is not installed".into()), ..remote.clone() };
         assert!(choose(&pol, &closed).unwrap_err().to_string().contains("not installed"));
         let e = choose(&pol, &PathFacts { fabric: Ok(software), ..facts() }).unwrap_err().to_string();

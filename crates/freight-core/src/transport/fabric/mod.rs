@@ -20,14 +20,16 @@ pub mod ffi;
 pub mod link;
 pub mod progress;
 pub mod rail;
+mod staging;
 
 use std::sync::Arc;
 
+use crate::cuda::driver::Device;
 use crate::error::{invalid, Error, Result};
-use crate::memory::RegionInfo;
+use crate::memory::{MemKind, RegionInfo};
 use crate::plan::{chunk_ops, Op};
 use crate::request::{Finisher, Tracker};
-use crate::transport::OpKind;
+use crate::transport::{staged, OpKind};
 use ffi::Lib;
 use progress::{Work, Worker};
 use rail::{DomainInfo, InfoList, Rail};
@@ -118,7 +120,7 @@ impl Fabric {
         let mut workers = Vec::with_capacity(names.len());
         for (i, name) in names.iter().enumerate() {
             let rail = Arc::new(Rail::open(&list, name)?);
-            workers.push(Worker::start(rail, i)?);
+            workers.push(Worker::start(rail, i, cfg.chunk_size)?);
         }
         let provider = workers[0].rail.info.provider.clone();
         let max_msg = workers.iter().map(|w| w.rail.max_msg).min().unwrap_or(0).max(1);
@@ -195,12 +197,19 @@ impl Fabric {
                 peer: link.peer().to_string(),
                 reason: format!("region {} was deregistered by its owner", o.remote_region),
             })?;
-            let mr = self.workers[rail].rail.registration(lr.key, lr.addr, lr.len)?;
+            // GPU memory passes through the rail's staging buffers; host memory is
+            // registered as it is.
+            let (gpu, desc) = if lr.kind == MemKind::Vram {
+                (Some(staged::gpu_of(&lr)?), 0)
+            } else {
+                (None, self.workers[rail].rail.registration(lr.key, lr.addr, lr.len)?.desc as usize)
+            };
             let (dest, remote_rail) = link.route(rail);
             per_rail[rail].push(Planned {
                 local: o.local_addr,
                 len: o.len,
-                desc: mr.desc as usize,
+                gpu,
+                desc,
                 dest,
                 remote: if link.virt_addr() { o.remote_addr } else { o.remote_addr - rr.addr },
                 key: keys[&o.remote_region][remote_rail],
@@ -229,6 +238,7 @@ impl Fabric {
                     key: p.key,
                     tracker: tracker.clone(),
                     peer: program.peer.clone(),
+                    gpu: p.gpu,
                 })
                 .collect();
             worker.submit(batch);
@@ -238,10 +248,11 @@ impl Fabric {
 }
 
 /// One operation of a compiled request (see [`Work`]).
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone, Copy)]
 struct Planned {
     local: u64,
     len: u64,
+    gpu: Option<&'static Device>,
     desc: usize,
     dest: u64,
     remote: u64,

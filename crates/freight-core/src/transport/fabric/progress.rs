@@ -5,6 +5,7 @@
 //! one-sided operations on this endpoint (providers with manual progress need someone
 //! to call into them for that).
 
+use std::cell::RefCell;
 use std::collections::{HashSet, VecDeque};
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -16,6 +17,8 @@ use crossbeam_channel::{unbounded, Receiver, Sender, TryRecvError};
 
 use super::ffi::{FiCqEntry, FI_EAGAIN, FI_EAVAIL, FI_ETIMEDOUT};
 use super::rail::Rail;
+use super::staging::Staging;
+use crate::cuda::driver::Device;
 use crate::error::{Error, Result};
 use crate::request::Tracker;
 
@@ -32,6 +35,8 @@ pub struct Work {
     pub key: u64,
     pub tracker: Arc<Tracker>,
     pub peer: Arc<str>,
+    /// The GPU holding the local bytes, which then pass through a staging buffer.
+    pub gpu: Option<&'static Device>,
 }
 
 impl Work {
@@ -50,6 +55,8 @@ struct InFlight {
     /// Its request was already failed (the peer died): the completion, if it ever
     /// comes, only frees it.
     abandoned: bool,
+    /// The staging buffer it reads or writes instead of GPU memory.
+    slot: Option<usize>,
 }
 
 /// What a rail's thread is told.
@@ -87,11 +94,13 @@ pub struct Worker {
 }
 
 impl Worker {
-    pub fn start(rail: Arc<Rail>, index: usize) -> Result<Worker> {
+    /// Starts rail `index`'s thread; `largest` is the longest operation it will get.
+    pub fn start(rail: Arc<Rail>, index: usize, largest: u64) -> Result<Worker> {
         let (queue, jobs) = unbounded::<Command>();
         let sleeping = Arc::new(AtomicBool::new(false));
         let stop = Arc::new(AtomicBool::new(false));
-        let driver = Driver { rail: rail.clone(), jobs, sleeping: sleeping.clone(), stop: stop.clone() };
+        let staging = RefCell::new(Staging::new(rail.clone(), largest));
+        let driver = Driver { rail: rail.clone(), jobs, sleeping: sleeping.clone(), stop: stop.clone(), staging };
         let thread = thread::Builder::new().name(format!("freight-fabric{index}")).spawn(move || driver.run())?;
         Ok(Worker { rail, queue, sleeping, stop, thread: Some(thread) })
     }
@@ -140,6 +149,8 @@ struct Driver {
     jobs: Receiver<Command>,
     sleeping: Arc<AtomicBool>,
     stop: Arc<AtomicBool>,
+    /// Buffers for GPU memory (this thread's alone).
+    staging: RefCell<Staging>,
 }
 
 /// How long an idle rail sleeps before looking at its queue on its own (a safety net:
@@ -233,18 +244,57 @@ impl Driver {
         }
     }
 
+    /// A staging buffer for `work` where its local bytes are GPU memory, filled for a
+    /// write: `Ok(None)` for host memory, `Err(work)` while every buffer is out.
+    fn stage(&self, work: &Work) -> std::result::Result<Option<usize>, Result<()>> {
+        let Some(device) = work.gpu else { return Ok(None) };
+        let mut staging = self.staging.borrow_mut();
+        let slot = match staging.take(device) {
+            Ok(Some(slot)) => slot,
+            Ok(None) => return Err(Ok(())),
+            Err(e) => return Err(Err(e)),
+        };
+        if !work.read {
+            if let Err(e) = staging.gather(slot, device, work.local, work.len) {
+                staging.give_back(slot);
+                return Err(Err(e));
+            }
+        }
+        Ok(Some(slot))
+    }
+
     fn post(&self, waiting: &mut VecDeque<Work>, held: &mut HashSet<usize>) {
         while let Some(work) = waiting.pop_front() {
-            let op = Box::into_raw(Box::new(InFlight { scratch: [0; 8], work, abandoned: false }));
+            let slot = match self.stage(&work) {
+                Ok(slot) => slot,
+                Err(Ok(())) => {
+                    // Every staging buffer is out: wait for a completion to free one.
+                    waiting.push_front(work);
+                    return;
+                }
+                Err(Err(e)) => {
+                    work.finish(Err(e));
+                    continue;
+                }
+            };
+            let (local, desc) = match slot {
+                Some(s) => self.staging.borrow_mut().target(s),
+                None => (work.local, work.desc as *mut c_void),
+            };
+            let op = Box::into_raw(Box::new(InFlight { scratch: [0; 8], work, abandoned: false, slot }));
             // SAFETY: `op` stays allocated until its completion is reaped (`settle`);
-            // the local memory is held registered by the request's guards until then.
+            // the local memory is held registered by the request's guards, or is a
+            // staging buffer this thread keeps, until then.
             let rc = unsafe {
                 let w = &(*op).work;
-                self.rail.post(w.read, w.local, w.len, w.desc as *mut c_void, w.dest, w.remote, w.key, op.cast())
+                self.rail.post(w.read, local, w.len, desc, w.dest, w.remote, w.key, op.cast())
             };
             if rc == 0 {
                 held.insert(op as usize);
                 continue;
+            }
+            if let Some(s) = slot {
+                self.staging.borrow_mut().give_back(s);
             }
             // SAFETY: the provider refused the operation, so it never saw `op`.
             let work = unsafe { Box::from_raw(op) }.work;
@@ -287,12 +337,17 @@ impl Driver {
         }
         // SAFETY: `context` is an `InFlight` this thread posted and has not freed.
         let op = unsafe { Box::from_raw(context.cast::<InFlight>()) };
-        if op.abandoned {
-            return;
+        let mut result = result.map_err(|(errno, reason)| completion_error(&op.work.peer, errno, reason));
+        if let Some(slot) = op.slot {
+            let mut staging = self.staging.borrow_mut();
+            if let (Ok(()), true, false, Some(device)) = (&result, op.work.read, op.abandoned, op.work.gpu) {
+                result = staging.scatter(slot, device, op.work.local, op.work.len);
+            }
+            staging.give_back(slot);
         }
-        let work = op.work;
-        let peer = work.peer.clone();
-        work.finish(result.map_err(|(errno, reason)| completion_error(&peer, errno, reason)));
+        if !op.abandoned {
+            op.work.finish(result);
+        }
     }
 
     /// Fails queued work, and gives operations in flight a moment to complete; those

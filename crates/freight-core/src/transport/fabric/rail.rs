@@ -238,31 +238,28 @@ impl Rail {
         if let Some(mr) = mrs.get(&key) {
             return Ok(mr.clone());
         }
-        let access = FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE;
-        let mut fid: *mut FidMr = null_mut();
         // SAFETY: the region is registered memory that stays mapped until `forget`
-        // (called before the registry lets it go); the domain outlives the registration.
-        let mr = unsafe {
-            let reg = (*(*self.domain).mr).reg;
-            let rc = reg(
-                &mut (*self.domain).fid,
-                addr as *const c_void,
-                len as usize,
-                access,
-                0,
-                key,
-                0,
-                &mut fid,
-                null_mut(),
-            );
-            if rc != 0 {
-                return Err(self.error("fi_mr_reg", rc as isize));
-            }
-            Mr { fid, desc: (*fid).mem_desc, key: (*fid).key }
-        };
-        let mr = std::sync::Arc::new(mr);
+        // (called before the registry lets it go).
+        let mr = std::sync::Arc::new(unsafe { self.register(addr, len, key) }?);
         mrs.insert(key, mr.clone());
         Ok(mr)
+    }
+
+    /// Registers `[addr, addr+len)` with the domain, uncached, asking for `key` where
+    /// the provider lets the application choose keys.
+    ///
+    /// # Safety
+    /// The memory stays mapped until the registration is dropped.
+    pub unsafe fn register(&self, addr: u64, len: u64, key: u64) -> Result<Mr> {
+        let access = FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE;
+        let mut fid: *mut FidMr = null_mut();
+        let reg = (*(*self.domain).mr).reg;
+        let rc =
+            reg(&mut (*self.domain).fid, addr as *const c_void, len as usize, access, 0, key, 0, &mut fid, null_mut());
+        if rc != 0 {
+            return Err(self.error("fi_mr_reg", rc as isize));
+        }
+        Ok(Mr { fid, desc: (*fid).mem_desc, key: (*fid).key })
     }
 
     /// Drops the registration of region `key` (peers' accesses fail from now on).
