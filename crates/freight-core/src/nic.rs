@@ -101,17 +101,25 @@ pub fn pin_current_thread(cores: &[usize]) -> std::io::Result<()> {
 }
 
 /// Pins the calling thread as `pinning` says for a stream on the NIC of `local` (a
-/// socket's local address); logs what it did, and failures, which are never fatal.
-pub fn pin_stream_thread(pinning: &Pinning, slot: usize, local: Option<SocketAddr>) {
+/// socket's local address), or, where that NIC has no NUMA node, on `fallback` (the
+/// node of the GPU the stream's data comes from); logs what it did, and failures, which
+/// are never fatal.
+pub fn pin_stream_thread(pinning: &Pinning, slot: usize, local: Option<SocketAddr>, fallback: Option<u32>) {
     if *pinning == Pinning::Off {
         return;
     }
-    let numa_node = local.and_then(|a| nic_of(&local_nics(), a.ip())).and_then(|n| n.numa_node);
+    let numa_node = local.and_then(|a| nic_of(&local_nics(), a.ip())).and_then(|n| n.numa_node).or(fallback);
     let Some(cores) = pinning.cores_for(slot, numa_node) else { return };
     match pin_current_thread(&cores) {
         Ok(()) => tracing::debug!(?cores, ?numa_node, slot, "stream thread pinned"),
         Err(e) => tracing::warn!(?cores, error = %e, "cannot pin a stream thread"),
     }
+}
+
+/// The NUMA node of a PCI device ("0000:1b:00.0", as CUDA names a GPU), from sysfs.
+pub fn pci_numa_node(bus_id: &str) -> Option<u32> {
+    let path = format!("/sys/bus/pci/devices/{}/numa_node", bus_id.to_ascii_lowercase());
+    std::fs::read_to_string(path).ok().and_then(|s| s.trim().parse::<i64>().ok()).and_then(|n| u32::try_from(n).ok())
 }
 
 /// The interface that holds `ip`.

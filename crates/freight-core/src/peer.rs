@@ -351,8 +351,10 @@ impl Peer {
         link.retire(&reason);
     }
 
-    /// The tcp data streams, dialled on first use.
-    pub fn tcp(&self, ctx: &DialContext, cfg: &TcpConfig) -> Result<Arc<TcpConn>> {
+    /// The tcp data streams, dialled on first use. `gpu_node` is the NUMA node of the GPU
+    /// whose memory the first request moves, if any: NICs on that node come first, and
+    /// threads of NICs without a node go there.
+    pub fn tcp(&self, ctx: &DialContext, cfg: &TcpConfig, gpu_node: Option<u32>) -> Result<Arc<TcpConn>> {
         self.check_alive()?;
         let mut links = self.links.lock();
         if let Some(t) = &links.tcp {
@@ -362,7 +364,7 @@ impl Peer {
         let started = Instant::now();
         let n = cfg.streams.max(1);
         let local_addrs = if cfg.local_addrs.is_empty() {
-            crate::nic::towards(&crate::nic::local_nics(), &self.md.addresses, self.same_host, None)
+            crate::nic::towards(&crate::nic::local_nics(), &self.md.addresses, self.same_host, gpu_node)
         } else {
             cfg.local_addrs.clone()
         };
@@ -374,7 +376,8 @@ impl Peer {
                 .map_err(|e| self.disconnected(format!("cannot open data stream {i}: {e}")))?;
             sockets.push(s);
         }
-        let conn = Arc::new(TcpConn::start(&self.name, sockets, cfg, ctx.peer_timeout, Arc::new(Health::default()))?);
+        let health = Arc::new(Health::default());
+        let conn = Arc::new(TcpConn::start(&self.name, sockets, cfg, ctx.peer_timeout, health, gpu_node)?);
         let took = started.elapsed();
         self.dials.lock().record(Dialled::Tcp, n as u64, took);
         tracing::info!(peer = %self.name, streams = n, nics = ?local_addrs, chunk_size = cfg.chunk_size, window = cfg.window, setup_us = took.as_micros() as u64, "tcp connection up");

@@ -144,7 +144,7 @@ fn serve_connection(mut stream: TcpStream, agent: &Weak<AgentInner>, id: u64) ->
         Role::Control => serve_control(stream, agent, &from_name, id),
         Role::Data { index } => {
             let a = agent.upgrade().ok_or_else(|| Error::Io("agent closed".into()))?;
-            crate::nic::pin_stream_thread(&a.config.tcp.pin, index as usize, stream.local_addr().ok());
+            crate::nic::pin_stream_thread(&a.config.tcp.pin, index as usize, stream.local_addr().ok(), None);
             let deliver = |msg| a.server.inboxes.deliver_after(&from_name, msg, &a.notifs);
             serve_data_stream(stream, &a.registry, &a.config.tcp, &from_name, deliver)
         }

@@ -41,6 +41,11 @@ impl GpuRegions {
     pub fn device(&self, region: u64) -> Option<&'static Device> {
         self.0.get(&region).copied()
     }
+
+    /// One of the GPUs (the one of the lowest region key, for a stable answer).
+    pub fn first(&self) -> Option<&'static Device> {
+        self.0.iter().min_by_key(|(k, _)| **k).map(|(_, d)| *d)
+    }
 }
 
 /// The GPU of a GPU region, or why tcp cannot reach it here.

@@ -137,12 +137,15 @@ pub struct TcpConn {
 
 impl TcpConn {
     /// Starts the threads of already-connected data streams.
+    /// `gpu_node` is the NUMA node of the GPU whose memory the connection was opened for
+    /// (threads go there where their NIC has no node).
     pub fn start(
         peer: &str,
         sockets: Vec<TcpStream>,
         cfg: &TcpConfig,
         timeout: Duration,
         health: Arc<Health>,
+        gpu_node: Option<u32>,
     ) -> Result<TcpConn> {
         let mut streams = Vec::with_capacity(sockets.len());
         let mut kept = Vec::with_capacity(sockets.len());
@@ -157,11 +160,11 @@ impl TcpConn {
             let (p1, p2) = (peer.to_string(), peer.to_string());
             let (pin1, pin2, local) = (cfg.pin.clone(), cfg.pin.clone(), sock.local_addr().ok());
             thread::Builder::new().name(format!("freight-tcp-tx{i}")).spawn(move || {
-                nic::pin_stream_thread(&pin1, 2 * i, local);
+                nic::pin_stream_thread(&pin1, 2 * i, local, gpu_node);
                 send_loop(writer, zc, job_rx, exp_tx, h1, p1)
             })?;
             thread::Builder::new().name(format!("freight-tcp-rx{i}")).spawn(move || {
-                nic::pin_stream_thread(&pin2, 2 * i + 1, local);
+                nic::pin_stream_thread(&pin2, 2 * i + 1, local, gpu_node);
                 receive_loop(reader, exp_rx, h2, p2)
             })?;
             streams.push(job_tx);
