@@ -204,4 +204,13 @@ fn a_full_mesh_of_three_processes_writes_and_checks() {
     let one = freight(&["bench", "p2p", "--full-mesh", "1"]);
     assert_eq!(one.status.code(), Some(2), "{}", text(&one.stderr));
     assert!(text(&one.stderr).contains("at least 2"), "{}", text(&one.stderr));
+    // A member that cannot start its transfers fails the run, and the parent says which.
+    let failing = Command::new(env!("CARGO_BIN_EXE_freight"))
+        .args(["bench", "p2p", "--full-mesh", "2", "--mesh-memory", "host", "--block-sizes", "64KiB"])
+        .env("FREIGHT_TRANSPORT", "cuda")
+        .output()
+        .unwrap();
+    assert_eq!(failing.status.code(), Some(1));
+    let err = text(&failing.stderr);
+    assert!(err.contains("required transport cuda") && err.contains("mesh member"), "{err}");
 }

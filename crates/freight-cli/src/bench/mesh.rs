@@ -249,6 +249,7 @@ fn finished(r: &freight_core::Request, peer: &str) -> CliResult<()> {
 // -- the parent ------------------------------------------------------------------------------
 
 struct Member {
+    index: usize,
     child: Child,
     input: ChildStdin,
     output: BufReader<ChildStdout>,
@@ -256,10 +257,22 @@ struct Member {
 
 impl Member {
     fn talk(&mut self, m: &Message) -> CliResult<()> {
-        send(&mut self.input, m)
+        send(&mut self.input, m).map_err(|e| self.failed(e))
     }
     fn listen(&mut self) -> CliResult<Message> {
-        receive(&mut self.output)
+        receive(&mut self.output).map_err(|e| self.failed(e))
+    }
+
+    /// A conversation that broke: says whether the member died (its own error is on
+    /// stderr, above).
+    fn failed(&mut self, e: CliError) -> CliError {
+        std::thread::sleep(Duration::from_millis(100));
+        match self.child.try_wait() {
+            Ok(Some(status)) => {
+                CliError::runtime(format!("mesh member {} exited ({status}); its error is above", self.index))
+            }
+            _ => e,
+        }
     }
 }
 
@@ -282,12 +295,39 @@ pub struct MemberResult {
     pub errors: Vec<String>,
 }
 
+/// Where the members' buffers live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum MeshMemory {
+    /// GPU memory where GPUs exist, else host memory.
+    Auto,
+    /// Host memory.
+    Host,
+    /// GPU memory (an error without a GPU).
+    Gpu,
+}
+
 /// Starts `n` members writing blocks of `block` bytes to each other for `duration`.
-pub fn run(n: usize, block: u64, duration: Duration, engine: &EngineOpts, json: bool, ctx: &Context) -> CliResult<()> {
+pub fn run(
+    n: usize,
+    memory: MeshMemory,
+    block: u64,
+    duration: Duration,
+    engine: &EngineOpts,
+    json: bool,
+    ctx: &Context,
+) -> CliResult<()> {
     if n < 2 {
         return Err(CliError::usage("--full-mesh needs at least 2 processes"));
     }
-    let gpus = if driver::available() { driver::device_count().unwrap_or(0) } else { 0 };
+    let gpus = match memory {
+        MeshMemory::Host => 0,
+        _ if driver::available() => driver::device_count().unwrap_or(0),
+        _ => 0,
+    };
+    if memory == MeshMemory::Gpu && gpus == 0 {
+        let why = driver::unavailable_reason().unwrap_or_else(|| "no GPU is visible".into());
+        return Err(CliError::runtime(format!("--mesh-memory gpu, but there is no GPU here: {why}")));
+    }
     let (prog, rest) =
         ctx.self_command.split_first().ok_or_else(|| CliError::runtime("no command to start the members with"))?;
     let mut members = Vec::with_capacity(n);
@@ -309,7 +349,7 @@ pub fn run(n: usize, block: u64, duration: Duration, engine: &EngineOpts, json: 
             .spawn()
             .map_err(|e| CliError::runtime(format!("cannot start mesh member {i}: {e}")))?;
         let (input, output) = (child.stdin.take().expect("piped"), child.stdout.take().expect("piped"));
-        members.push(Member { child, input, output: BufReader::new(output) });
+        members.push(Member { index: i, child, input, output: BufReader::new(output) });
     }
     let mut hellos = Vec::with_capacity(n);
     for m in &mut members {

@@ -151,6 +151,11 @@ pub struct P2pArgs {
     /// reports each process's bandwidth and the total.
     #[arg(long, value_name = "N", conflicts_with_all = ["connect", "role"])]
     pub(super) full_mesh: Option<usize>,
+
+    /// With --full-mesh: where the processes' buffers live: auto (GPU memory where GPUs
+    /// exist), host or gpu.
+    #[arg(long, value_enum, default_value_t = super::mesh::MeshMemory::Auto)]
+    pub(super) mesh_memory: super::mesh::MeshMemory,
 }
 
 fn parse_iters(s: &str) -> Result<usize, String> {
@@ -263,7 +268,7 @@ pub fn run(a: &P2pArgs, ctx: &Context) -> CliResult<()> {
     if let Some(n) = a.full_mesh {
         let block = a.block_sizes.0.iter().copied().max().unwrap_or(64 << 20);
         let duration = a.duration.unwrap_or(Duration::from_secs(3));
-        return super::mesh::run(n, block, duration, &a.engine, a.json, ctx);
+        return super::mesh::run(n, a.mesh_memory, block, duration, &a.engine, a.json, ctx);
     }
     match a.plan()? {
         Plan::Target { listen } => target::serve(&listen, true, a.engine.fabric_config()),
