@@ -59,6 +59,16 @@ struct InFlight {
     slot: Option<usize>,
 }
 
+/// Where an operation's local bytes go on the wire from.
+enum Stage {
+    /// Registered host memory.
+    InPlace,
+    /// A staging buffer (GPU memory).
+    Buffer(usize),
+    /// GPU memory, but every staging buffer is in use.
+    AllBuffersOut,
+}
+
 /// What a rail's thread is told.
 enum Command {
     Run(Vec<Work>),
@@ -128,6 +138,9 @@ impl Worker {
     }
 
     fn wake(&self) {
+        // The queued command must be visible before we look at the flag, or a thread
+        // that just decided to sleep could miss both (it sets the flag, then looks).
+        std::sync::atomic::fence(Ordering::SeqCst);
         if self.sleeping.load(Ordering::SeqCst) {
             self.rail.wake();
         }
@@ -155,7 +168,7 @@ struct Driver {
 
 /// How long an idle rail sleeps before looking at its queue on its own (a safety net:
 /// submitters wake it).
-const IDLE_WAIT_MS: i32 = 1;
+const IDLE_WAIT_MS: i32 = 100;
 /// How long a busy rail waits for a completion before posting what arrived meanwhile.
 const BUSY_WAIT_MS: i32 = 1;
 
@@ -244,35 +257,32 @@ impl Driver {
         }
     }
 
-    /// A staging buffer for `work` where its local bytes are GPU memory, filled for a
-    /// write: `Ok(None)` for host memory, `Err(work)` while every buffer is out.
-    fn stage(&self, work: &Work) -> std::result::Result<Option<usize>, Result<()>> {
-        let Some(device) = work.gpu else { return Ok(None) };
+    /// Where `work`'s local bytes go on the wire from: themselves (host memory), or a
+    /// staging buffer, filled already for a write (GPU memory).
+    fn stage(&self, work: &Work) -> Result<Stage> {
+        let Some(device) = work.gpu else { return Ok(Stage::InPlace) };
         let mut staging = self.staging.borrow_mut();
-        let slot = match staging.take(device) {
-            Ok(Some(slot)) => slot,
-            Ok(None) => return Err(Ok(())),
-            Err(e) => return Err(Err(e)),
-        };
+        let Some(slot) = staging.take(device)? else { return Ok(Stage::AllBuffersOut) };
         if !work.read {
             if let Err(e) = staging.gather(slot, device, work.local, work.len) {
                 staging.give_back(slot);
-                return Err(Err(e));
+                return Err(e);
             }
         }
-        Ok(Some(slot))
+        Ok(Stage::Buffer(slot))
     }
 
     fn post(&self, waiting: &mut VecDeque<Work>, held: &mut HashSet<usize>) {
         while let Some(work) = waiting.pop_front() {
             let slot = match self.stage(&work) {
-                Ok(slot) => slot,
-                Err(Ok(())) => {
-                    // Every staging buffer is out: wait for a completion to free one.
+                Ok(Stage::InPlace) => None,
+                Ok(Stage::Buffer(slot)) => Some(slot),
+                Ok(Stage::AllBuffersOut) => {
+                    // Wait for a completion to free one.
                     waiting.push_front(work);
                     return;
                 }
-                Err(Err(e)) => {
+                Err(e) => {
                     work.finish(Err(e));
                     continue;
                 }
