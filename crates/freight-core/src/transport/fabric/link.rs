@@ -206,3 +206,66 @@ fn region_keys(registry: &Registry, fabric: &Fabric, regions: &[u64]) -> Result<
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::MemKind;
+    use crate::transport::fabric::FabricConfig;
+    use std::net::TcpListener;
+
+    fn ask(stream: &mut TcpStream, frame: Frame) -> Option<Frame> {
+        wire::write_frame(stream, &frame, &[]).unwrap();
+        wire::read_frame(stream).unwrap()
+    }
+
+    /// The target side answers what it may and refuses the rest: no fabric open, private
+    /// and unknown regions, frames that do not belong to the exchange.
+    #[test]
+    fn the_exchange_refuses_what_it_must() {
+        let registry = Registry::new();
+        let (public, private) = (vec![0u8; 4096], vec![0u8; 4096]);
+        let open = registry.register(MemKind::Dram, public.as_ptr() as u64, 4096, 0).unwrap();
+        let hidden = registry.register_private(MemKind::Dram, private.as_ptr() as u64, 4096, 0).unwrap();
+        let fabric = Fabric::open(&FabricConfig {
+            provider: Some("tcp".into()),
+            domains: vec!["lo".into()],
+            ..FabricConfig::default()
+        })
+        .ok();
+        for with_fabric in [false, true] {
+            if with_fabric && fabric.is_none() {
+                eprintln!("SKIPPED the part with fabric open: libfabric's tcp provider is not available");
+                continue;
+            }
+            let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+            let mut client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+            let (server, _) = listener.accept().unwrap();
+            let f = if with_fabric { fabric.as_ref() } else { None };
+            std::thread::scope(|s| {
+                let served = s.spawn(|| serve_fabric(server, &registry, f, "tester"));
+                let hello = ask(&mut client, Frame::FabricHello { provider: "tcp;ofi_rxm".into() });
+                if !with_fabric {
+                    assert!(matches!(hello, Some(Frame::Refused { reason }) if reason.contains("no fabric")));
+                } else {
+                    assert!(matches!(hello, Some(Frame::FabricWelcome { rails, .. }) if rails.len() == 1));
+                    let other = ask(&mut client, Frame::FabricHello { provider: "efa".into() });
+                    assert!(matches!(other, Some(Frame::Refused { reason }) if reason.contains("not 'efa'")));
+                    let keys = ask(&mut client, Frame::FabricKeys { regions: vec![open] });
+                    assert!(matches!(keys, Some(Frame::FabricKeysReply { keys, error: None }) if keys[0].len() == 1));
+                    for region in [hidden, 999] {
+                        let refused = ask(&mut client, Frame::FabricKeys { regions: vec![open, region] });
+                        assert!(
+                            matches!(&refused, Some(Frame::FabricKeysReply { keys, error: Some(e) })
+                                if keys.is_empty() && e.contains(&format!("unknown region key {region}"))),
+                            "{refused:?}"
+                        );
+                    }
+                }
+                wire::write_frame(&mut client, &Frame::Wake, &[]).unwrap();
+                let ended = served.join().unwrap();
+                assert!(matches!(ended, Err(Error::Protocol(m)) if m.contains("unexpected")));
+            });
+        }
+    }
+}

@@ -313,10 +313,7 @@ impl Driver {
                 return;
             }
             let what = if work.read { "fi_read" } else { "fi_write" };
-            let reason = format!(
-                "{what} failed: {}",
-                crate::transport::fabric::ffi::Lib::get().map_or_else(|e| e, |l| l.error_text(rc))
-            );
+            let reason = format!("{what} failed: {}", self.rail.error_text(rc));
             let peer = work.peer.to_string();
             work.finish(Err(completion_error(&peer, (-rc) as i32, reason)));
         }

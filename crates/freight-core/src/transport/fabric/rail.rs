@@ -84,23 +84,26 @@ impl InfoList {
         })
     }
 
-    pub fn domains(&self) -> Vec<DomainInfo> {
+    /// Each entry with what it says about itself.
+    fn described(&self) -> impl Iterator<Item = (*mut FiInfo, DomainInfo)> + '_ {
         // SAFETY: nodes of the list and their attribute strings live while `self` does.
-        self.iter()
-            .map(|i| unsafe {
-                DomainInfo {
-                    provider: text((*(*i).fabric_attr).prov_name),
-                    fabric: text((*(*i).fabric_attr).name),
-                    domain: text((*(*i).domain_attr).name),
-                }
-            })
-            .collect()
+        self.iter().map(|i| unsafe {
+            let d = DomainInfo {
+                provider: text((*(*i).fabric_attr).prov_name),
+                fabric: text((*(*i).fabric_attr).name),
+                domain: text((*(*i).domain_attr).name),
+            };
+            (i, d)
+        })
+    }
+
+    pub fn domains(&self) -> Vec<DomainInfo> {
+        self.described().map(|(_, d)| d).collect()
     }
 
     /// The first entry for domain `name`.
-    fn find(&self, name: &str) -> Option<*mut FiInfo> {
-        // SAFETY: as in `domains`.
-        self.iter().find(|&i| unsafe { text((*(*i).domain_attr).name) } == name)
+    fn find(&self, name: &str) -> Option<(*mut FiInfo, DomainInfo)> {
+        self.described().find(|(_, d)| d.domain == name)
     }
 }
 
@@ -162,14 +165,13 @@ impl Rail {
     /// Opens domain `name` of the list.
     pub fn open(list: &InfoList, name: &str) -> Result<Rail> {
         let lib = list.lib;
-        let info = list.find(name).ok_or_else(|| {
+        let (info, described) = list.find(name).ok_or_else(|| {
             let known: Vec<String> = list.domains().into_iter().map(|d| d.domain).collect();
             Error::InvalidArgument(format!(
                 "fabric domain '{name}' not found (the provider offers: {})",
                 known.join(", ")
             ))
         })?;
-        let described = list.domains().into_iter().find(|d| d.domain == name).expect("found above");
         let mut rail = Rail {
             lib,
             fabric: null_mut(),
@@ -227,6 +229,11 @@ impl Rail {
 
     fn error(&self, call: &str, code: isize) -> Error {
         fabric_error(self.lib, call, code)
+    }
+
+    /// libfabric's text for an error code.
+    pub fn error_text(&self, code: isize) -> String {
+        self.lib.error_text(code)
     }
 
     /// The registration of region `key` at `[addr, addr+len)`, made on first use.
