@@ -20,7 +20,7 @@ use crate::error::{invalid, Error, Result};
 use crate::memory::{MemKind, Registry, RemoteRegions, SharedSegment};
 use crate::metadata::{AgentMetadata, HostIdentity};
 use crate::net::{self, Introduction};
-use crate::notify::{NotifQueue, Notification};
+use crate::notify::{NotifQueue, Notification, Waker};
 use crate::path::{self, Path, PathFacts, PathPolicy, TransportKind};
 use crate::peer::{ConnectionStats, DialContext, Peer};
 use crate::plan::{chunk_ops, Chunk, Plan, PreparedList};
@@ -160,7 +160,7 @@ pub struct AgentInner {
     policy: PathPolicy,
     pub(crate) registry: Registry,
     peers: RwLock<HashMap<String, Arc<Peer>>>,
-    pub(crate) notifs: NotifQueue,
+    pub(crate) notifs: Arc<NotifQueue>,
     pub(crate) server: Server,
     copy_pool: OnceLock<CopyPool>,
     completions: OnceLock<Completions>,
@@ -191,7 +191,7 @@ impl Agent {
             policy,
             registry: Registry::new(),
             peers: RwLock::new(HashMap::new()),
-            notifs: NotifQueue::default(),
+            notifs: Arc::default(),
             server: Server::default(),
             copy_pool: OnceLock::new(),
             completions: OnceLock::new(),
@@ -516,6 +516,13 @@ impl Agent {
         got
     }
 
+    /// A handle that ends a `wait_notifs` early (see [`Waker`]), e.g. from a request's
+    /// [`Request::on_settled`] hook, so that one thread can wait for notifications and
+    /// for its own transfers at once.
+    pub fn waker(&self) -> Waker {
+        Waker(self.inner.notifs.clone())
+    }
+
     /// Stops listening and closes every connection. In-flight requests fail.
     pub fn close(&self) {
         if self.inner.closed.swap(true, Ordering::AcqRel) {
@@ -715,6 +722,12 @@ impl Request {
     /// Waits until done or failed, or `timeout` (then the status is still `Pending`).
     pub fn wait(&self, timeout: Option<Duration>) -> Status {
         self.tracker.wait(timeout)
+    }
+    /// Runs `hook` once, on the thread that settles the current round, right after the
+    /// status became final (at once, here, where it already is). Typically wakes a loop
+    /// that keeps many requests in flight, instead of polling their statuses.
+    pub fn on_settled(&self, hook: impl FnOnce() + Send + 'static) {
+        self.tracker.on_settled(Box::new(hook))
     }
 
     /// Starts the transfer. Non-blocking, except that small shm transfers complete on

@@ -36,7 +36,7 @@ pub use desc::{Desc, DescList};
 pub use error::{Error, Result};
 pub use memory::{MemKind, SharedSegment};
 pub use nic::Pinning;
-pub use notify::Notification;
+pub use notify::{Notification, Waker};
 pub use path::{Path, TransportKind};
 pub use peer::ConnectionStats;
 pub use plan::PreparedList;

@@ -32,11 +32,15 @@ impl Status {
 /// be sent) turns a successful transfer into an error.
 pub type Finisher = Box<dyn FnOnce(Result<()>) -> Result<()> + Send>;
 
+/// Runs once the round's status is final (see [`Tracker::on_settled`]).
+pub type SettledHook = Box<dyn FnOnce() + Send>;
+
 struct State {
     status: Status,
     remaining: u64,
     first_error: Option<Error>,
     finisher: Option<Finisher>,
+    on_settled: Option<SettledHook>,
 }
 
 /// How long `wait` polls before it sleeps (see [`crate::poll`]): copies of a few hundred
@@ -60,7 +64,13 @@ impl Default for Tracker {
 impl Tracker {
     pub fn new() -> Self {
         Tracker {
-            state: Mutex::new(State { status: Status::Idle, remaining: 0, first_error: None, finisher: None }),
+            state: Mutex::new(State {
+                status: Status::Idle,
+                remaining: 0,
+                first_error: None,
+                finisher: None,
+                on_settled: None,
+            }),
             cv: Condvar::new(),
             settled: AtomicBool::new(true),
         }
@@ -113,13 +123,10 @@ impl Tracker {
                 None => transfer,
             }
         };
-        let mut st = self.state.lock();
-        st.status = match outcome {
+        self.settle(match outcome {
             Ok(()) => Status::Done,
             Err(e) => Status::Error(e),
-        };
-        self.settled.store(true, Ordering::Release);
-        self.cv.notify_all();
+        });
     }
 
     /// Fails a round that could not be started at all (nothing was sent).
@@ -133,10 +140,35 @@ impl Tracker {
             Some(f) => f(Err(e.clone())).and(Err::<(), _>(e)),
             None => Err(e),
         };
-        let mut st = self.state.lock();
-        st.status = Status::Error(outcome.unwrap_err());
-        self.settled.store(true, Ordering::Release);
-        self.cv.notify_all();
+        self.settle(Status::Error(outcome.unwrap_err()));
+    }
+
+    /// Makes the round final, wakes its waiters, then runs its hook.
+    fn settle(&self, status: Status) {
+        let hook = {
+            let mut st = self.state.lock();
+            st.status = status;
+            self.settled.store(true, Ordering::Release);
+            self.cv.notify_all();
+            st.on_settled.take()
+        };
+        if let Some(hook) = hook {
+            hook();
+        }
+    }
+
+    /// Runs `hook` once the current round is final: on the settling thread, or at once
+    /// on this one where the round already is (so no completion slips between posting
+    /// and setting the hook). A round that is never posted never runs it.
+    pub fn on_settled(&self, hook: SettledHook) {
+        {
+            let mut st = self.state.lock();
+            if st.status == Status::Pending || st.status == Status::Idle {
+                st.on_settled = Some(hook);
+                return;
+            }
+        }
+        hook();
     }
 
     pub fn status(&self) -> Status {
@@ -179,6 +211,30 @@ mod tests {
                 r
             }),
         )
+    }
+
+    #[test]
+    fn the_settled_hook_runs_once_after_the_status_is_final() {
+        let t = Arc::new(Tracker::new());
+        let runs = Arc::new(AtomicUsize::new(0));
+        let hook = |t: &Arc<Tracker>, runs: &Arc<AtomicUsize>| {
+            let (t2, runs) = (t.clone(), runs.clone());
+            Box::new(move || {
+                assert!(t2.status().is_final(), "the hook ran before the status was final");
+                runs.fetch_add(1, Ordering::SeqCst);
+            }) as SettledHook
+        };
+        t.begin(2, Box::new(|r| r)).unwrap();
+        t.on_settled(hook(&t, &runs));
+        t.finish_part(Ok(()));
+        assert_eq!(runs.load(Ordering::SeqCst), 0);
+        t.finish_part(Err(Error::Io("lost".into())));
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+        t.finish_part(Ok(()));
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+        // Set after the round settled: runs at once.
+        t.on_settled(hook(&t, &runs));
+        assert_eq!(runs.load(Ordering::SeqCst), 2);
     }
 
     #[test]

@@ -94,6 +94,9 @@ pub struct Client {
     /// Pins the buffer for GPU copies once one is asked for; unpins it before the buffer
     /// goes (fields drop in order).
     pinned: Option<PinnedBuffer>,
+    /// This client's copy stream per GPU: clients of one process copy side by side
+    /// instead of queueing on a shared stream.
+    gpu_streams: Vec<(usize, cuda::driver::Stream)>,
     buffer: Arc<SharedSegment>,
     next_id: u64,
     timeout: Duration,
@@ -152,6 +155,7 @@ impl Client {
             name: config.name.clone(),
             client_id: 0,
             pinned: None,
+            gpu_streams: Vec::new(),
             buffer,
             next_id: 1,
             timeout: config.timeout,
@@ -292,14 +296,25 @@ impl Client {
             cuda::pinned::pin(gpu, self.buffer.addr(), self.buffer_bytes())?;
             self.pinned = Some(PinnedBuffer { addr: self.buffer.addr(), len: self.buffer_bytes() });
         }
-        self.get_with(key, |value| {
+        gpu.bind()?;
+        if !self.gpu_streams.iter().any(|(d, _)| *d == device) {
+            self.gpu_streams.push((device, cuda::driver::Stream::new(gpu)?));
+        }
+        let index = self.gpu_streams.iter().position(|(d, _)| *d == device).expect("just added");
+        // Taken out while the value is borrowed from the buffer (get_with needs `self`).
+        let (_, stream) = self.gpu_streams.swap_remove(index);
+        let copied = self.get_with(key, |value| {
             if value.len() as u64 > capacity {
                 return Err(too_small(value.len() as u64, capacity));
             }
-            cuda::driver::copy_sync(gpu, dst, value.as_ptr() as u64, value.len())?;
+            // SAFETY: the caller vouches for the destination; the source is the pinned
+            // receive buffer, which outlives the copy (it is waited for right here).
+            unsafe { stream.copy(dst, value.as_ptr() as u64, value.len())? };
+            stream.synchronize()?;
             Ok(value.len() as u64)
-        })?
-        .transpose()
+        });
+        self.gpu_streams.push((device, stream));
+        copied?.transpose()
     }
 
     /// Several values in one request: the buffer is shared out evenly between the keys,
@@ -424,7 +439,7 @@ impl Client {
                     self.timeout
                 )));
             }
-            for n in crate::poll::next_notifs(&self.agent, left.min(Duration::from_millis(100))) {
+            for n in crate::poll::next_notifs(&self.agent, left.min(Duration::from_millis(100)), || false) {
                 match Reply::decode(&n.msg) {
                     Some(Ok(r)) if r.first_id == first_id => return Ok(r),
                     Some(Ok(r)) => {

@@ -15,12 +15,13 @@ use freight_core::{Agent, Notification};
 pub const POLL_BEFORE_SLEEP: Duration = Duration::from_micros(300);
 
 /// The notifications that arrive next: polled for up to [`POLL_BEFORE_SLEEP`], then
-/// slept for up to `sleep` (empty if none came).
-pub fn next_notifs(agent: &Agent, sleep: Duration) -> Vec<Notification> {
+/// slept for up to `sleep` (empty if none came). Returns early, possibly empty, once
+/// `woken` says so or the agent's [`freight_core::Waker`] is rung.
+pub fn next_notifs(agent: &Agent, sleep: Duration, woken: impl Fn() -> bool) -> Vec<Notification> {
     let until = Instant::now() + POLL_BEFORE_SLEEP;
     loop {
         let got = agent.get_notifs();
-        if !got.is_empty() {
+        if !got.is_empty() || woken() {
             return got;
         }
         if Instant::now() >= until {

@@ -389,13 +389,22 @@ impl InFlight {
 struct Worker {
     shared: Arc<Shared>,
     in_flight: Vec<InFlight>,
+    /// Set by a transfer that settled (with a wake-up of the notification wait), so one
+    /// wait covers requests and completions alike; cleared before each look at them.
+    settled: Arc<AtomicBool>,
     sweep_every: Duration,
     last_sweep: Instant,
 }
 
 impl Worker {
     fn new(shared: Arc<Shared>, sweep_every: Duration) -> Worker {
-        Worker { shared, in_flight: Vec::new(), sweep_every, last_sweep: Instant::now() }
+        Worker {
+            shared,
+            in_flight: Vec::new(),
+            settled: Arc::new(AtomicBool::new(false)),
+            sweep_every,
+            last_sweep: Instant::now(),
+        }
     }
 
     fn run(mut self) {
@@ -404,20 +413,13 @@ impl Worker {
             if stopping && self.in_flight.is_empty() {
                 break;
             }
-            let notifs = if self.in_flight.is_empty() {
-                crate::poll::next_notifs(&self.shared.agent, IDLE_WAIT)
-            } else {
-                self.shared.agent.get_notifs()
-            };
-            let busy = !notifs.is_empty();
+            let settled = &self.settled;
+            let notifs = crate::poll::next_notifs(&self.shared.agent, IDLE_WAIT, || settled.load(Ordering::Acquire));
+            self.settled.store(false, Ordering::Release);
             for n in notifs {
                 self.take(n, stopping);
             }
-            let finished = self.finish_done();
-            if !busy && finished == 0 && !self.in_flight.is_empty() {
-                // Transfers on other threads (tcp): look again shortly.
-                std::thread::sleep(Duration::from_micros(20));
-            }
+            self.finish_done();
             if self.last_sweep.elapsed() >= self.sweep_every {
                 self.last_sweep = Instant::now();
                 let expired = self.shared.index.lock().expire(self.shared.now_ms());
@@ -510,12 +512,17 @@ impl Worker {
             remote.get_or_insert_with(|| DescList::new(buffer.kind)).push(buffer.desc())?;
         }
         let remote = remote.expect("a transfer with something to copy");
-        self.shared.agent.transfer(op, &local, client, &remote, notif)
+        let transfer = self.shared.agent.transfer(op, &local, client, &remote, notif)?;
+        let (settled, waker) = (self.settled.clone(), self.shared.agent.waker());
+        transfer.on_settled(move || {
+            settled.store(true, Ordering::Release);
+            waker.wake();
+        });
+        Ok(transfer)
     }
 
-    /// Finishes every request whose transfer has ended; returns how many.
-    fn finish_done(&mut self) -> usize {
-        let mut finished = 0;
+    /// Finishes every request whose transfer has ended.
+    fn finish_done(&mut self) {
         let mut i = 0;
         while i < self.in_flight.len() {
             let result = match self.in_flight[i].transfer().status() {
@@ -526,7 +533,6 @@ impl Worker {
                     continue;
                 }
             };
-            finished += 1;
             match self.in_flight.swap_remove(i) {
                 InFlight::Get { client, first_id, plan, .. } => {
                     if let Some(outcomes) = plan.finish(&mut self.shared.index.lock(), result) {
@@ -540,7 +546,6 @@ impl Worker {
                 }
             }
         }
-        finished
     }
 
     fn reply(&self, client: &str, reply: Reply) {

@@ -1,7 +1,7 @@
 //! The tcp transport: several streams per peer, large requests striped across them,
 //! small blocks batched into one message, payload sent from and received into registered
-//! memory directly (writev/readv, no staging copy; large payloads to other hosts go out
-//! with `MSG_ZEROCOPY`, see [`super::zerocopy`]).
+//! memory directly (writev/readv, no staging copy; large payloads leave without a copy
+//! at all, see [`super::zerocopy`]).
 //!
 //! Each stream has a sender thread (takes chunks, writes requests) and a receiver thread
 //! (reads the answers). A stream's answers come back in order, so the receiver learns
@@ -28,7 +28,7 @@ use crate::nic::{self, Pinning};
 use crate::plan::Chunk;
 use crate::request::Tracker;
 use crate::transport::staged::{self, GpuRegions, Piece};
-use crate::transport::zerocopy::{self, ZeroCopySocket};
+use crate::transport::zerocopy::ZeroCopySocket;
 use crate::transport::OpKind;
 use crate::wire::{self, Frame, Seg};
 
@@ -47,8 +47,8 @@ pub struct TcpConfig {
     pub local_addrs: Vec<std::net::IpAddr>,
     /// Where the streams' sender and receiver threads run (see [`Pinning`]).
     pub pin: Pinning,
-    /// Send payloads of 64 KiB and more with `MSG_ZEROCOPY` to peers on other hosts
-    /// (never on loopback, where the kernel copies anyway).
+    /// Send payloads of 64 KiB and more without copying them: `MSG_ZEROCOPY` towards
+    /// other hosts, splicing within this host (see [`super::zerocopy`]).
     pub zerocopy: bool,
 }
 
@@ -153,7 +153,7 @@ impl TcpConn {
             let (job_tx, job_rx) = unbounded::<Job>();
             let (exp_tx, exp_rx) = bounded::<(u64, Job)>(cfg.window.max(1));
             let writer = sock.try_clone()?;
-            let zc = ZeroCopySocket::new(&writer, cfg.zerocopy && sock.peer_addr().is_ok_and(zerocopy::worthwhile));
+            let zc = ZeroCopySocket::new(&writer, cfg.zerocopy);
             let reader = sock.try_clone()?;
             reader.set_read_timeout(Some(timeout))?;
             let (h1, h2) = (health.clone(), health.clone());
@@ -432,7 +432,7 @@ pub fn serve_data_stream(
     peer: &str,
     deliver: impl Fn(Vec<u8>),
 ) -> Result<()> {
-    let mut zc = ZeroCopySocket::new(&sock, cfg.zerocopy && sock.peer_addr().is_ok_and(zerocopy::worthwhile));
+    let mut zc = ZeroCopySocket::new(&sock, cfg.zerocopy);
     let mut bounce: Option<Bounce> = None;
     loop {
         let frame = match wire::read_frame(&mut sock)? {
