@@ -216,7 +216,7 @@ def host_device(agent, quick):
         target.close()
 
 
-def over_tcp(quick):
+def over_tcp(quick, target_gpu="1"):
     """GPU memory over the tcp transport (loopback), staged through pinned buffers on
     both sides, beside host memory over the same transport: 32 x 32 MiB each way."""
     import numpy as np
@@ -227,7 +227,7 @@ def over_tcp(quick):
     rows = []
     with freight.Agent("tcp-initiator", freight.AgentConfig(require="tcp")) as agent:
         for kind, test in (("DRAM", "tcp_dram"), ("VRAM", "tcp_vram")):
-            target = Target(block * count, kind, "1", name=f"{test}-target")
+            target = Target(block * count, kind, target_gpu, name=f"{test}-target")
             try:
                 name = agent.connect(target.addr)
                 if kind == "VRAM":
@@ -257,6 +257,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True, help="JSON file to write")
     ap.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
+    ap.add_argument("--only-tcp", action="store_true",
+                    help="only GPU memory over tcp, both processes on GPU 0 (for a machine with one GPU)")
     args = ap.parse_args()
     os.environ["CUDA_VISIBLE_DEVICES"] = "0"
     import torch
@@ -265,6 +267,13 @@ def main() -> None:
     ok, why = freight.cuda_status()
     if not ok:
         sys.exit(f"no GPU: {why}")
+    if args.only_tcp:
+        rows = over_tcp(args.quick, target_gpu="0")
+        doc = {"tool": "bench/gpu.py --only-tcp", "machine": {"gpu": torch.cuda.get_device_name(0),
+               "host": platform.node(), "torch": torch.__version__}, "rows": rows}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(doc, indent=1))
+        return
     rows = []
     target = Target(SIZE, "VRAM", "1")
     try:

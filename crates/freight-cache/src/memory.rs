@@ -9,8 +9,9 @@
 //! driver's copy.
 
 use std::sync::Arc;
+use std::time::Duration;
 
-use freight_core::cuda::driver::{copy_sync, DeviceBuffer, Event};
+use freight_core::cuda::driver::{copy_sync, DeviceBuffer, Event, Stream};
 use freight_core::cuda::kernel::{cut, Item, Kernel, LaunchShape, ITEM_BYTES};
 use freight_core::cuda::pinned::pin;
 use freight_core::cuda::Device;
@@ -111,24 +112,43 @@ pub fn copy(src: Place, dst: Place, copies: &[(u64, u64, u64)]) -> Result<()> {
     Ok(())
 }
 
+/// What a GPU's direct copies keep between calls: the kernel's work table, a stream of
+/// the cache's own (so that its gathers and scatters do not queue behind the engine's
+/// transfers on the device's stream: the next chunk is gathered while the last one is
+/// on its way) and the event that marks a launch done.
+struct Launcher {
+    table: Grown,
+    stream: Stream,
+    done: Event,
+}
+
+/// How long a direct copy is watched before its thread sleeps in the driver: a chunk's
+/// gather or scatter takes tens of microseconds, about what a wake-up costs.
+const WATCH: Duration = Duration::from_micros(200);
+
 /// Every copy in one launch of the batched copy kernel, waited for.
 fn kernel_copy(device: &'static Device, copies: &[(u64, u64, u64)]) -> Result<()> {
     let kernel = Kernel::on(device)?;
     let items = cut(copies, ITEM_BYTES, kernel.concurrency(&LaunchShape::default()));
     let bytes = std::mem::size_of_val::<[Item]>(&items);
-    static TABLES: PerGpu<Grown> = PerGpu::new();
+    static LAUNCHERS: PerGpu<Launcher> = PerGpu::new();
     // The wait stays inside: the table is not another caller's until the kernel is done.
-    TABLES.with(
+    LAUNCHERS.with(
         device,
-        || Ok(Grown::default()),
-        |table| {
-            let table = table.reserve(device, bytes as u64)?;
-            // `Item` is three u64s, `repr(C)`: its bytes are the table the kernel reads.
-            copy_sync(device, table.addr(), items.as_ptr() as u64, bytes)?;
-            kernel.launch(table.addr(), items.len())?;
-            let done = Event::new(device)?;
-            done.record(device)?;
-            done.synchronize()
+        || Ok(Launcher { table: Grown::default(), stream: Stream::new(device)?, done: Event::new(device)? }),
+        |l| {
+            let table = l.table.reserve(device, bytes as u64)?.addr();
+            device.bind()?;
+            // Queued ahead of the kernel on its stream, so it is in place when the kernel
+            // reads it; `items` outlives the wait below. `Item` is three u64s,
+            // `repr(C)`: its bytes are the table the kernel reads.
+            // SAFETY: the table holds `bytes`; the source is `items`.
+            unsafe { l.stream.copy(table, items.as_ptr() as u64, bytes)? };
+            // SAFETY: our own live stream on this kernel's GPU.
+            unsafe { kernel.launch_on(l.stream.raw(), table, items.len(), &LaunchShape::default())? };
+            l.stream.record(&l.done)?;
+            freight_core::poll::briefly(WATCH, || l.done.query().ok().filter(|&d| d));
+            l.done.synchronize()
         },
     )
 }

@@ -26,7 +26,7 @@ mod net;
 pub mod nic;
 mod outbox;
 mod peer;
-mod poll;
+pub mod poll;
 mod server;
 
 pub use agent::{Agent, AgentConfig, RemoteList, Request};

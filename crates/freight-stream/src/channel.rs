@@ -74,6 +74,11 @@ impl ChannelSender {
         &self.pipe
     }
 
+    /// Objects per batch.
+    pub fn batch_size(&self) -> usize {
+        self.batch_size
+    }
+
     /// Sends `objects` in batches of the channel's batch size. Keys must be unique
     /// within a call and not empty; the memory must stay unchanged until
     /// [`ChannelSender::flush`] returns. Returns the number of pipe messages used.

@@ -8,6 +8,11 @@
 //! GPU), which frees the buffer for the next objects at once; `get`, `contains` and
 //! `remove` work on that store while more objects stream in.
 //!
+//! A full batch of puts (the channel's batch size) goes out at once, without waiting
+//! for the commit: while the caller prepares the next objects (a cache engine gathering
+//! the next KV chunks) the last ones are already on their way. The commit sends the
+//! rest and waits.
+//!
 //! Each commit is timed in two parts: the transfer proper, and the time spent waiting
 //! for the receiver (for room in its buffer while sending, and for it to take the last
 //! objects). Pure transfer throughput is the commit's bytes over the first.
@@ -32,7 +37,8 @@ pub const DEFAULT_COMMIT_SIZE: usize = 128;
 pub struct CommitStats {
     pub objects: usize,
     pub bytes: u64,
-    /// Posting the writes and seeing them land, less the waits for room.
+    /// From posting the first writes (an early batch's, see the module) to seeing the
+    /// last land, less the waits for room.
     pub transfer: Duration,
     /// Waiting for room in the receiver's buffer, then for it to take the last objects.
     pub wait_receiver: Duration,
@@ -55,6 +61,10 @@ pub struct StoreSender {
     commit_size: usize,
     pending: Vec<Outgoing>,
     pending_keys: HashSet<String>,
+    /// How many of `pending` went out already, and when the first of them did (with the
+    /// credit wait counted until then), for the commit's figures.
+    sent: usize,
+    first_send: Option<(Instant, Duration)>,
 }
 
 impl StoreSender {
@@ -63,7 +73,14 @@ impl StoreSender {
         if commit_size == 0 {
             return Err(Error::InvalidArgument("the commit size must be at least 1".into()));
         }
-        Ok(StoreSender { channel, commit_size, pending: Vec::new(), pending_keys: HashSet::new() })
+        Ok(StoreSender {
+            channel,
+            commit_size,
+            pending: Vec::new(),
+            pending_keys: HashSet::new(),
+            sent: 0,
+            first_send: None,
+        })
     }
 
     /// Queues `object` for the receiver and commits once `commit_size` objects are
@@ -96,7 +113,21 @@ impl StoreSender {
         if self.pending.len() >= self.commit_size {
             return self.commit();
         }
+        if self.pending.len() - self.sent >= self.channel.batch_size() {
+            self.send_unsent()?;
+        }
         Ok(None)
+    }
+
+    /// Hands every queued object not sent yet to the channel (without waiting for it).
+    fn send_unsent(&mut self) -> Result<()> {
+        if self.sent == self.pending.len() {
+            return Ok(());
+        }
+        self.first_send.get_or_insert_with(|| (Instant::now(), self.channel.pipe().credit_wait()));
+        self.channel.send(&self.pending[self.sent..])?;
+        self.sent = self.pending.len();
+        Ok(())
     }
 
     /// Sends every queued object and waits until the receiver holds them all. `None`
@@ -106,15 +137,24 @@ impl StoreSender {
         if self.pending.is_empty() {
             return Ok(None);
         }
+        let committed = self.send_and_wait();
+        if committed.is_err() {
+            // A commit tried again sends every object again.
+            self.sent = 0;
+            self.first_send = None;
+        }
+        committed.map(Some)
+    }
+
+    fn send_and_wait(&mut self) -> Result<CommitStats> {
         let bytes = self.pending.iter().map(|o| o.local.len).sum();
-        let pipe = self.channel.pipe();
-        tracing::debug!(objects = self.pending.len(), bytes, "committing");
-        let started = Instant::now();
-        let waited_before = pipe.credit_wait();
-        self.channel.send(&self.pending)?;
+        tracing::debug!(objects = self.pending.len(), early = self.sent, bytes, "committing");
+        let (started, waited_before) =
+            self.first_send.unwrap_or_else(|| (Instant::now(), self.channel.pipe().credit_wait()));
+        self.send_unsent()?;
         self.channel.flush()?;
         let sent = Instant::now();
-        let room_wait = pipe.credit_wait().saturating_sub(waited_before);
+        let room_wait = self.channel.pipe().credit_wait().saturating_sub(waited_before);
         self.channel.drain()?;
         let drained = sent.elapsed();
         let stats = CommitStats {
@@ -134,7 +174,9 @@ impl StoreSender {
         );
         self.pending.clear();
         self.pending_keys.clear();
-        Ok(Some(stats))
+        self.sent = 0;
+        self.first_send = None;
+        Ok(stats)
     }
 
     pub fn pending(&self) -> usize {

@@ -104,6 +104,30 @@ fn a_key_put_again_replaces_the_object() {
 }
 
 #[test]
+fn a_full_batch_goes_out_before_its_commit() {
+    let (rx, tx) = (agent("st-early-rx", None), agent("st-early-tx", None));
+    // Batches of 16 (see `connect`), commits of 100.
+    let (store, mut sender) = connect(&rx, &tx, 1 << 20, None, 100);
+    let sizes = vec![5_000; 20];
+    let (_seg, objs) = objects(&tx, "e", &sizes);
+    for o in &objs {
+        assert!(sender.put(o.clone()).unwrap().is_none(), "no commit before 100 puts");
+    }
+    // The first 16 reach the receiver without a commit; the other 4 wait for one.
+    let early: Vec<String> = (0..16).map(|i| format!("e{i}")).collect();
+    store.wait_for(&early.iter().map(String::as_str).collect::<Vec<_>>(), WAIT).unwrap();
+    thread::sleep(Duration::from_millis(100));
+    assert_eq!(store.len(), 16, "only full batches go out early");
+    assert_eq!(sender.pending(), 20, "early batches stay queued until their commit");
+    let stats = sender.commit().unwrap().expect("a commit of 20");
+    assert_eq!((stats.objects, stats.bytes), (20, 100_000));
+    assert_eq!(store.len(), 20);
+    for (o, &len) in objs.iter().zip(&sizes) {
+        assert!(store.get(&o.key).unwrap().data.bytes().unwrap() == pattern(&o.key, len).as_slice());
+    }
+}
+
+#[test]
 fn a_full_store_fails_the_commit_and_keeps_what_it_holds() {
     let (rx, tx) = (agent("st-full-rx", None), agent("st-full-tx", None));
     let (store, mut sender) = connect(&rx, &tx, 64 << 10, Some(10_000), 2);
