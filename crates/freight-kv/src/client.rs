@@ -96,7 +96,7 @@ pub struct Client {
     pinned: Option<PinnedBuffer>,
     /// This client's copy stream per GPU: clients of one process copy side by side
     /// instead of queueing on a shared stream.
-    gpu_streams: Vec<(usize, cuda::driver::Stream)>,
+    gpu_streams: Vec<(usize, Arc<cuda::driver::Stream>)>,
     buffer: Arc<SharedSegment>,
     next_id: u64,
     timeout: Duration,
@@ -297,13 +297,15 @@ impl Client {
             self.pinned = Some(PinnedBuffer { addr: self.buffer.addr(), len: self.buffer_bytes() });
         }
         gpu.bind()?;
-        if !self.gpu_streams.iter().any(|(d, _)| *d == device) {
-            self.gpu_streams.push((device, cuda::driver::Stream::new(gpu)?));
-        }
-        let index = self.gpu_streams.iter().position(|(d, _)| *d == device).expect("just added");
-        // Taken out while the value is borrowed from the buffer (get_with needs `self`).
-        let (_, stream) = self.gpu_streams.swap_remove(index);
-        let copied = self.get_with(key, |value| {
+        let stream = match self.gpu_streams.iter().find(|(d, _)| *d == device) {
+            Some((_, s)) => s.clone(),
+            None => {
+                let s = Arc::new(cuda::driver::Stream::new(gpu)?);
+                self.gpu_streams.push((device, s.clone()));
+                s
+            }
+        };
+        self.get_with(key, |value| {
             if value.len() as u64 > capacity {
                 return Err(too_small(value.len() as u64, capacity));
             }
@@ -312,9 +314,8 @@ impl Client {
             unsafe { stream.copy(dst, value.as_ptr() as u64, value.len())? };
             stream.synchronize()?;
             Ok(value.len() as u64)
-        });
-        self.gpu_streams.push((device, stream));
-        copied?.transpose()
+        })?
+        .transpose()
     }
 
     /// Several values in one request: the buffer is shared out evenly between the keys,

@@ -168,22 +168,29 @@ impl ZeroCopySocket {
 fn send_more(sock: &TcpStream, mut bytes: &[u8]) -> io::Result<()> {
     while !bytes.is_empty() {
         // SAFETY: a valid socket and a live buffer of the given length.
-        let n = unsafe {
+        let n = retrying(|| unsafe {
             libc::send(sock.as_raw_fd(), bytes.as_ptr().cast(), bytes.len(), libc::MSG_MORE | libc::MSG_NOSIGNAL)
-        };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
+        })?;
         if n == 0 {
             return Err(io::Error::new(io::ErrorKind::WriteZero, "connection closed while writing"));
         }
-        bytes = &bytes[n as usize..];
+        bytes = &bytes[n..];
     }
     Ok(())
+}
+
+/// Runs a system call until it is not interrupted; its count, or the error.
+pub(super) fn retrying(mut call: impl FnMut() -> isize) -> io::Result<usize> {
+    loop {
+        let n = call();
+        if n >= 0 {
+            return Ok(n as usize);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
 }
 
 #[cfg(test)]

@@ -12,6 +12,8 @@ use std::io::{self, IoSlice};
 use std::net::TcpStream;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
+use super::retrying;
+
 /// The pipe's capacity we ask for: a 1 MiB chunk in one `vmsplice`/`splice` pair. The
 /// kernel's default limit for unprivileged users (`fs.pipe-max-size`) is 1 MiB.
 const PIPE_BYTES: libc::c_int = 1 << 20;
@@ -94,19 +96,5 @@ impl SplicePipe {
             }
         }
         Ok(())
-    }
-}
-
-/// Runs a system call until it is not interrupted; its count, or the error.
-fn retrying(mut call: impl FnMut() -> isize) -> io::Result<usize> {
-    loop {
-        let n = call();
-        if n >= 0 {
-            return Ok(n as usize);
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
-        }
     }
 }
