@@ -9,8 +9,9 @@
 # Results go to $OUT (default: build/gpu-results). SWEEP=1 also tries the copy kernel's
 # launch shapes (bench/gpu_sweep.py); QUICK=1 runs fewer iterations; STREAM=0 skips the
 # stream benchmarks (scripts/stream-bench.sh), ONLY=... picks some of them; P2P=0 skips
-# the two-GPU transfer benchmarks (for a one-GPU machine); TESTS=expr runs the GPU tests
-# that pytest -k expr selects.
+# the two-GPU transfer benchmarks (for a one-GPU machine); EP=0 skips the expert-parallel
+# benchmarks (run with 2 and 4 ranks where there are that many GPUs); TESTS=expr runs the
+# GPU tests that pytest -k expr selects.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-build/gpu-results}"
@@ -41,7 +42,7 @@ machine="${MACHINE:-$(nvidia-smi --query-gpu=name --format=csv,noheader | head -
 
 log "GPU tests"
 # The KV client's tests that need PyTorch or a large memory run here too.
-(cd tests && "$PY" -m pytest -q -rfs -p no:cacheprovider ${TESTS:+-k "$TESTS"} test_gpu.py \
+(cd tests && "$PY" -m pytest -q -rfs -p no:cacheprovider ${TESTS:+-k "$TESTS"} test_gpu.py test_ep.py \
     test_py_kv.py::test_torch_tensors_go_in_and_come_out_on_the_cpu_and_a_gpu \
     test_py_kv.py::test_a_value_larger_than_a_gigabyte_round_trips) 2>&1 | tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
@@ -65,6 +66,12 @@ if [ "${P2P:-1}" = 1 ]; then
         log "kernel launch shapes (SWEEP=1)"
         timeout 300 "$PY" bench/gpu_sweep.py --out "$OUT/sweep.json" --ceilings "$OUT/ceilings.json" ${QUICK:+--quick}
     fi
+fi
+
+if [ "${EP:-1}" = 1 ] && [ "$gpus" -ge 2 ]; then
+    log "expert parallelism beside NCCL"
+    timeout 900 "$PY" bench/ep.py --machine "$machine" --out "$OUT/ep.json" --freight "$PY -m freight" \
+        2>&1 | tee "$OUT/ep.log"
 fi
 
 if [ "${STREAM:-1}" = 1 ]; then
@@ -94,7 +101,7 @@ if [ "${KV:-1}" = 1 ]; then
 fi
 
 [ "${STREAM:-1}" = 1 ] && sed -n "/^. benchmark/,\$p" "$OUT/stream.log"
-for f in kv kv_gpu; do [ -f "$OUT/$f.log" ] && grep "^|" "$OUT/$f.log"; done
+for f in kv kv_gpu ep; do [ -f "$OUT/$f.log" ] && grep "^|" "$OUT/$f.log"; done
 if [ "${P2P:-1}" = 1 ]; then
     "$PY" bench/gpu_report.py --freight "$OUT/freight.json" ${nixl_json:+--nixl "$nixl_json"} \
         --ceilings "$OUT/ceilings.json" --out-md "$OUT/report.md" --plot "$OUT/gpu.png" --machine "$machine"

@@ -22,6 +22,8 @@ Main names:
   KV memory, GPU / host / remote tiers; see :mod:`freight.cache`);
 * :mod:`freight.kv` -- a KV cache server (``freight.kv.Server``, also ``freight serve``)
   and its client (``freight.kv.Client``): values by key, with TTLs and LRU eviction;
+* :mod:`freight.ep` -- MoE expert parallelism: dispatch and combine of tokens across
+  GPU ranks (needs PyTorch; imported on demand);
 * :class:`EtcdDirectory` -- metadata exchange through etcd;
 * :func:`inspect_metadata` -- what metadata bytes advertise (regions, addresses);
 * :func:`set_log_level` -- engine logs to stderr (or set ``FREIGHT_LOG``);

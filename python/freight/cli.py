@@ -19,9 +19,14 @@ def self_command() -> List[str]:
 def run(argv: Optional[Sequence[str]] = None) -> int:
     """Runs the CLI with ``argv`` (without the program name; default ``sys.argv[1:]``)
     and returns its exit status."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:2] == ["bench", "ep"]:
+        # Expert parallelism runs on PyTorch tensors: its benchmark lives in Python.
+        from . import ep_bench
+
+        return ep_bench.main(args[2:])
     from . import _native
 
-    args = list(sys.argv[1:] if argv is None else argv)
     return _native.cli_main(["freight", *args], self_command())
 
 

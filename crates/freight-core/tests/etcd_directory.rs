@@ -2,11 +2,7 @@
 //! Tests that need the server skip (with a visible note on stderr) when no etcd binary exists.
 #![cfg(feature = "etcd")]
 
-use std::io::Write;
 use std::net::TcpListener;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use freight_core::exchange::etcd::EtcdDirectory;
@@ -15,102 +11,13 @@ use freight_core::Error;
 const TIMEOUT: Duration = Duration::from_secs(2);
 const TTL: Duration = Duration::from_secs(10);
 
-/// A running etcd server; killed and its data dir removed on drop.
-struct Etcd {
-    child: Child,
-    dir: PathBuf,
-    endpoint: String,
-}
+#[path = "support/etcd.rs"]
+mod etcd_support;
+use etcd_support::{free_port, Etcd};
 
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-impl Etcd {
-    /// Starts etcd, or returns None (after saying so) when it is not installed.
-    fn start(test: &str) -> Option<Etcd> {
-        let Some(bin) = find_etcd() else {
-            // Straight to stderr: libtest captures eprintln! of passing tests.
-            let _ = writeln!(std::io::stderr(), "{test}: skipped: etcd not installed");
-            return None;
-        };
-        // Ports are found free and then released, so another process may grab one before
-        // etcd binds it; retry on a fresh pair in that case.
-        for _ in 0..3 {
-            if let Some(etcd) = Self::try_start(&bin) {
-                return Some(etcd);
-            }
-        }
-        panic!("etcd did not start; see the logs above");
-    }
-
-    fn try_start(bin: &Path) -> Option<Etcd> {
-        static SEQ: AtomicUsize = AtomicUsize::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "freight-etcd-test-{}-{}",
-            std::process::id(),
-            SEQ.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let (client, peer) = (free_port(), free_port());
-        let endpoint = format!("http://127.0.0.1:{client}");
-        let peer_url = format!("http://127.0.0.1:{peer}");
-        let log = std::fs::File::create(dir.join("etcd.log")).unwrap();
-        let child = Command::new(bin)
-            .arg("--data-dir")
-            .arg(dir.join("data"))
-            .args(["--listen-client-urls", &endpoint, "--advertise-client-urls", &endpoint])
-            .args(["--listen-peer-urls", &peer_url, "--initial-advertise-peer-urls", &peer_url])
-            .args(["--initial-cluster", &format!("default={peer_url}")])
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        let mut etcd = Etcd { child, dir, endpoint };
-
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if let Some(status) = etcd.child.try_wait().unwrap() {
-                let log = std::fs::read_to_string(etcd.dir.join("etcd.log")).unwrap_or_default();
-                eprintln!("etcd exited with {status}:\n{log}");
-                return None;
-            }
-            let probe = EtcdDirectory::connect(
-                std::slice::from_ref(&etcd.endpoint),
-                "/probe/",
-                TTL,
-                Duration::from_millis(500),
-            );
-            if probe.is_ok() {
-                return Some(etcd);
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        let _ = etcd.child.kill();
-        let log = std::fs::read_to_string(etcd.dir.join("etcd.log")).unwrap_or_default();
-        panic!("etcd at {} did not answer within 10 s:\n{log}", etcd.endpoint);
-    }
-
-    fn directory(&self, prefix: &str, ttl: Duration) -> EtcdDirectory {
-        EtcdDirectory::connect(std::slice::from_ref(&self.endpoint), prefix, ttl, TIMEOUT).unwrap()
-    }
-}
-
-fn find_etcd() -> Option<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain([PathBuf::from("/usr/bin"), PathBuf::from("/usr/local/bin")])
-        .map(|dir| dir.join("etcd"))
-        .find(|bin| bin.is_file())
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+/// A directory on `etcd` under `prefix`.
+fn directory(etcd: &Etcd, prefix: &str, ttl: Duration) -> EtcdDirectory {
+    EtcdDirectory::connect(&etcd.endpoints(), prefix, ttl, TIMEOUT).unwrap()
 }
 
 #[test]
@@ -118,9 +25,9 @@ fn publish_fetch_list_withdraw_roundtrip() {
     let Some(etcd) = Etcd::start("publish_fetch_list_withdraw_roundtrip") else {
         return;
     };
-    let dir = etcd.directory("/freight/roundtrip/", TTL);
+    let dir = directory(&etcd, "/freight/roundtrip/", TTL);
     // A second connection sees what the first publishes; the prefix gets its '/' added.
-    let other = etcd.directory("/freight/roundtrip", TTL);
+    let other = directory(&etcd, "/freight/roundtrip", TTL);
     assert_eq!(other.prefix(), "/freight/roundtrip/");
 
     assert_eq!(dir.list().unwrap(), Vec::<String>::new());
@@ -150,14 +57,14 @@ fn wait_for_sees_a_later_publish() {
     let Some(etcd) = Etcd::start("wait_for_sees_a_later_publish") else {
         return;
     };
-    let waiter = etcd.directory("/freight/wait/", TTL);
+    let waiter = directory(&etcd, "/freight/wait/", TTL);
 
     let started = Instant::now();
     let err = waiter.wait_for("nobody", Duration::from_millis(300)).unwrap_err();
     assert!(matches!(err, Error::Timeout(_)), "{err:?}");
     assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
 
-    let publisher = etcd.directory("/freight/wait/", TTL);
+    let publisher = directory(&etcd, "/freight/wait/", TTL);
     std::thread::scope(|s| {
         s.spawn(|| {
             std::thread::sleep(Duration::from_millis(400));
@@ -176,8 +83,8 @@ fn lease_expires_after_an_unrevoked_drop() {
     let Some(etcd) = Etcd::start("lease_expires_after_an_unrevoked_drop") else {
         return;
     };
-    let observer = etcd.directory("/freight/lease/", TTL);
-    let doomed = etcd.directory("/freight/lease/", Duration::from_secs(2));
+    let observer = directory(&etcd, "/freight/lease/", TTL);
+    let doomed = directory(&etcd, "/freight/lease/", Duration::from_secs(2));
     doomed.publish("ghost", b"boo").unwrap();
 
     // The keep-alive holds the entry well past the 2 s ttl.
@@ -233,7 +140,7 @@ fn invalid_arguments_are_rejected() {
     let Some(etcd) = Etcd::start("invalid_arguments_are_rejected") else {
         return;
     };
-    let dir = etcd.directory("/freight/names/", TTL);
+    let dir = directory(&etcd, "/freight/names/", TTL);
     let long = "x".repeat(257);
     for bad in ["", "a/b", "/", long.as_str()] {
         let invalid = |r: Result<(), Error>| matches!(r, Err(Error::InvalidArgument(_)));

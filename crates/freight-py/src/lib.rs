@@ -8,6 +8,7 @@ mod agent;
 mod cache;
 mod cli;
 mod descs;
+mod ep;
 mod errors;
 mod etcd;
 mod gpu;
@@ -43,6 +44,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<cache::PyCacheEngine>()?;
     m.add_class::<kv::PyKvServer>()?;
     m.add_class::<kv::PyKvClient>()?;
+    m.add_class::<ep::PyRankServer>()?;
+    m.add_class::<ep::PyGroup>()?;
+    m.add_class::<ep::PyBuffer>()?;
+    m.add_function(wrap_pyfunction!(ep::compile_ep_kernels, m)?)?;
     m.add_function(wrap_pyfunction!(logging::set_log_level, m)?)?;
     m.add_function(wrap_pyfunction!(logging::_init_logging_from_env, m)?)?;
     m.add_function(wrap_pyfunction!(cli::cli_main, m)?)?;

@@ -9,7 +9,7 @@ mod stream;
 
 use clap::Subcommand;
 
-use crate::args::CliResult;
+use crate::args::{CliError, CliResult};
 use crate::Context;
 
 #[derive(Debug, Subcommand)]
@@ -33,6 +33,14 @@ pub enum BenchCommand {
     /// retrieves them into its own KV memory.
     #[command(name = "cache-engine")]
     CacheEngine(Box<stream::StreamArgs>),
+    /// MoE expert parallelism: dispatch/combine across GPU ranks beside an NCCL
+    /// all_to_all baseline. Runs on PyTorch, so the Python package implements it
+    /// (`freight bench ep --help` from the installed `freight` command).
+    #[command(disable_help_flag = true)]
+    Ep {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
+        args: Vec<String>,
+    },
 }
 
 pub fn run(cmd: &BenchCommand, ctx: &Context) -> CliResult<()> {
@@ -43,5 +51,8 @@ pub fn run(cmd: &BenchCommand, ctx: &Context) -> CliResult<()> {
         BenchCommand::Channel(a) => stream::run(stream::Product::Channel, a, ctx),
         BenchCommand::Storage(a) => stream::run(stream::Product::Storage, a, ctx),
         BenchCommand::CacheEngine(a) => stream::run(stream::Product::CacheEngine, a, ctx),
+        BenchCommand::Ep { .. } => Err(CliError::usage(
+            "freight bench ep runs through the Python package: start it as `freight bench ep` or `python -m freight bench ep`",
+        )),
     }
 }

@@ -17,14 +17,14 @@
 //! mapping: it pushes for a WRITE and pulls for a READ.
 
 use std::collections::HashMap;
-use std::ffi::{c_void, CStr, CString};
+use std::ffi::c_void;
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::sys as cu;
-use cudarc::nvrtc::sys as nvrtc;
 use parking_lot::Mutex;
 
-use super::driver::{check, Device};
+use super::driver::Device;
+use super::nvrtc::{self, Function, Module};
 use crate::error::{Error, Result};
 
 /// Default longest work item: small enough that a few large copies still spread over
@@ -287,67 +287,6 @@ pub fn cut(copies: &[(u64, u64, u64)], item_bytes: u64, workers: usize) -> Vec<I
     items_of(copies, item_size_for(copies, item_bytes, workers))
 }
 
-/// NVRTC, loaded on first use. Wheels of NVRTC (PyPI's nvidia-cuda-nvrtc) live outside
-/// the loader's search path, so `FREIGHT_NVRTC` (a library file) and the folders in
-/// `FREIGHT_CUDA_LIB_DIRS` are tried first: loading a library by path makes it
-/// resolvable by its soname afterwards.
-fn nvrtc_init() -> Result<()> {
-    static STATE: OnceLock<std::result::Result<(), String>> = OnceLock::new();
-    STATE
-        .get_or_init(|| {
-            for path in nvrtc_candidates() {
-                // SAFETY: loading a shared library; it stays loaded for the process.
-                if let Ok(lib) = unsafe { libloading::Library::new(&path) } {
-                    tracing::debug!(path = %path.display(), "loaded NVRTC");
-                    std::mem::forget(lib);
-                    break;
-                }
-            }
-            // SAFETY: probing for the library has no side effects beyond dlopen.
-            if unsafe { nvrtc::is_culib_present() } {
-                Ok(())
-            } else {
-                Err("NVRTC (libnvrtc.so) is not installed; set FREIGHT_NVRTC to its path".into())
-            }
-        })
-        .clone()
-        .map_err(|why| Error::TransportUnavailable(format!("cannot compile GPU kernels: {why}")))
-}
-
-fn nvrtc_candidates() -> Vec<std::path::PathBuf> {
-    let mut out = Vec::new();
-    if let Some(p) = std::env::var_os("FREIGHT_NVRTC") {
-        out.push(p.into());
-    }
-    let mut dirs: Vec<std::path::PathBuf> =
-        std::env::var_os("FREIGHT_CUDA_LIB_DIRS").map(|v| std::env::split_paths(&v).collect()).unwrap_or_default();
-    for var in ["CUDA_HOME", "CUDA_PATH"] {
-        if let Some(home) = std::env::var_os(var) {
-            dirs.push(std::path::PathBuf::from(home).join("lib64"));
-        }
-    }
-    dirs.push("/usr/local/cuda/lib64".into());
-    for dir in dirs {
-        let Ok(entries) = std::fs::read_dir(&dir) else { continue };
-        let mut libs: Vec<_> = entries
-            .flatten()
-            .map(|e| e.path())
-            .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("libnvrtc.so")))
-            .collect();
-        libs.sort();
-        out.extend(libs);
-    }
-    out
-}
-
-fn nvrtc_check(r: nvrtc::nvrtcResult, call: &'static str) -> Result<()> {
-    if r == nvrtc::nvrtcResult::NVRTC_SUCCESS {
-        Ok(())
-    } else {
-        Err(Error::Cuda { call: call.into(), code: format!("{r:?}") })
-    }
-}
-
 /// Compiles the kernels for one architecture ("sm_90") into a cubin. Needs NVRTC only,
 /// no GPU: this is also the compile check that runs where there is none.
 pub fn compile(arch: &str) -> Result<Vec<u8>> {
@@ -356,114 +295,44 @@ pub fn compile(arch: &str) -> Result<Vec<u8>> {
 
 /// Compiles with `extra` NVRTC options; returns the cubin and the compiler's log.
 fn build(arch: &str, extra: &[&str]) -> Result<(Vec<u8>, String)> {
-    nvrtc_init()?;
-    let src = CString::new(SOURCE).expect("no NUL in the source");
-    let name = CString::new("freight_copy.cu").expect("no NUL");
-    let options: Vec<CString> = [format!("--gpu-architecture={arch}"), "--std=c++17".into(), "-lineinfo".into()]
-        .into_iter()
-        .chain(extra.iter().map(|o| o.to_string()))
-        .map(|o| CString::new(o).expect("no NUL"))
-        .collect();
-    let option_ptrs: Vec<*const std::ffi::c_char> = options.iter().map(|o| o.as_ptr()).collect();
-    let mut prog = std::ptr::null_mut();
-    // SAFETY: NUL-terminated inputs that outlive the calls; the program is destroyed
-    // before returning.
-    unsafe {
-        nvrtc_check(
-            nvrtc::nvrtcCreateProgram(&mut prog, src.as_ptr(), name.as_ptr(), 0, std::ptr::null(), std::ptr::null()),
-            "nvrtcCreateProgram",
-        )?;
-        let compiled = nvrtc::nvrtcCompileProgram(prog, option_ptrs.len() as i32, option_ptrs.as_ptr());
-        let mut size = 0;
-        nvrtc::nvrtcGetProgramLogSize(prog, &mut size);
-        let mut log = vec![0u8; size.max(1)];
-        nvrtc::nvrtcGetProgramLog(prog, log.as_mut_ptr().cast());
-        let log = CStr::from_bytes_until_nul(&log).map(|c| c.to_string_lossy().into_owned()).unwrap_or_default();
-        let result = if compiled == nvrtc::nvrtcResult::NVRTC_SUCCESS {
-            let mut size = 0;
-            nvrtc_check(nvrtc::nvrtcGetCUBINSize(prog, &mut size), "nvrtcGetCUBINSize").and_then(|_| {
-                let mut cubin = vec![0u8; size];
-                nvrtc_check(nvrtc::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast()), "nvrtcGetCUBIN").map(|_| cubin)
-            })
-        } else {
-            Err(Error::Cuda { call: "nvrtcCompileProgram".into(), code: format!("{compiled:?} for {arch}: {log}") })
-        };
-        nvrtc::nvrtcDestroyProgram(&mut prog);
-        result.map(|cubin| (cubin, log))
-    }
+    nvrtc::compile("freight_copy.cu", SOURCE, arch, extra)
 }
 
 /// The kernels loaded on one GPU.
 pub struct Kernel {
     /// By [`KernelMode`].
-    functions: [cu::CUfunction; 2],
+    functions: [Function; 2],
     /// Blocks an SM holds at once, by mode and by entry of [`THREADS`] (the registers
     /// each thread needs decide it).
     resident: [[u32; THREADS.len()]; 2],
     device: &'static Device,
 }
 
-// SAFETY: a function handle is valid in its context from any thread.
-unsafe impl Send for Kernel {}
-unsafe impl Sync for Kernel {}
-
 impl Kernel {
     /// The kernels on `device`: compiled once per architecture, loaded once per GPU.
     pub fn on(device: &'static Device) -> Result<Arc<Kernel>> {
-        static CUBINS: OnceLock<Mutex<HashMap<String, Arc<Vec<u8>>>>> = OnceLock::new();
         static LOADED: OnceLock<Mutex<HashMap<usize, Arc<Kernel>>>> = OnceLock::new();
         let loaded = LOADED.get_or_init(Default::default);
         if let Some(k) = loaded.lock().get(&device.ordinal) {
             return Ok(k.clone());
         }
-        let (major, minor) = device.compute_capability;
-        let arch = format!("sm_{major}{minor}");
-        let cubin = {
-            let mut cubins = CUBINS.get_or_init(Default::default).lock();
-            match cubins.get(&arch) {
-                Some(c) => c.clone(),
-                None => {
-                    let t = std::time::Instant::now();
-                    let c = Arc::new(compile(&arch)?);
-                    tracing::info!(%arch, bytes = c.len(), ms = t.elapsed().as_millis() as u64, "compiled the copy kernels");
-                    cubins.insert(arch.clone(), c.clone());
-                    c
-                }
-            }
-        };
-        device.bind()?;
-        let mut module = std::ptr::null_mut();
-        // SAFETY: a cubin NVRTC produced for this architecture; the module is kept for
-        // the life of the process.
-        check(unsafe { cu::cuModuleLoadData(&mut module, cubin.as_ptr() as *const c_void) }, "cuModuleLoadData")?;
-        let mut functions = [std::ptr::null_mut(); 2];
+        let module = Module::cached(device, "freight_copy.cu", SOURCE)?;
+        let functions = [
+            module.function(KernelMode::ALL[0].function_name())?,
+            module.function(KernelMode::ALL[1].function_name())?,
+        ];
         let mut resident = [[0; THREADS.len()]; 2];
         for mode in KernelMode::ALL {
-            let name = CString::new(mode.function_name()).expect("no NUL");
-            let f = &mut functions[mode.index()];
-            // SAFETY: out-pointer to a local; the name is NUL-terminated.
-            check(unsafe { cu::cuModuleGetFunction(f, module, name.as_ptr()) }, "cuModuleGetFunction")?;
+            let f = &functions[mode.index()];
             for (slot, &threads) in resident[mode.index()].iter_mut().zip(&THREADS) {
-                let mut n = 0;
-                // SAFETY: out-pointer to a local; a loaded function.
-                check(
-                    unsafe { cu::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut n, *f, threads as i32, 0) },
-                    "cuOccupancyMaxActiveBlocksPerMultiprocessor",
-                )?;
-                *slot = n.max(0) as u32;
+                *slot = f.resident_per_sm(threads, 0)?;
             }
-            let attr = |a: cu::CUfunction_attribute| {
-                let mut v = 0;
-                // SAFETY: out-pointer to a local; a loaded function.
-                unsafe { cu::cuFuncGetAttribute(&mut v, a, *f) };
-                v
-            };
             use cu::CUfunction_attribute as A;
             tracing::debug!(
                 gpu = device.ordinal,
                 mode = mode.as_str(),
-                registers = attr(A::CU_FUNC_ATTRIBUTE_NUM_REGS),
-                spilled_bytes = attr(A::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES),
+                registers = f.attribute(A::CU_FUNC_ATTRIBUTE_NUM_REGS),
+                spilled_bytes = f.attribute(A::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES),
                 resident_blocks_per_sm = ?resident[mode.index()],
                 threads = ?THREADS,
                 "loaded a copy kernel"
@@ -505,28 +374,10 @@ impl Kernel {
         let grid = grid_size(count, shape, self.device.multiprocessors, self.resident_per_sm(shape));
         let (mut table, mut count) = (table, count as u64);
         let mut params: [*mut c_void; 2] = [(&mut table as *mut u64).cast(), (&mut count as *mut u64).cast()];
-        self.device.bind()?;
         // SAFETY: the parameters match the kernels' signature; the table holds `count`
         // items whose ranges the plan bounds-checked; the shape's block size is within
-        // the kernels' launch bounds.
-        check(
-            unsafe {
-                cu::cuLaunchKernel(
-                    self.functions[shape.mode.index()],
-                    grid,
-                    1,
-                    1,
-                    shape.threads,
-                    1,
-                    1,
-                    0,
-                    stream,
-                    params.as_mut_ptr(),
-                    std::ptr::null_mut(),
-                )
-            },
-            "cuLaunchKernel",
-        )
+        // the kernels' launch bounds; the caller vouches for the stream.
+        unsafe { self.functions[shape.mode.index()].launch(stream, grid, shape.threads, &mut params) }
     }
 }
 
@@ -627,7 +478,7 @@ mod tests {
     /// copy loops must fit without spilling to local memory.
     #[test]
     fn the_kernels_compile_for_hopper_and_ampere_without_spills() {
-        if let Err(e) = nvrtc_init() {
+        if let Err(e) = nvrtc::init() {
             eprintln!("SKIPPED: {e}");
             return;
         }

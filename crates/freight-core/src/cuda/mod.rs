@@ -3,6 +3,7 @@
 //! where one is present. Nothing here links against CUDA.
 //!
 //! - [`driver`]: loading, typed errors, devices and their primary contexts, streams, events.
+//! - [`nvrtc`]: compiling CUDA C++ at run time and loading the result, once per GPU.
 //! - [`kernel`]: the batched copy kernel, compiled by NVRTC once per GPU architecture.
 //! - [`ipc`]: exporting device memory to same-host peers and opening theirs.
 //! - [`pinned`]: page-locking host memory so that GPUs can reach it at PCIe speed.
@@ -14,6 +15,7 @@ pub mod completion;
 pub mod driver;
 pub mod ipc;
 pub mod kernel;
+pub mod nvrtc;
 pub mod pinned;
 
 pub use driver::{available, unavailable_reason, Device};

@@ -1,0 +1,661 @@
+//! One rank's expert-parallel buffer: its workspace (exported to the other ranks of the
+//! host by CUDA IPC), the peers' workspaces mapped here, scratch space, and the calls
+//! that queue dispatch and combine on the caller's stream.
+//!
+//! Dispatch takes two calls because its output size is known only once every rank's
+//! rows are in: [`Buffer::dispatch_begin`] lays the tokens out, sends them, numbers what
+//! arrived and returns the counts (the one host synchronisation); the caller allocates
+//! the outputs; [`Buffer::dispatch_finish`] fills them. In low-latency mode
+//! ([`Buffer::dispatch_low_latency`]) the outputs are sized for the most any dispatch
+//! delivers, so one call queues everything and nothing waits for the GPU: a CUDA graph
+//! can capture it. Combine is one call and does not synchronise; a failure it meets
+//! shows at the next call that waits, or at [`Buffer::check`].
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::sys as cu;
+use freight_core::cuda::bounce::PinnedBuffer;
+use freight_core::cuda::driver::{check, Device, DeviceBuffer};
+use freight_core::cuda::ipc::{self, ImportCache, Imported};
+use freight_core::memory::GpuLocation;
+use freight_core::metadata::HostIdentity;
+use freight_core::{Error, Result};
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+
+use crate::kernels::{
+    fp8_row_bytes, CombineArgs, Control, DispatchInputs, DispatchOutputs, Kernels, PlanScratch, Site, FP8_GROUP,
+};
+use crate::layout::{Config, Shape};
+use crate::rendezvous::Group;
+use crate::status;
+
+/// What each rank tells the others when a buffer is created.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Announcement {
+    rank: usize,
+    host: HostIdentity,
+    workspace: GpuLocation,
+    /// Where the workspace starts (its allocation may begin earlier).
+    workspace_addr: u64,
+    workspace_bytes: u64,
+}
+
+/// The host-memory words the kernels and the host share: the status word, the abort
+/// word (a dead rank's number plus one), the input word (what was wrong with the
+/// caller's routing), then the counts dispatch publishes (per source rank, then per
+/// local expert).
+struct HostWords {
+    memory: PinnedBuffer,
+}
+
+// SAFETY: the words are read and written with volatile accesses; their meaning is
+// settled by the protocol (the kernels write counts before the host reads them after a
+// synchronisation; status and abort are single words).
+unsafe impl Sync for HostWords {}
+unsafe impl Send for HostWords {}
+
+impl HostWords {
+    const STATUS: usize = 0;
+    const ABORT: usize = 1;
+    const INPUT: usize = 2;
+    const COUNTS: usize = 32;
+
+    fn new(device: &Device, counts: usize) -> Result<HostWords> {
+        let memory = PinnedBuffer::new(device, Self::COUNTS + counts * 4)?;
+        // SAFETY: freshly allocated, large enough, not yet shared.
+        unsafe { std::ptr::write_bytes(memory.as_ptr(), 0, memory.len()) };
+        Ok(HostWords { memory })
+    }
+
+    fn word(&self, index: usize) -> *mut u64 {
+        // SAFETY: within the allocation (index 0 or 1).
+        unsafe { (self.memory.as_ptr() as *mut u64).add(index) }
+    }
+
+    fn address(&self, byte_offset: usize) -> u64 {
+        self.memory.as_ptr() as u64 + byte_offset as u64
+    }
+
+    fn status(&self) -> u64 {
+        // SAFETY: an aligned word of live pinned memory.
+        unsafe { std::ptr::read_volatile(self.word(Self::STATUS)) }
+    }
+
+    /// Takes what the layout kernel found wrong with the routing, leaving the word clear.
+    fn take_input_error(&self) -> Option<Error> {
+        // SAFETY: an aligned word of live pinned memory; no kernel is running (the
+        // caller synchronised).
+        let word = unsafe { std::ptr::replace(self.word(Self::INPUT), 0) };
+        status::decode(word, 0.0)
+    }
+
+    fn abort(&self, dead_rank: usize) {
+        // SAFETY: as above; kernels only read it.
+        unsafe { std::ptr::write_volatile(self.word(Self::ABORT), dead_rank as u64 + 1) };
+    }
+
+    fn count(&self, index: usize) -> usize {
+        // SAFETY: within the allocation; written by a kernel the caller synchronised with.
+        unsafe { std::ptr::read_volatile((self.memory.as_ptr().add(Self::COUNTS) as *const i32).add(index)) as usize }
+    }
+}
+
+/// Scratch space on the GPU, carved out of one allocation.
+struct Scratch {
+    _memory: DeviceBuffer,
+    send_count: u64,
+    expert_count_global: u64,
+    plan: PlanScratch,
+    /// The last dispatch and combine completed (two u64; see kernels.cu).
+    epochs: u64,
+    /// The device copy of the status word.
+    failed: u64,
+    /// Where tokens are quantized to fp8 before they are sent (0 when the hidden size
+    /// does not allow fp8).
+    fp8_staging: u64,
+    /// One "blocks finished" counter per signalling kernel.
+    done: u64,
+}
+
+/// fp8 needs whole groups of channels, and scales that keep rows 16-byte aligned.
+fn fp8_allowed(hidden: usize) -> bool {
+    hidden.is_multiple_of(FP8_GROUP * 4)
+}
+
+impl Scratch {
+    fn new(device: &'static Device, config: &Config) -> Result<Scratch> {
+        let words = |n: usize| (n * 4).div_ceil(256) as u64 * 256;
+        let sizes = [
+            words(config.ranks),
+            words(config.ranks),
+            words(config.num_experts()),
+            words(config.local_experts),
+            words(config.local_experts * config.ranks * config.max_tokens),
+            words(4),
+            words(4),
+            words(2),
+            if fp8_allowed(config.hidden) { fp8_row_bytes(config.hidden) * config.max_tokens as u64 } else { 0 },
+        ];
+        let memory = DeviceBuffer::alloc(device, sizes.iter().sum::<u64>() as usize)?;
+        device.bind()?;
+        // SAFETY: our own allocation; the counters must start at zero.
+        check(unsafe { cu::cuMemsetD8_v2(memory.addr(), 0, memory.len()) }, "cuMemsetD8")?;
+        let mut at = memory.addr();
+        let mut next = |size: u64| {
+            let here = at;
+            at += size;
+            here
+        };
+        let send_count = next(sizes[0]);
+        let recv_count = next(sizes[1]);
+        let expert_count_global = next(sizes[2]);
+        let expert_count = next(sizes[3]);
+        let expert_pos = next(sizes[4]);
+        Ok(Scratch {
+            send_count,
+            expert_count_global,
+            plan: PlanScratch { recv_count, expert_pos, expert_count },
+            epochs: next(sizes[5]),
+            done: next(sizes[6]),
+            failed: next(sizes[7]),
+            fp8_staging: if sizes[8] > 0 { next(sizes[8]) } else { 0 },
+            _memory: memory,
+        })
+    }
+
+    fn done(&self, kernel: u64) -> u64 {
+        self.done + 4 * kernel
+    }
+}
+
+/// What [`Buffer::dispatch_begin`] learnt: rows received from each rank, and pairs
+/// (token, expert) for each local expert.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DispatchCounts {
+    pub per_source_rank: Vec<usize>,
+    pub per_local_expert: Vec<usize>,
+}
+
+impl DispatchCounts {
+    pub fn received_rows(&self) -> usize {
+        self.per_source_rank.iter().sum()
+    }
+
+    pub fn received_pairs(&self) -> usize {
+        self.per_local_expert.iter().sum()
+    }
+}
+
+/// Where a dispatch stands: begun (counts known, outputs not yet filled) or idle.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Phase {
+    Idle,
+    /// `input`: what the caller's routing got wrong (the bad choices were dropped so
+    /// that every rank completes the dispatch); raised once it is complete.
+    /// `row_bytes`: of the rows sent (bf16 or fp8).
+    Begun {
+        received: usize,
+        input: Option<Error>,
+        row_bytes: u64,
+    },
+}
+
+pub struct Buffer {
+    config: Config,
+    shape: Shape,
+    device: &'static Device,
+    group: Arc<dyn Group>,
+    kernels: Arc<Kernels>,
+    workspace: DeviceBuffer,
+    /// The other ranks' workspaces, mapped here; kept open for the buffer's life.
+    _imports: Vec<Arc<Imported>>,
+    _cache: ImportCache,
+    /// Where each rank's workspace is mapped here (ours included), as the kernels read it.
+    peers: DeviceBuffer,
+    scratch: Scratch,
+    host: Arc<HostWords>,
+    control: Control,
+    timeout: Duration,
+    state: Mutex<State>,
+    event: cu::CUevent,
+}
+
+struct State {
+    phase: Phase,
+    /// Set once a kernel gave up: the epochs no longer agree between ranks.
+    broken: Option<Error>,
+}
+
+// SAFETY: the event is a driver handle usable from any thread; mutable state is behind
+// the mutex.
+unsafe impl Send for Buffer {}
+unsafe impl Sync for Buffer {}
+
+impl Buffer {
+    /// Creates this rank's buffer on GPU `device` and connects it to every other rank of
+    /// `group` (a collective: every rank must call it). All ranks must be on this host.
+    pub fn new(group: Arc<dyn Group>, device: usize, mut config: Config, timeout: Duration) -> Result<Buffer> {
+        config.rank = group.rank();
+        config.ranks = group.world();
+        let shape = Shape::of(&config)?;
+        let device = Device::get(device)?;
+        let kernels = Kernels::on(device)?;
+        let workspace = DeviceBuffer::alloc(device, shape.workspace_bytes() as usize)?;
+        device.bind()?;
+        // SAFETY: our own allocation; the signal words must start at zero (epoch 0).
+        check(unsafe { cu::cuMemsetD8_v2(workspace.addr(), 0, shape.signal_bytes() as usize) }, "cuMemsetD8")?;
+        let me = Announcement {
+            rank: config.rank,
+            host: HostIdentity::current(),
+            workspace: ipc::export(device, workspace.addr(), workspace.len() as u64)?,
+            workspace_addr: workspace.addr(),
+            workspace_bytes: shape.workspace_bytes(),
+        };
+        let blob = serde_json::to_vec(&me).map_err(|e| Error::Metadata(e.to_string()))?;
+        let blobs = group.all_gather(&blob, timeout)?;
+        let cache = ImportCache::default();
+        let mut imports = Vec::new();
+        let mut addresses = Vec::with_capacity(config.ranks);
+        for (rank, blob) in blobs.iter().enumerate() {
+            let peer: Announcement = serde_json::from_slice(blob).map_err(|e| {
+                Error::Metadata(format!("rank {rank} announced its buffer in a form not understood: {e}"))
+            })?;
+            if peer.rank != rank || peer.workspace_bytes != shape.workspace_bytes() {
+                return Err(Error::InvalidArgument(format!(
+                    "rank {rank} made its buffer with another configuration ({} workspace bytes, {} here): every rank must pass the same hidden size, max tokens, topk and experts per rank",
+                    peer.workspace_bytes,
+                    shape.workspace_bytes()
+                )));
+            }
+            if rank == config.rank {
+                addresses.push(workspace.addr());
+                continue;
+            }
+            if !peer.host.same_host(&me.host) {
+                return Err(Error::TransportUnavailable(format!(
+                    "rank {rank} runs on host '{}': the ipc data plane needs every rank on this host",
+                    peer.host.hostname
+                )));
+            }
+            let mapped = cache.open(device, &peer.workspace)?;
+            addresses.push(mapped.base + (peer.workspace_addr - peer.workspace.alloc_base));
+            imports.push(mapped);
+        }
+        let peers = DeviceBuffer::upload(device, &addresses.iter().flat_map(|a| a.to_le_bytes()).collect::<Vec<u8>>())?;
+        let scratch = Scratch::new(device, &config)?;
+        let host = Arc::new(HostWords::new(device, config.ranks + config.local_experts)?);
+        let control = Control {
+            status: host.address(HostWords::STATUS * 8),
+            abort: host.address(HostWords::ABORT * 8),
+            input: host.address(HostWords::INPUT * 8),
+            failed: scratch.failed,
+            timeout_ns: timeout.as_nanos().min(u64::MAX as u128) as u64,
+        };
+        let watched = host.clone();
+        group.on_dead(Box::new(move |rank, reason| {
+            tracing::warn!(rank, reason, "an expert-parallel rank died; aborting this rank's waits");
+            watched.abort(rank);
+        }));
+        let mut event = std::ptr::null_mut();
+        // SAFETY: out-pointer to a local; the device's context is current.
+        check(
+            unsafe { cu::cuEventCreate(&mut event, cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32) },
+            "cuEventCreate",
+        )?;
+        // Nobody writes into a peer before every peer has mapped everyone.
+        group.barrier(timeout)?;
+        tracing::info!(
+            rank = config.rank,
+            ranks = config.ranks,
+            gpu = device.ordinal,
+            workspace_mib = shape.workspace_bytes() >> 20,
+            "expert-parallel buffer ready"
+        );
+        Ok(Buffer {
+            config,
+            shape,
+            device,
+            group,
+            kernels,
+            workspace,
+            _imports: imports,
+            _cache: cache,
+            peers,
+            scratch,
+            host,
+            control,
+            timeout,
+            state: Mutex::new(State { phase: Phase::Idle, broken: None }),
+            event,
+        })
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub fn device(&self) -> &'static Device {
+        self.device
+    }
+
+    pub fn group(&self) -> &Arc<dyn Group> {
+        &self.group
+    }
+
+    /// The error a kernel recorded, if any (does not wait for the GPU). Once one is
+    /// recorded the buffer is broken: every later call fails with it.
+    pub fn check(&self) -> Result<()> {
+        let mut state = self.state.lock();
+        self.check_locked(&mut state)
+    }
+
+    fn check_locked(&self, state: &mut State) -> Result<()> {
+        if let Some(e) = &state.broken {
+            return Err(e.clone());
+        }
+        if let Some(e) = status::decode(self.host.status(), self.timeout.as_secs_f64()) {
+            state.broken = Some(e.clone());
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Waits until the work queued on `stream` so far is done (polls briefly, then
+    /// sleeps in the driver), then checks the status word.
+    fn wait(&self, stream: cu::CUstream, state: &mut State) -> Result<()> {
+        // SAFETY: our event; the caller's live stream.
+        check(unsafe { cu::cuEventRecord(self.event, stream) }, "cuEventRecord")?;
+        let query = || {
+            // SAFETY: our event.
+            match unsafe { cu::cuEventQuery(self.event) } {
+                cu::CUresult::CUDA_ERROR_NOT_READY => None,
+                other => Some(other),
+            }
+        };
+        let result = match freight_core::poll::briefly(Duration::from_millis(2), query) {
+            Some(r) => r,
+            // SAFETY: our event.
+            None => unsafe { cu::cuEventSynchronize(self.event) },
+        };
+        check(result, "waiting for expert-parallel kernels")?;
+        self.check_locked(state)
+    }
+
+    /// What every launch on `stream` shares.
+    fn site(&self, stream: cu::CUstream) -> Site<'_> {
+        Site {
+            stream,
+            shape: &self.shape,
+            peers: self.peers.addr(),
+            own: self.workspace.addr(),
+            epochs: self.scratch.epochs,
+            control: &self.control,
+        }
+    }
+
+    fn tokens_within_limit(&self, tokens: usize) -> Result<i32> {
+        if tokens > self.config.max_tokens {
+            return Err(Error::InvalidArgument(format!(
+                "{tokens} tokens, but this buffer was made for at most {} per call",
+                self.config.max_tokens
+            )));
+        }
+        Ok(tokens as i32)
+    }
+
+    /// Computes the layout of `tokens` tokens' choices (`topk_idx`, i64 `[tokens,
+    /// topk]`, -1 for none) into caller memory: `slot` (i32 `[tokens, ranks]`: the row
+    /// each token takes among those sent to each rank, -1 where it is not sent),
+    /// `send_count` (i32 `[ranks]`) and `expert_count` (i32 `[experts]`). Waits for it,
+    /// so bad indices raise here.
+    ///
+    /// # Safety
+    ///
+    /// The addresses are device memory of this GPU of the sizes above; `stream` is a live
+    /// stream of the GPU.
+    pub unsafe fn layout(
+        &self,
+        stream: cu::CUstream,
+        topk_idx: u64,
+        tokens: usize,
+        slot: u64,
+        send_count: u64,
+        expert_count: u64,
+    ) -> Result<()> {
+        let mut state = self.state.lock();
+        self.check_locked(&mut state)?;
+        let inputs = DispatchInputs {
+            x: 0,
+            row_bytes: self.shape.row_bytes,
+            topk_idx,
+            topk_weights: 0,
+            tokens: self.tokens_within_limit(tokens)?,
+            slot,
+        };
+        // SAFETY: as the caller promises.
+        unsafe { self.kernels.layout(&self.site(stream), &inputs, send_count, expert_count)? };
+        self.wait(stream, &mut state)?;
+        self.host.take_input_error().map_or(Ok(()), Err)
+    }
+
+    /// First half of a dispatch: lays out `x` (bf16 `[tokens, hidden]`) by `topk_idx`
+    /// (i64 `[tokens, topk]`) and `topk_weights` (f32 `[tokens, topk]`), writes `slot`
+    /// (i32 `[tokens, ranks]`, kept for combine), sends every token to the ranks of its
+    /// experts, waits for every rank's tokens and returns what arrived.
+    ///
+    /// # Safety
+    ///
+    /// As [`Buffer::layout`]; `x` and the weights are device memory of the sizes above.
+    pub unsafe fn dispatch_begin(&self, stream: cu::CUstream, inputs: &DispatchInputs) -> Result<DispatchCounts> {
+        let mut state = self.state.lock();
+        self.idle(&mut state, inputs)?;
+        // SAFETY: as the caller promises.
+        let sent = unsafe { self.send(stream, inputs, self.host.address(HostWords::COUNTS))? };
+        self.wait(stream, &mut state)?;
+        let counts = DispatchCounts {
+            per_source_rank: (0..self.config.ranks).map(|r| self.host.count(r)).collect(),
+            per_local_expert: (0..self.config.local_experts).map(|e| self.host.count(self.config.ranks + e)).collect(),
+        };
+        let input = self.host.take_input_error();
+        state.phase = Phase::Begun { received: counts.received_rows(), input, row_bytes: sent.row_bytes };
+        Ok(counts)
+    }
+
+    /// Checks that no failure was recorded, no dispatch is half done, and `inputs` hold
+    /// no more tokens than the buffer was made for.
+    fn idle(&self, state: &mut State, inputs: &DispatchInputs) -> Result<()> {
+        self.check_locked(state)?;
+        if state.phase != Phase::Idle {
+            return Err(Error::InvalidState(
+                "a dispatch was begun and not finished; call dispatch_finish first".into(),
+            ));
+        }
+        self.tokens_within_limit(inputs.tokens.max(0) as usize)?;
+        let bf16 = self.shape.row_bytes;
+        let fp8 = fp8_row_bytes(self.config.hidden);
+        if inputs.row_bytes != bf16 && (inputs.row_bytes != fp8 || !self.fp8_available()) {
+            let or_fp8 = if self.fp8_available() { format!(" or fp8 rows ({fp8} bytes)") } else { String::new() };
+            return Err(Error::InvalidArgument(format!(
+                "rows of {} bytes: this buffer sends bf16 rows ({bf16} bytes){or_fp8}",
+                inputs.row_bytes
+            )));
+        }
+        Ok(())
+    }
+
+    /// Whether dispatch can send fp8 (hidden a multiple of 512).
+    pub fn fp8_available(&self) -> bool {
+        self.scratch.fp8_staging != 0
+    }
+
+    /// Bytes of a dispatched row, and how many of them are the token's values (the rest
+    /// are its fp8 scales).
+    pub fn row_bytes(&self, fp8: bool) -> (u64, u64) {
+        if fp8 {
+            (fp8_row_bytes(self.config.hidden), self.config.hidden as u64)
+        } else {
+            (self.shape.row_bytes, self.shape.row_bytes)
+        }
+    }
+
+    /// Queues a dispatch's layout, send and numbering of what arrives; `host_counts` (or
+    /// 0) is where the counts go for the host. Inputs whose `row_bytes` ask for fp8 are
+    /// bf16 tokens quantized here first; returns the inputs as sent.
+    ///
+    /// # Safety
+    ///
+    /// As [`Buffer::dispatch_begin`].
+    unsafe fn send(&self, stream: cu::CUstream, inputs: &DispatchInputs, host_counts: u64) -> Result<DispatchInputs> {
+        let (at, k, sc) = (self.site(stream), &self.kernels, &self.scratch);
+        let mut sent = *inputs;
+        // SAFETY: as the caller promises; scratch and workspace are ours and sized by the
+        // shape.
+        unsafe {
+            if inputs.row_bytes != self.shape.row_bytes {
+                k.quantize_fp8(&at, inputs, sc.fp8_staging)?;
+                sent.x = sc.fp8_staging;
+            }
+            k.layout(&at, &sent, sc.send_count, sc.expert_count_global)?;
+            k.dispatch_send(&at, &sent, sc.send_count, sc.done(0))?;
+            k.dispatch_plan(&at, &sc.plan, host_counts)?;
+        }
+        Ok(sent)
+    }
+
+    /// Queues the expansion of what arrived (rows of `row_bytes`) into `outputs`, at
+    /// most `most_rows` tokens.
+    ///
+    /// # Safety
+    ///
+    /// As [`Buffer::dispatch_finish`].
+    unsafe fn expand(
+        &self,
+        stream: cu::CUstream,
+        outputs: &DispatchOutputs,
+        row_bytes: u64,
+        most_rows: usize,
+    ) -> Result<()> {
+        if outputs.row_bytes != row_bytes || outputs.head_bytes > row_bytes {
+            return Err(Error::InvalidArgument(format!(
+                "outputs for rows of {} bytes ({} of them to recv_x); the dispatch sent rows of {row_bytes}",
+                outputs.row_bytes, outputs.head_bytes
+            )));
+        }
+        let sc = &self.scratch;
+        // SAFETY: as the caller promises.
+        unsafe { self.kernels.dispatch_expand(&self.site(stream), &sc.plan, outputs, most_rows, sc.done(1)) }
+    }
+
+    /// Most tokens one dispatch delivers to a rank.
+    pub fn most_received(&self) -> usize {
+        self.config.ranks * self.config.max_tokens
+    }
+
+    /// A whole dispatch in low-latency mode: nothing waits for the GPU, so a CUDA graph
+    /// can capture it. `outputs.recv_x` holds `most_received()` rows per local expert
+    /// (`outputs.expert_stride` must be that), and the other outputs are sized for
+    /// `most_received()` tokens; `counts` (i32 per local expert) gets the rows each
+    /// expert received. Bad routing shows at the next call that waits.
+    ///
+    /// # Safety
+    ///
+    /// As [`Buffer::dispatch_begin`] and [`Buffer::dispatch_finish`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn dispatch_low_latency(
+        &self,
+        stream: cu::CUstream,
+        inputs: &DispatchInputs,
+        outputs: &DispatchOutputs,
+        counts: u64,
+    ) -> Result<()> {
+        let mut state = self.state.lock();
+        self.idle(&mut state, inputs)?;
+        if outputs.expert_stride != self.most_received() as u64 {
+            return Err(Error::InvalidArgument(format!(
+                "low-latency outputs hold {} rows per expert; this buffer needs {}",
+                outputs.expert_stride,
+                self.most_received()
+            )));
+        }
+        // SAFETY: as the caller promises.
+        unsafe {
+            let sent = self.send(stream, inputs, 0)?;
+            self.expand(stream, outputs, sent.row_bytes, self.most_received())?;
+            let bytes = 4 * self.config.local_experts;
+            check(
+                cu::cuMemcpyDtoDAsync_v2(counts, self.scratch.plan.expert_count, bytes, stream),
+                "cuMemcpyDtoDAsync (expert counts)",
+            )
+        }
+    }
+
+    /// Second half of a dispatch: fills the outputs sized by the counts
+    /// [`Buffer::dispatch_begin`] returned, and hands the rows back to their senders.
+    /// Does not wait. Fails (after completing the dispatch) when the routing held an
+    /// expert index out of range or an expert twice for one token: those choices were
+    /// dropped.
+    ///
+    /// # Safety
+    ///
+    /// As [`Buffer::layout`]; the outputs are device memory of the sizes
+    /// [`DispatchOutputs`] describes for those counts.
+    pub unsafe fn dispatch_finish(&self, stream: cu::CUstream, outputs: &DispatchOutputs) -> Result<()> {
+        let mut state = self.state.lock();
+        self.check_locked(&mut state)?;
+        let Phase::Begun { received, input, row_bytes } = std::mem::replace(&mut state.phase, Phase::Idle) else {
+            return Err(Error::InvalidState("dispatch_finish without dispatch_begin".into()));
+        };
+        if outputs.expert_stride != 0 {
+            return Err(Error::InvalidArgument("dispatch_finish fills packed outputs (expert_stride 0)".into()));
+        }
+        // SAFETY: as the caller promises.
+        unsafe { self.expand(stream, outputs, row_bytes, received)? };
+        input.map_or(Ok(()), Err)
+    }
+
+    /// Combine: sums each received token's expert outputs with their weights, sends the
+    /// sums back, and writes into `args.out` each token's sum over the ranks it went to
+    /// (see [`CombineArgs`]). Does not wait.
+    ///
+    /// # Safety
+    ///
+    /// As [`Buffer::layout`], for the sizes of the dispatch the arguments came from.
+    pub unsafe fn combine(&self, stream: cu::CUstream, args: &CombineArgs) -> Result<()> {
+        let mut state = self.state.lock();
+        self.check_locked(&mut state)?;
+        if state.phase != Phase::Idle {
+            return Err(Error::InvalidState("combine in the middle of a dispatch; call dispatch_finish first".into()));
+        }
+        self.tokens_within_limit(args.tokens.max(0) as usize)?;
+        if args.most_rows > self.most_received() {
+            let most = args.most_rows;
+            return Err(Error::InvalidArgument(format!("{most} received rows is more than any dispatch delivers")));
+        }
+        let (at, sc) = (self.site(stream), &self.scratch);
+        // SAFETY: as the caller promises.
+        unsafe {
+            self.kernels.combine_send(&at, args, sc.done(2))?;
+            self.kernels.combine_reduce(&at, args, sc.done(3))
+        }
+    }
+
+    /// Waits for the work queued on `stream` and reports any failure of the kernels.
+    ///
+    /// # Safety
+    ///
+    /// `stream` is a live stream of this buffer's GPU.
+    pub unsafe fn synchronize(&self, stream: cu::CUstream) -> Result<()> {
+        let mut state = self.state.lock();
+        self.wait(stream, &mut state)
+    }
+}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        // SAFETY: our event; work that recorded it was waited for or is abandoned with
+        // the buffer.
+        unsafe { cu::cuEventDestroy_v2(self.event) };
+    }
+}

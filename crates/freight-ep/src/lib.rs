@@ -1,0 +1,21 @@
+//! MoE expert parallelism: every rank holds tokens and, for each, the top-k experts that
+//! should see it; `dispatch` sends each token once to every rank that owns one of its
+//! experts, `combine` brings the experts' outputs back and sums them with the top-k
+//! weights.
+//!
+//! - [`rendezvous`]: how ranks find each other (a small rank server, or etcd), exchange
+//!   blobs, and learn that one of them died.
+//! - [`layout`]: the workspace each rank shares and the shape the kernels read.
+//! - [`kernels`]: the CUDA kernels (kernels.cu) and their typed launchers.
+//! - [`buffer`]: one rank's buffer: dispatch and combine queued on the caller's stream.
+//! - [`status`]: why a kernel gave up, as an error.
+
+pub mod buffer;
+pub mod kernels;
+pub mod layout;
+pub mod rendezvous;
+pub mod status;
+
+pub use buffer::{Buffer, DispatchCounts};
+pub use kernels::{CombineArgs, DispatchInputs, DispatchOutputs};
+pub use layout::Config;

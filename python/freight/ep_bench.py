@@ -1,0 +1,383 @@
+"""``freight bench ep``: the expert-parallel data-plane benchmark.
+
+Starts ``--num-processes`` ranks (one process each, GPU ``rank % GPUs``) that find each
+other through a rank server run by this process, then measures dispatch, combine, or
+both (``--mode``) with random top-k routing, and checks every rank's result against a
+reference (identity experts: combine(dispatch(x)) must equal x times the sum of its
+top-k weights). In the same run, the same inputs go through a baseline built from
+``torch.distributed.all_to_all_single`` over NCCL (counts exchange, one row per (token,
+expert) pair out, the rows back, weighted sum), checked against the same reference.
+
+Bytes counted: each rank's algorithmic bytes, as DeepEP counts them: a token crosses to
+each rank that owns one of its experts once (``hidden x 2`` bytes each, the sender's
+own rank included); combine moves the same rows back; e2e counts both directions.
+Bandwidth = those bytes / latency, per rank; the report gives avg/min/max across ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import List, Optional, Sequence
+
+for _k, _v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
+    os.environ.setdefault(_k, _v)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="freight bench ep",
+        description="Expert-parallel dispatch/combine across GPU ranks, beside an NCCL all_to_all baseline.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--num-processes", type=int, default=8, help="ranks, one process each (GPU rank %% GPUs)")
+    p.add_argument("--mode", choices=["dispatch", "combine", "e2e"], default="e2e",
+                   help="dispatch only; combine only (one dispatch, many combines); or both")
+    p.add_argument("--tokens", type=int, default=512, help="tokens per rank")
+    p.add_argument("--hidden", type=int, default=4096, help="hidden size (bf16 elements per token)")
+    p.add_argument("--experts-per-rank", type=int, default=8)
+    p.add_argument("--topk", type=int, default=2)
+    p.add_argument("--nvlink-backend", choices=["ipc", "freight", "none"], default="ipc",
+                   help="ipc: kernels write into peers' GPU memory over NVLink; freight / none: the engine's "
+                        "transports (not available yet)")
+    p.add_argument("--low-latency", action="store_true",
+                   help="low-latency mode: outputs sized for the most a dispatch delivers, no host synchronisation")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="capture the measured step in a CUDA graph and replay it (needs --low-latency)")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--iters", type=int, default=100)
+    p.add_argument("--baseline", choices=["nccl", "none"], default="nccl",
+                   help="run the NCCL all_to_all baseline in the same run (needs one GPU per rank)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds a rank waits for the others")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    # Set by the runner for its ranks.
+    p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--server", help=argparse.SUPPRESS)
+    p.add_argument("--nccl-port", type=int, help=argparse.SUPPRESS)
+    return p
+
+
+# ----------------------------------------------------------------------------- one rank
+
+
+def _routing(args, rank: int, device):
+    import torch
+
+    g = torch.Generator().manual_seed(args.seed * 7919 + rank)
+    experts = args.num_processes * args.experts_per_rank
+    scores = torch.rand((args.tokens, experts), generator=g)
+    idx = scores.topk(args.topk, dim=1).indices.to(torch.int64)
+    weights = torch.rand((args.tokens, args.topk), generator=g)
+    x = torch.randn((args.tokens, args.hidden), generator=g).to(torch.bfloat16)
+    return x.to(device), idx.to(device), weights.to(device)
+
+
+def _time(fn, args, barrier) -> List[float]:
+    import torch
+
+    for _ in range(args.warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(args.iters):
+        barrier()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+class NcclBaseline:
+    """dispatch and combine from all_to_all_single: one row per (token, expert) pair."""
+
+    def __init__(self, args, x, idx, weights):
+        import torch
+
+        self.torch = torch
+        self.args = args
+        valid = idx >= 0
+        pair_token = torch.arange(idx.shape[0], device=idx.device).unsqueeze(1).expand_as(idx)[valid]
+        pair_expert = idx[valid]
+        order = torch.argsort(pair_expert // args.experts_per_rank, stable=True)
+        self.token = pair_token[order]
+        self.expert = pair_expert[order]
+        self.weight = weights[valid][order]
+        self.send_counts = torch.bincount(self.expert // args.experts_per_rank, minlength=args.num_processes)
+        self.x = x
+
+    def dispatch(self):
+        import torch.distributed as dist
+
+        torch = self.torch
+        recv_counts = torch.empty_like(self.send_counts)
+        dist.all_to_all_single(recv_counts, self.send_counts)
+        self.out_splits = recv_counts.tolist()
+        self.in_splits = self.send_counts.tolist()
+        rows = self.x.index_select(0, self.token)
+        recv = rows.new_empty((sum(self.out_splits), rows.shape[1]))
+        dist.all_to_all_single(recv, rows, self.out_splits, self.in_splits)
+        self.recv = recv
+        return recv
+
+    def combine(self, expert_out):
+        import torch.distributed as dist
+
+        back = expert_out.new_empty((len(self.token), expert_out.shape[1]))
+        dist.all_to_all_single(back, expert_out, self.in_splits, self.out_splits)
+        out = self.torch.zeros(self.x.shape, dtype=self.torch.float32, device=self.x.device)
+        out.index_add_(0, self.token, back.float() * self.weight.unsqueeze(1))
+        return out.to(self.torch.bfloat16)
+
+
+def _worker(args) -> dict:
+    import torch
+
+    from . import ep
+
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        raise SystemExit("freight bench ep needs GPUs (none visible)")
+    device = torch.device("cuda", args.rank % gpus)
+    torch.cuda.set_device(device)
+    group = ep.Group.join(args.rank, args.num_processes, args.server, timeout=args.timeout)
+    buffer = ep.Buffer(group, args.hidden, args.tokens, args.experts_per_rank, args.topk, device, args.timeout)
+    x, idx, weights = _routing(args, args.rank, device)
+    reference = (x.float() * weights.sum(1, keepdim=True)).to(torch.bfloat16).float()
+
+    def check(out) -> bool:
+        return bool(torch.allclose(out.float(), reference, rtol=2e-2, atol=2e-2))
+
+    layout = buffer.get_layout(idx)
+    sent_rows = int(layout.num_tokens_per_rank.sum())
+    row_bytes = args.hidden * 2
+    barrier = lambda: group.barrier(args.timeout)  # noqa: E731
+
+    result = {"rank": args.rank, "gpu": device.index, "rows_sent": sent_rows}
+    state = {}
+
+    if args.low_latency:
+        def f_dispatch():
+            state["d"] = buffer.low_latency_dispatch(x, idx, weights)
+
+        def f_combine():
+            recv_x, _, _, handle = state["d"]
+            state["out"] = buffer.low_latency_combine(recv_x, handle)
+    else:
+        def f_dispatch():
+            state["d"] = buffer.dispatch(x, idx, weights)
+
+        def f_combine():
+            recv_x, _, _, _, handle = state["d"]
+            state["out"] = buffer.combine(recv_x, handle)
+
+    def f_e2e():
+        f_dispatch()
+        f_combine()
+
+    f_dispatch()
+    f_combine()
+    buffer.synchronize()
+    result["passed"] = check(state["out"])
+    fn = {"dispatch": f_dispatch, "combine": f_combine, "e2e": f_e2e}[args.mode]
+    if args.cuda_graph:
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        barrier()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            fn()
+        fn = graph.replay
+    times = _time(fn, args, barrier)
+    buffer.synchronize()
+    directions = 2 if args.mode == "e2e" else 1
+    result["freight"] = _summary(times, sent_rows * row_bytes * directions)
+    if args.mode != "dispatch":
+        result["passed"] = result["passed"] and check(state["out"])
+
+    if args.baseline == "nccl":
+        if gpus < args.num_processes:
+            result["nccl_skipped"] = f"NCCL needs one GPU per rank ({gpus} GPUs for {args.num_processes} ranks)"
+        else:
+            result.update(_nccl(args, device, x, idx, weights, check, sent_rows * row_bytes * directions))
+    group.barrier(args.timeout)
+    group.leave()
+    return result
+
+
+def _nccl(args, device, x, idx, weights, check, counted_bytes) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(args.nccl_port)
+    dist.init_process_group("nccl", rank=args.rank, world_size=args.num_processes, device_id=device)
+    base = NcclBaseline(args, x, idx, weights)
+    state = {}
+
+    def f_dispatch():
+        state["recv"] = base.dispatch()
+
+    def f_combine():
+        state["out"] = base.combine(state["recv"])
+
+    def f_e2e():
+        f_dispatch()
+        f_combine()
+
+    f_e2e()
+    torch.cuda.synchronize()
+    passed = check(state["out"])
+    fn = {"dispatch": f_dispatch, "combine": f_combine, "e2e": f_e2e}[args.mode]
+    times = _time(fn, args, dist.barrier)
+    if args.mode != "dispatch":
+        passed = passed and check(state["out"])
+    dist.barrier()
+    dist.destroy_process_group()
+    return {"nccl": _summary(times, counted_bytes), "nccl_passed": passed}
+
+
+def _summary(times: Sequence[float], nbytes: int) -> dict:
+    times = sorted(times)
+    mean = sum(times) / len(times)
+    return {
+        "latency_us": mean * 1e6,
+        "p50_us": times[len(times) // 2] * 1e6,
+        "gbps": nbytes / mean / 1e9,
+        "bytes": nbytes,
+    }
+
+
+# ----------------------------------------------------------------------------- runner
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spread(values: Sequence[float]) -> dict:
+    return {"avg": sum(values) / len(values), "min": min(values), "max": max(values)}
+
+
+def run(args) -> int:
+    from . import ep
+
+    if args.cuda_graph and not args.low_latency:
+        print("freight bench ep: --cuda-graph needs --low-latency (normal dispatch waits for the GPU)", file=sys.stderr)
+        return 2
+    if args.nvlink_backend != "ipc":
+        print(f"freight bench ep: --nvlink-backend {args.nvlink_backend} is not available yet; use ipc", file=sys.stderr)
+        return 2
+    for name in ("num_processes", "tokens", "hidden", "experts_per_rank", "topk", "iters"):
+        if getattr(args, name) <= 0:
+            print(f"freight bench ep: --{name.replace('_', '-')} must be positive", file=sys.stderr)
+            return 2
+    if args.topk > args.num_processes * args.experts_per_rank:
+        print("freight bench ep: --topk is larger than the number of experts", file=sys.stderr)
+        return 2
+    server = ep.RankServer("127.0.0.1:0", args.num_processes)
+    nccl_port = _free_port()
+    procs = []
+    for rank in range(args.num_processes):
+        cmd = [sys.executable, "-m", "freight.ep_bench", f"--rank={rank}", f"--server={server.address}",
+               f"--nccl-port={nccl_port}"] + _forward(args)
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
+    results, failures = [], []
+    for rank, p in enumerate(procs):
+        out, _ = p.communicate()
+        lines = [line for line in out.splitlines() if line.startswith("{")]
+        if p.returncode != 0 or not lines:
+            failures.append(f"rank {rank} exited with {p.returncode}")
+            continue
+        results.append(json.loads(lines[-1]))
+    server.close()
+    report = _report(args, results, failures)
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        _print(args, report)
+    return 0 if report["ranks_passed"] == args.num_processes else 1
+
+
+def _forward(args) -> List[str]:
+    keys = ("num_processes", "mode", "tokens", "hidden", "experts_per_rank", "topk", "nvlink_backend", "warmup",
+            "iters", "baseline", "timeout", "seed")
+    flags = [f"--{k.replace('_', '-')}" for k in ("low_latency", "cuda_graph") if getattr(args, k)]
+    return [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keys] + flags
+
+
+def _report(args, results: List[dict], failures: List[str]) -> dict:
+    report = {
+        "config": {k: getattr(args, k) for k in ("num_processes", "mode", "tokens", "hidden", "experts_per_rank",
+                                                 "topk", "nvlink_backend", "low_latency", "cuda_graph", "warmup",
+                                                 "iters")},
+        "ranks_passed": sum(1 for r in results if r.get("passed")),
+        "failures": failures,
+        "per_rank": results,
+    }
+    for system in ("freight", "nccl"):
+        rows = [r[system] for r in results if system in r]
+        if len(rows) == args.num_processes:
+            report[system] = {
+                "bandwidth_gbps": _spread([r["gbps"] for r in rows]),
+                "latency_us": _spread([r["latency_us"] for r in rows]),
+            }
+    if "freight" in report and "nccl" in report:
+        report["speedup_vs_nccl"] = report["nccl"]["latency_us"]["avg"] / report["freight"]["latency_us"]["avg"]
+        report["nccl_ranks_passed"] = sum(1 for r in results if r.get("nccl_passed"))
+    skipped = {r.get("nccl_skipped") for r in results} - {None}
+    if skipped:
+        report["nccl_skipped"] = skipped.pop()
+    return report
+
+
+def _print(args, report: dict) -> None:
+    bar = "=" * 70
+    c = report["config"]
+    print(bar)
+    print("freight EP data plane")
+    print(bar)
+    print(f"Mode: {c['mode']}")
+    print(f"Ranks: {c['num_processes']}, Tokens: {c['tokens']}, Hidden: {c['hidden']}")
+    print(f"Experts: {c['experts_per_rank']}/rank ({c['experts_per_rank'] * c['num_processes']} total), TopK: {c['topk']}")
+    print(f"Backend: {c['nvlink_backend']}" + (", low-latency" if c["low_latency"] else "")
+          + (", CUDA graph" if c["cuda_graph"] else ""))
+    print(f"Warmup: {c['warmup']}, Measure: {c['iters']} iterations")
+    print(bar)
+    print()
+    print(bar)
+    print(f"Data Plane ({c['mode']}): {report['ranks_passed']}/{c['num_processes']} ranks passed")
+    print(bar)
+    for f in report["failures"]:
+        print(f"  {f}")
+    for system, label in (("freight", "freight"), ("nccl", "NCCL all_to_all")):
+        if system not in report:
+            continue
+        bw, lat = report[system]["bandwidth_gbps"], report[system]["latency_us"]
+        print(f"{label}:")
+        print(f"  Bandwidth (GB/s): avg={bw['avg']:.2f}, min={bw['min']:.2f}, max={bw['max']:.2f}")
+        print(f"  Latency (\u03bcs):     avg={lat['avg']:.1f}, min={lat['min']:.1f}, max={lat['max']:.1f}")
+    if "speedup_vs_nccl" in report:
+        print(f"freight vs NCCL: {report['speedup_vs_nccl']:.2f}x faster "
+              f"(NCCL baseline: {report['nccl_ranks_passed']}/{c['num_processes']} ranks passed)")
+    if "nccl_skipped" in report:
+        print(f"NCCL baseline skipped: {report['nccl_skipped']}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parser().parse_args(argv)
+    if args.rank is None:
+        return run(args)
+    print(json.dumps(_worker(args)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""Expert parallelism (freight.ep): rank coordination across real processes and sockets
+(runs everywhere), the kernels' compile check (needs NVRTC only), and dispatch/combine
+between rank processes on the GPUs (tests/ep_rank.py; skipped with the reason where
+there is no GPU or no PyTorch). Several ranks may share one GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import freight
+from freight import ep
+
+HERE = Path(__file__).resolve().parent
+CUDA_OK, CUDA_WHY = freight.cuda_status()
+try:
+    import torch
+
+    TORCH_GPUS = torch.cuda.device_count() if CUDA_OK else 0
+except ImportError:  # the CPU-only CI has no PyTorch
+    TORCH_GPUS = 0
+
+needs_gpu = pytest.mark.skipif(
+    TORCH_GPUS == 0, reason=f"no GPU here ({CUDA_WHY or 'PyTorch is not installed or sees no GPU'})"
+)
+
+# A rank in its own process: joins, all-gathers its rank's name, then either leaves or
+# waits for a death notice and reports the error it gets.
+RANK = """
+import json, sys, time
+import freight
+from freight import ep
+rank, world, server, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+g = ep.Group.join(rank, world, server, timeout=20)
+blobs = g.all_gather(f"rank-{rank}".encode(), timeout=20)
+print(json.dumps({"gathered": [b.decode() for b in blobs]}), flush=True)
+if mode == "leave":
+    g.barrier(20)
+    g.leave()
+elif mode == "wait":
+    t0 = time.monotonic()
+    try:
+        g.barrier(30)
+        print(json.dumps({"error": None}), flush=True)
+    except freight.FreightError as e:
+        print(json.dumps({"error": type(e).__name__, "message": str(e), "after": time.monotonic() - t0, "dead": g.dead()}), flush=True)
+elif mode == "die":
+    import os
+    os._exit(3)
+"""
+
+
+def _free_address() -> str:
+    from conftest import free_port
+
+    return f"127.0.0.1:{free_port()}"
+
+
+def _lines(proc, n, timeout=30):
+    out = []
+    deadline = time.monotonic() + timeout
+    while len(out) < n and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        out.append(json.loads(line))
+    return out
+
+
+def test_ranks_join_in_any_order_and_gather_in_rank_order(spawn):
+    address = _free_address()
+    world = 3
+    order = list(range(world))
+    random.shuffle(order)
+    # The first rank starts before the server exists: it must keep retrying.
+    procs = {order[0]: spawn(RANK, order[0], world, address, "leave")}
+    time.sleep(0.5)
+    server = ep.RankServer(address, world)
+    for r in order[1:]:
+        procs[r] = spawn(RANK, r, world, address, "leave")
+    for r, p in procs.items():
+        (line,) = _lines(p, 1)
+        assert line["gathered"] == [f"rank-{i}" for i in range(world)]
+        assert p.wait(timeout=30) == 0, p.stderr.read()
+    server.close()
+
+
+def test_a_rank_that_dies_fails_the_others_quickly_and_by_name(spawn):
+    address = _free_address()
+    server = ep.RankServer(address, 3)
+    survivors = [spawn(RANK, r, 3, address, "wait") for r in (0, 2)]
+    victim = spawn(RANK, 1, 3, address, "die")
+    assert victim.wait(timeout=30) == 3
+    for p in survivors:
+        gathered, result = _lines(p, 2)
+        assert result["error"] == "PeerDisconnectedError", result
+        assert "rank 1" in result["message"]
+        assert result["after"] < 10, "a death must be noticed well before the 30 s timeout"
+        assert result["dead"][0] == 1
+    server.close()
+
+
+def test_a_taken_rank_and_a_wrong_world_are_refused():
+    address = _free_address()
+    server = ep.RankServer(address, 2)
+    first = ep.Group.join(0, 2, address, timeout=5)
+    with pytest.raises(freight.RemoteRejectedError, match="rank 0"):
+        ep.Group.join(0, 2, address, timeout=5)
+    with pytest.raises(freight.RemoteRejectedError, match="3"):
+        ep.Group.join(1, 3, address, timeout=5)
+    with pytest.raises(freight.InvalidArgumentError):
+        ep.Group.join(2, 2, address, timeout=5)
+    first.leave()
+    server.close()
+
+
+def test_a_missing_rank_times_out_naming_it():
+    address = _free_address()
+    server = ep.RankServer(address, 2)
+    alone = ep.Group.join(0, 2, address, timeout=5)
+    t0 = time.monotonic()
+    with pytest.raises(freight.TimeoutError, match="1"):
+        alone.barrier(1.0)
+    assert time.monotonic() - t0 < 5
+    server.close()
+
+
+def test_ranks_meet_through_etcd(etcd_endpoint):
+    import threading
+    import uuid
+
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    gathered = {}
+
+    def rank(r):
+        g = ep.Group.join_etcd(r, 2, [etcd_endpoint], name, timeout=20)
+        gathered[r] = g.all_gather(f"from-{r}".encode(), timeout=20)
+        g.barrier(20)
+        g.leave()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (1, 0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert gathered == {0: [b"from-0", b"from-1"], 1: [b"from-0", b"from-1"]}
+
+
+def test_a_server_address_that_is_not_one_is_refused():
+    with pytest.raises(freight.InvalidArgumentError, match="host:port"):
+        ep.RankServer("not an address", 2)
+
+
+def test_expert_parallel_kernels_compile_for_hopper():
+    try:
+        size = ep.compile_kernels("sm_90")
+    except freight.TransportUnavailableError as e:
+        pytest.skip(f"NVRTC is not installed: {e}")
+    assert size > 1000
+    with pytest.raises(freight.CudaError):
+        ep.compile_kernels("sm_1")
+
+
+def test_the_benchmark_explains_itself_and_refuses_what_it_cannot_do():
+    run = lambda *a: subprocess.run([sys.executable, "-m", "freight", "bench", "ep", *a], capture_output=True, text=True, timeout=60)  # noqa: E731
+    helped = run("--help")
+    assert helped.returncode == 0
+    for option in ("--num-processes", "--mode", "--tokens", "--hidden", "--experts-per-rank", "--topk",
+                   "--nvlink-backend", "--warmup", "--iters", "--low-latency", "--cuda-graph", "--json"):
+        assert option in helped.stdout
+    graph = run("--cuda-graph")
+    assert graph.returncode == 2 and "--low-latency" in graph.stderr
+    backend = run("--nvlink-backend", "none")
+    assert backend.returncode == 2 and "not available yet" in backend.stderr
+    bad = run("--mode", "sideways")
+    assert bad.returncode == 2
+
+
+def _run_ranks(world: int, scenario: str, timeout: float = 240, **opts) -> list:
+    address = _free_address()
+    server = ep.RankServer(address, world)
+    extra = [f"--{k.replace('_', '-')}={v}" for k, v in opts.items()]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "ep_rank.py"), f"--rank={r}", f"--world={world}", f"--server={address}",
+             f"--scenario={scenario}", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for r in range(world)
+    ]
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+            results.append(lines[-1] if lines else {"rank": None, "passed": [], "failed": [f"no result; stderr: {err[-3000:]}"]})
+    finally:
+        for p in procs:
+            p.kill()
+        server.close()
+    return results
+
+
+@needs_gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_dispatch_and_combine_between_rank_processes(world):
+    results = _run_ranks(world, "correctness")
+    failures = [f for r in results for f in r["failed"]]
+    assert not failures, "\n".join(failures)
+    assert all(len(r["passed"]) >= 20 for r in results), results
+
+
+@needs_gpu
+def test_dispatch_at_full_hidden_size():
+    results = _run_ranks(2, "correctness", hidden=7168, max_tokens=32, experts_per_rank=8, topk=8, linear=0)
+    failures = [f for r in results for f in r["failed"]]
+    assert not failures, "\n".join(failures)
+
+
+@needs_gpu
+def test_a_rank_that_dies_fails_dispatch_on_the_others():
+    results = _run_ranks(3, "die", timeout=120)
+    survivors = [r for r in results if r["rank"] in (0, 2)]
+    assert len(survivors) == 2, results
+    for r in survivors:
+        assert not r["failed"], r
+        assert r["passed"] and r["passed"][0].startswith("PeerDisconnectedError"), r
