@@ -66,7 +66,8 @@ class Rank:
         torch.cuda.set_device(self.device)
         self.group = ep.Group.join(self.rank, self.world, args.server, timeout=args.timeout)
         self.buffer = ep.Buffer(
-            self.group, args.hidden, args.max_tokens, args.experts_per_rank, args.topk, self.device, args.timeout
+            self.group, args.hidden, args.max_tokens, args.experts_per_rank, args.topk, self.device, args.timeout,
+            backend=args.backend,
         )
         self.passed, self.failed = [], []
 
@@ -204,6 +205,14 @@ class Rank:
                 lambda: torch.testing.assert_close(g_out.float().cpu(), ref, rtol=2e-2, atol=2e-2),
             )
 
+    def _refused_low_latency(self, x, idx, w) -> None:
+        try:
+            self.buffer.low_latency_dispatch(x, idx, w)
+        except freight.InvalidArgumentError as e:
+            assert "ipc backend" in str(e)
+            return
+        raise AssertionError("low-latency dispatch through the engine was not refused")
+
     def fp8(self, tokens: int, seed: int) -> None:
         """fp8 dispatch: values and per-128-channel scales as torch would quantize them,
         and combine of the dequantized rows."""
@@ -271,7 +280,11 @@ class Rank:
         a = self.args
         for case, tokens, seed in [("random", a.max_tokens, 1), ("one_rank", 24, 2), ("skewed", 16, 3), ("random", 0, 4)]:
             self.run_case(case, tokens, seed)
-        self.low_latency(min(a.max_tokens, 32), 6)
+        if a.backend == "ipc":
+            self.low_latency(min(a.max_tokens, 32), 6)
+        else:
+            x, idx, w = (t.to(self.device) for t in self.inputs("random", self.rank, 4, 6))
+            self.check("low-latency refused through the engine", lambda: self._refused_low_latency(x, idx, w))
         if a.hidden % 512 == 0:
             self.fp8(min(a.max_tokens, 32), 8)
         self.bad_input()
@@ -300,6 +313,7 @@ def main() -> None:
     p.add_argument("--experts-per-rank", type=int, default=4)
     p.add_argument("--topk", type=int, default=4)
     p.add_argument("--timeout", type=float, default=30.0)
+    p.add_argument("--backend", choices=["ipc", "freight", "none"], default="ipc")
     p.add_argument("--linear", type=int, default=1, help="also check random linear experts (slow at large hidden)")
     args = p.parse_args()
     rank = Rank(args)

@@ -177,8 +177,8 @@ def test_the_benchmark_explains_itself_and_refuses_what_it_cannot_do():
         assert option in helped.stdout
     graph = run("--cuda-graph")
     assert graph.returncode == 2 and "--low-latency" in graph.stderr
-    backend = run("--nvlink-backend", "none")
-    assert backend.returncode == 2 and "not available yet" in backend.stderr
+    backend = run("--nvlink-backend", "none", "--low-latency")
+    assert backend.returncode == 2 and "needs --nvlink-backend ipc" in backend.stderr
     bad = run("--mode", "sideways")
     assert bad.returncode == 2
 
@@ -212,6 +212,15 @@ def _run_ranks(world: int, scenario: str, timeout: float = 240, **opts) -> list:
 @pytest.mark.parametrize("world", [2, 4])
 def test_dispatch_and_combine_between_rank_processes(world):
     results = _run_ranks(world, "correctness")
+    failures = [f for r in results for f in r["failed"]]
+    assert not failures, "\n".join(failures)
+    assert all(len(r["passed"]) >= 20 for r in results), results
+
+
+@needs_gpu
+@pytest.mark.parametrize("backend", ["freight", "none"])
+def test_dispatch_and_combine_through_the_engine(backend):
+    results = _run_ranks(3, "correctness", backend=backend)
     failures = [f for r in results for f in r["failed"]]
     assert not failures, "\n".join(failures)
     assert all(len(r["passed"]) >= 20 for r in results), results

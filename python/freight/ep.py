@@ -141,6 +141,13 @@ class Buffer:
 
     ``max_tokens`` bounds the tokens one rank passes to one dispatch; the buffer holds
     ``ranks * max_tokens`` rows of ``hidden`` bf16 for each direction.
+
+    ``backend`` says how ranks reach each other, as the seed's ``--nvlink-backend``:
+    ``"ipc"`` (kernels write into peers' GPU memory through CUDA IPC; one host),
+    ``"freight"`` (the engine's transports, its choice: cuda on one host, the network
+    across hosts) or ``"none"`` (the engine's network transports only). With the engine
+    backends the host ships each step's rows, so low-latency mode is not available;
+    ``listen`` is where this rank's engine listens (``"0.0.0.0:0"`` across hosts).
     """
 
     def __init__(
@@ -152,6 +159,8 @@ class Buffer:
         topk: int,
         device: Any = None,
         timeout: float = DEFAULT_TIMEOUT_S,
+        backend: str = "ipc",
+        listen: str = "127.0.0.1:0",
     ):
         import torch
 
@@ -164,8 +173,9 @@ class Buffer:
         self.hidden, self.max_tokens, self.topk = hidden, max_tokens, topk
         self.experts_per_rank = experts_per_rank
         self.num_experts = experts_per_rank * group.world
+        self.backend = backend
         self._native = _native.EpBuffer(
-            group._native, self.device.index, max_tokens, hidden, topk, experts_per_rank, timeout
+            group._native, self.device.index, max_tokens, hidden, topk, experts_per_rank, timeout, backend, listen
         )
 
     @property

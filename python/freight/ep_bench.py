@@ -43,8 +43,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--experts-per-rank", type=int, default=8)
     p.add_argument("--topk", type=int, default=2)
     p.add_argument("--nvlink-backend", choices=["ipc", "freight", "none"], default="ipc",
-                   help="ipc: kernels write into peers' GPU memory over NVLink; freight / none: the engine's "
-                        "transports (not available yet)")
+                   help="ipc: kernels write into peers' GPU memory over NVLink; freight: the engine's transports "
+                        "(its choice: cuda on one host); none: the engine's network transports only (tcp)")
     p.add_argument("--low-latency", action="store_true",
                    help="low-latency mode: outputs sized for the most a dispatch delivers, no host synchronisation")
     p.add_argument("--cuda-graph", action="store_true",
@@ -147,7 +147,8 @@ def _worker(args) -> dict:
     device = torch.device("cuda", args.rank % gpus)
     torch.cuda.set_device(device)
     group = ep.Group.join(args.rank, args.num_processes, args.server, timeout=args.timeout)
-    buffer = ep.Buffer(group, args.hidden, args.tokens, args.experts_per_rank, args.topk, device, args.timeout)
+    buffer = ep.Buffer(group, args.hidden, args.tokens, args.experts_per_rank, args.topk, device, args.timeout,
+                       backend=args.nvlink_backend)
     x, idx, weights = _routing(args, args.rank, device)
     reference = (x.float() * weights.sum(1, keepdim=True)).to(torch.bfloat16).float()
 
@@ -272,8 +273,9 @@ def run(args) -> int:
     if args.cuda_graph and not args.low_latency:
         print("freight bench ep: --cuda-graph needs --low-latency (normal dispatch waits for the GPU)", file=sys.stderr)
         return 2
-    if args.nvlink_backend != "ipc":
-        print(f"freight bench ep: --nvlink-backend {args.nvlink_backend} is not available yet; use ipc", file=sys.stderr)
+    if args.low_latency and args.nvlink_backend != "ipc":
+        print("freight bench ep: --low-latency needs --nvlink-backend ipc (the engine backends ship from the host)",
+              file=sys.stderr)
         return 2
     for name in ("num_processes", "tokens", "hidden", "experts_per_rank", "topk", "iters"):
         if getattr(args, name) <= 0:

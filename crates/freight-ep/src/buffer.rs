@@ -28,6 +28,7 @@ use crate::kernels::{
     fp8_row_bytes, CombineArgs, Control, DispatchInputs, DispatchOutputs, Kernels, PlanScratch, Site, FP8_GROUP,
 };
 use crate::layout::{Config, Shape};
+use crate::relay::{self, Backend, Relay};
 use crate::rendezvous::Group;
 use crate::status;
 
@@ -40,6 +41,24 @@ struct Announcement {
     /// Where the workspace starts (its allocation may begin earlier).
     workspace_addr: u64,
     workspace_bytes: u64,
+    backend: String,
+    /// How to reach this rank through the engine (engine backends).
+    engine: Option<relay::Announcement>,
+}
+
+/// How a buffer reaches the other ranks, and how long it waits for them.
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub backend: Backend,
+    /// Where the engine listens (engine backends): "host:port".
+    pub listen: String,
+    pub timeout: Duration,
+}
+
+impl Options {
+    pub fn ipc(timeout: Duration) -> Options {
+        Options { backend: Backend::Ipc, listen: "127.0.0.1:0".into(), timeout }
+    }
 }
 
 /// The host-memory words the kernels and the host share: the status word, the abort
@@ -117,6 +136,12 @@ struct Scratch {
     fp8_staging: u64,
     /// One "blocks finished" counter per signalling kernel.
     done: u64,
+}
+
+/// Records `e` as what broke the buffer (the ranks' steps no longer agree) and returns it.
+fn broken(state: &mut State, e: Error) -> Error {
+    state.broken.get_or_insert_with(|| e.clone());
+    e
 }
 
 /// fp8 needs whole groups of channels, and scales that keep rows 16-byte aligned.
@@ -214,6 +239,8 @@ pub struct Buffer {
     _cache: ImportCache,
     /// Where each rank's workspace is mapped here (ours included), as the kernels read it.
     peers: DeviceBuffer,
+    /// Ships to the ranks reached through the engine (engine backends).
+    relay: Option<Relay>,
     scratch: Scratch,
     host: Arc<HostWords>,
     control: Control,
@@ -223,6 +250,10 @@ pub struct Buffer {
 }
 
 struct State {
+    /// Dispatches and combines queued so far (the engine backends wait for the peers'
+    /// releases of the previous one).
+    dispatches: u64,
+    combines: u64,
     phase: Phase,
     /// Set once a kernel gave up: the epochs no longer agree between ranks.
     broken: Option<Error>,
@@ -236,7 +267,8 @@ unsafe impl Sync for Buffer {}
 impl Buffer {
     /// Creates this rank's buffer on GPU `device` and connects it to every other rank of
     /// `group` (a collective: every rank must call it). All ranks must be on this host.
-    pub fn new(group: Arc<dyn Group>, device: usize, mut config: Config, timeout: Duration) -> Result<Buffer> {
+    pub fn new(group: Arc<dyn Group>, device: usize, mut config: Config, options: &Options) -> Result<Buffer> {
+        let timeout = options.timeout;
         config.rank = group.rank();
         config.ranks = group.world();
         let shape = Shape::of(&config)?;
@@ -245,23 +277,50 @@ impl Buffer {
         let workspace = DeviceBuffer::alloc(device, shape.workspace_bytes() as usize)?;
         device.bind()?;
         // SAFETY: our own allocation; the signal words must start at zero (epoch 0).
-        check(unsafe { cu::cuMemsetD8_v2(workspace.addr(), 0, shape.signal_bytes() as usize) }, "cuMemsetD8")?;
+        check(unsafe { cu::cuMemsetD8_v2(workspace.addr(), 0, workspace.len()) }, "cuMemsetD8")?;
+        let (relay, engine) = match options.backend {
+            Backend::Ipc => (None, None),
+            backend => {
+                let (relay, me) =
+                    Relay::new(config.rank, &shape, device, &workspace, backend, &options.listen, timeout)?;
+                (Some(relay), Some(me))
+            }
+        };
         let me = Announcement {
             rank: config.rank,
             host: HostIdentity::current(),
             workspace: ipc::export(device, workspace.addr(), workspace.len() as u64)?,
             workspace_addr: workspace.addr(),
             workspace_bytes: shape.workspace_bytes(),
+            backend: format!("{:?}", options.backend),
+            engine,
         };
         let blob = serde_json::to_vec(&me).map_err(|e| Error::Metadata(e.to_string()))?;
         let blobs = group.all_gather(&blob, timeout)?;
         let cache = ImportCache::default();
         let mut imports = Vec::new();
         let mut addresses = Vec::with_capacity(config.ranks);
-        for (rank, blob) in blobs.iter().enumerate() {
-            let peer: Announcement = serde_json::from_slice(blob).map_err(|e| {
-                Error::Metadata(format!("rank {rank} announced its buffer in a form not understood: {e}"))
-            })?;
+        let announced: Vec<Announcement> = blobs
+            .iter()
+            .enumerate()
+            .map(|(rank, blob)| {
+                serde_json::from_slice(blob).map_err(|e| {
+                    Error::Metadata(format!("rank {rank} announced its buffer in a form not understood: {e}"))
+                })
+            })
+            .collect::<Result<_>>()?;
+        if let Some(other) = announced.iter().find(|a| a.backend != me.backend) {
+            return Err(Error::InvalidArgument(format!(
+                "rank {} uses the {} backend, this rank {}: every rank must use the same",
+                other.rank, other.backend, me.backend
+            )));
+        }
+        let mut relay = relay;
+        if let Some(relay) = relay.as_mut() {
+            let engines: Vec<relay::Announcement> = announced.iter().filter_map(|a| a.engine.clone()).collect();
+            relay.connect(&engines)?;
+        }
+        for (rank, peer) in announced.into_iter().enumerate() {
             if peer.rank != rank || peer.workspace_bytes != shape.workspace_bytes() {
                 return Err(Error::InvalidArgument(format!(
                     "rank {rank} made its buffer with another configuration ({} workspace bytes, {} here): every rank must pass the same hidden size, max tokens, topk and experts per rank",
@@ -273,9 +332,13 @@ impl Buffer {
                 addresses.push(workspace.addr());
                 continue;
             }
+            if let Some(base) = relay.as_ref().and_then(|r| r.kernel_base(rank)) {
+                addresses.push(base);
+                continue;
+            }
             if !peer.host.same_host(&me.host) {
                 return Err(Error::TransportUnavailable(format!(
-                    "rank {rank} runs on host '{}': the ipc data plane needs every rank on this host",
+                    "rank {rank} runs on host '{}': the ipc backend needs every rank on this host (the freight or none backends reach other hosts)",
                     peer.host.hostname
                 )));
             }
@@ -323,11 +386,12 @@ impl Buffer {
             _imports: imports,
             _cache: cache,
             peers,
+            relay,
             scratch,
             host,
             control,
             timeout,
-            state: Mutex::new(State { phase: Phase::Idle, broken: None }),
+            state: Mutex::new(State { dispatches: 0, combines: 0, phase: Phase::Idle, broken: None }),
             event,
         })
     }
@@ -452,7 +516,7 @@ impl Buffer {
         let mut state = self.state.lock();
         self.idle(&mut state, inputs)?;
         // SAFETY: as the caller promises.
-        let sent = unsafe { self.send(stream, inputs, self.host.address(HostWords::COUNTS))? };
+        let sent = unsafe { self.send(stream, &mut state, inputs, self.host.address(HostWords::COUNTS))? };
         self.wait(stream, &mut state)?;
         let counts = DispatchCounts {
             per_source_rank: (0..self.config.ranks).map(|r| self.host.count(r)).collect(),
@@ -507,7 +571,13 @@ impl Buffer {
     /// # Safety
     ///
     /// As [`Buffer::dispatch_begin`].
-    unsafe fn send(&self, stream: cu::CUstream, inputs: &DispatchInputs, host_counts: u64) -> Result<DispatchInputs> {
+    unsafe fn send(
+        &self,
+        stream: cu::CUstream,
+        state: &mut State,
+        inputs: &DispatchInputs,
+        host_counts: u64,
+    ) -> Result<DispatchInputs> {
         let (at, k, sc) = (self.site(stream), &self.kernels, &self.scratch);
         let mut sent = *inputs;
         // SAFETY: as the caller promises; scratch and workspace are ours and sized by the
@@ -518,10 +588,41 @@ impl Buffer {
                 sent.x = sc.fp8_staging;
             }
             k.layout(&at, &sent, sc.send_count, sc.expert_count_global)?;
-            k.dispatch_send(&at, &sent, sc.send_count, sc.done(0))?;
-            k.dispatch_plan(&at, &sc.plan, host_counts)?;
         }
+        if let Some(relay) = self.relay.as_ref().filter(|_| state.dispatches > 0) {
+            relay.await_signal(relay::DISPATCH_RELEASED).map_err(|e| broken(state, e))?;
+        }
+        state.dispatches += 1;
+        // SAFETY: as above.
+        unsafe { k.dispatch_send(&at, &sent, sc.send_count, sc.done(0))? };
+        if let Some(relay) = &self.relay {
+            self.wait(stream, state)?;
+            let counts = self.device_words(sc.send_count, self.config.ranks)?;
+            relay
+                .ship(relay::DISPATCH_ARRIVED, |r| relay.dispatch_runs(counts[r] as usize, sent.row_bytes))
+                .and_then(|_| relay.await_signal(relay::DISPATCH_ARRIVED))
+                .map_err(|e| broken(state, e))?;
+        }
+        // SAFETY: as above.
+        unsafe { k.dispatch_plan(&at, &sc.plan, host_counts)? };
         Ok(sent)
+    }
+
+    /// `n` i32 words of device memory at `addr`, read after the stream was waited for.
+    fn device_words(&self, addr: u64, n: usize) -> Result<Vec<i32>> {
+        let mut words = vec![0i32; n];
+        if n > 0 {
+            freight_core::cuda::driver::copy_sync(self.device, words.as_mut_ptr() as u64, addr, n * 4)?;
+        }
+        Ok(words)
+    }
+
+    /// Ships signal word `kind` to the ranks reached through the engine, once the work
+    /// queued on `stream` that wrote it is done (a no-op for the ipc backend).
+    fn ship_signal(&self, stream: cu::CUstream, state: &mut State, kind: u64) -> Result<()> {
+        let Some(relay) = &self.relay else { return Ok(()) };
+        self.wait(stream, state)?;
+        relay.ship(kind, |_| Vec::new()).map_err(|e| broken(state, e))
     }
 
     /// Queues the expansion of what arrived (rows of `row_bytes`) into `outputs`, at
@@ -572,6 +673,11 @@ impl Buffer {
     ) -> Result<()> {
         let mut state = self.state.lock();
         self.idle(&mut state, inputs)?;
+        if self.relay.is_some() {
+            return Err(Error::InvalidArgument(
+                "low-latency mode needs the ipc backend (the engine backends ship rows from the host)".into(),
+            ));
+        }
         if outputs.expert_stride != self.most_received() as u64 {
             return Err(Error::InvalidArgument(format!(
                 "low-latency outputs hold {} rows per expert; this buffer needs {}",
@@ -581,7 +687,7 @@ impl Buffer {
         }
         // SAFETY: as the caller promises.
         unsafe {
-            let sent = self.send(stream, inputs, 0)?;
+            let sent = self.send(stream, &mut state, inputs, 0)?;
             self.expand(stream, outputs, sent.row_bytes, self.most_received())?;
             let bytes = 4 * self.config.local_experts;
             check(
@@ -612,6 +718,7 @@ impl Buffer {
         }
         // SAFETY: as the caller promises.
         unsafe { self.expand(stream, outputs, row_bytes, received)? };
+        self.ship_signal(stream, &mut state, relay::DISPATCH_RELEASED)?;
         input.map_or(Ok(()), Err)
     }
 
@@ -634,11 +741,27 @@ impl Buffer {
             return Err(Error::InvalidArgument(format!("{most} received rows is more than any dispatch delivers")));
         }
         let (at, sc) = (self.site(stream), &self.scratch);
-        // SAFETY: as the caller promises.
-        unsafe {
-            self.kernels.combine_send(&at, args, sc.done(2))?;
-            self.kernels.combine_reduce(&at, args, sc.done(3))
+        if let Some(relay) = self.relay.as_ref().filter(|_| state.combines > 0) {
+            relay.await_signal(relay::COMBINE_RELEASED).map_err(|e| broken(&mut state, e))?;
         }
+        state.combines += 1;
+        // SAFETY: as the caller promises.
+        unsafe { self.kernels.combine_send(&at, args, sc.done(2))? };
+        if let Some(relay) = &self.relay {
+            self.wait(stream, &mut state)?;
+            let sources = self.device_words(args.row_source, 2 * args.most_rows)?;
+            let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); self.config.ranks];
+            for pair in sources.chunks_exact(2) {
+                tokens[pair[0] as usize].push(pair[1] as u32);
+            }
+            relay
+                .ship(relay::COMBINE_ARRIVED, |r| relay::combine_runs(&self.shape, &tokens[r]))
+                .and_then(|_| relay.await_signal(relay::COMBINE_ARRIVED))
+                .map_err(|e| broken(&mut state, e))?;
+        }
+        // SAFETY: as above.
+        unsafe { self.kernels.combine_reduce(&at, args, sc.done(3))? };
+        self.ship_signal(stream, &mut state, relay::COMBINE_RELEASED)
     }
 
     /// Waits for the work queued on `stream` and reports any failure of the kernels.

@@ -2,14 +2,16 @@
 // each writing straight into its peers' workspaces through CUDA IPC mappings (NVLink
 // where the GPUs have it). Compiled by NVRTC at run time; no headers needed.
 //
-// Every rank owns one workspace with the same layout (see `Shape` and layout.rs):
+// Every rank owns one workspace with the same layout (see `Shape` and layout.rs): one
+// block per rank s, holding everything rank s writes here, so that a rank writes into
+// one block of each peer (or, through the engine, into a local copy of that block which
+// the host then ships):
 //
-//   signals            4 x R words: dispatch arrived / released, combine arrived / released,
-//                      one word per peer rank, written by that peer
-//   dispatch rows      R x M rows of `row_bytes`: row (s, i) is the i-th token rank s sent here
-//   dispatch meta      R x M records: the token's index at its source, and for each of its
-//                      top-k choices the local expert (or -1) and the weight
-//   combine rows       R x M rows: row (d, t) is what rank d sends back for our token t
+//   signals            4 words: dispatch arrived / released, combine arrived / released
+//   dispatch rows      M rows of `row_bytes`: row i is the i-th token rank s sent here
+//   dispatch meta      M records: the token's index at s, and for each of its top-k
+//                      choices the local expert (or -1) and the weight
+//   combine rows       M rows: row t is what rank s sends back for our token t
 //
 // Signalling is by epochs, so nothing is ever reset. Each rank counts its dispatches and
 // combines in device memory (`epochs[0]`, `epochs[1]`: the last one completed), so that
@@ -34,7 +36,8 @@ typedef long long i64;
 struct Shape {
     u64 row_bytes;   // one token: hidden x 2 bytes (bf16), a multiple of 16
     u64 meta_bytes;  // one dispatch meta record, a multiple of 16
-    u64 off_drows;   // workspace offsets
+    u64 block_bytes; // one rank's block of the workspace
+    u64 off_drows;   // offsets within a block
     u64 off_dmeta;
     u64 off_crows;
     int ranks;       // R
@@ -66,8 +69,21 @@ struct Control {
 #define STATUS_BAD_EXPERT 3ull
 #define STATUS_DUPLICATE_EXPERT 4ull
 
-__device__ __forceinline__ u64 signal_offset(const Shape& s, int kind, int rank) {
-    return ((u64)kind * s.ranks + rank) * 8;
+// Where in a workspace the words, rows and records written by rank `src` are.
+__device__ __forceinline__ u64 signal_offset(const Shape& s, int kind, int src) {
+    return (u64)src * s.block_bytes + (u64)kind * 8;
+}
+
+__device__ __forceinline__ char* dispatch_row(const char* ws, const Shape& s, int src, u64 i) {
+    return (char*)ws + (u64)src * s.block_bytes + s.off_drows + i * s.row_bytes;
+}
+
+__device__ __forceinline__ char* dispatch_meta(const char* ws, const Shape& s, int src, u64 i) {
+    return (char*)ws + (u64)src * s.block_bytes + s.off_dmeta + i * s.meta_bytes;
+}
+
+__device__ __forceinline__ char* combine_row(const char* ws, const Shape& s, int src, u64 t) {
+    return (char*)ws + (u64)src * s.block_bytes + s.off_crows + t * s.row_bytes;
 }
 
 __device__ __forceinline__ u64 load_acquire(const u64* p) {
@@ -383,10 +399,9 @@ ep_dispatch_send(const char* x, u64 x_row_bytes, const i64* topk_idx, const floa
             const int row = slot[(i64)t * s.ranks + r];
             if (row < 0) continue;
             char* peer = (char*)peers[r];
-            const u64 at = (u64)s.me * s.max_tokens + row;
-            store_segment(peer + s.off_drows + at * s.row_bytes, v, x_row_bytes, seg, lane);
+            store_segment(dispatch_row(peer, s, s.me, row), v, x_row_bytes, seg, lane);
             if (seg != 0) continue;
-            char* meta = peer + s.off_dmeta + at * s.meta_bytes;
+            char* meta = dispatch_meta(peer, s, s.me, row);
             if (lane == 0) *(int*)meta = t;
             for (int k = lane; k < s.topk; k += 32) {
                 const i64 e = topk_idx[(i64)t * s.topk + k];
@@ -429,7 +444,7 @@ ep_dispatch_plan(Shape s, const char* own, const u64* epochs, int* recv_count, i
             const u64 row = (u64)src * s.max_tokens + i;
             int flag = 0;
             if (i < count) {
-                char* meta = (char*)own + s.off_dmeta + row * s.meta_bytes;
+                char* meta = dispatch_meta(own, s, src, i);
                 for (int k = 0; k < s.topk; ++k) flag |= meta_expert(meta)[k] == e;
             }
             int total;
@@ -478,10 +493,10 @@ ep_dispatch_expand(Shape s, const u64* peers, u64* epochs, const int* recv_count
         const int u = (int)(q / segments), seg = (int)(q % segments);
         int src = 0;
         while (source_start[src + 1] <= u) ++src;
-        const u64 row = (u64)src * s.max_tokens + (u - source_start[src]);
-        char* meta = (char*)own + s.off_dmeta + row * s.meta_bytes;
+        const u64 i = u - source_start[src], row = (u64)src * s.max_tokens + i;
+        char* meta = dispatch_meta(own, s, src, i);
         int4 v[VECTORS_PER_LANE];
-        load_segment(v, own + s.off_drows + row * s.row_bytes, x_row_bytes, seg, lane);
+        load_segment(v, dispatch_row(own, s, src, i), x_row_bytes, seg, lane);
         if (seg == 0 && lane == 0) {
             row_source[2 * u] = src;
             row_source[2 * u + 1] = *(int*)meta;
@@ -536,8 +551,7 @@ ep_combine_send(Shape s, const u64* peers, const char* expert_out, const float* 
             const float w = __shfl_sync(0xffffffffu, my_weight, k);
             accumulate_segment(acc, expert_out + (u64)p * s.row_bytes, w, s, seg, lane, true);
         }
-        store_sums((char*)peers[src] + s.off_crows + ((u64)s.me * s.max_tokens + token) * s.row_bytes, acc, s, seg,
-                   lane);
+        store_sums(combine_row((const char*)peers[src], s, s.me, token), acc, s, seg, lane);
     }
     if (last_block(done) && !failed(c)) signal_all(peers, s, COMBINE_ARRIVED, 0, epoch);
 }
@@ -564,7 +578,7 @@ ep_combine_reduce(Shape s, const u64* peers, const int* slot, int tokens, char* 
             for (u32 left = sent; left; left &= left - 1) {
                 const int from = base + __ffs(left) - 1;
                 // Written by peers during this kernel's wait: not through the read-only cache.
-                accumulate_segment(acc, own + s.off_crows + ((u64)from * s.max_tokens + t) * s.row_bytes, 1.0f, s, seg,
+                accumulate_segment(acc, combine_row(own, s, from, t), 1.0f, s, seg,
                                    lane, false);
             }
         }

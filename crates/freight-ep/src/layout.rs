@@ -58,7 +58,7 @@ impl Config {
     }
 }
 
-/// Signal words: four kinds, one word per rank each.
+/// Signal words at the start of each rank's block: four kinds.
 const SIGNAL_KINDS: u64 = 4;
 
 /// What the kernels read to find their way around a workspace (the C struct `Shape` of
@@ -68,6 +68,9 @@ const SIGNAL_KINDS: u64 = 4;
 pub struct Shape {
     pub row_bytes: u64,
     pub meta_bytes: u64,
+    /// One rank's block: everything that rank writes into this workspace.
+    pub block_bytes: u64,
+    /// Offsets within a block (its signal words come first).
     pub off_drows: u64,
     pub off_dmeta: u64,
     pub off_crows: u64,
@@ -86,16 +89,18 @@ fn align(n: u64, to: u64) -> u64 {
 impl Shape {
     pub fn of(config: &Config) -> Result<Shape> {
         config.validate()?;
-        let rows = (config.ranks * config.max_tokens) as u64;
+        let rows = config.max_tokens as u64;
         let row_bytes = config.row_bytes();
         // src token, then topk local experts, then topk weights.
         let meta_bytes = align(4 + 8 * config.topk as u64, 16);
-        let off_drows = align(SIGNAL_KINDS * config.ranks as u64 * 8, 256);
+        let off_drows = align(SIGNAL_KINDS * 8, 256);
         let off_dmeta = align(off_drows + rows * row_bytes, 256);
         let off_crows = align(off_dmeta + rows * meta_bytes, 256);
+        let block_bytes = align(off_crows + rows * row_bytes, 256);
         Ok(Shape {
             row_bytes,
             meta_bytes,
+            block_bytes,
             off_drows,
             off_dmeta,
             off_crows,
@@ -110,12 +115,17 @@ impl Shape {
 
     /// Bytes of one rank's workspace.
     pub fn workspace_bytes(&self) -> u64 {
-        self.off_crows + self.ranks as u64 * self.max_tokens as u64 * self.row_bytes
+        self.ranks as u64 * self.block_bytes
     }
 
-    /// Bytes of the signal words at the start of the workspace (zeroed before first use).
+    /// Where rank `src`'s block starts in a workspace.
+    pub fn block_offset(&self, src: usize) -> u64 {
+        src as u64 * self.block_bytes
+    }
+
+    /// Bytes of the signal words at the start of each block (zeroed before first use).
     pub fn signal_bytes(&self) -> u64 {
-        SIGNAL_KINDS * self.ranks as u64 * 8
+        SIGNAL_KINDS * 8
     }
 }
 
@@ -133,13 +143,15 @@ pub(crate) mod tests {
         assert_eq!(s.row_bytes, 14336);
         assert_eq!(s.meta_bytes, 80);
         assert!(s.signal_bytes() <= s.off_drows);
-        assert_eq!(s.off_dmeta, s.off_drows + 4 * 128 * 14336);
-        assert!(s.off_crows >= s.off_dmeta + 4 * 128 * 80);
-        for off in [s.off_drows, s.off_dmeta, s.off_crows] {
+        assert_eq!(s.off_dmeta, s.off_drows + 128 * 14336);
+        assert!(s.off_crows >= s.off_dmeta + 128 * 80);
+        assert!(s.block_bytes >= s.off_crows + 128 * 14336);
+        for off in [s.off_drows, s.off_dmeta, s.off_crows, s.block_bytes] {
             assert_eq!(off % 256, 0);
         }
-        assert_eq!(s.workspace_bytes(), s.off_crows + 4 * 128 * 14336);
-        assert_eq!(std::mem::size_of::<Shape>(), 64);
+        assert_eq!(s.workspace_bytes(), 4 * s.block_bytes);
+        assert_eq!(s.block_offset(3), 3 * s.block_bytes);
+        assert_eq!(std::mem::size_of::<Shape>(), 72);
     }
 
     #[test]

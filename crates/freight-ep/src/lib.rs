@@ -8,14 +8,17 @@
 //! - [`layout`]: the workspace each rank shares and the shape the kernels read.
 //! - [`kernels`]: the CUDA kernels (kernels.cu) and their typed launchers.
 //! - [`buffer`]: one rank's buffer: dispatch and combine queued on the caller's stream.
+//! - [`relay`]: ranks reached through the engine's transports instead of CUDA IPC.
 //! - [`status`]: why a kernel gave up, as an error.
 
 pub mod buffer;
 pub mod kernels;
 pub mod layout;
+pub mod relay;
 pub mod rendezvous;
 pub mod status;
 
-pub use buffer::{Buffer, DispatchCounts};
+pub use buffer::{Buffer, DispatchCounts, Options};
 pub use kernels::{CombineArgs, DispatchInputs, DispatchOutputs};
 pub use layout::Config;
+pub use relay::Backend;

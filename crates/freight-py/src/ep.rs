@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use freight_ep::rendezvous::{EtcdGroup, Group, RankServer, ServerGroup};
-use freight_ep::{Buffer, CombineArgs, Config, DispatchInputs, DispatchOutputs};
+use freight_ep::{Backend, Buffer, CombineArgs, Config, DispatchInputs, DispatchOutputs, Options};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -171,6 +171,7 @@ fn dispatch_outputs(b: &Buffer, fp8: bool, expert_stride: u64, outputs: OutputsT
 #[pymethods]
 impl PyBuffer {
     #[new]
+    #[pyo3(signature = (group, device, max_tokens, hidden, topk, experts_per_rank, timeout, backend = "ipc", listen = "127.0.0.1:0"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -181,11 +182,17 @@ impl PyBuffer {
         topk: usize,
         experts_per_rank: usize,
         timeout: f64,
+        backend: &str,
+        listen: &str,
     ) -> PyResult<Self> {
-        let timeout = seconds(timeout, "timeout")?;
+        let options = Options {
+            backend: Backend::parse(backend).or_raise()?,
+            listen: listen.into(),
+            timeout: seconds(timeout, "timeout")?,
+        };
         let config = Config { ranks: 0, rank: 0, max_tokens, hidden, topk, local_experts: experts_per_rank };
         let group = group.inner.clone();
-        let buffer = py.detach(move || Buffer::new(group, device, config, timeout)).or_raise()?;
+        let buffer = py.detach(move || Buffer::new(group, device, config, &options)).or_raise()?;
         Ok(PyBuffer { inner: Arc::new(buffer) })
     }
 
