@@ -10,7 +10,10 @@ expert) pair out, the rows back, weighted sum), checked against the same referen
 
 Bytes counted: each rank's algorithmic bytes, as DeepEP counts them: a token crosses to
 each rank that owns one of its experts once (``hidden x 2`` bytes each, the sender's
-own rank included); combine moves the same rows back; e2e counts both directions.
+own rank included; with ``--fp8``, ``hidden + hidden / 32`` bytes on the way out);
+combine moves the same rows back in bf16; e2e counts both directions. The NCCL
+baseline always moves bf16 and is given the same byte count, so the bandwidths compare
+as the latencies do.
 Bandwidth = those bytes / latency, per rank; the report gives avg/min/max across ranks.
 """
 
@@ -47,6 +50,8 @@ def parser() -> argparse.ArgumentParser:
                         "(its choice: cuda on one host); none: the engine's network transports only (tcp)")
     p.add_argument("--low-latency", action="store_true",
                    help="low-latency mode: outputs sized for the most a dispatch delivers, no host synchronisation")
+    p.add_argument("--fp8", action="store_true",
+                   help="dispatch fp8 tokens with a scale per 128 channels (combine stays bf16)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="capture the measured step in a CUDA graph and replay it (needs --low-latency)")
     p.add_argument("--warmup", type=int, default=10)
@@ -152,12 +157,24 @@ def _worker(args) -> dict:
     x, idx, weights = _routing(args, args.rank, device)
     reference = (x.float() * weights.sum(1, keepdim=True)).to(torch.bfloat16).float()
 
+    tolerance = (0.1, 0.15) if args.fp8 else (2e-2, 2e-2)
+
     def check(out) -> bool:
-        return bool(torch.allclose(out.float(), reference, rtol=2e-2, atol=2e-2))
+        return bool(torch.allclose(out.float(), reference, rtol=tolerance[0], atol=tolerance[1]))
+
+    def expert_rows(recv):
+        """What identity experts give back for the received rows: the rows themselves,
+        dequantized where they came as fp8 (done once, outside the timed steps)."""
+        if not args.fp8:
+            return recv
+        values, scales = recv
+        return (values.float().unflatten(-1, (-1, 128)) * scales.unsqueeze(-1)).flatten(-2).to(torch.bfloat16)
 
     layout = buffer.get_layout(idx)
     sent_rows = int(layout.num_tokens_per_rank.sum())
-    row_bytes = args.hidden * 2
+    dispatch_row = args.hidden + args.hidden // 128 * 4 if args.fp8 else args.hidden * 2
+    counted = sent_rows * {"dispatch": dispatch_row, "combine": args.hidden * 2,
+                           "e2e": dispatch_row + args.hidden * 2}[args.mode]
     barrier = lambda: group.barrier(args.timeout)  # noqa: E731
 
     result = {"rank": args.rank, "gpu": device.index, "rows_sent": sent_rows}
@@ -165,18 +182,16 @@ def _worker(args) -> dict:
 
     if args.low_latency:
         def f_dispatch():
-            state["d"] = buffer.low_latency_dispatch(x, idx, weights)
+            state["d"] = buffer.low_latency_dispatch(x, idx, weights, fp8=args.fp8)
 
         def f_combine():
-            recv_x, _, _, handle = state["d"]
-            state["out"] = buffer.low_latency_combine(recv_x, handle)
+            state["out"] = buffer.low_latency_combine(state.setdefault("rows", expert_rows(state["d"][0])), state["d"][3])
     else:
         def f_dispatch():
-            state["d"] = buffer.dispatch(x, idx, weights)
+            state["d"] = buffer.dispatch(x, idx, weights, fp8=args.fp8)
 
         def f_combine():
-            recv_x, _, _, _, handle = state["d"]
-            state["out"] = buffer.combine(recv_x, handle)
+            state["out"] = buffer.combine(state.setdefault("rows", expert_rows(state["d"][0])), state["d"][4])
 
     def f_e2e():
         f_dispatch()
@@ -196,8 +211,7 @@ def _worker(args) -> dict:
         fn = graph.replay
     times = _time(fn, args, barrier)
     buffer.synchronize()
-    directions = 2 if args.mode == "e2e" else 1
-    result["freight"] = _summary(times, sent_rows * row_bytes * directions)
+    result["freight"] = _summary(times, counted)
     if args.mode != "dispatch":
         result["passed"] = result["passed"] and check(state["out"])
 
@@ -205,7 +219,7 @@ def _worker(args) -> dict:
         if gpus < args.num_processes:
             result["nccl_skipped"] = f"NCCL needs one GPU per rank ({gpus} GPUs for {args.num_processes} ranks)"
         else:
-            result.update(_nccl(args, device, x, idx, weights, check, sent_rows * row_bytes * directions))
+            result.update(_nccl(args, device, x, idx, weights, check, counted))
     group.barrier(args.timeout)
     group.leave()
     return result
@@ -273,6 +287,9 @@ def run(args) -> int:
     if args.cuda_graph and not args.low_latency:
         print("freight bench ep: --cuda-graph needs --low-latency (normal dispatch waits for the GPU)", file=sys.stderr)
         return 2
+    if args.fp8 and args.hidden % 512:
+        print("freight bench ep: --fp8 needs a hidden size that is a multiple of 512", file=sys.stderr)
+        return 2
     if args.low_latency and args.nvlink_backend != "ipc":
         print("freight bench ep: --low-latency needs --nvlink-backend ipc (the engine backends ship from the host)",
               file=sys.stderr)
@@ -311,15 +328,15 @@ def run(args) -> int:
 def _forward(args) -> List[str]:
     keys = ("num_processes", "mode", "tokens", "hidden", "experts_per_rank", "topk", "nvlink_backend", "warmup",
             "iters", "baseline", "timeout", "seed")
-    flags = [f"--{k.replace('_', '-')}" for k in ("low_latency", "cuda_graph") if getattr(args, k)]
+    flags = [f"--{k.replace('_', '-')}" for k in ("low_latency", "cuda_graph", "fp8") if getattr(args, k)]
     return [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keys] + flags
 
 
 def _report(args, results: List[dict], failures: List[str]) -> dict:
     report = {
         "config": {k: getattr(args, k) for k in ("num_processes", "mode", "tokens", "hidden", "experts_per_rank",
-                                                 "topk", "nvlink_backend", "low_latency", "cuda_graph", "warmup",
-                                                 "iters")},
+                                                 "topk", "nvlink_backend", "low_latency", "cuda_graph", "fp8",
+                                                 "warmup", "iters")},
         "ranks_passed": sum(1 for r in results if r.get("passed")),
         "failures": failures,
         "per_rank": results,
@@ -350,7 +367,7 @@ def _print(args, report: dict) -> None:
     print(f"Ranks: {c['num_processes']}, Tokens: {c['tokens']}, Hidden: {c['hidden']}")
     print(f"Experts: {c['experts_per_rank']}/rank ({c['experts_per_rank'] * c['num_processes']} total), TopK: {c['topk']}")
     print(f"Backend: {c['nvlink_backend']}" + (", low-latency" if c["low_latency"] else "")
-          + (", CUDA graph" if c["cuda_graph"] else ""))
+          + (", CUDA graph" if c["cuda_graph"] else "") + (", fp8 dispatch" if c["fp8"] else ""))
     print(f"Warmup: {c['warmup']}, Measure: {c['iters']} iterations")
     print(bar)
     print()
