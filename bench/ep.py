@@ -18,7 +18,8 @@ import json
 import platform
 import subprocess
 import sys
-import time
+
+from reporting import run_json
 
 CASES = [
     # (name, tokens, mode, extra flags)
@@ -38,17 +39,9 @@ def gpu_count() -> int:
 
 
 def run(freight: list, world: int, tokens: int, mode: str, extra: list, iters: int) -> dict:
-    cmd = freight + ["bench", "ep", f"--num-processes={world}", f"--tokens={tokens}", "--hidden=7168", "--topk=8",
-                     "--experts-per-rank=8", f"--mode={mode}", f"--iters={iters}", "--json", *extra]
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    try:
-        report = json.loads(proc.stdout[proc.stdout.index("{"):])
-    except ValueError:
-        report = {"error": f"exit {proc.returncode}: {proc.stderr[-2000:]}"}
-    report["command"] = " ".join(cmd)
-    report["wall_s"] = time.monotonic() - t0
-    return report
+    return run_json(freight + ["bench", "ep", f"--num-processes={world}", f"--tokens={tokens}", "--hidden=7168",
+                               "--topk=8", "--experts-per-rank=8", f"--mode={mode}", f"--iters={iters}", "--json",
+                               *extra])
 
 
 def main() -> None:

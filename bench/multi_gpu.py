@@ -17,8 +17,9 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from reporting import run_json
 
 HERE = Path(__file__).resolve().parent
 SIZES = ["4KiB", "64KiB", "1MiB", "16MiB", "64MiB"]
@@ -36,23 +37,6 @@ EP_CASES = [
 def gpu_count() -> int:
     out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
     return sum(1 for line in out.splitlines() if line.startswith("GPU "))
-
-
-def last_json(text: str):
-    start = text.find("{")
-    return json.loads(text[start:]) if start >= 0 else None
-
-
-def run_json(cmd: list, timeout: int = 600) -> dict:
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    try:
-        doc = last_json(proc.stdout) or {"error": f"no JSON; exit {proc.returncode}: {proc.stderr[-1500:]}"}
-    except ValueError:
-        doc = {"error": f"bad JSON; exit {proc.returncode}: {proc.stderr[-1500:]}"}
-    doc["command"] = " ".join(cmd)
-    doc["wall_s"] = time.monotonic() - t0
-    return doc
 
 
 def main() -> None:

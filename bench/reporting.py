@@ -27,6 +27,25 @@ def human(n: int) -> str:
     return f"{n} B"
 
 
+def run_json(cmd: list, timeout: int = 600) -> dict:
+    """Runs a benchmark command that prints a JSON document last; returns the document
+    (or {"error": why}) with the command and its wall time added."""
+    import time
+
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    start = proc.stdout.find("{")
+    try:
+        doc = json.loads(proc.stdout[start:]) if start >= 0 else None
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict):
+        doc = {"error": f"no JSON report; exit {proc.returncode}: {proc.stderr[-1500:]}"}
+    doc["command"] = " ".join(cmd)
+    doc["wall_s"] = time.monotonic() - t0
+    return doc
+
+
 def logger(prefix: str) -> Callable[[str], None]:
     """A log function writing "[prefix] message" lines to stderr."""
 
