@@ -180,18 +180,25 @@ def _worker(args) -> dict:
     result = {"rank": args.rank, "gpu": device.index, "rows_sent": sent_rows}
     state = {}
 
+    def rows():
+        """The experts' outputs, made once from the first dispatch (the routing, and so
+        the shapes, are the same every step)."""
+        if "rows" not in state:
+            state["rows"] = expert_rows(state["d"][0])
+        return state["rows"]
+
     if args.low_latency:
         def f_dispatch():
             state["d"] = buffer.low_latency_dispatch(x, idx, weights, fp8=args.fp8)
 
         def f_combine():
-            state["out"] = buffer.low_latency_combine(state.setdefault("rows", expert_rows(state["d"][0])), state["d"][3])
+            state["out"] = buffer.low_latency_combine(rows(), state["d"][3])
     else:
         def f_dispatch():
             state["d"] = buffer.dispatch(x, idx, weights, fp8=args.fp8)
 
         def f_combine():
-            state["out"] = buffer.combine(state.setdefault("rows", expert_rows(state["d"][0])), state["d"][4])
+            state["out"] = buffer.combine(rows(), state["d"][4])
 
     def f_e2e():
         f_dispatch()
