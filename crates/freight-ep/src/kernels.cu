@@ -340,22 +340,25 @@ ep_quantize_fp8(const char* x, int tokens, Shape s, char* packed) {
 
 // Layout: one block per destination rank r. slot[t][r] = the row token t takes among
 // those this rank sends to r (in token order), or -1; send_count[r] = how many;
-// expert_count[e] = tokens that chose global expert e. Block 0 also checks the indices:
+// expert_count[e] = tokens that chose global expert e. The blocks also check the indices:
 // a bad one is reported in the input word and otherwise ignored, so that every rank
 // still goes through the same steps (the caller raises once the dispatch is complete).
 extern "C" __global__ void __launch_bounds__(1024)
 ep_layout(const i64* topk_idx, int tokens, Shape s, int* slot, int* send_count, int* expert_count, Control c) {
+    // This block's experts are its own: counted in shared memory, written once.
+    __shared__ int counts[1024];
     const int r = blockIdx.x, E = s.ranks * s.local_experts;
-    for (int e = threadIdx.x; e < s.local_experts; e += blockDim.x) expert_count[r * s.local_experts + e] = 0;
+    for (int e = threadIdx.x; e < s.local_experts; e += blockDim.x) counts[e] = 0;
     __syncthreads();
     int base = 0;
     for (int start = 0; start < tokens; start += blockDim.x) {
         const int t = start + threadIdx.x;
         int flag = 0;
         if (t < tokens) {
+            const bool checks = t % s.ranks == r;  // each token is checked by one block
             for (int k = 0; k < s.topk; ++k) {
                 const i64 e = topk_idx[(i64)t * s.topk + k];
-                if (r == 0) {
+                if (checks) {
                     if (e < -1 || e >= E) atomicCAS(c.input, 0ull, (STATUS_BAD_EXPERT << 56) | (u64)t);
                     for (int j = 0; j < k; ++j)
                         if (e >= 0 && topk_idx[(i64)t * s.topk + j] == e)
@@ -363,7 +366,7 @@ ep_layout(const i64* topk_idx, int tokens, Shape s, int* slot, int* send_count, 
                 }
                 if (e >= 0 && e < E && e / s.local_experts == r) {
                     flag = 1;
-                    atomicAdd(&expert_count[e], 1);
+                    atomicAdd(&counts[e - (i64)r * s.local_experts], 1);
                 }
             }
         }
@@ -372,6 +375,8 @@ ep_layout(const i64* topk_idx, int tokens, Shape s, int* slot, int* send_count, 
         if (t < tokens) slot[(i64)t * s.ranks + r] = flag ? base + pos : -1;
         base += total;
     }
+    __syncthreads();
+    for (int e = threadIdx.x; e < s.local_experts; e += blockDim.x) expert_count[r * s.local_experts + e] = counts[e];
     if (threadIdx.x == 0) send_count[r] = base;
 }
 
