@@ -55,11 +55,6 @@ pub struct Options {
     pub timeout: Duration,
 }
 
-impl Options {
-    pub fn ipc(timeout: Duration) -> Options {
-        Options { backend: Backend::Ipc, listen: "127.0.0.1:0".into(), timeout }
-    }
-}
 
 /// The host-memory words the kernels and the host share: the status word, the abort
 /// word (a dead rank's number plus one), the input word (what was wrong with the
