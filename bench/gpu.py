@@ -161,31 +161,39 @@ def oneshot(agent, name, local, base, quick):
 
 
 def latency(agent, name, local, base, target, quick):
+    """One 4 KiB WRITE at a time: post to DONE back to back, then with a notification,
+    as bench/peers/nixl_p2p.py measures NIXL: each post waits for the previous one to be
+    done and 300 us more (a busy pause, so that neither process goes idle), and the
+    target stamps each notification when its get_notifs returns it."""
     import freight
 
     lp = agent.prepare_local(freight.DescList([(local.data_ptr(), 4096, 0)], kind="VRAM"))
     rp = agent.prepare_remote(name, freight.DescList([(base, 4096, 0)], kind="VRAM"))
     req = agent.make_request("WRITE", lp, None, rp, None)
-    timed(req, 100)
-    p50, p99 = stats(timed(req, 300 if quick else 3000))
+    warm, iters = (50, 300) if quick else (200, 2000)
+    timed(req, warm)
+    p50, p99 = stats(timed(req, iters))
     rows = [row("lat4k", "WRITE", 4096, 1, p50=p50, p99=p99)]
-    n = 50 if quick else 300
-    target.send(op="notifs", count=n, timeout=60)
+    # One request, posted again and again (NIXL reposts one prepared transfer): its
+    # notifications arrive in the order of the posts, so the i-th seen is the i-th posted.
+    target.send(op="notifs", count=warm + iters, timeout=120)
+    req = agent.make_request("WRITE", lp, None, rp, None, notif=b"lat4k")
     posted = []
-    reqs = [agent.make_request("WRITE", lp, None, rp, None, notif=f"n{i}".encode()) for i in range(n)]
-    for r in reqs:
+    for _ in range(warm + iters):
         posted.append(time.monotonic_ns())
-        r.post()
-        r.wait(timeout=10)
-        time.sleep(0.002)
+        req.post()
+        req.wait(timeout=10)
+        pause = time.perf_counter() + 300e-6
+        while time.perf_counter() < pause:
+            pass
     seen = target.reply()["seen"]
-    lat = [(t - posted[int(bytes.fromhex(m).decode()[1:])]) / 1e9 for t, m, _ in seen]
-    if len(lat) == n:
+    lat = [(t - p) / 1e9 for (t, _, _), p in zip(seen, posted)][warm:]
+    if len(lat) == iters:
         p50, p99 = stats(lat)
         rows.append(row("notif4k", "WRITE", 4096, 1, p50=p50, p99=p99))
     else:
         rows.append({"system": "freight", "test": "notif4k", "op": "WRITE", "block": 4096, "count": 1,
-                     "error": f"{len(lat)} of {n} notifications seen"})
+                     "error": f"{len(seen)} of {warm + iters} notifications seen"})
     return rows
 
 
@@ -253,12 +261,31 @@ def over_tcp(quick, target_gpu="1"):
     return rows
 
 
+def one_gpu(part, quick):
+    """One part of the benchmark with the target on the same GPU (GPU 0)."""
+    if part == "tcp":
+        return over_tcp(quick, target_gpu="0")
+    import torch
+    import freight
+
+    target = Target(64 * MIB, "VRAM", "0")
+    try:
+        with freight.Agent("initiator") as agent:
+            name = agent.connect(target.addr)
+            local = torch.full((64 * MIB,), 3, dtype=torch.uint8, device="cuda:0")
+            agent.register(local)
+            return latency(agent, name, local, target.base, target, quick)
+    finally:
+        target.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True, help="JSON file to write")
     ap.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
-    ap.add_argument("--only-tcp", action="store_true",
-                    help="only GPU memory over tcp, both processes on GPU 0 (for a machine with one GPU)")
+    ap.add_argument("--only", choices=("tcp", "latency"),
+                    help="on a machine with one GPU, both processes on it: only GPU memory over tcp, "
+                         "or only the 4 KiB latency and notification rows")
     args = ap.parse_args()
     os.environ["CUDA_VISIBLE_DEVICES"] = "0"
     import torch
@@ -267,9 +294,9 @@ def main() -> None:
     ok, why = freight.cuda_status()
     if not ok:
         sys.exit(f"no GPU: {why}")
-    if args.only_tcp:
-        rows = over_tcp(args.quick, target_gpu="0")
-        doc = {"tool": "bench/gpu.py --only-tcp", "machine": {"gpu": torch.cuda.get_device_name(0),
+    if args.only:
+        rows = one_gpu(args.only, args.quick)
+        doc = {"tool": f"bench/gpu.py --only {args.only}", "machine": {"gpu": torch.cuda.get_device_name(0),
                "host": platform.node(), "torch": torch.__version__}, "rows": rows}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=1))

@@ -281,6 +281,32 @@ def test_many_requests_in_flight_and_reposted(gpu_pair):
 
 
 @needs_gpu
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+def test_requests_of_a_few_small_copies_move_every_byte_each_post(gpu_pair, op):
+    """Up to eight work items ride in the kernel's launch and its end is learned from a
+    flag in host memory; nine go through the table in GPU memory. Each request is
+    posted again after its source changed: every post must move the new bytes."""
+    agent, name, peer = gpu_pair
+    local = torch.empty(peer.size, dtype=torch.uint8, device="cuda:0")
+    agent.register(local)
+    rng = random.Random(f"few-{op}")
+    for count in (1, 3, 8, 9):
+        # Copies of 1 byte to 4 KiB at odd offsets, each in a 64 KiB slot of its own.
+        copies = [(rng.randrange(MIB), i * 65536 + rng.randrange(60000), rng.randrange(1, 4097)) for i in range(count)]
+        pairs = [(s, d, n) if op == "WRITE" else (d, s, n) for s, d, n in copies]
+        lp = agent.prepare_local(vram([(local.data_ptr() + lo, n, 0) for lo, _, n in pairs]))
+        rp = agent.prepare_remote(name, vram([(peer.base + ro, n, TORCH_GPUS - 1) for _, ro, n in pairs]))
+        req = agent.make_request(op, lp, None, rp, None)
+        for post in range(3):
+            seed = 1000 * count + post
+            seed_source(op, local, peer, seed)
+            req.post()
+            req.wait(timeout=30)
+            assert req.status() == "DONE"
+            check_destination(op, local, peer, seed, copies, f"{count} copies, post {post}")
+
+
+@needs_gpu
 def test_notification_arrives_after_the_data(gpu_pair):
     agent, name, peer = gpu_pair
     n = 32 * MIB

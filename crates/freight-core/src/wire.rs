@@ -5,6 +5,8 @@
 //! lengths), which travel straight from and into registered memory.
 
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
+use std::net::TcpStream;
+use std::os::fd::AsRawFd;
 
 use serde::{Deserialize, Serialize};
 
@@ -214,6 +216,40 @@ pub fn read_frame(r: &mut impl Read) -> Result<Option<Frame>> {
     decode(&buf).map(Some)
 }
 
+/// Reads one frame header from `sock` if the whole of it has arrived already, without
+/// ever blocking (for a server with other work to do meanwhile). `Ok(None)`: not all of
+/// it is there yet (or the peer closed; the next blocking read says so).
+pub fn try_read_frame(sock: &mut TcpStream) -> Result<Option<Frame>> {
+    let mut len = [0u8; 4];
+    if peek_now(sock, &mut len)? < len.len() {
+        return Ok(None);
+    }
+    let n = u32::from_le_bytes(len) as usize;
+    if n <= MAX_HEADER {
+        let mut whole = vec![0u8; 4 + n];
+        if peek_now(sock, &mut whole)? < whole.len() {
+            return Ok(None);
+        }
+    }
+    // All there (or oversized, which `read_frame` refuses): this read does not block.
+    read_frame(sock)
+}
+
+/// Copies what has arrived, up to `buf.len()` bytes, without taking it off the socket.
+fn peek_now(sock: &TcpStream, buf: &mut [u8]) -> io::Result<usize> {
+    // SAFETY: `buf` is valid for writes of its length; the descriptor is the socket's.
+    let n = unsafe {
+        libc::recv(sock.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_PEEK | libc::MSG_DONTWAIT)
+    };
+    if n >= 0 {
+        return Ok(n as usize);
+    }
+    match io::Error::last_os_error() {
+        e if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted) => Ok(0),
+        e => Err(e),
+    }
+}
+
 fn read_exact_or_eof(r: &mut impl Read, buf: &mut [u8]) -> Result<bool> {
     let mut got = 0;
     while got < buf.len() {
@@ -291,6 +327,32 @@ mod tests {
         assert!(buf.is_empty());
         let mut huge = (MAX_HEADER as u32 + 1).to_le_bytes().to_vec();
         assert!(take_frame(&mut huge).is_err());
+    }
+
+    #[test]
+    fn a_frame_is_read_without_blocking_only_once_all_of_it_arrived() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut writer = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (mut reader, _) = listener.accept().unwrap();
+        let first = Frame::Read { tag: 7, segs: vec![Seg { region: 1, addr: 4096, len: 1 << 20 }] };
+        let bytes = encode(&first);
+        let settle = || std::thread::sleep(std::time::Duration::from_millis(50));
+        assert_eq!(try_read_frame(&mut reader).unwrap(), None, "nothing sent yet");
+        for cut in [2, bytes.len() - 1] {
+            writer.write_all(&bytes[..cut]).unwrap();
+            settle();
+            assert_eq!(try_read_frame(&mut reader).unwrap(), None, "{cut} of {} bytes", bytes.len());
+            writer.write_all(&bytes[cut..]).unwrap();
+            settle();
+            assert_eq!(try_read_frame(&mut reader).unwrap(), Some(first.clone()));
+        }
+        // Nothing was taken early: the frame after it reads whole, by blocking read too.
+        let second = Frame::WriteAck { tag: 8, error: None };
+        writer.write_all(&encode(&second)).unwrap();
+        assert_eq!(read_frame(&mut reader).unwrap(), Some(second));
+        writer.write_all(&(MAX_HEADER as u32 + 1).to_le_bytes()).unwrap();
+        settle();
+        assert!(matches!(try_read_frame(&mut reader), Err(Error::Protocol(_))));
     }
     use proptest::prelude::*;
 

@@ -55,7 +55,6 @@ pub struct Options {
     pub timeout: Duration,
 }
 
-
 /// The host-memory words the kernels and the host share: the status word, the abort
 /// word (a dead rank's number plus one), the input word (what was wrong with the
 /// caller's routing), then the counts dispatch publishes (per source rank, then per

@@ -227,7 +227,41 @@ extern "C" __global__ void __launch_bounds__(1024) freight_copy_block(const Item
         copy_item<4>(items[b], threadIdx.x, blockDim.x);
     }
 }
+
+// Requests of a few items, where latency is what counts: the items travel in the
+// launch's parameters (no table to fetch from GPU memory before the first copy), a warp
+// each, in one block. When every warp is done, the block writes `value` to the
+// request's flag in host memory, which the posting thread watches.
+#define FEW_ITEMS 8
+struct Few { Item items[FEW_ITEMS]; unsigned long long count, flag, value; };
+
+extern "C" __global__ void __launch_bounds__(FEW_ITEMS * 32) freight_copy_few(const Few few) {
+    const unsigned warp = threadIdx.x >> 5;
+    // Picked with constant indices: a computed index into the parameters would copy
+    // them all to local memory first.
+    Item it = few.items[0];
+#pragma unroll
+    for (unsigned k = 1; k < FEW_ITEMS; ++k) if (warp == k) it = few.items[k];
+    if (warp < few.count) copy_item<8>(it, threadIdx.x & 31, 32);
+    // Every thread's stores are visible to the whole system before the flag says so.
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) asm volatile("st.release.sys.u64 [%0], %1;" ::"l"(few.flag), "l"(few.value) : "memory");
+}
 "#;
+
+/// Most items a request may have to be launched with its items in the kernel's
+/// parameters (`FEW_ITEMS` in [`SOURCE`]).
+pub const FEW_ITEMS: usize = 8;
+
+/// The parameters of `freight_copy_few`, laid out as the kernel reads them.
+#[repr(C)]
+struct Few {
+    items: [Item; FEW_ITEMS],
+    count: u64,
+    flag: u64,
+    value: u64,
+}
 
 /// Items the GPU works on at once with `shape`, on `multiprocessors` SMs that each hold
 /// `resident_per_sm` blocks of that shape.
@@ -302,6 +336,8 @@ fn build(arch: &str, extra: &[&str]) -> Result<(Vec<u8>, String)> {
 pub struct Kernel {
     /// By [`KernelMode`].
     functions: [Function; 2],
+    /// `freight_copy_few`.
+    few: Function,
     /// Blocks an SM holds at once, by mode and by entry of [`THREADS`] (the registers
     /// each thread needs decide it).
     resident: [[u32; THREADS.len()]; 2],
@@ -338,7 +374,8 @@ impl Kernel {
                 "loaded a copy kernel"
             );
         }
-        let k = Arc::new(Kernel { functions, resident, device });
+        let few = module.function("freight_copy_few")?;
+        let k = Arc::new(Kernel { functions, few, resident, device });
         loaded.lock().insert(device.ordinal, k.clone());
         Ok(k)
     }
@@ -378,6 +415,27 @@ impl Kernel {
         // items whose ranges the plan bounds-checked; the shape's block size is within
         // the kernels' launch bounds; the caller vouches for the stream.
         unsafe { self.functions[shape.mode.index()].launch(stream, grid, shape.threads, &mut params) }
+    }
+
+    /// Launches up to [`FEW_ITEMS`] items carried in the parameters; the kernel writes
+    /// `value` to the host word at device address `flag` once every copy is visible.
+    ///
+    /// # Safety
+    ///
+    /// As for [`Kernel::launch_on`]; `flag` must be a word of mapped host memory (see
+    /// [`super::flags`]).
+    pub unsafe fn launch_few(&self, stream: cu::CUstream, items: &[Item], flag: u64, value: u64) -> Result<()> {
+        if items.is_empty() || items.len() > FEW_ITEMS {
+            return Err(Error::InvalidArgument(format!("{} items for the few-items kernel", items.len())));
+        }
+        let mut few =
+            Few { items: [Item { src: 0, dst: 0, len: 0 }; FEW_ITEMS], count: items.len() as u64, flag, value };
+        few.items[..items.len()].copy_from_slice(items);
+        let mut params: [*mut c_void; 1] = [(&mut few as *mut Few).cast()];
+        let threads = 32 * items.len() as u32;
+        // SAFETY: the one parameter matches the kernel's `Few`; the items' ranges were
+        // bounds-checked by the plan; the caller vouches for the stream and the flag.
+        unsafe { self.few.launch(stream, 1, threads, &mut params) }
     }
 }
 
@@ -471,6 +529,8 @@ mod tests {
     fn the_launch_bounds_allow_every_shape() {
         let largest = THREADS.iter().max().unwrap();
         assert_eq!(SOURCE.matches(&format!("__launch_bounds__({largest})")).count(), KernelMode::ALL.len());
+        assert!(SOURCE.contains(&format!("#define FEW_ITEMS {FEW_ITEMS}\n")));
+        assert_eq!(std::mem::size_of::<Few>(), FEW_ITEMS * 24 + 24, "laid out as the kernel's struct");
     }
 
     /// Compiles the kernels where NVRTC is installed (CI installs it from PyPI); says
@@ -485,10 +545,12 @@ mod tests {
         for arch in ["sm_90", "sm_80"] {
             let (cubin, log) = build(arch, &["--ptxas-options=--verbose"]).unwrap_or_else(|e| panic!("{arch}: {e}"));
             assert_eq!(&cubin[..4], b"\x7fELF", "{arch}: not a cubin");
-            for mode in KernelMode::ALL {
-                let name = mode.function_name().as_bytes();
-                assert!(cubin.windows(name.len()).any(|w| w == name), "{arch}: no {}", mode.function_name());
+            for function in KernelMode::ALL.map(KernelMode::function_name).into_iter().chain(["freight_copy_few"]) {
+                let name = function.as_bytes();
+                assert!(cubin.windows(name.len()).any(|w| w == name), "{arch}: no {function}");
             }
+            let stack = log.lines().any(|l| l.contains("bytes stack frame") && !l.contains(" 0 bytes stack frame"));
+            assert!(!stack, "{arch}: a kernel uses local memory:\n{log}");
             eprintln!("{arch}:\n{log}");
             let spilling = log.lines().any(|l| l.contains("spill stores") && !l.contains(" 0 bytes spill stores"));
             assert!(!spilling, "{arch}: a kernel spills registers:\n{log}");

@@ -7,12 +7,14 @@
 //! - [`kernel`]: the batched copy kernel, compiled by NVRTC once per GPU architecture.
 //! - [`ipc`]: exporting device memory to same-host peers and opening theirs.
 //! - [`pinned`]: page-locking host memory so that GPUs can reach it at PCIe speed.
+//! - [`flags`]: words in host memory that short kernels write when they finish.
 //! - [`completion`]: one thread that turns finished GPU work into finished requests.
 //! - [`bounce`]: pinned bounce buffers, where GPU memory must pass through host memory.
 
 pub mod bounce;
 pub mod completion;
 pub mod driver;
+pub mod flags;
 pub mod ipc;
 pub mod kernel;
 pub mod nvrtc;

@@ -6,7 +6,10 @@
 //! uploaded as one table. Posting it is one kernel launch (plus copy-engine calls for
 //! long copies to or from host memory, where the copy engines beat SM loads over PCIe)
 //! and one event; the agent's completion thread finishes the request when the event
-//! fires, and only then does its notification go out.
+//! fires, and only then does its notification go out. A request of a few small copies
+//! (the latency-bound kind) carries its items in the launch itself, and its kernel ends
+//! by writing a flag in host memory that the posting thread watches (see
+//! [`crate::cuda::flags`]).
 //!
 //! [`CudaConfig`] holds the kernel's launch shape and item size and how completion is
 //! learned; `bench/gpu_sweep.py` measures the choices.
@@ -18,8 +21,9 @@ use cudarc::driver::sys as cu;
 
 use crate::cuda::completion::{CompletionMode, Completions, Work};
 use crate::cuda::driver::{check, Device, DeviceBuffer, Event};
+use crate::cuda::flags::{self, Flag};
 use crate::cuda::ipc::{ImportCache, Imported};
-use crate::cuda::kernel::{self, Item, Kernel, LaunchShape};
+use crate::cuda::kernel::{self, Item, Kernel, LaunchShape, FEW_ITEMS};
 use crate::cuda::pinned;
 use crate::error::{Error, Result};
 use crate::memory::{MemKind, RegionInfo};
@@ -87,10 +91,19 @@ struct Side<'a> {
     shift: u64,
 }
 
+/// How a program's work items reach the copy kernel.
+enum KernelWork {
+    /// In a table in GPU memory, launched with the configured shape.
+    Table { kernel: Arc<Kernel>, table: DeviceBuffer, count: usize },
+    /// A few items in the launch's parameters (requests with no copy-engine part): the
+    /// kernel ends by writing to `flag`, which the posting thread watches.
+    Few { kernel: Arc<Kernel>, items: Vec<Item>, flag: Flag },
+}
+
 /// A request compiled for the GPU, reused by every post.
 pub struct CudaProgram {
     device: &'static Device,
-    kernel: Option<(Arc<Kernel>, DeviceBuffer, usize)>,
+    kernel: Option<KernelWork>,
     shape: LaunchShape,
     /// (destination, source, length) for the copy engines.
     engine_copies: Vec<(u64, u64, u64)>,
@@ -192,12 +205,16 @@ impl CudaProgram {
                 workers,
                 "cut a request into work items"
             );
-            // SAFETY: Item is repr(C) plain data; viewing it as bytes for the upload.
-            let table_bytes = unsafe {
-                std::slice::from_raw_parts(items.as_ptr() as *const u8, std::mem::size_of_val(items.as_slice()))
-            };
-            let table = DeviceBuffer::upload(device, table_bytes)?;
-            Some((kernel, table, items.len()))
+            if items.len() <= FEW_ITEMS && engine_copies.is_empty() {
+                Some(KernelWork::Few { kernel, items, flag: Flag::new(device)? })
+            } else {
+                // SAFETY: Item is repr(C) plain data; viewing it as bytes for the upload.
+                let table_bytes = unsafe {
+                    std::slice::from_raw_parts(items.as_ptr() as *const u8, std::mem::size_of_val(items.as_slice()))
+                };
+                let table = DeviceBuffer::upload(device, table_bytes)?;
+                Some(KernelWork::Table { kernel, table, count: items.len() })
+            }
         };
         debug_assert_eq!(std::mem::size_of::<Item>(), 24);
         Ok(CudaProgram {
@@ -215,7 +232,11 @@ impl CudaProgram {
 
     /// Work items the kernel runs per post (0: copy engines only).
     pub fn kernel_items(&self) -> usize {
-        self.kernel.as_ref().map_or(0, |(_, _, n)| *n)
+        match &self.kernel {
+            None => 0,
+            Some(KernelWork::Table { count, .. }) => *count,
+            Some(KernelWork::Few { items, .. }) => items.len(),
+        }
     }
 
     /// Launches the copies and arranges for `tracker` to finish when they are done.
@@ -230,8 +251,8 @@ impl CudaProgram {
         match self.launch() {
             // A small copy is done within microseconds of its launch: handing it to the
             // completion thread would add that thread's wake-up to its latency.
-            Ok(()) if self.small && self.finished_soon() => tracker.finish_part(Ok(())),
-            Ok(()) => {
+            Ok(flag_value) if self.small && self.finished_soon(flag_value) => tracker.finish_part(Ok(())),
+            Ok(_) => {
                 let (t, keep) = (tracker.clone(), self.clone());
                 completions.watch(
                     self.device,
@@ -248,24 +269,45 @@ impl CudaProgram {
         Ok(())
     }
 
-    /// Polls the event for a few microseconds (where the host has cores to spare).
-    fn finished_soon(&self) -> bool {
-        crate::poll::briefly(SMALL_WAIT, || self.event.query().ok().filter(|&done| done)).is_some()
+    /// Watches for the end for a few microseconds (where the host has cores to spare):
+    /// the kernel's flag where it has one, else the event.
+    fn finished_soon(&self, flag_value: Option<u64>) -> bool {
+        match (&self.kernel, flag_value) {
+            (Some(KernelWork::Few { flag, .. }), Some(value)) => {
+                crate::poll::briefly(SMALL_WAIT, || flag.holds(value).then_some(())).is_some()
+            }
+            _ => crate::poll::briefly(SMALL_WAIT, || self.event.query().ok().filter(|&done| done)).is_some(),
+        }
     }
 
-    fn launch(&self) -> Result<()> {
+    /// Queues the copies and the event; returns the value the kernel writes to its flag
+    /// when it has one.
+    fn launch(&self) -> Result<Option<u64>> {
         self.device.bind()?;
         let stream = self.device.stream();
-        if let Some((kernel, table, count)) = &self.kernel {
-            // SAFETY: the device's own stream, which lives as long as the process.
-            unsafe { kernel.launch_on(stream, table.addr(), *count, &self.shape)? };
+        let mut flag_value = None;
+        match &self.kernel {
+            // SAFETY (both): the device's own stream, which lives as long as the process;
+            // the flag is mapped host memory from the pool.
+            Some(KernelWork::Table { kernel, table, count }) => unsafe {
+                kernel.launch_on(stream, table.addr(), *count, &self.shape)?
+            },
+            Some(KernelWork::Few { kernel, items, flag }) => {
+                let value = flags::next_value();
+                unsafe { kernel.launch_few(stream, items, flag.device_addr(), value)? };
+                flag_value = Some(value);
+            }
+            None => {}
         }
         for &(dst, src, len) in &self.engine_copies {
             // SAFETY: both ranges were bounds-checked against registered regions and are
             // mapped (and pinned, for host memory) for this program's lifetime.
             check(unsafe { cu::cuMemcpyAsync(dst, src, len as usize, stream) }, "cuMemcpyAsync")?;
         }
-        self.event.record(self.device)
+        // Recorded for a flagged kernel too: the completion thread waits on the event
+        // when the posting thread stops watching the flag.
+        self.event.record(self.device)?;
+        Ok(flag_value)
     }
 }
 

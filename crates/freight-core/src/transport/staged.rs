@@ -4,16 +4,19 @@
 //! pieces of the same message are copied alongside, so the payload stays one contiguous
 //! run in the buffer, laid out exactly as on the wire.
 //!
-//! The initiator's sending threads keep two buffers and gather the next message while
-//! the current one is on the wire (see `tcp::send_loop`).
+//! Senders keep two buffers ([`Alternating`]) and gather the next message while the
+//! current one is on the wire: the initiator for WRITEs, the target for READ answers.
 
 use std::collections::HashMap;
+use std::io::IoSliceMut;
+use std::net::TcpStream;
 use std::sync::Arc;
 
 use crate::cuda::bounce::{Bounce, Direction};
 use crate::cuda::driver::Device;
 use crate::error::{Error, Result};
 use crate::memory::{MemKind, RegionInfo};
+use crate::wire;
 
 /// One piece of a message: where its bytes are here, and the GPU holding them (`None`
 /// for host memory).
@@ -102,6 +105,47 @@ pub fn scatter(bounce: &mut Bounce, pieces: &[Piece]) -> Result<()> {
         off += len;
     }
     bounce.wait()
+}
+
+/// Receives a payload of `len` bytes that holds GPU pieces into the bounce buffer in
+/// `slot` and scatters it. The outer error means the stream failed; the inner one that
+/// the bytes were read but could not be put in place.
+pub fn receive(sock: &mut TcpStream, slot: &mut Option<Bounce>, pieces: &[Piece], len: u64) -> Result<Result<()>> {
+    let bounce = match bounce_for(slot, pieces) {
+        Ok(b) => b,
+        Err(e) => {
+            wire::discard(sock, len)?;
+            return Ok(Err(e));
+        }
+    };
+    wire::read_exact_vectored(sock, &mut [IoSliceMut::new(bounce.bytes_mut(len as usize))])?;
+    Ok(scatter(bounce, pieces))
+}
+
+/// Two bounce buffers used in turn by a sending thread: the next message is gathered
+/// into one while the other is on the wire. A slot is handed out again two gathers
+/// later, so its message must have been sent by then.
+#[derive(Default)]
+pub struct Alternating {
+    slots: [Option<Bounce>; 2],
+    next: usize,
+}
+
+impl Alternating {
+    /// Queues the copies that lay `pieces` into the next slot; returns the slot.
+    pub fn gather(&mut self, pieces: &[Piece]) -> Result<usize> {
+        let slot = self.next;
+        self.next ^= 1;
+        gather(bounce_for(&mut self.slots[slot], pieces)?, pieces)?;
+        Ok(slot)
+    }
+
+    /// The first `len` bytes of `slot` (a slot `gather` returned), once its copies are done.
+    pub fn ready(&mut self, slot: usize, len: usize) -> Result<&[u8]> {
+        let bounce = self.slots[slot].as_mut().expect("a gathered slot");
+        bounce.wait()?;
+        Ok(bounce.bytes(len))
+    }
 }
 
 /// Whether tcp can stage the GPU memory at the ends of a path, or why not: local GPU

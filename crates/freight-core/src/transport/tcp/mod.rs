@@ -9,7 +9,7 @@
 //!
 //! GPU memory, on either side, passes through pinned bounce buffers (see
 //! [`super::staged`]); such payloads are sent with ordinary copies, since a bounce
-//! buffer is reused as soon as its message is out.
+//! buffer is reused as soon as its message is out. The target's side is [`serve`].
 
 use std::io::{IoSlice, IoSliceMut};
 use std::net::{Shutdown, TcpStream};
@@ -23,14 +23,17 @@ use parking_lot::Mutex;
 
 use crate::cuda::bounce::Bounce;
 use crate::error::{Error, Result};
-use crate::memory::{MemKind, Registry};
+
 use crate::nic::{self, Pinning};
 use crate::plan::Chunk;
 use crate::request::Tracker;
-use crate::transport::staged::{self, GpuRegions, Piece};
+use crate::transport::staged::{self, Alternating, GpuRegions, Piece};
 use crate::transport::zerocopy::ZeroCopySocket;
 use crate::transport::OpKind;
 use crate::wire::{self, Frame, Seg};
+
+mod serve;
+pub use serve::serve_data_stream;
 
 /// Tunables of the tcp transport.
 #[derive(Debug, Clone)]
@@ -234,34 +237,13 @@ fn segs_of(chunk: &Chunk) -> Vec<Seg> {
     chunk.segs.iter().map(|o| Seg { region: o.remote_region, addr: o.remote_addr, len: o.len }).collect()
 }
 
-/// Two bounce buffers per sending thread: the next message is gathered into one while
-/// the other is on the wire.
-#[derive(Default)]
-struct SendStaging {
-    slots: [Option<Bounce>; 2],
-    next: usize,
-}
-
-impl SendStaging {
-    /// Starts gathering a WRITE chunk that holds GPU memory; returns its slot (`None`:
-    /// nothing to stage, the payload goes straight from registered memory).
-    fn start(&mut self, job: &Job) -> Result<Option<usize>> {
-        if job.op != OpKind::Write || !job.staged() {
-            return Ok(None);
-        }
-        let slot = self.next;
-        self.next ^= 1;
-        let pieces = job.local_pieces();
-        staged::gather(staged::bounce_for(&mut self.slots[slot], &pieces)?, &pieces)?;
-        Ok(Some(slot))
+/// Starts gathering a WRITE chunk that holds GPU memory; returns its slot (`None`:
+/// nothing to stage, the payload goes straight from registered memory).
+fn start_staging(staging: &mut Alternating, job: &Job) -> Result<Option<usize>> {
+    if job.op != OpKind::Write || !job.staged() {
+        return Ok(None);
     }
-
-    /// The gathered payload of `slot`, once its copies are done.
-    fn ready(&mut self, slot: usize, len: usize) -> Result<&[u8]> {
-        let bounce = self.slots[slot].as_mut().expect("a started slot");
-        bounce.wait()?;
-        Ok(bounce.bytes(len))
-    }
+    staging.gather(&job.local_pieces()).map(Some)
 }
 
 fn send_loop(
@@ -273,14 +255,14 @@ fn send_loop(
     peer: String,
 ) {
     let mut tag = 0u64;
-    let mut staging = SendStaging::default();
+    let mut staging = Alternating::default();
     let mut ahead: Option<(Job, Result<Option<usize>>)> = None;
     loop {
         let (mut job, slot) = match ahead.take() {
             Some(next) => next,
             None => match jobs.recv() {
                 Ok(job) => {
-                    let slot = staging.start(&job);
+                    let slot = start_staging(&mut staging, &job);
                     (job, slot)
                 }
                 Err(_) => break,
@@ -288,7 +270,7 @@ fn send_loop(
         };
         if matches!(slot, Ok(Some(_))) {
             if let Ok(next) = jobs.try_recv() {
-                let next_slot = staging.start(&next);
+                let next_slot = start_staging(&mut staging, &next);
                 ahead = Some((next, next_slot));
             }
         }
@@ -389,7 +371,7 @@ fn receive_answer(
             }
             let chunk = job.chunk();
             if job.staged() {
-                return receive_staged(sock, bounce, &job.local_pieces(), chunk.bytes);
+                return staged::receive(sock, bounce, &job.local_pieces(), chunk.bytes);
             }
             // SAFETY: local destination regions are guarded for the request's lifetime.
             let mut slices: Vec<IoSliceMut<'_>> = chunk
@@ -404,158 +386,4 @@ fn receive_answer(
         }
         (_, other) => Err(Error::Protocol(format!("unexpected answer {other:?} for message {tag}"))),
     }
-}
-
-/// Receives a payload of `len` bytes that holds GPU pieces into a bounce buffer and
-/// scatters it. The outer error means the stream failed; the inner one that the bytes
-/// were read but could not be put in place.
-fn receive_staged(sock: &mut TcpStream, slot: &mut Option<Bounce>, pieces: &[Piece], len: u64) -> Result<Result<()>> {
-    let bounce = match staged::bounce_for(slot, pieces) {
-        Ok(b) => b,
-        Err(e) => {
-            wire::discard(sock, len)?;
-            return Ok(Err(e));
-        }
-    };
-    wire::read_exact_vectored(sock, &mut [IoSliceMut::new(bounce.bytes_mut(len as usize))])?;
-    Ok(staged::scatter(bounce, pieces))
-}
-
-/// The target's side of one data stream: checks every access against the registry and
-/// moves payload straight between the socket and registered host memory (through a
-/// bounce buffer where GPU memory is involved). A notification that rides on a write
-/// goes to `deliver` once the payload is in place, and not at all if it was refused.
-pub fn serve_data_stream(
-    mut sock: TcpStream,
-    registry: &Registry,
-    cfg: &TcpConfig,
-    peer: &str,
-    deliver: impl Fn(Vec<u8>),
-) -> Result<()> {
-    let mut zc = ZeroCopySocket::new(&sock, cfg.zerocopy);
-    let mut bounce: Option<Bounce> = None;
-    loop {
-        let frame = match wire::read_frame(&mut sock)? {
-            Some(f) => f,
-            None => return Ok(()),
-        };
-        match frame {
-            Frame::Write { tag, segs, notif } => {
-                let total = wire::seg_bytes(&segs)?;
-                let outcome = match check_access(registry, &segs) {
-                    Ok((guards, Some(pieces))) => {
-                        let outcome = receive_staged(&mut sock, &mut bounce, &pieces, total)?;
-                        drop(guards);
-                        outcome
-                    }
-                    Ok((guards, _)) => {
-                        // SAFETY: every segment lies in a registered region (checked above)
-                        // that cannot be deregistered while `guards` lives.
-                        let mut slices: Vec<IoSliceMut<'_>> = segs
-                            .iter()
-                            .map(|s| {
-                                IoSliceMut::new(unsafe {
-                                    std::slice::from_raw_parts_mut(s.addr as *mut u8, s.len as usize)
-                                })
-                            })
-                            .collect();
-                        wire::read_exact_vectored(&mut sock, &mut slices)?;
-                        // Let go of the regions before acknowledging: once the initiator
-                        // sees DONE, this agent's owner may deregister them at once.
-                        drop(slices);
-                        drop(guards);
-                        Ok(())
-                    }
-                    Err(e) => {
-                        wire::discard(&mut sock, total)?;
-                        Err(e)
-                    }
-                };
-                match (&outcome, notif) {
-                    (Ok(()), Some(msg)) => deliver(msg),
-                    (Err(e), _) => tracing::warn!(peer, error = %e, "refused a remote write"),
-                    (Ok(()), None) => {}
-                }
-                let error = outcome.err().map(|e| e.to_string());
-                wire::write_frame(&mut sock, &Frame::WriteAck { tag, error }, &[])?;
-            }
-            Frame::Read { tag, segs } => {
-                let total = wire::seg_bytes(&segs)? as usize;
-                let refused = match check_access(registry, &segs) {
-                    Ok((_guards, Some(pieces))) => {
-                        let gathered = staged::bounce_for(&mut bounce, &pieces).and_then(|b| {
-                            staged::gather(b, &pieces)?;
-                            b.wait()?;
-                            Ok(b)
-                        });
-                        match gathered {
-                            Ok(b) => {
-                                // The bounce buffer is reused at once: an ordinary send.
-                                let header = wire::encode(&Frame::ReadData { tag, error: None });
-                                wire::write_all_vectored(
-                                    &mut sock,
-                                    &mut [IoSlice::new(&header), IoSlice::new(b.bytes(total))],
-                                )?;
-                                None
-                            }
-                            Err(e) => Some(e),
-                        }
-                    }
-                    Ok((_guards, _)) => {
-                        // SAFETY: as above, for reading.
-                        let payload: Vec<IoSlice<'_>> = segs
-                            .iter()
-                            .map(|s| {
-                                IoSlice::new(unsafe { std::slice::from_raw_parts(s.addr as *const u8, s.len as usize) })
-                            })
-                            .collect();
-                        zc.write_all(&mut sock, &wire::encode(&Frame::ReadData { tag, error: None }), &payload)?;
-                        None
-                    }
-                    Err(e) => Some(e),
-                };
-                if let Some(e) = refused {
-                    tracing::warn!(peer, error = %e, "refused a remote read");
-                    wire::write_frame(&mut sock, &Frame::ReadData { tag, error: Some(e.to_string()) }, &[])?;
-                }
-            }
-            other => return Err(Error::Protocol(format!("unexpected message on a data stream: {other:?}"))),
-        }
-    }
-}
-
-/// The guards on a message's regions, and its pieces where GPU memory is involved.
-type Access = (Vec<Arc<crate::memory::Region>>, Option<Vec<Piece>>);
-
-/// Every segment must lie in a registered public region of host or GPU memory (a
-/// private region is refused as an unknown key by `get_checked`); returns the
-/// guards and, where GPU memory is involved, the segments as pieces with the GPU behind
-/// each one (host-memory messages, the common case, need no pieces).
-fn check_access(registry: &Registry, segs: &[Seg]) -> Result<Access> {
-    let mut guards: Vec<Arc<crate::memory::Region>> = Vec::new();
-    for s in segs {
-        match guards.iter().find(|g| g.info.key == s.region) {
-            Some(g) => g.info.check_contains(s.addr, s.len)?,
-            None => {
-                let g = registry.get_checked(s.region, s.addr, s.len)?;
-                if !matches!(g.info.kind, MemKind::Dram | MemKind::Vram) {
-                    return Err(Error::TransportUnavailable(format!(
-                        "tcp cannot serve {} memory in this build",
-                        g.info.kind
-                    )));
-                }
-                guards.push(g);
-            }
-        }
-    }
-    if guards.iter().all(|g| g.info.kind == MemKind::Dram) {
-        return Ok((guards, None));
-    }
-    let mut pieces = Vec::with_capacity(segs.len());
-    for s in segs {
-        let g = guards.iter().find(|g| g.info.key == s.region).expect("every segment has its guard");
-        let gpu = if g.info.kind == MemKind::Vram { Some(staged::gpu_of(&g.info)?) } else { None };
-        pieces.push(Piece { addr: s.addr, len: s.len, gpu });
-    }
-    Ok((guards, Some(pieces)))
 }

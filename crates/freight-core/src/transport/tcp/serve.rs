@@ -1,0 +1,209 @@
+//! The target's side of a tcp data stream: every access is checked against the
+//! registry, and payload moves straight between the socket and registered host memory,
+//! or through pinned bounce buffers where GPU memory is involved.
+//!
+//! READs of GPU memory are pipelined: while one answer's pieces are being copied out of
+//! the GPU, the server takes the next READ if it has arrived already and starts its
+//! copies too, so the copy engines work while the socket sends (the initiator's sending
+//! threads do the same for WRITEs).
+
+use std::io::{IoSlice, IoSliceMut};
+use std::net::TcpStream;
+use std::sync::Arc;
+
+use super::TcpConfig;
+use crate::cuda::bounce::Bounce;
+use crate::error::{Error, Result};
+use crate::memory::{MemKind, Region, Registry};
+use crate::transport::staged::{self, Alternating, Piece};
+use crate::transport::zerocopy::ZeroCopySocket;
+use crate::wire::{self, Frame, Seg};
+
+/// A notification that rides on a write goes to `deliver` once the payload is in place,
+/// and not at all if the write was refused.
+pub fn serve_data_stream(
+    mut sock: TcpStream,
+    registry: &Registry,
+    cfg: &TcpConfig,
+    peer: &str,
+    deliver: impl Fn(Vec<u8>),
+) -> Result<()> {
+    let mut zc = ZeroCopySocket::new(&sock, cfg.zerocopy);
+    let mut incoming: Option<Bounce> = None;
+    let mut outgoing = Alternating::default();
+    // A frame read early, while a READ's copies ran.
+    let mut ahead: Option<Frame> = None;
+    loop {
+        let frame = match ahead.take() {
+            Some(f) => f,
+            None => match wire::read_frame(&mut sock)? {
+                Some(f) => f,
+                None => return Ok(()),
+            },
+        };
+        match frame {
+            Frame::Write { tag, segs, notif } => {
+                let outcome = receive_write(&mut sock, registry, &segs, &mut incoming)?;
+                match (&outcome, notif) {
+                    (Ok(()), Some(msg)) => deliver(msg),
+                    (Err(e), _) => tracing::warn!(peer, error = %e, "refused a remote write"),
+                    (Ok(()), None) => {}
+                }
+                let error = outcome.err().map(|e| e.to_string());
+                wire::write_frame(&mut sock, &Frame::WriteAck { tag, error }, &[])?;
+            }
+            Frame::Read { tag, segs } => {
+                let mut answer = Answer::start(registry, tag, segs, &mut outgoing)?;
+                loop {
+                    let following = match answer.is_staged().then(|| wire::try_read_frame(&mut sock)).transpose()? {
+                        Some(Some(Frame::Read { tag, segs })) => {
+                            Some(Answer::start(registry, tag, segs, &mut outgoing)?)
+                        }
+                        other => {
+                            ahead = other.flatten();
+                            None
+                        }
+                    };
+                    answer.send(&mut sock, &mut zc, &mut outgoing, peer)?;
+                    match following {
+                        Some(next) => answer = next,
+                        None => break,
+                    }
+                }
+            }
+            other => return Err(Error::Protocol(format!("unexpected message on a data stream: {other:?}"))),
+        }
+    }
+}
+
+/// Takes a WRITE's payload off the socket into the memory it names. The outer error
+/// means the stream failed; the inner one that this write was refused (its payload was
+/// read and dropped, so the stream stays in step).
+fn receive_write(
+    sock: &mut TcpStream,
+    registry: &Registry,
+    segs: &[Seg],
+    bounce: &mut Option<Bounce>,
+) -> Result<Result<()>> {
+    let total = wire::seg_bytes(segs)?;
+    match check_access(registry, segs) {
+        Ok((guards, Some(pieces))) => {
+            let outcome = staged::receive(sock, bounce, &pieces, total)?;
+            drop(guards);
+            Ok(outcome)
+        }
+        Ok((guards, None)) => {
+            // SAFETY: every segment lies in a registered region (checked above) that
+            // cannot be deregistered while `guards` lives.
+            let mut slices: Vec<IoSliceMut<'_>> = segs
+                .iter()
+                .map(|s| IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(s.addr as *mut u8, s.len as usize) }))
+                .collect();
+            wire::read_exact_vectored(sock, &mut slices)?;
+            // Let go of the regions before acknowledging: once the initiator sees DONE,
+            // this agent's owner may deregister them at once.
+            drop(slices);
+            drop(guards);
+            Ok(Ok(()))
+        }
+        Err(e) => {
+            wire::discard(sock, total)?;
+            Ok(Err(e))
+        }
+    }
+}
+
+/// One READ being answered: the regions it reads, held until its bytes are out, and the
+/// bounce slot its GPU pieces are being gathered into.
+struct Answer {
+    tag: u64,
+    segs: Vec<Seg>,
+    total: usize,
+    /// The guards and the slot (`None`: host memory, sent from where it lies), or why
+    /// the READ is refused.
+    access: Result<(Vec<Arc<Region>>, Option<usize>)>,
+}
+
+impl Answer {
+    /// Checks the access and queues the GPU copies, if any. Errors: the frame is malformed.
+    fn start(registry: &Registry, tag: u64, segs: Vec<Seg>, staging: &mut Alternating) -> Result<Answer> {
+        let total = wire::seg_bytes(&segs)? as usize;
+        let access = check_access(registry, &segs).and_then(|(guards, pieces)| match pieces {
+            Some(pieces) => Ok((guards, Some(staging.gather(&pieces)?))),
+            None => Ok((guards, None)),
+        });
+        Ok(Answer { tag, segs, total, access })
+    }
+
+    /// Whether copies out of the GPU are running for this answer.
+    fn is_staged(&self) -> bool {
+        matches!(self.access, Ok((_, Some(_))))
+    }
+
+    /// Sends the payload (once its copies are done), or the refusal. Errors: the stream failed.
+    fn send(self, sock: &mut TcpStream, zc: &mut ZeroCopySocket, staging: &mut Alternating, peer: &str) -> Result<()> {
+        let Answer { tag, segs, total, access } = self;
+        let refused = match access {
+            Ok((_guards, Some(slot))) => match staging.ready(slot, total) {
+                Ok(bytes) => {
+                    // The bounce buffer is reused two answers later: an ordinary send.
+                    let header = wire::encode(&Frame::ReadData { tag, error: None });
+                    wire::write_all_vectored(sock, &mut [IoSlice::new(&header), IoSlice::new(bytes)])?;
+                    None
+                }
+                Err(e) => Some(e),
+            },
+            Ok((_guards, None)) => {
+                // SAFETY: every segment lies in a registered region that `_guards` keeps.
+                let payload: Vec<IoSlice<'_>> = segs
+                    .iter()
+                    .map(|s| IoSlice::new(unsafe { std::slice::from_raw_parts(s.addr as *const u8, s.len as usize) }))
+                    .collect();
+                zc.write_all(sock, &wire::encode(&Frame::ReadData { tag, error: None }), &payload)?;
+                None
+            }
+            Err(e) => Some(e),
+        };
+        if let Some(e) = refused {
+            tracing::warn!(peer, error = %e, "refused a remote read");
+            wire::write_frame(sock, &Frame::ReadData { tag, error: Some(e.to_string()) }, &[])?;
+        }
+        Ok(())
+    }
+}
+
+/// The guards on a message's regions, and its pieces where GPU memory is involved.
+type Access = (Vec<Arc<Region>>, Option<Vec<Piece>>);
+
+/// Every segment must lie in a registered public region of host or GPU memory (a
+/// private region is refused as an unknown key by `get_checked`); returns the
+/// guards and, where GPU memory is involved, the segments as pieces with the GPU behind
+/// each one (host-memory messages, the common case, need no pieces).
+fn check_access(registry: &Registry, segs: &[Seg]) -> Result<Access> {
+    let mut guards: Vec<Arc<Region>> = Vec::new();
+    for s in segs {
+        match guards.iter().find(|g| g.info.key == s.region) {
+            Some(g) => g.info.check_contains(s.addr, s.len)?,
+            None => {
+                let g = registry.get_checked(s.region, s.addr, s.len)?;
+                if !matches!(g.info.kind, MemKind::Dram | MemKind::Vram) {
+                    return Err(Error::TransportUnavailable(format!(
+                        "tcp cannot serve {} memory in this build",
+                        g.info.kind
+                    )));
+                }
+                guards.push(g);
+            }
+        }
+    }
+    if guards.iter().all(|g| g.info.kind == MemKind::Dram) {
+        return Ok((guards, None));
+    }
+    let mut pieces = Vec::with_capacity(segs.len());
+    for s in segs {
+        let g = guards.iter().find(|g| g.info.key == s.region).expect("every segment has its guard");
+        let gpu = if g.info.kind == MemKind::Vram { Some(staged::gpu_of(&g.info)?) } else { None };
+        pieces.push(Piece { addr: s.addr, len: s.len, gpu });
+    }
+    Ok((guards, Some(pieces)))
+}
