@@ -12,8 +12,10 @@ Bytes counted: each rank's algorithmic bytes, as DeepEP counts them: a token cro
 each rank that owns one of its experts once (``hidden x 2`` bytes each, the sender's
 own rank included; with ``--fp8``, ``hidden + hidden / 32`` bytes on the way out);
 combine moves the same rows back in bf16; e2e counts both directions. The NCCL
-baseline always moves bf16 and is given the same byte count, so the bandwidths compare
-as the latencies do.
+baseline moves the same rows: with ``--fp8`` it quantizes them the same way (a scale
+per 128 channels, inside the timed dispatch) and sends values and scales packed in one
+byte row, so it is given the same byte count and the bandwidths compare as the
+latencies do.
 Bandwidth = those bytes / latency, per rank; the report gives avg/min/max across ranks.
 """
 
@@ -126,10 +128,17 @@ class NcclBaseline:
         self.out_splits = recv_counts.tolist()
         self.in_splits = self.send_counts.tolist()
         rows = self.x.index_select(0, self.token)
+        if self.args.fp8:
+            rows = quantize_rows(rows)
         recv = rows.new_empty((sum(self.out_splits), rows.shape[1]))
         dist.all_to_all_single(recv, rows, self.out_splits, self.in_splits)
         self.recv = recv
         return recv
+
+    def expert_rows(self, recv):
+        """What identity experts give back: the received rows, dequantized where they
+        came as fp8 (done once, outside the timed steps, as for freight)."""
+        return dequantize_rows(recv, self.x.shape[1]) if self.args.fp8 else recv
 
     def combine(self, expert_out):
         import torch.distributed as dist
@@ -139,6 +148,37 @@ class NcclBaseline:
         out = self.torch.zeros(self.x.shape, dtype=self.torch.float32, device=self.x.device)
         out.index_add_(0, self.token, back.float() * self.weight.unsqueeze(1))
         return out.to(self.torch.bfloat16)
+
+
+FP8_GROUP = 128
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def quantize_rows(rows):
+    """bf16 rows -> one byte row each: fp8 (e4m3) values, then a float32 scale per 128
+    channels (amax / 448), as freight's fp8 dispatch sends them."""
+    import torch
+
+    groups = rows.float().unflatten(-1, (-1, FP8_GROUP))
+    scales = (groups.abs().amax(-1) / FP8_MAX).clamp_min(1e-12)
+    values = (groups / scales.unsqueeze(-1)).to(torch.float8_e4m3fn).flatten(-2)
+    return torch.cat([values.view(torch.uint8), scales.view(torch.uint8)], dim=-1)
+
+
+def dequantize(values, scales):
+    """fp8 values [rows, hidden] and their scales [rows, hidden / 128] -> bf16 rows."""
+    import torch
+
+    groups = values.float().unflatten(-1, (-1, FP8_GROUP))
+    return (groups * scales.unsqueeze(-1)).flatten(-2).to(torch.bfloat16)
+
+
+def dequantize_rows(packed, hidden: int):
+    """The inverse of quantize_rows."""
+    import torch
+
+    values = packed[:, :hidden].contiguous().view(torch.float8_e4m3fn)
+    return dequantize(values, packed[:, hidden:].contiguous().view(torch.float32))
 
 
 def _worker(args) -> dict:
@@ -167,8 +207,7 @@ def _worker(args) -> dict:
         dequantized where they came as fp8 (done once, outside the timed steps)."""
         if not args.fp8:
             return recv
-        values, scales = recv
-        return (values.float().unflatten(-1, (-1, 128)) * scales.unsqueeze(-1)).flatten(-2).to(torch.bfloat16)
+        return dequantize(*recv)
 
     layout = buffer.get_layout(idx)
     sent_rows = int(layout.num_tokens_per_rank.sum())
@@ -246,7 +285,9 @@ def _nccl(args, device, x, idx, weights, check, counted_bytes) -> dict:
         state["recv"] = base.dispatch()
 
     def f_combine():
-        state["out"] = base.combine(state["recv"])
+        if "rows" not in state:
+            state["rows"] = base.expert_rows(state["recv"])
+        state["out"] = base.combine(state["rows"])
 
     def f_e2e():
         f_dispatch()

@@ -338,6 +338,37 @@ ep_quantize_fp8(const char* x, int tokens, Shape s, char* packed) {
     }
 }
 
+// Up to this many choices per token, the layout keeps a token's choices in registers:
+// all its loads are in flight at once, and the duplicate check reads no memory.
+#define LAYOUT_REGS 8
+
+// One token's part of the layout, for topk <= LAYOUT_REGS: counts its choices of this
+// block's experts and returns whether it has any; the block that checks the token
+// reports a bad or repeated expert.
+__device__ __forceinline__ int layout_token_in_registers(const i64* choices, int t, int r, int E, const Shape& s,
+                                                         int* counts, const Control& c) {
+    i64 e[LAYOUT_REGS];
+#pragma unroll
+    for (int k = 0; k < LAYOUT_REGS; ++k) e[k] = k < s.topk ? choices[k] : -1;
+    int flag = 0;
+    const bool checks = t % s.ranks == r;  // each token is checked by one block
+#pragma unroll
+    for (int k = 0; k < LAYOUT_REGS; ++k) {
+        if (k >= s.topk) break;
+        if (checks) {
+            if (e[k] < -1 || e[k] >= E) atomicCAS(c.input, 0ull, (STATUS_BAD_EXPERT << 56) | (u64)t);
+#pragma unroll
+            for (int j = 0; j < k; ++j)
+                if (e[k] >= 0 && e[j] == e[k]) atomicCAS(c.input, 0ull, (STATUS_DUPLICATE_EXPERT << 56) | (u64)t);
+        }
+        if (e[k] >= 0 && e[k] < E && e[k] / s.local_experts == r) {
+            flag = 1;
+            atomicAdd(&counts[e[k] - (i64)r * s.local_experts], 1);
+        }
+    }
+    return flag;
+}
+
 // Layout: one block per destination rank r. slot[t][r] = the row token t takes among
 // those this rank sends to r (in token order), or -1; send_count[r] = how many;
 // expert_count[e] = tokens that chose global expert e. The blocks also check the indices:
@@ -354,7 +385,9 @@ ep_layout(const i64* topk_idx, int tokens, Shape s, int* slot, int* send_count, 
     for (int start = 0; start < tokens; start += blockDim.x) {
         const int t = start + threadIdx.x;
         int flag = 0;
-        if (t < tokens) {
+        if (t < tokens && s.topk <= LAYOUT_REGS) {
+            flag = layout_token_in_registers(topk_idx + (i64)t * s.topk, t, r, E, s, counts, c);
+        } else if (t < tokens) {
             const bool checks = t % s.ranks == r;  // each token is checked by one block
             for (int k = 0; k < s.topk; ++k) {
                 const i64 e = topk_idx[(i64)t * s.topk + k];

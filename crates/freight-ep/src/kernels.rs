@@ -375,6 +375,8 @@ mod tests {
             }
             let spilling = log.lines().any(|l| l.contains("spill stores") && !l.contains(" 0 bytes spill stores"));
             assert!(!spilling, "{arch}: a kernel spills registers:\n{log}");
+            let stack = log.lines().any(|l| l.contains("bytes stack frame") && !l.contains(" 0 bytes stack frame"));
+            assert!(!stack, "{arch}: a kernel uses local memory:\n{log}");
         }
     }
 
