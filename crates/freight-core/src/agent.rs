@@ -782,8 +782,11 @@ impl Request {
             }
             TransportKind::Tcp => {
                 let gpu = self.local_gpu_regions()?;
-                let gpu_node = gpu.as_ref().and_then(|g| g.first()).and_then(|d| crate::nic::pci_numa_node(&d.bus_id));
-                let conn = self.peer.tcp(&ctx, &self.agent.config.tcp, gpu_node)?;
+                let gpu_place = gpu
+                    .as_ref()
+                    .and_then(|g| g.first())
+                    .and_then(|d| crate::pci::device(std::path::Path::new("/"), &d.bus_id));
+                let conn = self.peer.tcp(&ctx, &self.agent.config.tcp, gpu_place)?;
                 let chunks = self.tcp_chunks();
                 self.tracker.begin(chunks.len() as u64, finisher)?;
                 conn.submit(self.op, chunks, &self.tracker, gpu, riding);

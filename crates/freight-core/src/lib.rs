@@ -15,6 +15,7 @@ pub mod memory;
 pub mod metadata;
 pub mod notify;
 pub mod path;
+pub mod pci;
 pub mod plan;
 pub mod request;
 pub mod transport;

@@ -1,8 +1,12 @@
-//! The host's network interfaces, which of them reach a peer directly, their NUMA nodes,
-//! and pinning threads to the cores of a node. The choices are pure functions over what
-//! [`local_nics`] read, so that they are tested without a second NIC.
+//! The host's network interfaces, which of them reach a peer directly, where they sit
+//! (NUMA node, place on the PCI tree), and pinning threads to the cores of a node. The
+//! choices are pure functions over what [`local_nics`] read, so that they are tested
+//! without a second NIC.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::Path;
+
+use crate::pci::{self, Closeness, PciPlace};
 
 /// One IPv4 address of an interface that is up.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -13,9 +17,21 @@ pub struct Nic {
     pub prefix: u32,
     /// The NUMA node of its device (`None` for virtual interfaces and one-node hosts).
     pub numa_node: Option<u32>,
+    /// Its PCI function (`None` for virtual interfaces: loopback, veth, bridges).
+    pub pci: Option<PciPlace>,
 }
 
 impl Nic {
+    /// How close it is to the device at `near` (a GPU): by the PCI tree where both
+    /// places are known, else by NUMA node.
+    pub fn closeness_to(&self, near: &PciPlace) -> Closeness {
+        match &self.pci {
+            Some(p) => pci::closeness(p, near),
+            None if self.numa_node.is_some() && self.numa_node == near.numa_node => Closeness::NumaNode,
+            None => Closeness::System,
+        }
+    }
+
     fn reaches(&self, peer: Ipv4Addr) -> bool {
         let mask = if self.prefix == 0 { 0 } else { u32::MAX << (32 - self.prefix.min(32)) };
         u32::from(self.addr) & mask == u32::from(peer) & mask
@@ -116,12 +132,6 @@ pub fn pin_stream_thread(pinning: &Pinning, slot: usize, local: Option<SocketAdd
     }
 }
 
-/// The NUMA node of a PCI device ("0000:1b:00.0", as CUDA names a GPU), from sysfs.
-pub fn pci_numa_node(bus_id: &str) -> Option<u32> {
-    let path = format!("/sys/bus/pci/devices/{}/numa_node", bus_id.to_ascii_lowercase());
-    std::fs::read_to_string(path).ok().and_then(|s| s.trim().parse::<i64>().ok()).and_then(|n| u32::try_from(n).ok())
-}
-
 /// The interface that holds `ip`.
 pub fn nic_of(nics: &[Nic], ip: IpAddr) -> Option<Nic> {
     nics.iter().find(|n| IpAddr::V4(n.addr) == ip).cloned()
@@ -129,10 +139,11 @@ pub fn nic_of(nics: &[Nic], ip: IpAddr) -> Option<Nic> {
 
 /// The local addresses to bind a peer's data streams to when none are configured: one
 /// per interface whose subnet holds one of the peer's addresses (so each NIC that
-/// reaches the peer directly carries streams), NICs on `prefer_node` first; loopback
-/// alone for a peer on this host that listens there. Empty when none does (the peer is
-/// behind a router): the kernel's routing then decides.
-pub fn towards(nics: &[Nic], peer_addrs: &[String], same_host: bool, prefer_node: Option<u32>) -> Vec<IpAddr> {
+/// reaches the peer directly carries streams), the NICs closest to `near` (the GPU whose
+/// memory the streams carry) first: under its PCIe switch, then its host bridge, then
+/// its NUMA node; loopback alone for a peer on this host that listens there. Empty when
+/// none does (the peer is behind a router): the kernel's routing then decides.
+pub fn towards(nics: &[Nic], peer_addrs: &[String], same_host: bool, near: Option<&PciPlace>) -> Vec<IpAddr> {
     let peers: Vec<Ipv4Addr> = peer_addrs
         .iter()
         .filter_map(|a| a.parse::<SocketAddr>().ok())
@@ -156,7 +167,7 @@ pub fn towards(nics: &[Nic], peer_addrs: &[String], same_host: bool, prefer_node
     let peers: Vec<Ipv4Addr> = peers.into_iter().filter(|p| !p.is_loopback() && !ours(p)).collect();
     let mut chosen: Vec<&Nic> =
         nics.iter().filter(|n| !n.addr.is_loopback() && peers.iter().any(|&p| n.reaches(p))).collect();
-    chosen.sort_by_key(|n| (prefer_node.is_some() && n.numa_node != prefer_node, n.name.clone()));
+    chosen.sort_by_key(|n| (near.map(|g| n.closeness_to(g)), n.name.clone()));
     chosen.dedup_by(|a, b| a.name == b.name);
     chosen.into_iter().map(|n| IpAddr::V4(n.addr)).collect()
 }
@@ -183,11 +194,9 @@ pub fn local_nics() -> Vec<Nic> {
             };
             let prefix = if ifa.ifa_netmask.is_null() { 32 } else { u32::from(v4(ifa.ifa_netmask)).count_ones() };
             let name = std::ffi::CStr::from_ptr(ifa.ifa_name).to_string_lossy().into_owned();
-            let numa_node = std::fs::read_to_string(format!("/sys/class/net/{name}/device/numa_node"))
-                .ok()
-                .and_then(|s| s.trim().parse::<i64>().ok())
-                .and_then(|n| u32::try_from(n).ok());
-            nics.push(Nic { name, addr: v4(ifa.ifa_addr), prefix, numa_node });
+            let pci = pci::place(Path::new("/"), Path::new(&format!("/sys/class/net/{name}/device")));
+            let numa_node = pci.as_ref().and_then(|p| p.numa_node);
+            nics.push(Nic { name, addr: v4(ifa.ifa_addr), prefix, numa_node, pci });
         }
         libc::freeifaddrs(head);
     }
@@ -198,18 +207,31 @@ pub fn local_nics() -> Vec<Nic> {
 mod tests {
     use super::*;
 
-    fn nic(name: &str, addr: &str, prefix: u32, numa_node: Option<u32>) -> Nic {
-        Nic { name: name.into(), addr: addr.parse().unwrap(), prefix, numa_node }
+    /// A device on the PCI tree: `chain` is its host bridge, then its bridges, then it.
+    fn place(chain: &[&str], numa_node: Option<u32>) -> PciPlace {
+        let chain: Vec<String> = chain.iter().map(|s| s.to_string()).collect();
+        PciPlace { address: chain.last().unwrap().clone(), chain, numa_node }
     }
 
+    fn nic(name: &str, addr: &str, prefix: u32, numa_node: Option<u32>) -> Nic {
+        Nic { name: name.into(), addr: addr.parse().unwrap(), prefix, numa_node, pci: None }
+    }
+
+    /// Two sockets: rdma0 and rdma2 on node 0 (rdma2 under the switch of GPU `gpu()`),
+    /// rdma1 on node 1.
     fn host() -> Vec<Nic> {
+        let on = |n: Nic, chain: &[&str]| Nic { pci: Some(place(chain, n.numa_node)), ..n };
         vec![
             nic("lo", "127.0.0.1", 8, None),
             nic("eth0", "192.0.2.10", 24, None),
-            nic("rdma1", "10.77.1.1", 24, Some(1)),
-            nic("rdma0", "10.77.0.1", 24, Some(0)),
-            nic("rdma2", "10.77.2.1", 24, Some(0)),
+            on(nic("rdma1", "10.77.1.1", 24, Some(1)), &["pci0000:80", "0000:80:01.0", "0000:81:00.0"]),
+            on(nic("rdma0", "10.77.0.1", 24, Some(0)), &["pci0000:00", "0000:00:02.0", "0000:03:00.0"]),
+            on(nic("rdma2", "10.77.2.1", 24, Some(0)), &["pci0000:00", "0000:00:01.0", "0000:01:00.0", "0000:02:00.0"]),
         ]
+    }
+
+    fn gpu() -> PciPlace {
+        place(&["pci0000:00", "0000:00:01.0", "0000:01:00.0", "0000:02:01.0"], Some(0))
     }
 
     #[test]
@@ -221,8 +243,12 @@ mod tests {
         let mut with_lo = peer.clone();
         with_lo.push("127.0.0.1:7000".into());
         assert_eq!(ips(towards(&host(), &with_lo, false, None)), ["10.77.0.1", "10.77.1.1", "10.77.2.1"]);
-        // NUMA-close NICs first.
-        assert_eq!(ips(towards(&host(), &peer, false, Some(1))), ["10.77.1.1", "10.77.0.1", "10.77.2.1"]);
+        // The NICs closest to the GPU first: under its switch, then its host bridge,
+        // then the other socket.
+        assert_eq!(ips(towards(&host(), &peer, false, Some(&gpu()))), ["10.77.2.1", "10.77.0.1", "10.77.1.1"]);
+        // A GPU on the other socket prefers that socket's NIC.
+        let far_gpu = place(&["pci0000:80", "0000:80:02.0", "0000:85:00.0"], Some(1));
+        assert_eq!(ips(towards(&host(), &peer, false, Some(&far_gpu))), ["10.77.1.1", "10.77.0.1", "10.77.2.1"]);
         // Only the NICs whose subnet holds one of the peer's addresses.
         let one = vec!["10.77.1.9:7000".to_string(), "not an address".into()];
         assert_eq!(ips(towards(&host(), &one, false, None)), ["10.77.1.1"]);
@@ -238,6 +264,18 @@ mod tests {
         assert!(towards(&host(), &everywhere[..1], true, None).is_empty(), "not on loopback: the kernel decides");
         // On this host but in a namespace of its own: its NICs, not loopback.
         assert_eq!(ips(towards(&host(), &with_lo, true, None)), ["10.77.0.1", "10.77.1.1", "10.77.2.1"]);
+    }
+
+    #[test]
+    fn a_nic_without_a_pci_function_is_as_close_as_its_numa_node() {
+        let gpu = gpu();
+        let hosts = host();
+        let by_name = |n: &str| hosts.iter().find(|x| x.name == n).unwrap().clone();
+        assert_eq!(by_name("rdma2").closeness_to(&gpu), Closeness::PcieSwitch);
+        assert_eq!(by_name("rdma0").closeness_to(&gpu), Closeness::HostBridge);
+        assert_eq!(by_name("rdma1").closeness_to(&gpu), Closeness::System);
+        assert_eq!(nic("veth0", "10.9.0.1", 24, Some(0)).closeness_to(&gpu), Closeness::NumaNode);
+        assert_eq!(nic("veth1", "10.9.1.1", 24, None).closeness_to(&gpu), Closeness::System);
     }
 
     #[test]

@@ -13,6 +13,7 @@ use crate::error::{Error, Result};
 use crate::memory::RemoteRegions;
 use crate::metadata::{AgentMetadata, HostIdentity};
 use crate::net::{self, Introduction};
+use crate::pci::PciPlace;
 use crate::transport::cuda::CudaPeer;
 use crate::transport::fabric::{Fabric, FabricLink};
 use crate::transport::shm::ShmPeer;
@@ -351,10 +352,10 @@ impl Peer {
         link.retire(&reason);
     }
 
-    /// The tcp data streams, dialled on first use. `gpu_node` is the NUMA node of the GPU
-    /// whose memory the first request moves, if any: NICs on that node come first, and
-    /// threads of NICs without a node go there.
-    pub fn tcp(&self, ctx: &DialContext, cfg: &TcpConfig, gpu_node: Option<u32>) -> Result<Arc<TcpConn>> {
+    /// The tcp data streams, dialled on first use. `gpu` is where the GPU whose memory
+    /// the first request moves sits on the PCI tree, if any: the NICs closest to it come
+    /// first, and threads of NICs without a NUMA node go to the GPU's.
+    pub fn tcp(&self, ctx: &DialContext, cfg: &TcpConfig, gpu: Option<PciPlace>) -> Result<Arc<TcpConn>> {
         self.check_alive()?;
         let mut links = self.links.lock();
         if let Some(t) = &links.tcp {
@@ -364,7 +365,7 @@ impl Peer {
         let started = Instant::now();
         let n = cfg.streams.max(1);
         let local_addrs = if cfg.local_addrs.is_empty() {
-            crate::nic::towards(&crate::nic::local_nics(), &self.md.addresses, self.same_host, gpu_node)
+            crate::nic::towards(&crate::nic::local_nics(), &self.md.addresses, self.same_host, gpu.as_ref())
         } else {
             cfg.local_addrs.clone()
         };
@@ -377,10 +378,11 @@ impl Peer {
             sockets.push(s);
         }
         let health = Arc::new(Health::default());
+        let gpu_node = gpu.and_then(|g| g.numa_node);
         let conn = Arc::new(TcpConn::start(&self.name, sockets, cfg, ctx.peer_timeout, health, gpu_node)?);
         let took = started.elapsed();
         self.dials.lock().record(Dialled::Tcp, n as u64, took);
-        tracing::info!(peer = %self.name, streams = n, nics = ?local_addrs, chunk_size = cfg.chunk_size, window = cfg.window, setup_us = took.as_micros() as u64, "tcp connection up");
+        tracing::info!(peer = %self.name, streams = n, nics = ?local_addrs, near_gpu = ?gpu_node, chunk_size = cfg.chunk_size, window = cfg.window, setup_us = took.as_micros() as u64, "tcp connection up");
         links.tcp = Some(conn.clone());
         Ok(conn)
     }

@@ -29,7 +29,7 @@ pub struct Gpu {
     pub pci: String,
     pub compute_capability: String,
     pub multiprocessors: u32,
-    pub numa_node: Option<i32>,
+    pub numa_node: Option<u32>,
     /// NICs with a PCI function, closest first.
     pub nics: Vec<NearNic>,
 }

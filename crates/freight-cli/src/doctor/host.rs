@@ -6,6 +6,8 @@ use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 
+use freight_core::pci;
+pub use freight_core::pci::{closeness, Closeness, PciPlace};
 use serde::Serialize;
 
 /// A filesystem root that holds `sys/` and `proc/` (`/` on a real machine).
@@ -104,80 +106,14 @@ pub fn numa_nodes(root: &Root) -> Vec<NumaNode> {
         .collect()
 }
 
-/// Where a device sits on the PCI tree: its address and the chain of bridges above it.
-#[derive(Debug, Clone, Serialize, PartialEq)]
-pub struct PciPlace {
-    /// "0000:17:00.0".
-    pub address: String,
-    /// The host bridge ("pci0000:16"), then each bridge down to the device itself.
-    #[serde(skip)]
-    pub chain: Vec<String>,
-    pub numa_node: Option<i32>,
-}
-
-fn is_pci_address(name: &str) -> bool {
-    let b = name.as_bytes();
-    name.len() == 12 && b[4] == b':' && b[7] == b':' && b[10] == b'.'
-}
-
-/// The PCI device at or above `device` (a sysfs device directory, possibly a virtio or
-/// other child of the PCI function), from its resolved path.
+/// The PCI device at or above `device` (a sysfs device directory).
 pub fn pci_place(root: &Root, device: &Path) -> Option<PciPlace> {
-    let real = fs::canonicalize(device).ok()?;
-    let parts: Vec<String> = real.iter().map(|c| c.to_string_lossy().into_owned()).collect();
-    let host = parts.iter().position(|p| p.starts_with("pci") && p.contains(':'))?;
-    let mut chain = vec![parts[host].clone()];
-    chain.extend(parts[host + 1..].iter().take_while(|p| is_pci_address(p)).cloned());
-    if chain.len() < 2 {
-        return None;
-    }
-    let address = chain.last().cloned()?;
-    let numa = root.read(&format!("sys/bus/pci/devices/{address}/numa_node")).and_then(|n| n.parse().ok());
-    Some(PciPlace { address, chain, numa_node: numa.filter(|n: &i32| *n >= 0) })
+    pci::place(&root.0, device)
 }
 
-/// The PCI device with this address ("0000:17:00.0").
+/// The PCI device at `address`.
 pub fn pci_device(root: &Root, address: &str) -> Option<PciPlace> {
-    pci_place(root, &root.path(&format!("sys/bus/pci/devices/{}", address.to_ascii_lowercase())))
-}
-
-/// How close two PCI devices are, closest first (the terms of `nvidia-smi topo`).
-#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq, PartialOrd, Ord)]
-#[serde(rename_all = "kebab-case")]
-pub enum Closeness {
-    /// Under one PCIe switch or root port: traffic between them stays below the CPU.
-    PcieSwitch,
-    /// The same host bridge (root complex).
-    HostBridge,
-    /// Different host bridges of one NUMA node.
-    NumaNode,
-    /// Across NUMA nodes (the socket interconnect), or unknown.
-    System,
-}
-
-impl Closeness {
-    /// The name in reports, as in the JSON ("pcie-switch").
-    pub fn label(self) -> &'static str {
-        match self {
-            Closeness::PcieSwitch => "pcie-switch",
-            Closeness::HostBridge => "host-bridge",
-            Closeness::NumaNode => "numa-node",
-            Closeness::System => "system",
-        }
-    }
-}
-
-pub fn closeness(a: &PciPlace, b: &PciPlace) -> Closeness {
-    let shared = a.chain.iter().zip(&b.chain).take_while(|(x, y)| x == y).count();
-    if shared >= 2 {
-        Closeness::PcieSwitch
-    } else if shared == 1 {
-        Closeness::HostBridge
-    } else if a.numa_node.is_some() && a.numa_node == b.numa_node {
-        Closeness::NumaNode
-    } else {
-        Closeness::System
-    }
+    pci::device(&root.0, address)
 }
 
 #[derive(Debug, Serialize, PartialEq)]
@@ -337,21 +273,5 @@ mod tests {
         assert_eq!((ens3.address.as_str(), ens3.numa_node), ("0000:00:03.0", None));
         assert_eq!(nics[2].speed_mbps, None);
         assert!(nics[3].pci.is_none() && nics[3].irqs.is_empty());
-    }
-
-    #[test]
-    fn closeness_follows_the_pci_tree_then_numa() {
-        let t = machine();
-        let root = Root(t.path().to_path_buf());
-        let gpu = pci_device(&root, "0000:02:01.0").unwrap();
-        let near = pci_device(&root, "0000:02:00.0").unwrap();
-        let far = pci_device(&root, "0000:81:00.0").unwrap();
-        let bridge = pci_device(&root, "0000:00:03.0").unwrap();
-        assert_eq!(closeness(&gpu, &near), Closeness::PcieSwitch);
-        assert_eq!(closeness(&gpu, &bridge), Closeness::HostBridge);
-        assert_eq!(closeness(&gpu, &far), Closeness::System);
-        assert!(Closeness::PcieSwitch < Closeness::System);
-        assert_eq!(serde_json::to_value(Closeness::HostBridge).unwrap(), Closeness::HostBridge.label());
-        assert!(pci_device(&root, "0000:99:00.0").is_none());
     }
 }

@@ -23,7 +23,6 @@ use parking_lot::Mutex;
 
 use crate::cuda::bounce::Bounce;
 use crate::error::{Error, Result};
-
 use crate::nic::{self, Pinning};
 use crate::plan::Chunk;
 use crate::request::Tracker;
