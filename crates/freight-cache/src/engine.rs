@@ -235,25 +235,40 @@ impl CacheEngine {
         self.pinned.push((tier, key.hash));
         self.sent.insert(key.hash);
         let sink = self.remote_out.as_mut().expect("only called with a sink");
-        if sink.put(object)?.is_some() {
+        match sink.put(object) {
+            Ok(Some(_)) => {
+                self.unpin_all();
+                Ok(())
+            }
+            Ok(None) => Ok(()),
+            // The put committed, and the commit failed.
+            Err(e) => Err(self.forget_uncommitted(e)),
+        }
+    }
+
+    fn commit_remote(&mut self) -> Result<()> {
+        if let Some(sink) = self.remote_out.as_mut() {
+            if let Err(e) = sink.commit() {
+                return Err(self.forget_uncommitted(e));
+            }
             self.unpin_all();
         }
         Ok(())
     }
 
-    fn commit_remote(&mut self) -> Result<()> {
-        if let Some(sink) = self.remote_out.as_mut() {
-            let committed = sink.commit();
-            if committed.is_err() {
-                // What the peer may lack is not "sent": a later store sends it again.
-                for (_, key) in &self.pinned {
-                    self.sent.remove(key);
-                }
-            }
-            self.unpin_all();
-            committed?;
+    /// After a failed commit: what the peer may lack is not "sent", so a later store
+    /// gathers and puts it again. The sink forgets those puts, whose slots are reused
+    /// from here on: a retried commit must not send their new contents.
+    fn forget_uncommitted(&mut self, e: Error) -> Error {
+        for (_, key) in &self.pinned {
+            self.sent.remove(key);
         }
-        Ok(())
+        if let Some(sink) = self.remote_out.as_mut() {
+            let dropped = sink.discard_pending();
+            tracing::warn!(error = %e, chunks = dropped.len(), "a commit to the remote store failed; its chunks will be put again");
+        }
+        self.unpin_all();
+        e
     }
 
     fn unpin_all(&mut self) {

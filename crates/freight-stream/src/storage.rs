@@ -183,6 +183,16 @@ impl StoreSender {
         self.pending.len()
     }
 
+    /// Forgets every queued object, sent or not, and returns their keys: for a caller
+    /// whose commit failed and who will put them again from memory that may have changed
+    /// (a retried commit would otherwise send the old descriptors' current bytes).
+    pub fn discard_pending(&mut self) -> Vec<String> {
+        self.sent = 0;
+        self.first_send = None;
+        self.pending_keys.clear();
+        self.pending.drain(..).map(|o| o.key).collect()
+    }
+
     /// Keys queued and not yet committed.
     pub fn pending_keys(&self) -> impl Iterator<Item = &str> {
         self.pending.iter().map(|o| o.key.as_str())

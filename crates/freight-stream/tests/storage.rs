@@ -138,6 +138,11 @@ fn a_full_store_fails_the_commit_and_keeps_what_it_holds() {
     let e = sender.put(objs[3].clone()).unwrap_err();
     assert!(e.to_string().contains("out of space"), "{e}");
     assert_eq!(sender.pending_keys().collect::<Vec<_>>(), ["f2", "f3"], "the failed commit stays queued");
+    // A caller that will put them again from fresh memory drops them instead.
+    assert_eq!(sender.discard_pending(), ["f2", "f3"]);
+    assert_eq!(sender.pending(), 0);
+    sender.put(objs[2].clone()).unwrap();
+    assert_eq!(sender.pending_keys().collect::<Vec<_>>(), ["f2"], "a discarded key may be put again");
     let e = store.wait_closed(WAIT).unwrap_err();
     assert!(matches!(e, Error::NoSpace(_)), "{e}");
     assert_eq!(store.len(), 2);
