@@ -274,6 +274,14 @@ class Rank:
             self.check("expert out of range refused", refused(freight.InvalidArgumentError, lambda: self.buffer.dispatch(dx, bad, dw)))
         else:
             self.check("a peer's bad routing does not fail this rank", lambda: self.buffer.dispatch(dx, bad, dw))
+        # Rank 0 repeats an expert in a token's top-k: refused the same way.
+        twice = didx.clone()
+        if self.rank == 0:
+            twice[5, 1] = twice[5, 0] = 0
+        if self.rank == 0:
+            self.check("an expert chosen twice refused", refused(freight.InvalidArgumentError, lambda: self.buffer.dispatch(dx, twice, dw)))
+        else:
+            self.check("a peer's repeated expert does not fail this rank", lambda: self.buffer.dispatch(dx, twice, dw))
         self.check("the buffer still works after bad input", lambda: self.run_case("random", 16, 7))
 
     def correctness(self) -> None:

@@ -234,6 +234,15 @@ def test_dispatch_at_full_hidden_size():
 
 
 @needs_gpu
+def test_dispatch_with_a_top_k_wider_than_eight():
+    """More than eight choices per token take the layout kernel's other path."""
+    results = _run_ranks(2, "correctness", experts_per_rank=12, topk=12, linear=0)
+    failures = [f for r in results for f in r["failed"]]
+    assert not failures, "\n".join(failures)
+    assert all(len(r["passed"]) >= 20 for r in results), results
+
+
+@needs_gpu
 def test_a_rank_that_dies_fails_dispatch_on_the_others():
     results = _run_ranks(3, "die", timeout=120)
     survivors = [r for r in results if r["rank"] in (0, 2)]
