@@ -46,6 +46,21 @@ def libfabric_missing() -> str:
         return "libfabric is not installed (apt-get install libfabric1)"
 
 
+def check_kernel_compile(compile_for) -> None:
+    """`compile_for(arch)` builds a cubin through NVRTC (no GPU needed): it must for
+    Hopper, and an architecture that does not exist must raise CudaError. Skips, saying
+    why, where NVRTC is not installed."""
+    import freight
+
+    try:
+        size = compile_for("sm_90")
+    except freight.TransportUnavailableError as e:
+        pytest.skip(f"NVRTC is not installed: {e}")
+    assert size > 1000
+    with pytest.raises(freight.CudaError):
+        compile_for("sm_1")  # no such architecture
+
+
 def free_port() -> int:
     """Return a TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
