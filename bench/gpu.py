@@ -224,17 +224,22 @@ def host_device(agent, quick):
         target.close()
 
 
-def over_tcp(quick, target_gpu="1"):
-    """GPU memory over the tcp transport (loopback), staged through pinned buffers on
-    both sides, beside host memory over the same transport: 32 x 32 MiB each way."""
-    import numpy as np
+def over_network(quick, transport="tcp", target_gpu="1"):
+    """GPU memory over a network transport (loopback), beside host memory over the same
+    transport: 32 x 32 MiB each way. tcp stages GPU memory through pinned buffers on
+    both sides; fabric (libfabric's tcp provider) through its rails' pinned buffers here
+    and the landing buffers the target lends there."""
     import torch
     import freight
 
+    if transport == "fabric":
+        # The target process inherits these, and so opens the same provider.
+        os.environ.update({"FREIGHT_FABRIC_PROVIDER": "tcp", "FREIGHT_FABRIC_DOMAINS": "lo"})
     block, count = 32 * MIB, 32
     rows = []
-    with freight.Agent("tcp-initiator", freight.AgentConfig(require="tcp")) as agent:
-        for kind, test in (("DRAM", "tcp_dram"), ("VRAM", "tcp_vram")):
+    with freight.Agent(f"{transport}-initiator", freight.AgentConfig(require=transport)) as agent:
+        for kind in ("DRAM", "VRAM"):
+            test = f"{transport}_{kind.lower()}"
             target = Target(block * count, kind, target_gpu, name=f"{test}-target")
             try:
                 name = agent.connect(target.addr)
@@ -263,8 +268,8 @@ def over_tcp(quick, target_gpu="1"):
 
 def one_gpu(part, quick):
     """One part of the benchmark with the target on the same GPU (GPU 0)."""
-    if part == "tcp":
-        return over_tcp(quick, target_gpu="0")
+    if part in ("tcp", "fabric"):
+        return over_network(quick, part, target_gpu="0")
     import torch
     import freight
 
@@ -283,9 +288,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True, help="JSON file to write")
     ap.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
-    ap.add_argument("--only", choices=("tcp", "latency"),
-                    help="on a machine with one GPU, both processes on it: only GPU memory over tcp, "
-                         "or only the 4 KiB latency and notification rows")
+    ap.add_argument("--only", choices=("tcp", "fabric", "latency"),
+                    help="on a machine with one GPU, both processes on it: only GPU memory over tcp "
+                         "or fabric, or only the 4 KiB latency and notification rows")
     args = ap.parse_args()
     os.environ["CUDA_VISIBLE_DEVICES"] = "0"
     import torch
@@ -315,7 +320,8 @@ def main() -> None:
                          lambda: oneshot(agent, name, local, target.base, args.quick),
                          lambda: latency(agent, name, local, target.base, target, args.quick),
                          lambda: host_device(agent, args.quick),
-                         lambda: over_tcp(args.quick)):
+                         lambda: over_network(args.quick, "tcp"),
+                         lambda: over_network(args.quick, "fabric")):
                 try:
                     rows += part()
                 except Exception as e:  # one failing part must not hide the others

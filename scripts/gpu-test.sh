@@ -5,7 +5,9 @@
 #   - the freight wheel comes from dist/ (make wheel) or is built here with maturin;
 #   - test tools come from .carry/wheels (pip download pytest) when pip cannot fetch;
 #   - NIXL comes from .carry/nixl_trim.tar.xz (bench/peers/fetch_nixl.sh); without it the
-#     NIXL columns say "not measured".
+#     NIXL columns say "not measured";
+#   - libfabric (for the fabric tests and rows) comes from the system or .carry/debs
+#     (scripts/carried-debs.sh).
 # Results go to $OUT (default: build/gpu-results). SWEEP=1 also tries the copy kernel's
 # launch shapes (bench/gpu_sweep.py); QUICK=1 runs fewer iterations; STREAM=0 skips the
 # stream benchmarks (scripts/stream-bench.sh), ONLY=... picks some of them; P2P=0 skips
@@ -21,6 +23,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 PY="${PYTHON:-python3}"   # the interpreter that has PyTorch
 SITE="${GPU_SITE:-/tmp/freight-gpu-site}"
 log() { echo "[gpu-test] $*"; }
+source scripts/carried-debs.sh
 
 # Installed beside the interpreter's own packages (PyTorch, CuPy, numpy, pytest), not
 # into it: --target plus PYTHONPATH.

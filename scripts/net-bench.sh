@@ -10,7 +10,8 @@
 # .carry/debs (apt-get download iproute2 iperf3 libiperf0 libsctp1 libfabric1
 # libibverbs1 librdmacm1 ibverbs-providers libpsm-infinipath1 libpsm2-2 libnl-3-200
 # libnl-route-3-200 libnuma1 libbpf1 libelf1 libmnl0 libcap2 libxtables12 libatomic1),
-# unpacked under /tmp (nothing is installed). The freight wheel comes from dist/.
+# unpacked under /tmp by scripts/carried-debs.sh (nothing is installed). The freight
+# wheel comes from dist/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-build/net-results}"
@@ -19,13 +20,7 @@ PY="${PYTHON:-python3}"
 mkdir -p "$OUT"
 log() { echo "[net-bench] $*"; }
 
-if ! command -v ip >/dev/null || ! command -v iperf3 >/dev/null || ! ldconfig -p | grep -q libfabric.so.1; then
-    root=/tmp/freight-debs
-    log "unpacking .carry/debs into $root"
-    for d in .carry/debs/*.deb; do dpkg-deb -x "$d" "$root"; done
-    export PATH="$root/usr/bin:$root/usr/sbin:$root/bin:$root/sbin:$PATH"
-    export LD_LIBRARY_PATH="$root/usr/lib/x86_64-linux-gnu:$root/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-fi
+source scripts/carried-debs.sh
 site=/tmp/freight-net-site
 rm -rf "$site"
 "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$site" dist/freight-*.whl

@@ -356,15 +356,28 @@ def test_gpu_to_a_peers_host_memory_and_back(op):
 
 @needs_gpu
 @pytest.mark.parametrize("op", ["WRITE", "READ"])
-def test_gpu_memory_over_tcp_to_and_from_host_memory(op):
-    """VRAM here <-> the peer's host memory, and host memory here <-> the peer's VRAM,
-    both forced onto tcp: one side is staged, the other is plain."""
+@pytest.mark.parametrize("transport", ["tcp", "fabric"])
+def test_gpu_memory_on_either_side_of_a_network_transport(transport, op, monkeypatch):
+    """VRAM here <-> the peer's host memory, host memory here <-> the peer's VRAM, and
+    VRAM to VRAM, forced onto a network transport, which stages GPU memory through
+    pinned host memory: tcp on both sides; fabric (libfabric's tcp provider) through its
+    rails' buffers here and the landing buffers the peer lends there, with 1 MiB
+    operations, so that a request needs more of them than there are buffers."""
+    cfg = freight.AgentConfig(require=transport)
+    if transport == "fabric":
+        why = libfabric_missing()
+        if why:
+            pytest.skip(why)
+        # The peer processes inherit these, and so open the same provider.
+        monkeypatch.setenv("FREIGHT_FABRIC_PROVIDER", "tcp")
+        monkeypatch.setenv("FREIGHT_FABRIC_DOMAINS", "lo")
+        cfg = freight.AgentConfig(require=transport, fabric_chunk_size=1 * MIB)
     size = 24 * MIB
     copies = [(0, 0, 8 * MIB), (8 * MIB + 3, 9 * MIB + 1, 70001), (10 * MIB, 16 * MIB, 5 * MIB), (20 * MIB, 22 * MIB, 1)]
-    for here, there in (("VRAM", "DRAM"), ("DRAM", "VRAM")):
+    for here, there in (("VRAM", "DRAM"), ("DRAM", "VRAM"), ("VRAM", "VRAM")):
         peer = Peer(size, kind=there, gpu=TORCH_GPUS - 1)
         try:
-            with freight.Agent("initiator", freight.AgentConfig(require="tcp")) as agent:
+            with freight.Agent("initiator", cfg) as agent:
                 name = agent.connect(peer.addr)
                 if here == "VRAM":
                     local = torch.empty(size, dtype=torch.uint8, device="cuda:0")
@@ -373,46 +386,17 @@ def test_gpu_memory_over_tcp_to_and_from_host_memory(op):
                     seg = agent.alloc(size)
                     agent.register(seg)
                     local = torch.from_numpy(seg)
-                base = local.data_ptr()
                 path = agent.path_to(name)
-                assert path.transport == "tcp" and "staged" in path.reason, path
+                assert path.transport == transport and "staged" in path.reason, path
+                if transport == "fabric":
+                    assert ("landing buffers" in path.reason) == (there == "VRAM"), path
                 seed_source(op, local, peer, 6)
                 rdev = TORCH_GPUS - 1 if there == "VRAM" else 0
-                transfer_copies(agent, name, op, (base, here, 0), (peer.base, there, rdev), copies)
-                check_destination(op, local, peer, 6, copies, f"{here} {op} {there}")
+                for _ in range(2):  # twice: the second time with connections, keys and buffers in place
+                    transfer_copies(agent, name, op, (local.data_ptr(), here, 0), (peer.base, there, rdev), copies)
+                check_destination(op, local, peer, 6, copies, f"{here} {op} {there} over {transport}")
         finally:
             peer.close()
-
-
-@needs_gpu
-@pytest.mark.parametrize("op", ["WRITE", "READ"])
-def test_gpu_memory_over_fabric_to_and_from_host_memory(op, monkeypatch):
-    """VRAM here <-> the peer's host memory over the fabric transport (libfabric's tcp
-    provider), staged through the rails' pinned buffers; 1 MiB operations, so that a
-    request needs more of them than a rail has buffers."""
-    why = libfabric_missing()
-    if why:
-        pytest.skip(why)
-    fabric = {"FREIGHT_FABRIC_PROVIDER": "tcp", "FREIGHT_FABRIC_DOMAINS": "lo"}
-    for k, v in fabric.items():
-        monkeypatch.setenv(k, v)
-    size = 24 * MIB
-    copies = [(0, 0, 8 * MIB), (8 * MIB + 3, 9 * MIB + 1, 70001), (10 * MIB, 16 * MIB, 5 * MIB), (20 * MIB, 22 * MIB, 1)]
-    peer = Peer(size, kind="DRAM", gpu=0)
-    try:
-        cfg = freight.AgentConfig(require="fabric", fabric_chunk_size=1 * MIB)
-        with freight.Agent("initiator", cfg) as agent:
-            name = agent.connect(peer.addr)
-            local = torch.empty(size, dtype=torch.uint8, device="cuda:0")
-            agent.register(local)
-            path = agent.path_to(name)
-            assert path.transport == "fabric" and "staged" in path.reason, path
-            seed_source(op, local, peer, 7)
-            for _ in range(2):  # twice: the second time with the peer's keys cached
-                transfer_copies(agent, name, op, (local.data_ptr(), "VRAM", 0), (peer.base, "DRAM", 0), copies)
-            check_destination(op, local, peer, 7, copies, f"VRAM {op} DRAM over fabric")
-    finally:
-        peer.close()
 
 
 @needs_gpu

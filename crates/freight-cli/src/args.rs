@@ -408,6 +408,7 @@ impl EngineOpts {
             provider: self.fabric_provider.clone(),
             domains: self.fabric_domains.clone(),
             chunk_size: self.fabric_chunk_size.unwrap_or(FabricConfig::default().chunk_size),
+            ..FabricConfig::default()
         }
     }
 

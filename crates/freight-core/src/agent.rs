@@ -585,7 +585,11 @@ impl AgentInner {
             gpu,
             staging,
             fabric: match &self.fabric {
-                Some(f) => Ok(path::FabricFacts { description: f.describe(), hardware: f.is_hardware() }),
+                Some(f) => Ok(path::FabricFacts {
+                    description: f.describe(),
+                    hardware: f.is_hardware(),
+                    delivery_complete: f.delivery_complete,
+                }),
                 None => Err(format!(
                     "not open on this agent (it opens where {}=fabric or {} names a provider)",
                     path::TRANSPORT_ENV,

@@ -117,6 +117,9 @@ pub struct FabricFacts {
     pub description: String,
     /// Whether the provider drives RDMA hardware: only then is fabric chosen unasked.
     pub hardware: bool,
+    /// Whether writes complete once delivered: staging into the peer's landing buffers
+    /// (its GPU memory) needs it.
+    pub delivery_complete: bool,
 }
 
 /// The chosen transport and the reason, as reported to users and logs.
@@ -157,16 +160,13 @@ fn can_serve(t: TransportKind, policy: &PathPolicy, f: &PathFacts) -> std::resul
             f.staging.clone()?;
         }
     } else if t == TransportKind::Fabric {
-        if f.remote_kind != MemKind::Dram {
-            return Err(format!(
-                "moves the peer's host memory only, not {} (remote GPU memory needs FI_HMEM, not used yet)",
-                f.remote_kind
-            ));
+        for kind in [f.local_kind, f.remote_kind] {
+            if !matches!(kind, MemKind::Dram | MemKind::Vram) {
+                return Err(format!("moves host and GPU memory only, not {kind}"));
+            }
         }
-        match f.local_kind {
-            MemKind::Dram => {}
-            MemKind::Vram => f.staging.clone()?,
-            other => return Err(format!("moves host and GPU memory only, not {other}")),
+        if f.local_kind == MemKind::Vram {
+            f.staging.clone()?;
         }
     } else {
         for kind in [f.local_kind, f.remote_kind] {
@@ -193,8 +193,19 @@ fn can_serve(t: TransportKind, policy: &PathPolicy, f: &PathFacts) -> std::resul
                     fabric.description
                 ));
             }
+            let docks = if f.remote_kind == MemKind::Vram {
+                if !fabric.delivery_complete {
+                    return Err(format!(
+                        "{} cannot complete writes on delivery, so the peer's GPU memory cannot be staged",
+                        fabric.description
+                    ));
+                }
+                " (the peer's in landing buffers it lends: FI_HMEM is not used)"
+            } else {
+                ""
+            };
             let host = if f.same_host { "same host" } else { "peer on another host" };
-            Ok(format!("{host}, one-sided RDMA through libfabric, {}{staged}", fabric.description))
+            Ok(format!("{host}, one-sided RDMA through libfabric, {}{staged}{docks}", fabric.description))
         }
         TransportKind::Tcp => Ok(if f.same_host {
             format!("same host, but neither cuda nor shm can serve this path{staged}")
@@ -356,7 +367,11 @@ mod tests {
 
     #[test]
     fn fabric_is_chosen_unasked_only_over_rdma_hardware() {
-        let software = FabricFacts { description: "provider tcp;ofi_rxm, 1 rail (lo)".into(), hardware: false };
+        let software = FabricFacts {
+            description: "provider tcp;ofi_rxm, 1 rail (lo)".into(),
+            hardware: false,
+            delivery_complete: true,
+        };
         let remote = PathFacts { same_host: false, fabric: Ok(software.clone()), ..facts() };
         let remote = PathFacts { peer_transports: vec!["fabric".into(), "tcp".into()], ..remote };
         let p = choose(&policy(), &remote).unwrap();
@@ -366,17 +381,23 @@ mod tests {
         let p = choose(&pol, &remote).unwrap();
         assert_eq!(p.transport, TransportKind::Fabric);
         assert!(p.reason.contains("one-sided RDMA") && p.reason.contains("tcp;ofi_rxm"), "{}", p.reason);
-        let hardware = FabricFacts { description: "provider efa, 4 rails".into(), hardware: true };
+        let hardware =
+            FabricFacts { description: "provider efa, 4 rails".into(), hardware: true, delivery_complete: true };
         let p = choose(&policy(), &PathFacts { fabric: Ok(hardware), ..remote.clone() }).unwrap();
         assert_eq!(p.transport, TransportKind::Fabric);
-        // Local GPU memory is staged; the peer's needs FI_HMEM; nothing without an open
-        // transport on both sides.
+        // Local GPU memory is staged, the peer's through its landing buffers where writes
+        // complete on delivery; nothing without an open transport on both sides.
         let gpu = PathFacts { local_kind: MemKind::Vram, ..remote.clone() };
         assert!(choose(&pol, &gpu).unwrap().reason.contains("staged through pinned host buffers"));
         let no_cuda = PathFacts { staging: Err("CUDA is not available".into()), ..gpu };
         assert!(choose(&pol, &no_cuda).unwrap_err().to_string().contains("CUDA is not available"));
         let remote_gpu = PathFacts { remote_kind: MemKind::Vram, ..remote.clone() };
-        assert!(choose(&pol, &remote_gpu).unwrap_err().to_string().contains("FI_HMEM"));
+        assert!(choose(&pol, &remote_gpu).unwrap().reason.contains("landing buffers"));
+        let undelivered = FabricFacts { delivery_complete: false, ..software.clone() };
+        let e = choose(&pol, &PathFacts { fabric: Ok(undelivered), ..remote_gpu }).unwrap_err().to_string();
+        assert!(e.contains("cannot complete writes on delivery"), "{e}");
+        let file = PathFacts { remote_kind: MemKind::File, ..remote.clone() };
+        assert!(choose(&pol, &file).unwrap_err().to_string().contains("not FILE"));
         let closed = PathFacts { fabric: Err("libfabric is not installed".into()), ..remote.clone() };
         assert!(choose(&pol, &closed).unwrap_err().to_string().contains("not installed"));
         let e = choose(&pol, &PathFacts { fabric: Ok(software), ..facts() }).unwrap_err().to_string();

@@ -40,7 +40,8 @@ pub struct Peer {
     links: Mutex<Links>,
     removed: AtomicBool,
     /// Connections made to this peer so far, and what they cost.
-    dials: Mutex<ConnectionStats>,
+    /// Shared with the fabric link, which dials its relay connection itself.
+    dials: Arc<Mutex<ConnectionStats>>,
 }
 
 /// The connections an agent made to one peer: how many, and how long setting them up
@@ -53,9 +54,10 @@ pub struct ConnectionStats {
     pub control_connections: u64,
     /// tcp connections set up (each one `streams` data streams).
     pub tcp_connections: u64,
-    /// Fabric exchanges set up (each one connection, then one-sided operations only).
+    /// Fabric connections set up: the exchange (then one-sided operations only), and
+    /// the relay where the peer stages its GPU memory.
     pub fabric_connections: u64,
-    /// Handshakes: one per control connection, data stream and fabric exchange.
+    /// Handshakes: one per control connection, data stream and fabric connection.
     pub handshakes: u64,
     /// Time spent setting connections up, all of them together, in microseconds.
     pub setup_us: u64,
@@ -245,7 +247,7 @@ impl Peer {
             same_host,
             links: Mutex::new(Links::default()),
             removed: AtomicBool::new(false),
-            dials: Mutex::new(ConnectionStats::default()),
+            dials: Arc::default(),
         }
     }
 
@@ -398,7 +400,17 @@ impl Peer {
         let stream = net::dial(&self.md.addresses, None, Role::Fabric, &self.intro(ctx), ctx.timeout)
             .map_err(|e| self.disconnected(format!("cannot open the fabric exchange: {e}")))?;
         stream.set_read_timeout(Some(ctx.peer_timeout))?;
-        let link = Arc::new(FabricLink::connect(stream, fabric, &self.name)?);
+        let dial: crate::transport::fabric::link::Dial = {
+            let (addresses, intro, timeout) = (self.md.addresses.clone(), self.intro(ctx), ctx.timeout);
+            let dials = self.dials.clone();
+            Box::new(move || {
+                let started = Instant::now();
+                let stream = net::dial(&addresses, None, Role::Fabric, &intro, timeout)?;
+                dials.lock().record(Dialled::Fabric, 1, started.elapsed());
+                Ok(stream)
+            })
+        };
+        let link = Arc::new(FabricLink::connect(stream, fabric, &self.name, dial)?);
         let took = started.elapsed();
         self.dials.lock().record(Dialled::Fabric, 1, took);
         tracing::info!(peer = %self.name, transport = %fabric.describe(), setup_us = took.as_micros() as u64, "fabric connection up");

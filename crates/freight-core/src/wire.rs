@@ -16,7 +16,8 @@ use crate::metadata::HostIdentity;
 /// 2: notification outboxes in shared memory (`Outbox`, `OutboxReply`, `Wake`).
 /// 3: a one-message write carries its notification (`Write::notif`).
 /// 4: the fabric exchange (`Role::Fabric`, `Fabric*` frames).
-pub const PROTOCOL_VERSION: u16 = 4;
+/// 5: landing buffers lent for staging over the fabric (`FabricDocks`, `FabricLand`...).
+pub const PROTOCOL_VERSION: u16 = 5;
 /// Headers larger than this are a protocol violation (metadata replies are the largest).
 pub const MAX_HEADER: usize = 130 << 20;
 /// A single frame may carry at most this much payload.
@@ -128,6 +129,36 @@ pub enum Frame {
     /// One key per target rail for each region asked, in order; or why not.
     FabricKeysReply {
         keys: Vec<Vec<u64>>,
+        error: Option<String>,
+    },
+    /// Opens a relay connection of the fabric exchange: the initiator asks to borrow
+    /// `count` landing buffers (docks) of `size` bytes, for memory the provider cannot
+    /// reach one-sided (the target's GPU memory).
+    FabricDocks {
+        count: u32,
+        size: u64,
+    },
+    /// Per dock: where the initiator addresses it (its virtual address, or 0 where
+    /// memory is addressed by offset) and its key on each target rail; or why not.
+    FabricDocksReply {
+        docks: Vec<(u64, Vec<u64>)>,
+        error: Option<String>,
+    },
+    /// The initiator wrote `seg.len` bytes into dock `dock`: copy them to `seg`.
+    FabricLand {
+        token: u64,
+        dock: u32,
+        seg: Seg,
+    },
+    /// Copy `seg` into dock `dock`, for the initiator to read.
+    FabricLift {
+        token: u64,
+        dock: u32,
+        seg: Seg,
+    },
+    /// The copy of `token` is done, or why it was refused.
+    FabricDocked {
+        token: u64,
         error: Option<String>,
     },
 }

@@ -27,9 +27,16 @@ fn config(provider: &str, domains: &[&str], chunk_size: u64) -> AgentConfig {
             provider: Some(provider.into()),
             domains: domains.iter().map(|d| d.to_string()).collect(),
             chunk_size,
+            ..FabricConfig::default()
         },
         ..Default::default()
     }
+}
+
+/// `cfg` with the peer's host memory staged through its docks, as its GPU memory is.
+fn through_docks(mut cfg: AgentConfig) -> AgentConfig {
+    cfg.fabric.stage_remote_host = true;
+    cfg
 }
 
 /// Host memory that is not in a shared segment: only a network transport reaches it.
@@ -85,10 +92,12 @@ fn scattered(rng: &mut impl Rng, local: u64, remote: u64, room: u64) -> (DescLis
 }
 
 /// Writes scattered blocks to the target (with a notification) and reads them back,
-/// checking every byte, with `provider` over `domains`.
-fn scattered_roundtrip(provider: &str, domains: &[&str], chunk_size: u64) {
+/// checking every byte, with `provider` over `domains` (`docked`: through the target's
+/// landing buffers).
+fn scattered_roundtrip(provider: &str, domains: &[&str], chunk_size: u64, docked: bool) {
     let room = 24u64 << 20;
-    let a = Agent::new("initiator", config(provider, domains, chunk_size)).unwrap();
+    let cfg = config(provider, domains, chunk_size);
+    let a = Agent::new("initiator", if docked { through_docks(cfg) } else { cfg }).unwrap();
     let b = Agent::new("target", config(provider, domains, chunk_size)).unwrap();
     let src = Buffer::new(room as usize, 7);
     let mut dst = Buffer::new((room + room / 2) as usize, 8);
@@ -122,28 +131,47 @@ fn scattered_roundtrip(provider: &str, domains: &[&str], chunk_size: u64) {
             assert!(back.0[s..s + len] == src.0[s..s + len], "read back block at {s} (+{len}) differs");
         }
     }
+    // The exchange, and the relay once where the target stages: reused every round.
     let stats = a.connection_stats("target").unwrap();
-    assert_eq!((stats.fabric_connections, stats.tcp_connections), (1, 0), "{stats:?}");
+    let fabric_connections = if docked { 2 } else { 1 };
+    assert_eq!((stats.fabric_connections, stats.tcp_connections), (fabric_connections, 0), "{stats:?}");
 }
 
 #[test]
 fn the_tcp_provider_moves_scattered_blocks_both_ways() {
     if libfabric() {
-        scattered_roundtrip("tcp", &["lo"], 4 << 20);
+        scattered_roundtrip("tcp", &["lo"], 4 << 20, false);
     }
 }
 
 #[test]
 fn two_rails_share_a_transfer() {
     if libfabric() {
-        scattered_roundtrip("tcp", &["lo", "lo"], 256 << 10);
+        scattered_roundtrip("tcp", &["lo", "lo"], 256 << 10, false);
     }
 }
 
 #[test]
 fn the_shm_provider_moves_scattered_blocks_both_ways() {
     if libfabric() {
-        scattered_roundtrip("shm", &[], 4 << 20);
+        scattered_roundtrip("shm", &[], 4 << 20, false);
+    }
+}
+
+/// Memory the provider cannot reach one-sided goes through the peer's landing buffers
+/// (here host memory, forced there; GPU memory takes this path in the GPU suite): more
+/// chunks than docks, both ways, every byte checked.
+#[test]
+fn the_peer_stages_its_memory_through_landing_buffers() {
+    if libfabric() {
+        scattered_roundtrip("tcp", &["lo"], 1 << 20, true);
+    }
+}
+
+#[test]
+fn two_rails_share_staged_transfers() {
+    if libfabric() {
+        scattered_roundtrip("tcp", &["lo", "lo"], 256 << 10, true);
     }
 }
 
@@ -189,9 +217,11 @@ fn bad_set_ups_are_refused_with_the_reason() {
 }
 
 /// An initiator and a target over the tcp provider, and a `len`-byte WRITE between them
-/// that completed once: (initiator, target, the target region's key, request, buffers).
-fn written_once(len: u64) -> (Agent, Agent, u64, freight_core::Request, [Buffer; 2]) {
-    let a = Agent::new("initiator", config("tcp", &["lo"], 1 << 20)).unwrap();
+/// that completed once (`docked`: through the target's landing buffers): (initiator,
+/// target, the target region's key, request, buffers).
+fn written_once(len: u64, docked: bool) -> (Agent, Agent, u64, freight_core::Request, [Buffer; 2]) {
+    let cfg = config("tcp", &["lo"], 1 << 20);
+    let a = Agent::new("initiator", if docked { through_docks(cfg) } else { cfg }).unwrap();
     let b = Agent::new("target", config("tcp", &["lo"], 1 << 20)).unwrap();
     let (src, dst) = (Buffer::new(len as usize, 1), Buffer::new(len as usize, 2));
     a.register(MemKind::Dram, src.addr(), len, 0).unwrap();
@@ -206,18 +236,27 @@ fn written_once(len: u64) -> (Agent, Agent, u64, freight_core::Request, [Buffer;
 }
 
 /// Memory the target deregistered is out of reach at once: its registrations are gone,
-/// so even an initiator that has not heard of it yet gets an error, not the bytes.
+/// so even an initiator that has not heard of it yet gets an error, not the bytes. A
+/// staged write is refused by the target's registry the same way.
 #[test]
 fn deregistered_memory_is_refused_by_the_provider() {
     if !libfabric() {
         return;
     }
-    let (_a, b, key, req, _buffers) = written_once(1 << 16);
-    b.deregister(key).unwrap();
-    req.post().unwrap();
-    match req.wait(T) {
-        Status::Error(Error::RemoteRejected { reason, .. }) => assert!(reason.starts_with("fabric:"), "{reason}"),
-        other => panic!("expected a rejection, got {other:?}"),
+    for docked in [false, true] {
+        let (_a, b, key, req, _buffers) = written_once(1 << 16, docked);
+        b.deregister(key).unwrap();
+        req.post().unwrap();
+        match req.wait(T) {
+            // Staged, the target's registry refuses the copy (or the initiator heard of
+            // the revocation first); direct, the provider refuses the access.
+            Status::Error(Error::RemoteRejected { reason, .. }) if docked => assert!(
+                reason.contains(&format!("unknown region key {key}")) || reason.contains("deregistered"),
+                "{reason}"
+            ),
+            Status::Error(Error::RemoteRejected { reason, .. }) => assert!(reason.starts_with("fabric:"), "{reason}"),
+            other => panic!("expected a rejection (docked: {docked}), got {other:?}"),
+        }
     }
 }
 
@@ -227,13 +266,15 @@ fn a_dead_peer_fails_transfers() {
     if !libfabric() {
         return;
     }
-    let (_a, b, _key, req, _buffers) = written_once(1 << 20);
-    drop(b);
-    std::thread::sleep(Duration::from_millis(200));
-    match req.post().map(|_| req.wait(T)) {
-        Err(e) | Ok(Status::Error(e)) => {
-            assert!(matches!(e, Error::PeerDisconnected { .. } | Error::RemoteRejected { .. }), "{e}")
+    for docked in [false, true] {
+        let (_a, b, _key, req, _buffers) = written_once(1 << 20, docked);
+        drop(b);
+        std::thread::sleep(Duration::from_millis(200));
+        match req.post().map(|_| req.wait(T)) {
+            Err(e) | Ok(Status::Error(e)) => {
+                assert!(matches!(e, Error::PeerDisconnected { .. } | Error::RemoteRejected { .. }), "{e}")
+            }
+            Ok(other) => panic!("a write to a closed agent ended {other:?} (docked: {docked})"),
         }
-        Ok(other) => panic!("a write to a closed agent ended {other:?}"),
     }
 }

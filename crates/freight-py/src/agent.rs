@@ -168,7 +168,12 @@ impl PyAgent {
                 pin: Pinning::parse(&tcp_pin).map_err(|e| invalid(format!("tcp_pin: {e}")))?,
                 zerocopy: tcp_zerocopy,
             },
-            fabric: FabricConfig { provider: fabric_provider, domains: fabric_domains, chunk_size: fabric_chunk_size },
+            fabric: FabricConfig {
+                provider: fabric_provider,
+                domains: fabric_domains,
+                chunk_size: fabric_chunk_size,
+                ..FabricConfig::default()
+            },
             shm: ShmConfig {
                 threads: shm_threads.unwrap_or(shm_default.threads),
                 inline_bytes: shm_inline_bytes.unwrap_or(shm_default.inline_bytes),

@@ -9,6 +9,11 @@
 //!    initiator is about to use, registered by the target on first request. Private and
 //!    unknown regions are refused alike.
 //!
+//! A second connection, the relay, is opened when a request first names memory the
+//! provider cannot reach one-sided: `FabricDocks` borrows the target's landing
+//! buffers, then `FabricLand`/`FabricLift` -> `FabricDocked` move chunks between them and
+//! the target's memory ([`super::relay`], [`super::dock`]).
+//!
 //! The connection stays open for later key requests, and a thread watches it: the
 //! target's agent closes it when it closes, and the kernel when the process dies. Then
 //! the operations to that peer fail at once (providers may take minutes to give up on a
@@ -22,10 +27,15 @@ use std::sync::{Arc, Weak};
 
 use parking_lot::{Mutex, RwLock};
 
+use super::dock::Docks;
+use super::relay::Relay;
 use super::Fabric;
 use crate::error::{Error, Result};
 use crate::memory::Registry;
 use crate::wire::{self, Frame};
+
+/// Opens another connection of the exchange to the same peer.
+pub type Dial = Box<dyn Fn() -> Result<TcpStream> + Send + Sync>;
 
 /// The initiator's side of the exchange with one peer.
 pub struct FabricLink {
@@ -40,11 +50,14 @@ pub struct FabricLink {
     dead: Arc<Mutex<Option<String>>>,
     /// Set when this side closes the exchange (the watcher then leaves quietly).
     closing: Arc<AtomicBool>,
+    dial: Dial,
+    /// The relay through the peer's docks, once a request needed it.
+    relay: Mutex<Option<Arc<Relay>>>,
 }
 
 impl FabricLink {
-    /// Runs step 1 on a connection the peer welcomed.
-    pub fn connect(mut stream: TcpStream, fabric: &Arc<Fabric>, peer: &str) -> Result<FabricLink> {
+    /// Runs step 1 on a connection the peer welcomed; `dial` opens the relay later.
+    pub fn connect(mut stream: TcpStream, fabric: &Arc<Fabric>, peer: &str, dial: Dial) -> Result<FabricLink> {
         wire::write_frame(&mut stream, &Frame::FabricHello { provider: fabric.provider.clone() }, &[])?;
         let (rails, virt_addr) = match wire::read_frame(&mut stream)? {
             Some(Frame::FabricWelcome { provider, rails, virt_addr }) => {
@@ -76,6 +89,8 @@ impl FabricLink {
             keys: RwLock::default(),
             dead: Arc::default(),
             closing: Arc::default(),
+            dial,
+            relay: Mutex::default(),
         };
         link.watch(Arc::downgrade(fabric))?;
         Ok(link)
@@ -142,6 +157,28 @@ impl FabricLink {
         Ok(regions.iter().filter_map(|r| known.get(r).map(|k| (*r, k.clone()))).collect())
     }
 
+    /// The relay through the peer's docks, opened on first use. Staged WRITEs are
+    /// landed once the provider says they were delivered, so a provider that cannot
+    /// say so cannot be used for them.
+    pub fn relay(&self, fabric: &Arc<Fabric>) -> Result<Arc<Relay>> {
+        if let Some(reason) = self.dead_reason() {
+            return Err(Error::PeerDisconnected { peer: self.peer.to_string(), reason });
+        }
+        if !fabric.delivery_complete {
+            return Err(Error::TransportUnavailable(format!(
+                "fabric: provider {} cannot complete writes on delivery, so it cannot stage the peer's memory",
+                fabric.provider
+            )));
+        }
+        let mut relay = self.relay.lock();
+        if let Some(r) = &*relay {
+            return Ok(r.clone());
+        }
+        let opened = Arc::new(Relay::open((self.dial)()?, fabric, self.routes.clone(), self.peer.clone())?);
+        tracing::info!(peer = %self.peer, docks = super::relay::DOCKS, "fabric relay up: the peer stages its memory");
+        Ok(relay.insert(opened).clone())
+    }
+
     /// The peer revoked a region: its keys are dead.
     pub fn forget(&self, region: u64) {
         self.keys.write().remove(&region);
@@ -171,8 +208,10 @@ fn wait_for_hangup(stream: &TcpStream) {
     }
 }
 
-/// The target's side: answers hellos and key requests until the initiator closes.
+/// The target's side: answers hellos, key requests and (on a relay connection) dock
+/// requests and copies until the initiator closes.
 pub fn serve_fabric(mut stream: TcpStream, registry: &Registry, fabric: Option<&Fabric>, from: &str) -> Result<()> {
+    let mut docks: Option<Docks> = None;
     while let Some(frame) = wire::read_frame(&mut stream)? {
         let reply = match (frame, fabric) {
             (Frame::FabricHello { .. }, None) => {
@@ -188,6 +227,23 @@ pub fn serve_fabric(mut stream: TcpStream, registry: &Registry, fabric: Option<&
                 Ok(keys) => Frame::FabricKeysReply { keys, error: None },
                 Err(e) => Frame::FabricKeysReply { keys: Vec::new(), error: Some(e.to_string()) },
             },
+            (Frame::FabricDocks { count, size }, Some(f)) => match Docks::open(f, count, size) {
+                Ok(mut lent) => {
+                    let described = lent.describe(f.virt_addr());
+                    tracing::info!(peer = from, count, size, "lent fabric docks");
+                    docks = Some(lent);
+                    Frame::FabricDocksReply { docks: described, error: None }
+                }
+                Err(e) => Frame::FabricDocksReply { docks: Vec::new(), error: Some(e.to_string()) },
+            },
+            (Frame::FabricLand { token, dock, seg }, Some(_)) => {
+                let done = docks.as_mut().ok_or_else(no_docks).and_then(|d| d.land(registry, dock, &seg));
+                docked(token, done, from)
+            }
+            (Frame::FabricLift { token, dock, seg }, Some(_)) => {
+                let done = docks.as_mut().ok_or_else(no_docks).and_then(|d| d.lift(registry, dock, &seg));
+                docked(token, done, from)
+            }
             (other, _) => {
                 return Err(Error::Protocol(format!("fabric: unexpected {other:?} from '{from}'")));
             }
@@ -195,6 +251,18 @@ pub fn serve_fabric(mut stream: TcpStream, registry: &Registry, fabric: Option<&
         wire::write_frame(&mut stream, &reply, &[])?;
     }
     Ok(())
+}
+
+fn no_docks() -> Error {
+    Error::Protocol("no docks were lent on this connection".into())
+}
+
+/// The answer to a `Land` or `Lift`.
+fn docked(token: u64, done: Result<()>, from: &str) -> Frame {
+    if let Err(e) = &done {
+        tracing::warn!(peer = from, error = %e, "refused a staged copy");
+    }
+    Frame::FabricDocked { token, error: done.err().map(|e| e.to_string()) }
 }
 
 fn region_keys(registry: &Registry, fabric: &Fabric, regions: &[u64]) -> Result<Vec<Vec<u64>>> {
@@ -211,7 +279,8 @@ fn region_keys(registry: &Registry, fabric: &Fabric, regions: &[u64]) -> Result<
 mod tests {
     use super::*;
     use crate::memory::MemKind;
-    use crate::transport::fabric::FabricConfig;
+    use crate::transport::fabric::{dock, FabricConfig};
+    use crate::wire::Seg;
     use std::net::TcpListener;
 
     fn ask(stream: &mut TcpStream, frame: Frame) -> Option<Frame> {
@@ -267,5 +336,67 @@ mod tests {
                 assert!(matches!(ended, Err(Error::Protocol(m)) if m.contains("unexpected")));
             });
         }
+    }
+
+    /// Docks are lent within limits, and every copy between them and the target's
+    /// memory is checked: copies on a connection that borrowed none, a dock that does
+    /// not exist, more bytes than a dock holds, private, unknown or out-of-bounds memory
+    /// are refused with the reason, and the connection goes on; good copies move bytes.
+    #[test]
+    fn docks_are_lent_within_limits_and_copies_are_checked() {
+        let cfg = FabricConfig { provider: Some("tcp".into()), domains: vec!["lo".into()], ..FabricConfig::default() };
+        let Ok(fabric) = Fabric::open(&cfg) else {
+            eprintln!("SKIPPED: libfabric's tcp provider is not available");
+            return;
+        };
+        let registry = Registry::new();
+        let mut memory: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
+        let private = vec![0u8; 4096];
+        let base = memory.as_mut_ptr() as u64;
+        let open = registry.register(MemKind::Dram, base, 4096, 0).unwrap();
+        let hidden = registry.register_private(MemKind::Dram, private.as_ptr() as u64, 4096, 0).unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (server, _) = listener.accept().unwrap();
+        let seg = |region, at: u64, len| Seg { region, addr: base + at, len };
+        let refused = |reply: Option<Frame>, why: &str| match reply {
+            Some(Frame::FabricDocked { error: Some(e), .. }) => assert!(e.contains(why), "{e} (expected '{why}')"),
+            other => panic!("expected a refusal for '{why}', got {other:?}"),
+        };
+        std::thread::scope(|s| {
+            s.spawn(|| serve_fabric(server, &registry, Some(&fabric), "tester"));
+            let land = |dock, seg| Frame::FabricLand { token: 1, dock, seg };
+            refused(ask(&mut client, land(0, seg(open, 0, 16))), "no docks");
+            for (count, size) in [(0, 4096), (dock::MAX_DOCKS + 1, 4096), (2, dock::MAX_DOCK_SIZE + 1)] {
+                match ask(&mut client, Frame::FabricDocks { count, size }) {
+                    Some(Frame::FabricDocksReply { docks, error: Some(e) }) => {
+                        assert!(docks.is_empty() && e.contains("at most"), "{e}")
+                    }
+                    other => panic!("{count} docks of {size} bytes were lent: {other:?}"),
+                }
+            }
+            match ask(&mut client, Frame::FabricDocks { count: 2, size: 1024 }) {
+                Some(Frame::FabricDocksReply { docks, error: None }) => {
+                    assert!(docks.len() == 2 && docks.iter().all(|(_, keys)| keys.len() == 1), "{docks:?}")
+                }
+                other => panic!("no docks lent: {other:?}"),
+            }
+            refused(ask(&mut client, land(2, seg(open, 0, 16))), "dock 2 does not exist");
+            refused(ask(&mut client, land(0, seg(open, 0, 2048))), "do not fit");
+            refused(ask(&mut client, land(0, seg(open, 4000, 200))), "out of bounds");
+            refused(
+                ask(&mut client, land(0, Seg { region: hidden, addr: private.as_ptr() as u64, len: 16 })),
+                "unknown region",
+            );
+            refused(ask(&mut client, land(1, seg(999, 0, 16))), "unknown region key 999");
+            // Lift 100 bytes into dock 1, land them 1000 bytes further on.
+            let lift = Frame::FabricLift { token: 7, dock: 1, seg: seg(open, 0, 100) };
+            assert_eq!(ask(&mut client, lift), Some(Frame::FabricDocked { token: 7, error: None }));
+            let landed = ask(&mut client, Frame::FabricLand { token: 8, dock: 1, seg: seg(open, 1000, 100) });
+            assert_eq!(landed, Some(Frame::FabricDocked { token: 8, error: None }));
+            client.shutdown(std::net::Shutdown::Both).unwrap();
+        });
+        let expected: Vec<u8> = (0..100u32).map(|i| (i * 7) as u8).collect();
+        assert_eq!(&memory[1000..1100], &expected[..]);
     }
 }

@@ -15,11 +15,19 @@
 //! thread posts them and reaps their completions ([`progress`]). Writes complete only
 //! once delivered (`FI_DELIVERY_COMPLETE`), so a notification sent after them finds the
 //! data in place.
+//!
+//! Memory the provider cannot register is staged. Local GPU memory passes through the
+//! rail's own pinned buffers ([`staging`]); the peer's GPU memory through landing
+//! buffers the peer lends and copies in and out of when told to ([`pipeline`],
+//! [`relay`], [`dock`]).
 
+mod dock;
 pub mod ffi;
 pub mod link;
+pub mod pipeline;
 pub mod progress;
 pub mod rail;
+pub mod relay;
 mod staging;
 
 use std::sync::Arc;
@@ -30,9 +38,11 @@ use crate::memory::{MemKind, RegionInfo};
 use crate::plan::{chunk_ops, Op};
 use crate::request::{Finisher, Tracker};
 use crate::transport::{staged, OpKind};
+use crate::wire::Seg;
 use ffi::Lib;
-use progress::{Work, Worker};
+use progress::{Done, Work, Worker};
 use rail::{DomainInfo, InfoList, Rail};
+use relay::{Job, Part, Relay};
 
 pub use link::{serve_fabric, FabricLink};
 
@@ -52,11 +62,14 @@ pub struct FabricConfig {
     pub domains: Vec<String>,
     /// Largest single operation; larger copies are split and spread over the rails.
     pub chunk_size: u64,
+    /// Stage the peer's host memory through its landing buffers too, as its GPU memory
+    /// always is: to test that path without GPUs, and to measure what it costs.
+    pub stage_remote_host: bool,
 }
 
 impl Default for FabricConfig {
     fn default() -> Self {
-        FabricConfig { provider: None, domains: Vec::new(), chunk_size: 4 << 20 }
+        FabricConfig { provider: None, domains: Vec::new(), chunk_size: 4 << 20, stage_remote_host: false }
     }
 }
 
@@ -92,8 +105,10 @@ pub struct Fabric {
     pub provider: String,
     workers: Vec<Worker>,
     chunk_size: u64,
-    /// Whether writes complete only once delivered (else notifications could overtake).
+    /// Whether writes complete only once delivered (else notifications could overtake,
+    /// and the peer's docks could not be landed).
     pub delivery_complete: bool,
+    stage_remote_host: bool,
 }
 
 impl Fabric {
@@ -124,7 +139,13 @@ impl Fabric {
         }
         let provider = workers[0].rail.info.provider.clone();
         let max_msg = workers.iter().map(|w| w.rail.max_msg).min().unwrap_or(0).max(1);
-        let fabric = Fabric { provider, workers, chunk_size: cfg.chunk_size.min(max_msg), delivery_complete };
+        let fabric = Fabric {
+            provider,
+            workers,
+            chunk_size: cfg.chunk_size.min(max_msg),
+            delivery_complete,
+            stage_remote_host: cfg.stage_remote_host,
+        };
         tracing::info!(transport = %fabric.describe(), chunk_size = fabric.chunk_size, lib = %lib.version_text(), "fabric transport open");
         Ok(fabric)
     }
@@ -175,20 +196,25 @@ impl Fabric {
     }
 
     /// Resolves a request's copies into operations, dealt to the rails in turn.
-    /// `local` and `remote` describe the regions the copies name.
+    /// `local` and `remote` describe the regions the copies name. Operations on the
+    /// peer's GPU memory go through its docks (the relay is opened on first need).
     pub fn compile(
-        &self,
+        self: &Arc<Self>,
         link: &FabricLink,
         ops: &[Op],
         op: OpKind,
         local: impl Fn(u64) -> Option<RegionInfo>,
         remote: impl Fn(u64) -> Option<RegionInfo>,
     ) -> Result<FabricProgram> {
-        let mut remote_regions: Vec<u64> = ops.iter().map(|o| o.remote_region).collect();
-        remote_regions.sort_unstable();
-        remote_regions.dedup();
-        let keys = link.keys(&remote_regions)?;
-        let mut per_rail: Vec<Vec<Planned>> = vec![Vec::new(); self.workers.len()];
+        let read = op == OpKind::Read;
+        let mut direct: Vec<Vec<Planned>> = vec![Vec::new(); self.workers.len()];
+        let mut docked: Vec<Part> = Vec::new();
+        let through_docks = |r: &RegionInfo| r.kind == MemKind::Vram || self.stage_remote_host;
+        let mut reached: Vec<u64> = ops.iter().map(|o| o.remote_region).collect();
+        reached.sort_unstable();
+        reached.dedup();
+        reached.retain(|&k| remote(k).is_some_and(|r| !through_docks(&r)));
+        let keys = if reached.is_empty() { Default::default() } else { link.keys(&reached)? };
         for (i, chunk) in chunk_ops(ops, self.chunk_size, 1).into_iter().enumerate() {
             let o = chunk.segs[0];
             let rail = i % self.workers.len();
@@ -204,8 +230,13 @@ impl Fabric {
             } else {
                 (None, self.workers[rail].rail.registration(lr.key, lr.addr, lr.len)?.desc as usize)
             };
+            if through_docks(&rr) {
+                let seg = Seg { region: o.remote_region, addr: o.remote_addr, len: o.len };
+                docked.push(Part { read, local: o.local_addr, len: o.len, gpu, desc, rail, seg });
+                continue;
+            }
             let (dest, remote_rail) = link.route(rail);
-            per_rail[rail].push(Planned {
+            direct[rail].push(Planned {
                 local: o.local_addr,
                 len: o.len,
                 gpu,
@@ -215,14 +246,15 @@ impl Fabric {
                 key: keys[&o.remote_region][remote_rail],
             });
         }
-        Ok(FabricProgram { read: op == OpKind::Read, per_rail, peer: link.peer().into() })
+        let relay = if docked.is_empty() { None } else { Some(link.relay(self)?) };
+        Ok(FabricProgram { read, direct, docked, relay, peer: link.peer().into() })
     }
 
     /// Starts a compiled request.
     pub fn execute(&self, program: &FabricProgram, tracker: &Arc<Tracker>, finisher: Finisher) -> Result<()> {
-        let parts: usize = program.per_rail.iter().map(Vec::len).sum();
+        let parts: usize = program.direct.iter().map(Vec::len).sum::<usize>() + program.docked.len();
         tracker.begin(parts as u64, finisher)?;
-        for (worker, planned) in self.workers.iter().zip(&program.per_rail) {
+        for (worker, planned) in self.workers.iter().zip(&program.direct) {
             if planned.is_empty() {
                 continue;
             }
@@ -236,12 +268,15 @@ impl Fabric {
                     dest: p.dest,
                     remote: p.remote,
                     key: p.key,
-                    tracker: tracker.clone(),
+                    done: Done::Request(tracker.clone()),
                     peer: program.peer.clone(),
                     gpu: p.gpu,
                 })
                 .collect();
             worker.submit(batch);
+        }
+        if let Some(relay) = &program.relay {
+            relay.submit(program.docked.iter().map(|&part| Job { part, tracker: tracker.clone() }).collect());
         }
         Ok(())
     }
@@ -259,10 +294,13 @@ struct Planned {
     key: u64,
 }
 
-/// A request resolved for the fabric: posting it only hands operations to the rails.
+/// A request resolved for the fabric: posting it only hands operations to the rails,
+/// and the parts that go through the peer's docks to its relay.
 pub struct FabricProgram {
     read: bool,
-    per_rail: Vec<Vec<Planned>>,
+    direct: Vec<Vec<Planned>>,
+    docked: Vec<Part>,
+    relay: Option<Arc<Relay>>,
     peer: Arc<str>,
 }
 

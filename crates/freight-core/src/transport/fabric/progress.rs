@@ -17,6 +17,7 @@ use crossbeam_channel::{unbounded, Receiver, Sender, TryRecvError};
 
 use super::ffi::{FiCqEntry, FI_EAGAIN, FI_EAVAIL, FI_ETIMEDOUT};
 use super::rail::Rail;
+use super::relay;
 use super::staging::Staging;
 use crate::cuda::driver::Device;
 use crate::error::{Error, Result};
@@ -33,7 +34,7 @@ pub struct Work {
     pub dest: u64,
     pub remote: u64,
     pub key: u64,
-    pub tracker: Arc<Tracker>,
+    pub done: Done,
     pub peer: Arc<str>,
     /// The GPU holding the local bytes, which then pass through a staging buffer.
     pub gpu: Option<&'static Device>,
@@ -41,7 +42,26 @@ pub struct Work {
 
 impl Work {
     fn finish(self, result: Result<()>) {
-        self.tracker.finish_part(result)
+        self.done.report(result)
+    }
+}
+
+/// Who hears of an operation's end.
+pub enum Done {
+    /// It is one part of a request.
+    Request(Arc<Tracker>),
+    /// It is a wire step of a chunk staged through the peer's docks: its relay goes on.
+    Relay { events: Sender<relay::Event>, token: u64 },
+}
+
+impl Done {
+    fn report(&self, result: Result<()>) {
+        match self {
+            Done::Request(tracker) => tracker.finish_part(result),
+            Done::Relay { events, token } => {
+                let _ = events.send(relay::Event::Wire { token: *token, result });
+            }
+        }
     }
 }
 
@@ -250,7 +270,7 @@ impl Driver {
                     let op = unsafe { &mut *(context as *mut InFlight) };
                     if op.work.dest == dest && !op.abandoned {
                         op.abandoned = true;
-                        op.work.tracker.finish_part(Err(gone(&op.work)));
+                        op.work.done.report(Err(gone(&op.work)));
                     }
                 }
             }
@@ -379,7 +399,7 @@ impl Driver {
             // SAFETY: still allocated (never settled); we only read the work's tracker.
             let op = unsafe { &*(context as *const InFlight) };
             if !op.abandoned {
-                op.work.tracker.finish_part(Err(closed(&op.work.peer)));
+                op.work.done.report(Err(closed(&op.work.peer)));
             }
         }
     }

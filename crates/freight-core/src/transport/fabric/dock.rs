@@ -1,0 +1,141 @@
+//! The target's side of staging through landing buffers ([`super::pipeline`]): the
+//! docks it lends one relay connection, registered with each of its rails, and the
+//! copies between them and its registered memory that the initiator asks for.
+//!
+//! Every copy is checked against the registry as a tcp access is: public regions only,
+//! inside their bounds, host or GPU memory. GPU copies go through the copy engines
+//! (docks are pinned where CUDA is present) and are finished before the answer is sent,
+//! so a landed WRITE is in place once the initiator hears of it.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use super::rail::{Mr, Rail};
+use super::Fabric;
+use crate::cuda::bounce::Bounce;
+use crate::cuda::driver::Device;
+use crate::error::{invalid, Error, Result};
+use crate::memory::{MemKind, Registry};
+use crate::transport::staged::{self, Piece};
+use crate::wire::Seg;
+
+/// Most docks one connection may borrow, and the largest dock.
+pub const MAX_DOCKS: u32 = 64;
+pub const MAX_DOCK_SIZE: u64 = 256 << 20;
+
+/// Keys asked for docks' registrations where the application chooses keys: apart from
+/// region keys (counting up from 1) and the staging buffers' keys (from 2^62).
+static NEXT_KEY: AtomicU64 = AtomicU64::new((1 << 62) + (1 << 40));
+
+/// A dock's bytes: pinned where CUDA is present (GPU copies need it for speed), plain
+/// host memory otherwise.
+enum Bytes {
+    Pinned(Bounce),
+    Plain(Vec<u8>),
+}
+
+/// One dock. Fields drop in order: the registrations, then the rails they belong to,
+/// then the memory.
+struct Dock {
+    mrs: Vec<Mr>,
+    _rails: Vec<Arc<Rail>>,
+    bytes: Bytes,
+}
+
+impl Dock {
+    fn addr(&mut self, size: u64) -> u64 {
+        match &mut self.bytes {
+            Bytes::Pinned(b) => b.bytes_mut(size as usize).as_mut_ptr() as u64,
+            Bytes::Plain(v) => v.as_mut_ptr() as u64,
+        }
+    }
+}
+
+/// The docks lent to one relay connection.
+pub struct Docks {
+    size: u64,
+    docks: Vec<Dock>,
+}
+
+impl Docks {
+    /// Allocates and registers `count` docks of `size` bytes with every rail.
+    pub fn open(fabric: &Fabric, count: u32, size: u64) -> Result<Docks> {
+        if count == 0 || count > MAX_DOCKS || size == 0 || size > MAX_DOCK_SIZE {
+            return Err(invalid(format!(
+                "{count} docks of {size} bytes asked for; at most {MAX_DOCKS} of {MAX_DOCK_SIZE} bytes are lent"
+            )));
+        }
+        let gpu: Option<&'static Device> = crate::cuda::driver::init().and_then(|_| Device::get(0)).ok();
+        let mut docks = Vec::with_capacity(count as usize);
+        for _ in 0..count {
+            let bytes = match gpu {
+                Some(device) => Bytes::Pinned(Bounce::new(device, size as usize)?),
+                None => Bytes::Plain(vec![0u8; size as usize]),
+            };
+            let mut dock =
+                Dock { mrs: Vec::new(), _rails: fabric.workers.iter().map(|w| w.rail.clone()).collect(), bytes };
+            let addr = dock.addr(size);
+            for w in &fabric.workers {
+                let key = NEXT_KEY.fetch_add(1, Ordering::Relaxed);
+                // SAFETY: the dock's memory outlives its registrations (field order).
+                dock.mrs.push(unsafe { w.rail.register(addr, size, key) }?);
+            }
+            docks.push(dock);
+        }
+        Ok(Docks { size, docks })
+    }
+
+    /// What the initiator needs: per dock, its address (0 where the provider addresses
+    /// memory by offset) and its key on each rail.
+    pub fn describe(&mut self, virt_addr: bool) -> Vec<(u64, Vec<u64>)> {
+        let size = self.size;
+        self.docks
+            .iter_mut()
+            .map(|d| (if virt_addr { d.addr(size) } else { 0 }, d.mrs.iter().map(|m| m.key).collect()))
+            .collect()
+    }
+
+    /// Copies the first `seg.len` bytes of dock `dock` into `seg`, and waits.
+    pub fn land(&mut self, registry: &Registry, dock: u32, seg: &Seg) -> Result<()> {
+        self.copy(registry, dock, seg, true)
+    }
+
+    /// Copies `seg` into the start of dock `dock`, and waits.
+    pub fn lift(&mut self, registry: &Registry, dock: u32, seg: &Seg) -> Result<()> {
+        self.copy(registry, dock, seg, false)
+    }
+
+    fn copy(&mut self, registry: &Registry, dock: u32, seg: &Seg, landing: bool) -> Result<()> {
+        let count = self.docks.len();
+        let d = self
+            .docks
+            .get_mut(dock as usize)
+            .ok_or_else(|| Error::Protocol(format!("dock {dock} does not exist ({count} lent)")))?;
+        if seg.len > self.size {
+            return Err(Error::Protocol(format!("{} bytes do not fit a dock of {}", seg.len, self.size)));
+        }
+        let guard = registry.get_checked(seg.region, seg.addr, seg.len)?;
+        let gpu = match guard.info.kind {
+            MemKind::Dram => None,
+            MemKind::Vram => Some(staged::gpu_of(&guard.info)?),
+            other => return Err(Error::TransportUnavailable(format!("fabric cannot stage {other} memory"))),
+        };
+        let piece = Piece { addr: seg.addr, len: seg.len, gpu };
+        let len = seg.len as usize;
+        match (&mut d.bytes, gpu) {
+            (Bytes::Pinned(b), _) if landing => staged::scatter(b, &[piece]),
+            (Bytes::Pinned(b), _) => staged::gather(b, &[piece]).and_then(|_| b.wait()),
+            (Bytes::Plain(_), Some(_)) => Err(Error::TransportUnavailable("the docks are not pinned: no GPU".into())),
+            (Bytes::Plain(v), None) => {
+                // SAFETY: the segment lies in a registered region that `guard` keeps.
+                let there = unsafe { std::slice::from_raw_parts_mut(seg.addr as *mut u8, len) };
+                if landing {
+                    there.copy_from_slice(&v[..len]);
+                } else {
+                    v[..len].copy_from_slice(there);
+                }
+                Ok(())
+            }
+        }
+    }
+}

@@ -1,0 +1,259 @@
+//! The initiator's side of staging through a peer's docks ([`super::pipeline`] has the
+//! protocol, [`super::dock`] the peer's side).
+//!
+//! A relay is a second connection of the fabric exchange, opened the first time a
+//! request names memory the provider cannot reach one-sided. It borrows the peer's
+//! docks, then one thread drives the [`Pipeline`]: it hands wire steps to the rails'
+//! threads (whose completions come back as events), sends `FabricLand`/`FabricLift`
+//! on the connection, and finishes requests' parts. A second thread reads the peer's
+//! answers; the connection closing fails every chunk still moving, at once.
+
+use std::net::{Shutdown, TcpStream};
+use std::sync::{Arc, Weak};
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{unbounded, Receiver, Sender};
+
+use super::pipeline::{Action, Chunk, Pipeline};
+use super::progress::{Done, Work};
+use super::Fabric;
+use crate::cuda::driver::Device;
+use crate::error::{Error, Result};
+use crate::request::Tracker;
+use crate::wire::{self, Frame, Seg};
+
+/// Docks borrowed per peer: enough chunks in flight to keep the rails busy while the
+/// peer copies others in or out of its GPU memory.
+pub const DOCKS: u32 = 8;
+
+/// One chunk of a request that passes through a dock: the local side as a rail posts it,
+/// and the peer's memory as the peer copies it.
+#[derive(Clone, Copy)]
+pub struct Part {
+    pub read: bool,
+    pub local: u64,
+    pub len: u64,
+    /// The GPU holding the local bytes, which then pass through the rail's own staging.
+    pub gpu: Option<&'static Device>,
+    /// The local registration's descriptor (host memory).
+    pub desc: usize,
+    pub rail: usize,
+    pub seg: Seg,
+}
+
+/// A part of a posted request.
+#[derive(Clone)]
+pub struct Job {
+    pub part: Part,
+    pub tracker: Arc<Tracker>,
+}
+
+impl Chunk for Job {
+    fn reads(&self) -> bool {
+        self.part.read
+    }
+}
+
+/// What the relay's driving thread hears.
+pub enum Event {
+    Jobs(Vec<Job>),
+    /// A rail finished a wire step.
+    Wire {
+        token: u64,
+        result: Result<()>,
+    },
+    /// The peer answered a `Land` or `Lift`.
+    Docked {
+        token: u64,
+        result: Result<()>,
+    },
+    /// The connection closed or failed.
+    Closed(Error),
+    /// The relay is being dropped.
+    Stop,
+}
+
+/// A peer's dock as this side addresses it.
+struct DockAddress {
+    remote: u64,
+    /// Its key on each of the peer's rails.
+    keys: Vec<u64>,
+}
+
+pub struct Relay {
+    peer: Arc<str>,
+    events: Sender<Event>,
+    stream: TcpStream,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Relay {
+    /// Borrows the peer's docks over `stream` (a fresh, welcomed exchange connection)
+    /// and starts the relay's threads. `routes`: per local rail, the peer's address on
+    /// it and the peer's rail it pairs with.
+    pub fn open(
+        mut stream: TcpStream,
+        fabric: &Arc<Fabric>,
+        routes: Vec<(u64, usize)>,
+        peer: Arc<str>,
+    ) -> Result<Relay> {
+        wire::write_frame(&mut stream, &Frame::FabricDocks { count: DOCKS, size: fabric.chunk_size }, &[])?;
+        let docks: Vec<DockAddress> = match wire::read_frame(&mut stream)? {
+            Some(Frame::FabricDocksReply { docks, error: None }) if docks.len() == DOCKS as usize => {
+                docks.into_iter().map(|(remote, keys)| DockAddress { remote, keys }).collect()
+            }
+            Some(Frame::FabricDocksReply { error: Some(reason), .. }) => {
+                return Err(Error::RemoteRejected { peer: peer.to_string(), reason });
+            }
+            other => return Err(Error::Protocol(format!("fabric: expected docks, got {other:?}"))),
+        };
+        if docks.iter().any(|d| routes.iter().any(|&(_, rail)| rail >= d.keys.len())) {
+            return Err(Error::Protocol(format!("fabric: peer '{peer}' lent docks without a key on every rail")));
+        }
+        stream.set_read_timeout(None)?;
+        let (events, heard) = unbounded();
+        let reader = {
+            let (stream, events, peer) = (stream.try_clone()?, events.clone(), peer.clone());
+            std::thread::Builder::new()
+                .name("freight-fabric-relay-in".into())
+                .spawn(move || read(stream, &events, &peer))?
+        };
+        let driver = Driver {
+            pipeline: Pipeline::new(docks.len()),
+            docks,
+            routes,
+            fabric: Arc::downgrade(fabric),
+            stream: stream.try_clone()?,
+            events: events.clone(),
+            peer: peer.clone(),
+        };
+        let driver =
+            std::thread::Builder::new().name("freight-fabric-relay".into()).spawn(move || driver.run(heard))?;
+        Ok(Relay { peer, events, stream, threads: vec![reader, driver] })
+    }
+
+    /// Starts `jobs` (they finish their trackers' parts, with an error if the peer is gone).
+    pub fn submit(&self, jobs: Vec<Job>) {
+        if let Err(e) = self.events.send(Event::Jobs(jobs)) {
+            if let Event::Jobs(jobs) = e.0 {
+                for j in jobs {
+                    let peer = self.peer.to_string();
+                    j.tracker
+                        .finish_part(Err(Error::PeerDisconnected { peer, reason: "the fabric relay stopped".into() }));
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        let _ = self.events.send(Event::Stop);
+        let _ = self.stream.shutdown(Shutdown::Both);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Reads the peer's answers until the connection closes.
+fn read(mut stream: TcpStream, events: &Sender<Event>, peer: &str) {
+    let gone = |reason: String| Error::PeerDisconnected { peer: peer.to_string(), reason };
+    let closed = loop {
+        match wire::read_frame(&mut stream) {
+            Ok(Some(Frame::FabricDocked { token, error })) => {
+                let result =
+                    error.map_or(Ok(()), |reason| Err(Error::RemoteRejected { peer: peer.to_string(), reason }));
+                let _ = events.send(Event::Docked { token, result });
+            }
+            Ok(Some(other)) => break Error::Protocol(format!("fabric: expected a dock's answer, got {other:?}")),
+            Ok(None) => break gone("the peer closed its fabric relay (its agent closed or its process died)".into()),
+            Err(e) => break gone(format!("the fabric relay failed: {e}")),
+        }
+    };
+    let _ = events.send(Event::Closed(closed));
+}
+
+struct Driver {
+    pipeline: Pipeline<Job, Error>,
+    docks: Vec<DockAddress>,
+    routes: Vec<(u64, usize)>,
+    fabric: Weak<Fabric>,
+    stream: TcpStream,
+    /// Its own queue, for the rails' completions and its own failures.
+    events: Sender<Event>,
+    peer: Arc<str>,
+}
+
+impl Driver {
+    fn run(mut self, heard: Receiver<Event>) {
+        while let Ok(event) = heard.recv() {
+            let actions = match event {
+                Event::Jobs(jobs) => self.pipeline.push(jobs),
+                Event::Wire { token, result } => self.pipeline.wire_done(token, result),
+                Event::Docked { token, result } => self.pipeline.docked(token, result),
+                Event::Closed(e) => self.pipeline.close(e),
+                Event::Stop => {
+                    let closed = Error::PeerDisconnected {
+                        peer: self.peer.to_string(),
+                        reason: "the local agent closed".into(),
+                    };
+                    let actions = self.pipeline.close(closed);
+                    self.perform(actions);
+                    return;
+                }
+            };
+            self.perform(actions);
+        }
+    }
+
+    fn perform(&mut self, actions: Vec<Action<Job, Error>>) {
+        for action in actions {
+            match action {
+                Action::Post { token, dock, chunk } => self.post(token, dock, chunk.part),
+                Action::Land { token, dock, chunk } => {
+                    self.ask(Frame::FabricLand { token, dock: dock as u32, seg: chunk.part.seg })
+                }
+                Action::Lift { token, dock, chunk } => {
+                    self.ask(Frame::FabricLift { token, dock: dock as u32, seg: chunk.part.seg })
+                }
+                Action::Finish { chunk, result } => chunk.tracker.finish_part(result),
+            }
+        }
+    }
+
+    /// Hands a wire step to its rail; its completion comes back as an event.
+    fn post(&self, token: u64, dock: usize, part: Part) {
+        let Some(fabric) = self.fabric.upgrade() else {
+            let e =
+                Error::PeerDisconnected { peer: self.peer.to_string(), reason: "the fabric transport closed".into() };
+            let _ = self.events.send(Event::Wire { token, result: Err(e) });
+            return;
+        };
+        let (dest, peer_rail) = self.routes[part.rail];
+        let d = &self.docks[dock];
+        fabric.workers[part.rail].submit(vec![Work {
+            read: part.read,
+            local: part.local,
+            len: part.len,
+            desc: part.desc,
+            dest,
+            remote: d.remote,
+            key: d.keys[peer_rail],
+            done: Done::Relay { events: self.events.clone(), token },
+            peer: self.peer.clone(),
+            gpu: part.gpu,
+        }]);
+    }
+
+    /// Sends a `Land` or `Lift`; a failed send closes the relay.
+    fn ask(&mut self, frame: Frame) {
+        if let Err(e) = wire::write_frame(&mut self.stream, &frame, &[]) {
+            let e = Error::PeerDisconnected {
+                peer: self.peer.to_string(),
+                reason: format!("the fabric relay failed: {e}"),
+            };
+            let _ = self.events.send(Event::Closed(e));
+        }
+    }
+}
