@@ -20,8 +20,8 @@ use crate::transport::staged::{self, Piece};
 use crate::wire::Seg;
 
 /// Most docks one connection may borrow, and the largest dock.
-pub const MAX_DOCKS: u32 = 64;
-pub const MAX_DOCK_SIZE: u64 = 256 << 20;
+pub const MAX_DOCKS: u32 = 16;
+pub const MAX_DOCK_SIZE: u64 = 64 << 20;
 
 /// Keys asked for docks' registrations where the application chooses keys: apart from
 /// region keys (counting up from 1) and the staging buffers' keys (from 2^62).

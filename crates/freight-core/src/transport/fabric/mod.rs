@@ -232,7 +232,8 @@ impl Fabric {
             };
             if through_docks(&rr) {
                 let seg = Seg { region: o.remote_region, addr: o.remote_addr, len: o.len };
-                docked.push(Part { read, local: o.local_addr, len: o.len, gpu, desc, rail, seg });
+                let part = Part { read, local: o.local_addr, len: o.len, gpu, desc, rail, seg };
+                docked.extend(part.split(relay::dock_size(self.chunk_size)));
                 continue;
             }
             let (dest, remote_rail) = link.route(rail);

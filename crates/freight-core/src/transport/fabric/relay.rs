@@ -26,6 +26,11 @@ use crate::wire::{self, Frame, Seg};
 /// peer copies others in or out of its GPU memory.
 pub const DOCKS: u32 = 8;
 
+/// The size of the docks asked for: one operation each, within what peers lend.
+pub fn dock_size(chunk_size: u64) -> u64 {
+    chunk_size.min(super::dock::MAX_DOCK_SIZE)
+}
+
 /// One chunk of a request that passes through a dock: the local side as a rail posts it,
 /// and the peer's memory as the peer copies it.
 #[derive(Clone, Copy)]
@@ -39,6 +44,17 @@ pub struct Part {
     pub desc: usize,
     pub rail: usize,
     pub seg: Seg,
+}
+
+impl Part {
+    /// The part in pieces of at most `most` bytes (a dock's size), in order.
+    pub fn split(self, most: u64) -> impl Iterator<Item = Part> {
+        let starts = (0..self.len).step_by(most.max(1) as usize);
+        starts.map(move |at| {
+            let len = (self.len - at).min(most);
+            Part { local: self.local + at, len, seg: Seg { addr: self.seg.addr + at, len, ..self.seg }, ..self }
+        })
+    }
 }
 
 /// A part of a posted request.
@@ -97,7 +113,8 @@ impl Relay {
         routes: Vec<(u64, usize)>,
         peer: Arc<str>,
     ) -> Result<Relay> {
-        wire::write_frame(&mut stream, &Frame::FabricDocks { count: DOCKS, size: fabric.chunk_size }, &[])?;
+        let size = dock_size(fabric.chunk_size);
+        wire::write_frame(&mut stream, &Frame::FabricDocks { count: DOCKS, size }, &[])?;
         let docks: Vec<DockAddress> = match wire::read_frame(&mut stream)? {
             Some(Frame::FabricDocksReply { docks, error: None }) if docks.len() == DOCKS as usize => {
                 docks.into_iter().map(|(remote, keys)| DockAddress { remote, keys }).collect()
@@ -151,7 +168,11 @@ impl Drop for Relay {
         let _ = self.events.send(Event::Stop);
         let _ = self.stream.shutdown(Shutdown::Both);
         for t in self.threads.drain(..) {
-            let _ = t.join();
+            // A request finished by the driver could drop the last handle on it there:
+            // that thread must not wait for itself (it ends after this event anyway).
+            if t.thread().id() != std::thread::current().id() {
+                let _ = t.join();
+            }
         }
     }
 }
@@ -255,5 +276,24 @@ impl Driver {
             };
             let _ = self.events.send(Event::Closed(e));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A part longer than a dock goes in dock-sized pieces that tile it on both sides.
+    #[test]
+    fn parts_are_cut_to_the_docks() {
+        let seg = Seg { region: 3, addr: 1 << 40, len: 150 };
+        let part = Part { read: true, local: 4096, len: 150, gpu: None, desc: 0, rail: 1, seg };
+        let pieces: Vec<Part> = part.split(64).collect();
+        let shape: Vec<(u64, u64, u64)> = pieces.iter().map(|p| (p.local, p.seg.addr, p.len)).collect();
+        assert_eq!(shape, vec![(4096, 1 << 40, 64), (4160, (1 << 40) + 64, 64), (4224, (1 << 40) + 128, 22)]);
+        assert!(pieces.iter().all(|p| p.seg.len == p.len && p.seg.region == 3 && p.read && p.rail == 1));
+        assert_eq!(part.split(150).count(), 1);
+        assert_eq!(part.split(1 << 30).next().map(|p| p.len), Some(150));
+        assert_eq!(dock_size(1 << 40), super::super::dock::MAX_DOCK_SIZE);
     }
 }
