@@ -47,12 +47,17 @@ def main() -> None:
     p.add_argument("--gpus", type=int, default=0, help="GPUs (ranks) to use; default: all")
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--mesh-seconds", default="2s")
+    p.add_argument("--share-gpus", action="store_true",
+                   help="allow more ranks than GPUs (a smoke run of this script on a smaller machine: ranks share "
+                        "GPUs, so the figures mean nothing, and NCCL refuses two ranks on one GPU)")
     args = p.parse_args()
     gpus = args.gpus or gpu_count()
     if gpus < 2:
-        raise SystemExit(f"the multi-GPU runs need at least 2 GPUs ({gpus} here)")
+        raise SystemExit(f"the multi-GPU runs need at least 2 ranks ({gpus} asked)")
+    if gpus > gpu_count() and not args.share_gpus:
+        raise SystemExit(f"{gpus} ranks asked, {gpu_count()} GPUs here (--share-gpus for a smoke run)")
     freight = args.freight.split()
-    report = {"machine": args.machine, "gpus": gpus, "ep": [], "mesh": [], "nccl_mesh": None}
+    report = {"machine": args.machine, "gpus": gpus, "gpus_here": gpu_count(), "ep": [], "mesh": [], "nccl_mesh": None}
 
     for case, tokens, mode, extra in EP_CASES:
         print(f"[multi-gpu] ep: {case}, {mode}", file=sys.stderr, flush=True)
@@ -68,7 +73,8 @@ def main() -> None:
         report["mesh"].append({"block": block, **doc})
 
     print("[multi-gpu] NCCL all-to-all and send/recv", file=sys.stderr, flush=True)
-    report["nccl_mesh"] = run_json([sys.executable, str(HERE / "peers" / "nccl_mesh.py"), "--sizes", ",".join(SIZES)])
+    report["nccl_mesh"] = run_json([sys.executable, str(HERE / "peers" / "nccl_mesh.py"), "--sizes", ",".join(SIZES),
+                                   f"--world={gpus}"])
     Path(args.out).write_text(json.dumps(report, indent=1))
 
     print(f"\nExpert parallelism, {gpus} ranks, hidden 7168, top-8, 36 experts per rank ({args.machine})\n")

@@ -33,7 +33,10 @@ def run_json(cmd: list, timeout: int = 600) -> dict:
     import time
 
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s", "command": " ".join(cmd), "wall_s": time.monotonic() - t0}
     start = proc.stdout.find("{")
     try:
         doc = json.loads(proc.stdout[start:]) if start >= 0 else None

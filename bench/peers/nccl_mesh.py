@@ -77,10 +77,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="4KiB,64KiB,1MiB,16MiB,64MiB")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--world", type=int, default=0, help="ranks, one GPU each (default: every GPU)")
     args = p.parse_args()
-    world = torch.cuda.device_count()
-    if world < 2:
-        raise SystemExit(f"NCCL's full-mesh reference needs at least 2 GPUs ({world} here)")
+    here = torch.cuda.device_count()
+    world = args.world or here
+    if world < 2 or world > here:
+        raise SystemExit(f"NCCL's full-mesh reference needs 2 or more ranks, one GPU each ({world} asked, {here} GPUs here)")
     sizes = [size(s) for s in args.sizes.split(",")]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
