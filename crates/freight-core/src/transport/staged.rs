@@ -6,6 +6,8 @@
 //!
 //! Senders keep two buffers ([`Alternating`]) and gather the next message while the
 //! current one is on the wire: the initiator for WRITEs, the target for READ answers.
+//! The initiator receives READ answers into two buffers too ([`Landing`]): one answer's
+//! copies into the GPU run while the next answer is read.
 
 use std::collections::HashMap;
 use std::io::IoSliceMut;
@@ -93,6 +95,13 @@ pub fn gather(bounce: &mut Bounce, pieces: &[Piece]) -> Result<usize> {
 /// Copies a received payload (the first bytes of the buffer) out to the pieces and
 /// waits until the GPU copies are done, so the data is in place when this returns.
 pub fn scatter(bounce: &mut Bounce, pieces: &[Piece]) -> Result<()> {
+    scatter_queued(bounce, pieces)?;
+    bounce.wait()
+}
+
+/// [`scatter`], leaving the GPU copies running: the data is in place, and the buffer
+/// free, once [`Bounce::wait`] returns.
+fn scatter_queued(bounce: &mut Bounce, pieces: &[Piece]) -> Result<()> {
     let mut off = 0usize;
     for p in pieces {
         let len = p.len as usize;
@@ -104,13 +113,19 @@ pub fn scatter(bounce: &mut Bounce, pieces: &[Piece]) -> Result<()> {
         }
         off += len;
     }
-    bounce.wait()
+    Ok(())
 }
 
 /// Receives a payload of `len` bytes that holds GPU pieces into the bounce buffer in
 /// `slot` and scatters it. The outer error means the stream failed; the inner one that
 /// the bytes were read but could not be put in place.
 pub fn receive(sock: &mut TcpStream, slot: &mut Option<Bounce>, pieces: &[Piece], len: u64) -> Result<Result<()>> {
+    let queued = receive_queued(sock, slot, pieces, len)?;
+    Ok(queued.and_then(|_| slot.as_mut().map_or(Ok(()), Bounce::wait)))
+}
+
+/// [`receive`], leaving the GPU copies running (see [`scatter_queued`]).
+fn receive_queued(sock: &mut TcpStream, slot: &mut Option<Bounce>, pieces: &[Piece], len: u64) -> Result<Result<()>> {
     let bounce = match bounce_for(slot, pieces) {
         Ok(b) => b,
         Err(e) => {
@@ -119,7 +134,56 @@ pub fn receive(sock: &mut TcpStream, slot: &mut Option<Bounce>, pieces: &[Piece]
         }
     };
     wire::read_exact_vectored(sock, &mut [IoSliceMut::new(bounce.bytes_mut(len as usize))])?;
-    Ok(scatter(bounce, pieces))
+    Ok(scatter_queued(bounce, pieces))
+}
+
+/// Two bounce buffers that a receiving thread reads payloads into in turn: while one
+/// payload's GPU copies run, the next payload is read into the other buffer. The thread
+/// holds back the first payload's completion (`T`) until its copies are done.
+pub struct Landing<T> {
+    slots: [Option<Bounce>; 2],
+    /// The buffer the next payload goes into.
+    next: usize,
+    /// What waits for the copies out of the other buffer.
+    held: Option<T>,
+}
+
+impl<T> Default for Landing<T> {
+    fn default() -> Self {
+        Landing { slots: [None, None], next: 0, held: None }
+    }
+}
+
+impl<T> Landing<T> {
+    /// Reads a payload into the free buffer and starts its GPU copies (see [`receive`]).
+    /// Then [`Landing::hold`] its completion, or, where the copies could not start,
+    /// report it at once.
+    pub fn receive(&mut self, sock: &mut TcpStream, pieces: &[Piece], len: u64) -> Result<Result<()>> {
+        let slot = &mut self.slots[self.next];
+        let received = receive_queued(sock, slot, pieces, len);
+        if let (Ok(Err(_)), Some(bounce)) = (&received, slot.as_mut()) {
+            // Some copies may have started before one failed: the buffer is reused next.
+            let _ = bounce.wait();
+        }
+        received
+    }
+
+    /// Holds `what` until the copies of the payload just received are done; the
+    /// payload before it is settled first (its copies ran while this one was read).
+    pub fn hold(&mut self, what: T, settled: impl FnOnce(T, Result<()>)) {
+        self.settle(settled);
+        self.held = Some(what);
+        self.next ^= 1;
+    }
+
+    /// Waits for the copies of the held payload, if any, and hands it to `settled`
+    /// with the outcome.
+    pub fn settle(&mut self, settled: impl FnOnce(T, Result<()>)) {
+        if let Some(what) = self.held.take() {
+            let done = self.slots[self.next ^ 1].as_mut().map_or(Ok(()), Bounce::wait);
+            settled(what, done);
+        }
+    }
 }
 
 /// Two bounce buffers used in turn by a sending thread: the next message is gathered

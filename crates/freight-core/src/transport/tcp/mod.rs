@@ -9,7 +9,9 @@
 //!
 //! GPU memory, on either side, passes through pinned bounce buffers (see
 //! [`super::staged`]); such payloads are sent with ordinary copies, since a bounce
-//! buffer is reused as soon as its message is out. The target's side is [`serve`].
+//! buffer is reused as soon as its message is out. READ answers for GPU memory land in
+//! two buffers in turn, so that copying one into the GPU overlaps reading the next. The
+//! target's side is [`serve`].
 
 use std::io::{IoSlice, IoSliceMut};
 use std::net::{Shutdown, TcpStream};
@@ -18,15 +20,14 @@ use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
 
-use crossbeam_channel::{bounded, unbounded, Receiver, Sender};
+use crossbeam_channel::{bounded, unbounded, Receiver, Sender, TryRecvError};
 use parking_lot::Mutex;
 
-use crate::cuda::bounce::Bounce;
 use crate::error::{Error, Result};
 use crate::nic::{self, Pinning};
 use crate::plan::Chunk;
 use crate::request::Tracker;
-use crate::transport::staged::{self, Alternating, GpuRegions, Piece};
+use crate::transport::staged::{Alternating, GpuRegions, Landing, Piece};
 use crate::transport::zerocopy::ZeroCopySocket;
 use crate::transport::OpKind;
 use crate::wire::{self, Frame, Seg};
@@ -324,14 +325,29 @@ fn send_loop(
     }
 }
 
+/// Reads a stream's answers in order. A READ into GPU memory is finished only once its
+/// copies out of the bounce buffer are done; they run while the next answer is read.
 fn receive_loop(mut sock: TcpStream, expect: Receiver<(u64, Job)>, health: Arc<Health>, peer: String) {
-    let mut bounce = None;
-    for (tag, job) in expect.iter() {
+    let mut landing: Landing<Job> = Landing::default();
+    let finish = |job: Job, outcome: Result<()>| job.tracker.finish_part(outcome);
+    loop {
+        let (tag, job) = match expect.try_recv() {
+            Ok(next) => next,
+            Err(TryRecvError::Disconnected) => break,
+            Err(TryRecvError::Empty) => {
+                // Nothing more to read yet: what is still being copied must not wait.
+                landing.settle(finish);
+                match expect.recv() {
+                    Ok(next) => next,
+                    Err(_) => break,
+                }
+            }
+        };
         let outcome = match health.reason() {
             Some(reason) => Err(Error::PeerDisconnected { peer: peer.clone(), reason }),
             // The peer's refusal or a failed local copy fails this chunk only; anything
             // else leaves the stream out of step, so the connection goes.
-            None => receive_answer(&mut sock, tag, &job, &peer, &mut bounce).unwrap_or_else(|e| {
+            None => receive_answer(&mut sock, tag, &job, &peer, &mut landing).unwrap_or_else(|e| {
                 health.kill(e.to_string());
                 let _ = sock.shutdown(Shutdown::Both);
                 Err(match e {
@@ -340,8 +356,14 @@ fn receive_loop(mut sock: TcpStream, expect: Receiver<(u64, Job)>, health: Arc<H
                 })
             }),
         };
-        job.tracker.finish_part(outcome);
+        if outcome.is_ok() && job.op == OpKind::Read && job.staged() {
+            landing.hold(job, finish);
+        } else {
+            landing.settle(finish);
+            finish(job, outcome);
+        }
     }
+    landing.settle(finish);
 }
 
 /// Reads the answer for one chunk. The outer error means the stream failed; the inner
@@ -351,7 +373,7 @@ fn receive_answer(
     tag: u64,
     job: &Job,
     peer: &str,
-    bounce: &mut Option<Bounce>,
+    landing: &mut Landing<Job>,
 ) -> Result<Result<()>> {
     let frame = match wire::read_frame(sock) {
         Ok(Some(f)) => f,
@@ -370,7 +392,7 @@ fn receive_answer(
             }
             let chunk = job.chunk();
             if job.staged() {
-                return staged::receive(sock, bounce, &job.local_pieces(), chunk.bytes);
+                return landing.receive(sock, &job.local_pieces(), chunk.bytes);
             }
             // SAFETY: local destination regions are guarded for the request's lifetime.
             let mut slices: Vec<IoSliceMut<'_>> = chunk
