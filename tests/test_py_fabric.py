@@ -49,12 +49,15 @@ def fabric_env(monkeypatch):
 
 
 @pytest.mark.timeout(120)
-def test_a_write_and_a_read_across_processes(fabric_env):
+@pytest.mark.parametrize("docked", [False, True], ids=["direct", "through-the-peers-docks"])
+def test_a_write_and_a_read_across_processes(fabric_env, docked):
+    """Direct one-sided operations, and the same through the landing buffers the target
+    lends (the way its GPU memory goes), here forced for its host memory."""
     target = subprocess.Popen([sys.executable, "-c", TARGET, str(SIZE)], stdout=subprocess.PIPE, text=True,
                               env=dict(os.environ))
     try:
         hello = json.loads(target.stdout.readline())
-        agent = freight.Agent("initiator")
+        agent = freight.Agent("initiator", freight.AgentConfig(fabric_stage_remote_host=docked))
         assert agent.connect(hello["listen"]) == "target"
         path = agent.path_to("target")
         assert path.transport == "fabric", path
@@ -79,8 +82,9 @@ def test_a_write_and_a_read_across_processes(fabric_env):
         for s, n, o in blocks:
             expected[o:o + n] = src[s:s + n]
         np.testing.assert_array_equal(back, expected)
+        # The exchange, and the relay to the docks where they were used.
         conns = agent.connection_stats("target")
-        assert (conns["fabric_connections"], conns["tcp_connections"]) == (1, 0), conns
+        assert (conns["fabric_connections"], conns["tcp_connections"]) == (2 if docked else 1, 0), conns
         agent.notify("target", b"bye")
         assert target.wait(30) == 0
     finally:

@@ -111,6 +111,10 @@ class AgentConfig:
     fabric_chunk_size:
         Largest single RDMA operation in bytes; larger copies are split and dealt to the
         rails in turn (default 4 MiB).
+    fabric_stage_remote_host:
+        Send the peer's host memory through the landing buffers the peer lends, as its
+        GPU memory always goes (the provider cannot register GPU memory): for tests of
+        that path without GPUs, and to compare it with the direct one.
     shm_threads:
         Copy threads for large shm transfers (None: number of cores, at most 8).
     shm_inline_bytes:
@@ -164,6 +168,7 @@ class AgentConfig:
     fabric_provider: Optional[str] = None
     fabric_domains: Sequence[str] = ()
     fabric_chunk_size: int = 4 << 20
+    fabric_stage_remote_host: bool = False
     shm_threads: Optional[int] = None
     shm_inline_bytes: Optional[int] = None
     cuda_copy_engine_min_host: Optional[int] = None
@@ -217,6 +222,8 @@ class AgentConfig:
             raise _type_error("fabric_provider", "None or a provider name", self.fabric_provider)
         put("fabric_domains", _strings("fabric_domains", self.fabric_domains))
         put("fabric_chunk_size", _int("fabric_chunk_size", self.fabric_chunk_size, 1))
+        if not isinstance(self.fabric_stage_remote_host, bool):
+            raise _type_error("fabric_stage_remote_host", "a bool", self.fabric_stage_remote_host)
         if self.shm_threads is not None:
             put("shm_threads", _int("shm_threads", self.shm_threads, 1))
         if self.shm_inline_bytes is not None:
@@ -274,6 +281,7 @@ class AgentConfig:
             "fabric_provider": self.fabric_provider,
             "fabric_domains": list(self.fabric_domains),
             "fabric_chunk_size": self.fabric_chunk_size,
+            "fabric_stage_remote_host": self.fabric_stage_remote_host,
             "shm_threads": self.shm_threads,
             "shm_inline_bytes": self.shm_inline_bytes,
             "cuda_copy_engine_min_host": self.cuda_copy_engine_min_host,
