@@ -4,8 +4,8 @@
 //!
 //! Every copy is checked against the registry as a tcp access is: public regions only,
 //! inside their bounds, host or GPU memory. GPU copies go through the copy engines
-//! (docks are pinned where CUDA is present) and are finished before the answer is sent,
-//! so a landed WRITE is in place once the initiator hears of it.
+//! (docks are pinned where the agent has GPU memory registered) and are finished before
+//! the answer is sent, so a landed WRITE is in place once the initiator hears of it.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -27,8 +27,8 @@ pub const MAX_DOCK_SIZE: u64 = 64 << 20;
 /// region keys (counting up from 1) and the staging buffers' keys (from 2^62).
 static NEXT_KEY: AtomicU64 = AtomicU64::new((1 << 62) + (1 << 40));
 
-/// A dock's bytes: pinned where CUDA is present (GPU copies need it for speed), plain
-/// host memory otherwise.
+/// A dock's bytes: pinned where the agent has GPU memory (copies to and from it need
+/// pinned memory for speed), plain host memory otherwise.
 enum Bytes {
     Pinned(Bounce),
     Plain(Vec<u8>),
@@ -59,13 +59,16 @@ pub struct Docks {
 
 impl Docks {
     /// Allocates and registers `count` docks of `size` bytes with every rail.
-    pub fn open(fabric: &Fabric, count: u32, size: u64) -> Result<Docks> {
+    pub fn open(fabric: &Fabric, registry: &Registry, count: u32, size: u64) -> Result<Docks> {
         if count == 0 || count > MAX_DOCKS || size == 0 || size > MAX_DOCK_SIZE {
             return Err(invalid(format!(
                 "{count} docks of {size} bytes asked for; at most {MAX_DOCKS} of {MAX_DOCK_SIZE} bytes are lent"
             )));
         }
-        let gpu: Option<&'static Device> = crate::cuda::driver::init().and_then(|_| Device::get(0)).ok();
+        // Pinned through a GPU this agent serves already (that of its first GPU region),
+        // so that lending docks never opens a context on a GPU the process does not use.
+        let gpu: Option<&'static Device> =
+            registry.snapshot().1.iter().filter(|r| r.kind == MemKind::Vram).find_map(|r| staged::gpu_of(r).ok());
         let mut docks = Vec::with_capacity(count as usize);
         for _ in 0..count {
             let bytes = match gpu {
@@ -125,7 +128,9 @@ impl Docks {
         match (&mut d.bytes, gpu) {
             (Bytes::Pinned(b), _) if landing => staged::scatter(b, &[piece]),
             (Bytes::Pinned(b), _) => staged::gather(b, &[piece]).and_then(|_| b.wait()),
-            (Bytes::Plain(_), Some(_)) => Err(Error::TransportUnavailable("the docks are not pinned: no GPU".into())),
+            (Bytes::Plain(_), Some(_)) => Err(Error::TransportUnavailable(
+                "these docks were lent before this agent had GPU memory registered, so they are not pinned".into(),
+            )),
             (Bytes::Plain(v), None) => {
                 // SAFETY: the segment lies in a registered region that `guard` keeps.
                 let there = unsafe { std::slice::from_raw_parts_mut(seg.addr as *mut u8, len) };

@@ -227,7 +227,7 @@ pub fn serve_fabric(mut stream: TcpStream, registry: &Registry, fabric: Option<&
                 Ok(keys) => Frame::FabricKeysReply { keys, error: None },
                 Err(e) => Frame::FabricKeysReply { keys: Vec::new(), error: Some(e.to_string()) },
             },
-            (Frame::FabricDocks { count, size }, Some(f)) => match Docks::open(f, count, size) {
+            (Frame::FabricDocks { count, size }, Some(f)) => match Docks::open(f, registry, count, size) {
                 Ok(mut lent) => {
                     let described = lent.describe(f.virt_addr());
                     tracing::info!(peer = from, count, size, "lent fabric docks");
