@@ -39,6 +39,8 @@ bench channel channel --num-objs "$N" --obj-size "$OBJ" --batch-size 32 "${commo
 bench storage storage --num-objs "$N" --obj-size "$OBJ" --commit-size 128 "${common[@]}"
 bench cache-engine cache-engine --num-chunks "$N" --kv-layers "$LAYERS" "${common[@]}"
 bench cache-engine-paged cache-engine --num-chunks "$N" --kv-layers "$LAYERS" --block-size 16 "${common[@]}"
+# The same with each commit waited for as soon as it is sealed: what overlapping commits gains.
+bench cache-engine-serial cache-engine --num-chunks "$N" --kv-layers "$LAYERS" --commits-in-flight 0 "${common[@]}"
 bench cache-local cache-engine --role local --num-chunks "$N" --kv-layers "$LAYERS" --num-rounds "$ROUNDS" --device "$DEVICE"
 bench pipe-work pipe --num-objs "$N" --obj-size "$OBJ" --simulate-work --num-rounds 2 --buffer-size "$BUFFER" \
     --device "$DEVICE" ${TRANSPORT:+--transport "$TRANSPORT"}
@@ -46,7 +48,8 @@ bench pipe-work pipe --num-objs "$N" --obj-size "$OBJ" --simulate-work --num-rou
 import json, os, sys
 out = sys.argv[1]
 print("\n| benchmark | result |\n| --- | --- |")
-for name in ["pipe", "channel", "storage", "cache-engine", "cache-engine-paged", "pipe-work", "cache-local"]:
+for name in ["pipe", "channel", "storage", "cache-engine", "cache-engine-paged", "cache-engine-serial", "pipe-work",
+             "cache-local"]:
     path = os.path.join(out, f"stream-{name}.json")
     try:
         d = json.load(open(path))

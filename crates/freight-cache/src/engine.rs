@@ -6,8 +6,15 @@
 //! GPU tier's go down to the host tier, the host tier's are dropped. With a remote sink
 //! (the prefill side), every new chunk is also put to the peer's store, committed in
 //! batches; with a remote source (the decode side), chunks the peer put are found there.
+//!
+//! A chunk's slot stays pinned until the peer holds the commit that carries it. Commits
+//! are sealed (sent whole) without waiting for the peer, and waited for only when a
+//! slot is needed or more of them are in flight than allowed: gathering the next
+//! chunks and sending them overlaps the peer taking in the last ones. So that a
+//! full tier never waits for a commit still being filled, a commit takes at most the
+//! first tier's slots shared among the commits allowed in flight and the one filling.
 
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
 
 use freight_core::{Agent, Error, MemKind, Result};
@@ -59,10 +66,17 @@ pub struct CacheEngine {
     remote_out: Option<StoreSender>,
     /// Chunks put to the remote peer (so that they are not sent twice).
     sent: HashSet<u64>,
-    /// Chunks whose slot a put still reads: (tier, key).
-    pinned: Vec<(usize, u64)>,
+    /// Chunks whose slot a put still reads, as (tier, key): those not sealed into a
+    /// commit yet, then those of each sealed commit, oldest first.
+    unsealed: Vec<(usize, u64)>,
+    sealed: VecDeque<Vec<(usize, u64)>>,
+    /// Sealed commits that may await the peer while the engine goes on.
+    commits_in_flight: usize,
     remote_in: Option<StoreReceiver>,
 }
+
+/// Sealed commits allowed to await the peer, unless told otherwise.
+pub const DEFAULT_COMMITS_IN_FLIGHT: usize = 1;
 
 impl CacheEngine {
     /// An engine whose tiers are memory of `agent` (registered, so that chunks can be
@@ -90,12 +104,28 @@ impl CacheEngine {
             tiers = ?tiers.iter().map(|t| t.name).collect::<Vec<_>>(),
             "cache engine ready"
         );
-        Ok(CacheEngine { config, tiers, remote_out: None, sent: HashSet::new(), pinned: Vec::new(), remote_in: None })
+        Ok(CacheEngine {
+            config,
+            tiers,
+            remote_out: None,
+            sent: HashSet::new(),
+            unsealed: Vec::new(),
+            sealed: VecDeque::new(),
+            commits_in_flight: DEFAULT_COMMITS_IN_FLIGHT,
+            remote_in: None,
+        })
     }
 
     /// Also puts every new chunk to a remote store (the prefill side).
     pub fn with_remote_sink(mut self, sink: StoreSender) -> CacheEngine {
         self.remote_out = Some(sink);
+        self
+    }
+
+    /// How many sealed commits may await the remote sink's peer while the engine goes
+    /// on (0: each commit is waited for as soon as it is sealed).
+    pub fn with_commits_in_flight(mut self, commits: usize) -> CacheEngine {
+        self.commits_in_flight = commits;
         self
     }
 
@@ -167,6 +197,7 @@ impl CacheEngine {
                 continue;
             }
             if !local {
+                self.release_held()?;
                 let len = self.config.shape.chunk_bytes(key.tokens as u64);
                 let place = self.make_room(key.hash, len)?;
                 let r = runs(&self.config.shape, &kv.layout, key.start as u64, key.tokens as u64)?;
@@ -189,13 +220,17 @@ impl CacheEngine {
 
     /// A slot in the first tier for a new chunk, moving what it evicts down a tier.
     fn make_room(&mut self, key: u64, len: u64) -> Result<Place> {
-        let (place, evicted) = match self.tiers[0].insert(key, len) {
-            Err(Error::NoSpace(_)) if !self.pinned.is_empty() => {
-                // Every slot waits for a put: commit them, then the slots are free again.
-                self.commit_remote()?;
-                self.tiers[0].insert(key, len)?
+        let (place, evicted) = loop {
+            match self.tiers[0].insert(key, len) {
+                // Every slot waits for a put: the oldest commit frees some once held.
+                Err(Error::NoSpace(_)) if !self.sealed.is_empty() || !self.unsealed.is_empty() => {
+                    if self.sealed.is_empty() {
+                        self.seal_remote()?;
+                    }
+                    self.wait_oldest_remote()?;
+                }
+                other => break other?,
             }
-            other => other?,
         };
         if let Some((gone, from)) = evicted {
             self.demote(1, gone.key, from, gone.len)?;
@@ -232,35 +267,87 @@ impl CacheEngine {
             meta: (key.tokens as u64).to_le_bytes().to_vec(),
         };
         self.tiers[tier].pin(key.hash);
-        self.pinned.push((tier, key.hash));
+        self.unsealed.push((tier, key.hash));
         self.sent.insert(key.hash);
-        let sink = self.remote_out.as_mut().expect("only called with a sink");
-        match sink.put(object) {
-            Ok(Some(_)) => {
-                self.unpin_all();
-                Ok(())
-            }
-            Ok(None) => Ok(()),
-            // The put committed, and the commit failed.
-            Err(e) => Err(self.forget_uncommitted(e)),
-        }
-    }
-
-    fn commit_remote(&mut self) -> Result<()> {
-        if let Some(sink) = self.remote_out.as_mut() {
-            if let Err(e) = sink.commit() {
-                return Err(self.forget_uncommitted(e));
-            }
-            self.unpin_all();
+        let queued = self.sink().queue(object);
+        self.or_forget(queued)?;
+        if self.unsealed.len() >= self.seal_every() {
+            self.seal_remote()?;
         }
         Ok(())
     }
 
-    /// After a failed commit: what the peer may lack is not "sent", so a later store
-    /// gathers and puts it again. The sink forgets those puts, whose slots are reused
-    /// from here on: a retried commit must not send their new contents.
-    fn forget_uncommitted(&mut self, e: Error) -> Error {
-        for (_, key) in &self.pinned {
+    fn sink(&mut self) -> &mut StoreSender {
+        self.remote_out.as_mut().expect("only called with a sink")
+    }
+
+    /// Chunks per commit: the sink's commit size, or fewer, so that the commits in
+    /// flight and the one filling fit in the first tier together.
+    fn seal_every(&self) -> usize {
+        let sink = self.remote_out.as_ref().map_or(usize::MAX, |s| s.commit_size());
+        let share = self.tiers[0].slots() / (self.commits_in_flight + 1);
+        sink.min(share.max(1))
+    }
+
+    /// Sends the chunks put since the last commit as one, then waits for the oldest
+    /// commits while more than allowed are in flight.
+    fn seal_remote(&mut self) -> Result<()> {
+        let sealed = self.sink().seal();
+        if self.or_forget(sealed)? {
+            self.sealed.push_back(std::mem::take(&mut self.unsealed));
+        }
+        while self.sealed.len() > self.commits_in_flight {
+            self.wait_oldest_remote()?;
+        }
+        Ok(())
+    }
+
+    fn wait_oldest_remote(&mut self) -> Result<()> {
+        let held = self.sink().wait_oldest();
+        if self.or_forget(held)?.is_some() {
+            self.unpin_oldest();
+        }
+        Ok(())
+    }
+
+    /// Unpins the chunks of every commit the peer holds by now.
+    fn release_held(&mut self) -> Result<()> {
+        if self.sealed.is_empty() {
+            return Ok(());
+        }
+        let held = self.sink().poll();
+        for _ in 0..self.or_forget(held)?.len() {
+            self.unpin_oldest();
+        }
+        Ok(())
+    }
+
+    fn unpin_oldest(&mut self) {
+        let chunks = self.sealed.pop_front().expect("the sink and the engine seal the same commits");
+        for (tier, key) in chunks {
+            self.tiers[tier].unpin(key);
+        }
+    }
+
+    /// Sends whatever is not committed and waits until the peer holds every chunk put.
+    fn commit_remote(&mut self) -> Result<()> {
+        let Some(sink) = self.remote_out.as_mut() else { return Ok(()) };
+        let committed = sink.commit();
+        self.or_forget(committed)?;
+        self.unpin_all();
+        Ok(())
+    }
+
+    /// `result`; when it is a failure, the chunks not known to be held are forgotten
+    /// first. What the peer may lack is not "sent", so a later store gathers and puts
+    /// it again. The sink forgets those puts, whose slots are reused from here on: a
+    /// retried commit must not send their new contents.
+    fn or_forget<T>(&mut self, result: Result<T>) -> Result<T> {
+        let e = match result {
+            Ok(value) => return Ok(value),
+            Err(e) => e,
+        };
+        for (_, key) in self.sealed.iter().flatten().chain(&self.unsealed) {
             self.sent.remove(key);
         }
         if let Some(sink) = self.remote_out.as_mut() {
@@ -268,11 +355,11 @@ impl CacheEngine {
             tracing::warn!(error = %e, chunks = dropped.len(), "a commit to the remote store failed; its chunks will be put again");
         }
         self.unpin_all();
-        e
+        Err(e)
     }
 
     fn unpin_all(&mut self) {
-        for (tier, key) in self.pinned.drain(..) {
+        for (tier, key) in self.sealed.drain(..).flatten().chain(self.unsealed.drain(..)) {
             self.tiers[tier].unpin(key);
         }
     }

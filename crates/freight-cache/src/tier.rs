@@ -13,6 +13,7 @@ pub struct Tier {
     arena: Arena,
     slots: Slots,
     slot_bytes: u64,
+    count: u32,
 }
 
 impl Tier {
@@ -37,7 +38,12 @@ impl Tier {
             Some(g) => ("gpu", Arena::gpu(agent, len, g)?),
             None => ("host", Arena::host(agent, len, pin_for)?),
         };
-        Ok(Tier { name, arena, slots: Slots::new(count), slot_bytes })
+        Ok(Tier { name, arena, slots: Slots::new(count), slot_bytes, count })
+    }
+
+    /// Chunks it can hold.
+    pub fn slots(&self) -> usize {
+        self.count as usize
     }
 
     fn place_of(&self, slot: u32) -> Place {

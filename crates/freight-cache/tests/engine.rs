@@ -176,8 +176,9 @@ fn a_full_host_tier_evicts_the_least_recently_used_chunks() {
     assert_eq!(engine.occupancy(), vec![("host", 4)]);
 }
 
-/// A prefill engine that puts into a decode engine's store, over `require`.
-fn prefill_to_decode(require: TransportKind, host_chunks: u64) {
+/// A prefill engine that puts into a decode engine's store, over `require`, with
+/// `in_flight` commits allowed to await the decode side.
+fn prefill_to_decode(require: TransportKind, host_chunks: u64, in_flight: usize) {
     let (pa, da) = (agent("ce-prefill", Some(require)), agent("ce-decode", Some(require)));
     let config = PipeConfig { timeout: Duration::from_secs(10), ..PipeConfig::default() };
     let listener = PipeListener::new(&da);
@@ -189,7 +190,8 @@ fn prefill_to_decode(require: TransportKind, host_chunks: u64) {
     });
     let pipe = listener.accept(Buffer::Host { capacity: 3 * SHAPE.chunk_bytes(CHUNK) }, &config).unwrap();
     let store = StoreReceiver::new(ChannelReceiver::new(vec![pipe], Duration::from_secs(10)), None);
-    let mut prefill = engine(&pa, host_chunks).with_remote_sink(opener.join().unwrap());
+    let mut prefill =
+        engine(&pa, host_chunks).with_remote_sink(opener.join().unwrap()).with_commits_in_flight(in_flight);
     let mut decode = engine(&da, 2).with_remote_source(store);
 
     let tokens = prompt(150, 5);
@@ -201,20 +203,35 @@ fn prefill_to_decode(require: TransportKind, host_chunks: u64) {
     let mut out = Kv::paged(8, 24, (0..19).rev().collect());
     assert_eq!(decode.retrieve(&tokens, &out.memory()).unwrap(), 150);
     assert_eq!(out.matching_prefix(&tokens), 150);
+    // Every slot is free again for the next prompt's chunks.
+    let next = prompt(90, 6);
+    kv.fill(&next);
+    assert_eq!(prefill.store(&next, &kv.memory()).unwrap().new_chunks, 6);
+    let mut out = Kv::contiguous(96);
+    assert_eq!(decode.retrieve(&next, &out.memory()).unwrap(), 90);
+    assert_eq!(out.matching_prefix(&next), 90);
     prefill.close().unwrap();
     decode.remote_source().unwrap().wait_closed(Duration::from_secs(10)).unwrap();
 }
 
 #[test]
 fn a_decode_engine_retrieves_what_a_prefill_engine_stored_over_shm() {
-    prefill_to_decode(TransportKind::Shm, 64);
+    prefill_to_decode(TransportKind::Shm, 64, 1);
 }
 
 #[test]
 fn a_decode_engine_retrieves_what_a_prefill_engine_stored_over_tcp() {
-    // A host tier smaller than the prompt: slots waiting for a put are committed before
-    // they are reused.
-    prefill_to_decode(TransportKind::Tcp, 3);
+    // A host tier smaller than the prompt: slots waiting for a put are held by the peer
+    // before they are reused.
+    prefill_to_decode(TransportKind::Tcp, 3, 1);
+}
+
+#[test]
+fn commits_waited_for_at_once_or_several_in_flight_lose_nothing() {
+    // Each commit waited for as soon as it is sealed (commits of 3 chunks) ...
+    prefill_to_decode(TransportKind::Tcp, 3, 0);
+    // ... and two in flight beside the one filling (commits of 2 chunks).
+    prefill_to_decode(TransportKind::Shm, 7, 2);
 }
 
 #[test]

@@ -29,4 +29,4 @@ pub mod window;
 pub use channel::{ChannelReceiver, ChannelSender, Outgoing, Received};
 pub use owned::Owned;
 pub use pipe::{Buffer, BufferInfo, Message, PipeConfig, PipeListener, PipeReceiver, PipeSender};
-pub use storage::{CommitStats, StoreReceiver, StoreSender, StoredObject, DEFAULT_COMMIT_SIZE};
+pub use storage::{CommitStats, Committed, StoreReceiver, StoreSender, StoredObject, DEFAULT_COMMIT_SIZE};

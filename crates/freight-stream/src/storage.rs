@@ -13,11 +13,17 @@
 //! the next KV chunks) the last ones are already on their way. The commit sends the
 //! rest and waits.
 //!
+//! A caller that must not stall while the receiver catches up seals commits instead:
+//! `seal` sends a commit whole and returns, `poll` and `wait_oldest` report the sealed
+//! commits the receiver holds, oldest first. A commit is held once the receiver has
+//! released the pipe's stream up to its last message, so later commits keep the link
+//! busy meanwhile.
+//!
 //! Each commit is timed in two parts: the transfer proper, and the time spent waiting
 //! for the receiver (for room in its buffer while sending, and for it to take the last
 //! objects). Pure transfer throughput is the commit's bytes over the first.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -59,12 +65,57 @@ impl CommitStats {
 pub struct StoreSender {
     channel: ChannelSender,
     commit_size: usize,
+    /// Objects not sealed into a commit yet; the first `sent` of them went out already.
     pending: Vec<Outgoing>,
     pending_keys: HashSet<String>,
-    /// How many of `pending` went out already, and when the first of them did (with the
-    /// credit wait counted until then), for the commit's figures.
     sent: usize,
+    /// When the first of `pending` went out, and the pipe's wait for room until then.
     first_send: Option<(Instant, Duration)>,
+    /// Commits sent whole, oldest first, that the receiver may not hold yet.
+    sealed: VecDeque<Sealed>,
+}
+
+/// A commit whose objects all went out, waiting for the receiver to hold them.
+struct Sealed {
+    objects: Vec<Outgoing>,
+    bytes: u64,
+    /// The pipe's stream position after its last message: the receiver holds the
+    /// commit once it has released everything before it.
+    end: u64,
+    started: Instant,
+    /// Waits for room in the receiver's buffer while it was being sent.
+    room_wait: Duration,
+    /// When its last write was seen done.
+    written: Option<Instant>,
+}
+
+impl Sealed {
+    fn held(self, now: Instant) -> Committed {
+        let written = self.written.unwrap_or(now);
+        let stats = CommitStats {
+            objects: self.objects.len(),
+            bytes: self.bytes,
+            transfer: (written - self.started).saturating_sub(self.room_wait),
+            wait_receiver: self.room_wait + (now - written),
+        };
+        tracing::info!(
+            objects = stats.objects,
+            mb = stats.bytes as f64 / 1e6,
+            total_ms = stats.total().as_secs_f64() * 1e3,
+            transfer_ms = stats.transfer.as_secs_f64() * 1e3,
+            wait_receiver_ms = stats.wait_receiver.as_secs_f64() * 1e3,
+            transfer_gbps = stats.transfer_gbps(),
+            "commit done"
+        );
+        Committed { keys: self.objects.into_iter().map(|o| o.key).collect(), stats }
+    }
+}
+
+/// A commit the receiver holds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Committed {
+    pub keys: Vec<String>,
+    pub stats: CommitStats,
 }
 
 impl StoreSender {
@@ -80,7 +131,13 @@ impl StoreSender {
             pending_keys: HashSet::new(),
             sent: 0,
             first_send: None,
+            sealed: VecDeque::new(),
         })
+    }
+
+    /// Objects per commit.
+    pub fn commit_size(&self) -> usize {
+        self.commit_size
     }
 
     /// Queues `object` for the receiver and commits once `commit_size` objects are
@@ -89,6 +146,16 @@ impl StoreSender {
     /// object, or memory of another kind than the queued objects' is refused, and
     /// nothing queued is lost.
     pub fn put(&mut self, object: Outgoing) -> Result<Option<CommitStats>> {
+        self.queue(object)?;
+        if self.pending.len() >= self.commit_size {
+            return self.commit();
+        }
+        Ok(None)
+    }
+
+    /// [`StoreSender::put`] without the commit: for a caller that seals commits itself
+    /// ([`StoreSender::seal`]). A full batch still goes out at once.
+    pub fn queue(&mut self, object: Outgoing) -> Result<()> {
         if object.key.is_empty() {
             return Err(Error::InvalidArgument("object keys must not be empty".into()));
         }
@@ -110,13 +177,10 @@ impl StoreSender {
         }
         self.pending_keys.insert(object.key.clone());
         self.pending.push(object);
-        if self.pending.len() >= self.commit_size {
-            return self.commit();
-        }
         if self.pending.len() - self.sent >= self.channel.batch_size() {
             self.send_unsent()?;
         }
-        Ok(None)
+        Ok(())
     }
 
     /// Hands every queued object not sent yet to the channel (without waiting for it).
@@ -130,72 +194,134 @@ impl StoreSender {
         Ok(())
     }
 
-    /// Sends every queued object and waits until the receiver holds them all. `None`
-    /// when nothing was queued. On failure the objects stay queued ([`Self::pending_keys`]):
-    /// the caller knows what the receiver may not have.
-    pub fn commit(&mut self) -> Result<Option<CommitStats>> {
+    /// Sends every queued object as one commit and returns without waiting for the
+    /// receiver: [`StoreSender::poll`] and [`StoreSender::wait_oldest`] tell when it
+    /// holds them. Their memory must stay unchanged until then. `false` when nothing
+    /// was queued. On failure the objects stay queued.
+    pub fn seal(&mut self) -> Result<bool> {
         if self.pending.is_empty() {
-            return Ok(None);
+            return Ok(false);
         }
-        let committed = self.send_and_wait();
-        if committed.is_err() {
+        let (started, waited_before) =
+            self.first_send.unwrap_or_else(|| (Instant::now(), self.channel.pipe().credit_wait()));
+        if let Err(e) = self.send_unsent() {
             // A commit tried again sends every object again.
             self.sent = 0;
             self.first_send = None;
+            return Err(e);
         }
-        committed.map(Some)
-    }
-
-    fn send_and_wait(&mut self) -> Result<CommitStats> {
-        let bytes = self.pending.iter().map(|o| o.local.len).sum();
-        tracing::debug!(objects = self.pending.len(), early = self.sent, bytes, "committing");
-        let (started, waited_before) =
-            self.first_send.unwrap_or_else(|| (Instant::now(), self.channel.pipe().credit_wait()));
-        self.send_unsent()?;
-        self.channel.flush()?;
-        let sent = Instant::now();
-        let room_wait = self.channel.pipe().credit_wait().saturating_sub(waited_before);
-        self.channel.drain()?;
-        let drained = sent.elapsed();
-        let stats = CommitStats {
-            objects: self.pending.len(),
+        let objects = std::mem::take(&mut self.pending);
+        let bytes = objects.iter().map(|o| o.local.len).sum();
+        tracing::debug!(objects = objects.len(), bytes, "commit sealed");
+        self.sealed.push_back(Sealed {
+            objects,
             bytes,
-            transfer: (sent - started).saturating_sub(room_wait),
-            wait_receiver: room_wait + drained,
-        };
-        tracing::info!(
-            objects = stats.objects,
-            mb = bytes as f64 / 1e6,
-            total_ms = stats.total().as_secs_f64() * 1e3,
-            transfer_ms = stats.transfer.as_secs_f64() * 1e3,
-            wait_receiver_ms = stats.wait_receiver.as_secs_f64() * 1e3,
-            transfer_gbps = stats.transfer_gbps(),
-            "commit done"
-        );
-        self.pending.clear();
+            end: self.channel.pipe().position(),
+            started,
+            room_wait: self.channel.pipe().credit_wait().saturating_sub(waited_before),
+            written: None,
+        });
         self.pending_keys.clear();
         self.sent = 0;
         self.first_send = None;
-        Ok(stats)
+        Ok(true)
     }
 
+    /// Commits sealed and not yet known to be held.
+    pub fn sealed(&self) -> usize {
+        self.sealed.len()
+    }
+
+    /// The sealed commits the receiver holds by now, oldest first, without waiting.
+    pub fn poll(&mut self) -> Result<Vec<Committed>> {
+        let progress = self.unsealing(|c| c.channel.pipe().progress())?;
+        let now = Instant::now();
+        let mut held = Vec::new();
+        while let Some(oldest) = self.sealed.front_mut() {
+            if progress.written >= oldest.end {
+                oldest.written.get_or_insert(now);
+            }
+            if progress.released < oldest.end {
+                break;
+            }
+            held.push(self.sealed.pop_front().expect("looked at").held(now));
+        }
+        // A later commit's writes may be done while an older one waits for its receiver.
+        for later in self.sealed.iter_mut().filter(|c| progress.written >= c.end) {
+            later.written.get_or_insert(now);
+        }
+        Ok(held)
+    }
+
+    /// Waits until the receiver holds the oldest sealed commit. `None` when no commit is
+    /// sealed.
+    pub fn wait_oldest(&mut self) -> Result<Option<Committed>> {
+        let Some(end) = self.sealed.front().map(|c| c.end) else { return Ok(None) };
+        self.unsealing(|c| c.channel.pipe().wait_written(end))?;
+        let written = Instant::now();
+        self.sealed.front_mut().expect("looked at").written.get_or_insert(written);
+        self.unsealing(|c| c.channel.pipe().wait_released(end))?;
+        Ok(Some(self.sealed.pop_front().expect("looked at").held(Instant::now())))
+    }
+
+    /// Runs `f`; when it fails, every sealed commit is queued again in front of what is
+    /// pending (a commit tried again sends every object again).
+    fn unsealing<T>(&mut self, f: impl FnOnce(&Self) -> Result<T>) -> Result<T> {
+        let result = f(self);
+        if result.is_err() && !self.sealed.is_empty() {
+            let mut queued: Vec<Outgoing> = self.sealed.drain(..).flat_map(|c| c.objects).collect();
+            queued.append(&mut self.pending);
+            // A key put again replaces the object put before it.
+            let mut seen = HashSet::new();
+            queued.reverse();
+            queued.retain(|o| seen.insert(o.key.clone()));
+            queued.reverse();
+            self.pending_keys = seen;
+            self.pending = queued;
+            self.sent = 0;
+            self.first_send = None;
+        }
+        result
+    }
+
+    /// Sends every queued object and waits until the receiver holds them all (and
+    /// every commit sealed before). Returns the figures of the last commit; `None` when
+    /// nothing was queued or sealed. On failure the objects stay queued
+    /// ([`Self::pending_keys`]): the caller knows what the receiver may not have.
+    pub fn commit(&mut self) -> Result<Option<CommitStats>> {
+        if self.pending.is_empty() && self.sealed.is_empty() {
+            return Ok(None);
+        }
+        tracing::debug!(objects = self.pending.len(), early = self.sent, sealed = self.sealed.len(), "committing");
+        self.seal()?;
+        let mut last = None;
+        while let Some(held) = self.wait_oldest()? {
+            last = Some(held.stats);
+        }
+        Ok(last)
+    }
+
+    /// Objects queued and not yet committed (sealed commits included).
     pub fn pending(&self) -> usize {
-        self.pending.len()
+        self.pending.len() + self.sealed.iter().map(|c| c.objects.len()).sum::<usize>()
     }
 
-    /// Forgets every queued object, sent or not, and returns their keys: for a caller
-    /// whose commit failed and who will put them again from memory that may have changed
-    /// (a retried commit would otherwise send the old descriptors' current bytes).
+    /// Forgets every queued object, sent or not, and every sealed commit, and returns
+    /// their keys: for a caller whose commit failed and who will put them again from
+    /// memory that may have changed (a retried commit would otherwise send the old
+    /// descriptors' current bytes).
     pub fn discard_pending(&mut self) -> Vec<String> {
         self.sent = 0;
         self.first_send = None;
         self.pending_keys.clear();
-        self.pending.drain(..).map(|o| o.key).collect()
+        let sealed = self.sealed.drain(..).flat_map(|c| c.objects);
+        sealed.chain(self.pending.drain(..)).map(|o| o.key).collect()
     }
 
-    /// Keys queued and not yet committed.
+    /// Keys queued and not yet committed, sealed commits' first.
     pub fn pending_keys(&self) -> impl Iterator<Item = &str> {
-        self.pending.iter().map(|o| o.key.as_str())
+        let sealed = self.sealed.iter().flat_map(|c| c.objects.iter());
+        sealed.chain(self.pending.iter()).map(|o| o.key.as_str())
     }
 
     /// Commits what is queued, then ends the stream.

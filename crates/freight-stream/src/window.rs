@@ -113,6 +113,16 @@ impl SendWindow {
         self.head - self.credit
     }
 
+    /// Stream position after the last message reserved.
+    pub fn head(&self) -> u64 {
+        self.head
+    }
+
+    /// The receiver has finished with everything before this position.
+    pub fn credited(&self) -> u64 {
+        self.credit
+    }
+
     /// Takes the place of the next message, of `len` bytes; `None` while the receiver
     /// holds too much of the buffer (wait for a credit and ask again).
     pub fn reserve(&mut self, len: u64) -> Result<Option<Slot>, WindowError> {

@@ -127,6 +127,102 @@ fn a_full_batch_goes_out_before_its_commit() {
     }
 }
 
+/// A sender and the bare channel under it, whose test reads (and so releases) when
+/// it likes: a sealed commit is held only once its messages are released.
+fn connect_bare(rx: &Arc<Agent>, tx: &Arc<Agent>, commit: usize) -> (ChannelReceiver, StoreSender) {
+    let listener = PipeListener::new(rx);
+    let addr = rx.addresses()[0].clone();
+    let tx = tx.clone();
+    let sender = thread::spawn(move || {
+        let pipe = PipeSender::connect(&tx, &addr, &config()).unwrap();
+        StoreSender::new(ChannelSender::new(pipe, 4, None).unwrap(), commit).unwrap()
+    });
+    let pipe = listener.accept(Buffer::Host { capacity: 1 << 20 }, &config()).unwrap();
+    (ChannelReceiver::new(vec![pipe], WAIT), sender.join().unwrap())
+}
+
+#[test]
+fn sealed_commits_go_out_at_once_and_are_held_in_order() {
+    let (rx, tx) = (agent("st-seal-rx", None), agent("st-seal-tx", None));
+    let (mut channel, mut sender) = connect_bare(&rx, &tx, 100);
+    let sizes = [3_000, 5_000, 7_000, 11_000, 13_000, 17_000];
+    let (_seg, objs) = objects(&tx, "s", &sizes);
+    for o in &objs[..4] {
+        sender.queue(o.clone()).unwrap();
+    }
+    assert!(sender.seal().unwrap());
+    for o in &objs[4..] {
+        sender.queue(o.clone()).unwrap();
+    }
+    assert!(sender.seal().unwrap());
+    assert!(!sender.seal().unwrap(), "nothing queued, nothing sealed");
+    // Nothing is read yet: both commits are on their way, neither is held.
+    assert_eq!((sender.sealed(), sender.pending()), (2, 6));
+    assert!(sender.poll().unwrap().is_empty());
+    assert_eq!(sender.pending_keys().collect::<Vec<_>>(), ["s0", "s1", "s2", "s3", "s4", "s5"]);
+    let mut got = Vec::new();
+    while got.len() < objs.len() {
+        for object in channel.recv(Some(WAIT)).unwrap().expect("the stream goes on") {
+            let len = sizes[got.len()];
+            assert!(object.bytes().unwrap() == pattern(&object.key, len).as_slice(), "{} is corrupt", object.key);
+            got.push(object.key.clone());
+        }
+    }
+    let first = sender.wait_oldest().unwrap().expect("the first commit");
+    let second = sender.wait_oldest().unwrap().expect("the second commit");
+    assert_eq!(first.keys, ["s0", "s1", "s2", "s3"]);
+    assert_eq!((first.stats.objects, first.stats.bytes), (4, 26_000));
+    assert_eq!(second.keys, ["s4", "s5"]);
+    assert_eq!((second.stats.objects, second.stats.bytes), (2, 30_000));
+    assert!(sender.wait_oldest().unwrap().is_none());
+    assert!(sender.poll().unwrap().is_empty());
+    assert_eq!((sender.sealed(), sender.pending()), (0, 0));
+}
+
+#[test]
+fn a_polled_commit_is_reported_once_its_receiver_released_it() {
+    let (rx, tx) = (agent("st-poll-rx", None), agent("st-poll-tx", None));
+    let (mut channel, mut sender) = connect_bare(&rx, &tx, 100);
+    let (_seg, objs) = objects(&tx, "p", &[4_000, 4_000]);
+    sender.queue(objs[0].clone()).unwrap();
+    sender.seal().unwrap();
+    let object = channel.recv(Some(WAIT)).unwrap().expect("one batch").pop().unwrap();
+    thread::sleep(Duration::from_millis(50));
+    assert!(sender.poll().unwrap().is_empty(), "the receiver still holds p0");
+    drop(object);
+    let deadline = std::time::Instant::now() + WAIT;
+    let held = loop {
+        let held = sender.poll().unwrap();
+        if !held.is_empty() || std::time::Instant::now() > deadline {
+            break held;
+        }
+        thread::sleep(Duration::from_millis(1));
+    };
+    assert_eq!(held.len(), 1);
+    assert_eq!(held[0].keys, ["p0"]);
+    assert_eq!(sender.sealed(), 0);
+}
+
+#[test]
+fn sealed_commits_a_receiver_never_took_stay_queued() {
+    let (rx, tx) = (agent("st-unseal-rx", None), agent("st-unseal-tx", None));
+    let (channel, mut sender) = connect_bare(&rx, &tx, 100);
+    let (_seg, objs) = objects(&tx, "u", &[1_000, 2_000, 3_000]);
+    sender.queue(objs[0].clone()).unwrap();
+    sender.queue(objs[1].clone()).unwrap();
+    sender.seal().unwrap();
+    // u1 again replaces its sealed copy; u2 is new.
+    sender.queue(objs[1].clone()).unwrap();
+    sender.queue(objs[2].clone()).unwrap();
+    drop(channel);
+    let e = sender.wait_oldest().unwrap_err();
+    assert!(matches!(e, Error::PeerDisconnected { .. }), "{e}");
+    assert_eq!(sender.sealed(), 0);
+    assert_eq!(sender.pending_keys().collect::<Vec<_>>(), ["u0", "u1", "u2"], "nothing is lost unnoticed");
+    assert_eq!(sender.discard_pending(), ["u0", "u1", "u2"]);
+    assert_eq!(sender.pending(), 0);
+}
+
 #[test]
 fn a_full_store_fails_the_commit_and_keeps_what_it_holds() {
     let (rx, tx) = (agent("st-full-rx", None), agent("st-full-tx", None));

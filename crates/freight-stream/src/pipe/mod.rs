@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use freight_core::{Agent, Error, MemKind, Result};
 
 pub use receiver::{Message, PipeListener, PipeReceiver};
-pub use sender::PipeSender;
+pub use sender::{PipeSender, Progress};
 
 pub use crate::proto::BufferInfo;
 use crate::window::WindowError;

@@ -13,6 +13,15 @@ use crate::proto::Msg;
 use crate::router::Router;
 use crate::window::{SendWindow, Slot, WindowError};
 
+/// How far a pipe's stream got (see [`PipeSender::progress`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Progress {
+    /// Every write of a message that starts before this position is done.
+    pub written: u64,
+    /// The receiver has released everything before this position.
+    pub released: u64,
+}
+
 /// The sending end of one pipe. Dropping it closes the stream after the messages sent.
 pub struct PipeSender {
     router: Arc<Router>,
@@ -26,8 +35,8 @@ pub struct PipeSender {
 
 struct SendState {
     window: SendWindow,
-    /// Writes posted, oldest first.
-    in_flight: VecDeque<Request>,
+    /// Writes posted, oldest first, each with the stream position its message starts at.
+    in_flight: VecDeque<(Request, u64)>,
     closed: bool,
     broken: Option<Error>,
     /// Time spent waiting for room in the receiver's buffer, since the pipe opened.
@@ -150,7 +159,7 @@ impl PipeSender {
         // From here a failure leaves a hole in the stream: the pipe is broken.
         match self.post(&prepared, slot, len, pieces, tag) {
             Ok(req) => {
-                st.in_flight.push_back(req);
+                st.in_flight.push_back((req, slot.start));
                 Ok(slot.seq)
             }
             Err(e) => {
@@ -251,18 +260,22 @@ impl PipeSender {
     /// Forgets finished writes, and waits for the oldest while more than `keep` are
     /// in flight. A failed write breaks the pipe.
     fn reap(&self, st: &mut SendState, keep: usize, deadline: Instant) -> Result<()> {
-        while let Some(req) = st.in_flight.front() {
-            let status = if st.in_flight.len() > keep {
-                req.wait(Some(deadline.saturating_duration_since(Instant::now())))
-            } else {
-                req.status()
-            };
+        self.reap_while(st, deadline, |in_flight, _| in_flight > keep)
+    }
+
+    /// Forgets finished writes from the oldest on, waiting for each while `must_wait`
+    /// (given the writes in flight and the oldest one's start) says so.
+    fn reap_while(&self, st: &mut SendState, deadline: Instant, must_wait: impl Fn(usize, u64) -> bool) -> Result<()> {
+        while let Some((req, start)) = st.in_flight.front() {
+            let wait = must_wait(st.in_flight.len(), *start);
+            let status =
+                if wait { req.wait(Some(deadline.saturating_duration_since(Instant::now()))) } else { req.status() };
             match status {
                 Status::Done => {
                     st.in_flight.pop_front();
                 }
                 Status::Error(e) => return Err(self.fail(st, e)),
-                _ if st.in_flight.len() > keep => {
+                _ if wait => {
                     let e = Error::Timeout(format!(
                         "a write to '{}' did not finish within {:.1}s",
                         self.peer,
@@ -288,26 +301,58 @@ impl PipeSender {
     /// Waits until every message sent so far is written into the receiver's buffer
     /// (the sender's memory may then change).
     pub fn flush(&self) -> Result<()> {
-        let mut st = self.state.lock();
-        let deadline = Instant::now() + self.config.timeout;
-        self.absorb(&mut st)?;
-        self.reap(&mut st, 0, deadline)
+        self.wait_written(u64::MAX)
     }
 
     /// Flushes, then waits until the receiver has released every message sent so far
     /// (its buffer is empty again): the end of a stream's work, end to end.
     pub fn drain(&self) -> Result<()> {
-        self.flush()?;
+        let end = self.position();
+        self.wait_written(end)?;
+        self.wait_released(end)
+    }
+
+    /// Stream position after the last message sent: once the receiver has released
+    /// everything before it, it holds nothing sent so far.
+    pub fn position(&self) -> u64 {
+        self.state.lock().window.head()
+    }
+
+    /// How far the stream got, without waiting: every write before `written` is done,
+    /// and the receiver has released everything before `released`.
+    pub fn progress(&self) -> Result<Progress> {
+        let mut st = self.state.lock();
+        self.absorb(&mut st)?;
+        self.reap_while(&mut st, Instant::now(), |_, _| false)?;
+        Ok(Progress {
+            written: st.in_flight.front().map_or(st.window.head(), |(_, start)| *start),
+            released: st.window.credited(),
+        })
+    }
+
+    /// Waits until every message that starts before stream position `upto` is written
+    /// into the receiver's buffer.
+    pub fn wait_written(&self, upto: u64) -> Result<()> {
         let mut st = self.state.lock();
         let deadline = Instant::now() + self.config.timeout;
-        while st.window.in_flight() > 0 {
+        self.absorb(&mut st)?;
+        self.reap_while(&mut st, deadline, |_, start| start < upto)
+    }
+
+    /// Waits until the receiver has released everything before stream position `upto`
+    /// (a position this sender reached: see [`PipeSender::position`]).
+    pub fn wait_released(&self, upto: u64) -> Result<()> {
+        let mut st = self.state.lock();
+        let deadline = Instant::now() + self.config.timeout;
+        self.absorb(&mut st)?;
+        while st.window.credited() < upto.min(st.window.head()) {
             match wait_message(self.agent(), &self.peer, &self.inbox, deadline) {
                 Ok(Some(msg)) => self.handle(&mut st, msg)?,
                 Ok(None) => {
                     return Err(Error::Timeout(format!(
                         "'{}' did not release {} bytes within {:.1}s",
                         self.peer,
-                        st.window.in_flight(),
+                        upto.min(st.window.head()) - st.window.credited(),
                         self.config.timeout.as_secs_f64()
                     )))
                 }

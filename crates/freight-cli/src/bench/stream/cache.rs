@@ -48,6 +48,12 @@ pub struct KvArgs {
     /// The sender's local tier (on the GPU with a GPU, else in host memory).
     #[arg(long, value_name = "SIZE", default_value = "2GiB", value_parser = parse_positive_size)]
     pub tier_size: u64,
+
+    /// Commits that may await the receiver while the sender gathers and sends the next
+    /// chunks (0: the sender waits for each commit). Commits then take at most the
+    /// tier's slots over this number plus one.
+    #[arg(long, default_value_t = freight_cache::DEFAULT_COMMITS_IN_FLIGHT, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=64))]
+    pub commits_in_flight: usize,
 }
 
 /// The KV geometry of a run, as the sender tells the receiver.
@@ -60,6 +66,7 @@ pub struct KvSpec {
     pub elem_bytes: u64,
     pub block_size: u64,
     pub tier_size: u64,
+    pub commits_in_flight: usize,
 }
 
 impl KvSpec {
@@ -72,6 +79,7 @@ impl KvSpec {
             elem_bytes: a.elem_bytes,
             block_size: a.block_size,
             tier_size: a.tier_size,
+            commits_in_flight: a.commits_in_flight,
         }
     }
 
@@ -145,7 +153,9 @@ impl Prefill {
         spec.layout(shape.num_objs * spec.chunk_tokens)?;
         let channel = ChannelSender::new(pipe, shape.batch_size as usize, None)?;
         let sink = StoreSender::new(channel, shape.commit_size as usize)?;
-        let engine = CacheEngine::new(agent, config(spec, device, spec.tier_size))?.with_remote_sink(sink);
+        let engine = CacheEngine::new(agent, config(spec, device, spec.tier_size))?
+            .with_remote_sink(sink)
+            .with_commits_in_flight(spec.commits_in_flight);
         Ok(Prefill { engine })
     }
 
