@@ -8,11 +8,13 @@ errors within the timeout, never as a hang.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
 import subprocess
 import time
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -260,6 +262,31 @@ def test_channel_round_trips_dtypes_shapes_and_objects_larger_than_the_buffer(sp
         assert [k for keys in calls for k in keys] == list(want)
         # The 3 MiB object cannot be a view of a 1 MiB buffer: it was reassembled.
         assert views == {k: k != "big" for k in want}
+        assert line(peer)["done"]
+        finish(peer)
+
+
+@pytest.mark.timeout(30)
+def test_channel_views_keep_the_callers_buffer_alive_after_close(spawn):
+    want = objects("flat", "", 3, 10_000)
+    with agent("rx") as rx:
+        peer = start(spawn, role="chan-send", name="tx", addr=rx.addresses[0], set="flat", count=3, size=10_000,
+                     batch=3)
+        buf = np.zeros(MIB, dtype=np.uint8)
+        alive = weakref.ref(buf)
+        ch = freight.ChannelReceiver(rx, buffer=buf, timeout=20)
+        got = ch.recv()
+        assert [r.key for r in got] == list(want) and all(r.is_view for r in got)
+        del buf
+        ch.close()
+        del ch
+        gc.collect()
+        assert alive() is not None, "views point into the buffer: it lives as long as they do"
+        for r in got:
+            np.testing.assert_array_equal(r.view(), want[r.key])
+        del got, r
+        gc.collect()
+        assert alive() is None, "the last view gone, the buffer goes"
         assert line(peer)["done"]
         finish(peer)
 

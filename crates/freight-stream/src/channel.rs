@@ -276,13 +276,20 @@ struct Assembly {
 enum Event {
     Message(usize, Message),
     End(usize),
-    Failed(Error),
+    Failed(usize, Error),
+}
+
+/// One sender's pipe reader.
+struct Reader {
+    thread: Option<JoinHandle<()>>,
+    /// Why this sender alone is cut off, once it is (its reader tells it and ends).
+    cut: Arc<parking_lot::Mutex<Option<String>>>,
 }
 
 /// Reads one or more pipes and hands out whole objects.
 pub struct ChannelReceiver {
     events: Receiver<Event>,
-    readers: Vec<JoinHandle<()>>,
+    readers: Vec<Reader>,
     stop: Arc<AtomicBool>,
     /// Why the receiver gave up, for the readers to tell the senders.
     abort: Arc<parking_lot::Mutex<Option<String>>>,
@@ -305,11 +312,13 @@ impl ChannelReceiver {
             .into_iter()
             .enumerate()
             .map(|(i, pipe)| {
-                let (tx, stop, abort) = (tx.clone(), stop.clone(), abort.clone());
-                std::thread::Builder::new()
+                let cut = Arc::new(parking_lot::Mutex::new(None));
+                let (tx, stop, abort, why) = (tx.clone(), stop.clone(), abort.clone(), cut.clone());
+                let thread = std::thread::Builder::new()
                     .name(format!("freight-channel-{i}"))
-                    .spawn(move || read_pipe(i, pipe, tx, stop, abort))
-                    .expect("cannot start a channel reader thread")
+                    .spawn(move || read_pipe(i, pipe, tx, stop, abort, why))
+                    .expect("cannot start a channel reader thread");
+                Reader { thread: Some(thread), cut }
             })
             .collect();
         ChannelReceiver { events, readers, stop, abort, live, partial: HashMap::new(), timeout }
@@ -326,9 +335,32 @@ impl ChannelReceiver {
     fn stop_readers(&mut self) {
         self.stop.store(true, Ordering::Release);
         // Readers notice within a slice; their pipes then tell unfinished senders.
-        for r in self.readers.drain(..) {
-            let _ = r.join();
+        for r in &mut self.readers {
+            if let Some(t) = r.thread.take() {
+                let _ = t.join();
+            }
         }
+    }
+
+    /// Stops reading sender `i` and tells it why; returns once it was told. The
+    /// channel goes on with the other senders.
+    fn cut(&mut self, i: usize, reason: &str) {
+        *self.readers[i].cut.lock() = Some(reason.to_string());
+        self.retire(i);
+    }
+
+    /// Done with sender `i` (its reader ended or was cut off): what it still has on
+    /// the way is ignored, and its unfinished objects are void.
+    fn retire(&mut self, i: usize) {
+        if let Some(t) = self.readers[i].thread.take() {
+            let _ = t.join();
+            self.live -= 1;
+        }
+        self.partial.retain(|(s, _), _| *s != i);
+    }
+
+    fn retired(&self, i: usize) -> bool {
+        self.readers[i].thread.is_none()
     }
 
     /// The objects of the next message that completes any (whole objects only; the
@@ -346,29 +378,42 @@ impl ChannelReceiver {
                 .recv_deadline(deadline)
                 .map_err(|_| Error::Timeout(format!("no object arrived within {:.1}s", timeout.as_secs_f64())))?;
             match event {
+                Event::Message(sender, _) | Event::End(sender) | Event::Failed(sender, _) if self.retired(sender) => {}
                 Event::Message(sender, m) => {
-                    let objects = self.unpack(sender, m)?;
-                    if !objects.is_empty() {
-                        return Ok(Some(objects));
+                    let message = Arc::new(m);
+                    match self.unpack(sender, &message) {
+                        Ok(objects) if objects.is_empty() => {}
+                        Ok(objects) => return Ok(Some(objects)),
+                        Err(e) => {
+                            // The message's space goes back only after the sender heard
+                            // why: a credit first would tell it the objects were taken.
+                            self.cut(sender, &e.to_string());
+                            drop(message);
+                            return Err(e);
+                        }
                     }
                 }
                 Event::End(sender) => {
-                    self.live -= 1;
-                    if let Some((_, key)) = self.partial.keys().find(|(s, _)| *s == sender) {
+                    let unfinished = self.partial.keys().find(|(s, _)| *s == sender).map(|(_, k)| k.clone());
+                    self.retire(sender);
+                    if let Some(key) = unfinished {
                         return Err(Error::Protocol(format!(
                             "sender {sender} closed its stream before the last piece of '{key}'"
                         )));
                     }
                 }
-                Event::Failed(e) => return Err(e),
+                Event::Failed(sender, e) => {
+                    // The stream goes on without it.
+                    self.retire(sender);
+                    return Err(e);
+                }
             }
         }
     }
 
-    fn unpack(&mut self, sender: usize, message: Message) -> Result<Vec<Received>> {
+    fn unpack(&mut self, sender: usize, message: &Arc<Message>) -> Result<Vec<Received>> {
         let entries: Vec<Entry> = postcard::from_bytes(message.tag())
             .map_err(|e| Error::Protocol(format!("malformed channel header from sender {sender}: {e}")))?;
-        let message = Arc::new(message);
         let mut out = Vec::new();
         for e in entries {
             let bad = |why: &str| Error::Protocol(format!("object '{}' from sender {sender}: {why}", e.key));
@@ -390,7 +435,9 @@ impl ChannelReceiver {
                 continue;
             }
             let slot = (sender, e.key.clone());
-            if !self.partial.contains_key(&slot) {
+            // A first piece again: the sender sends the object anew (after a send that
+            // failed halfway), and what arrived of it before is void.
+            if e.object_at == 0 || !self.partial.contains_key(&slot) {
                 let (kind, _, dev) = message.location();
                 let data = Owned::like(kind, dev, e.object_len)?;
                 self.partial
@@ -420,21 +467,22 @@ fn read_pipe(
     tx: crossbeam_channel::Sender<Event>,
     stop: Arc<AtomicBool>,
     abort: Arc<parking_lot::Mutex<Option<String>>>,
+    cut: Arc<parking_lot::Mutex<Option<String>>>,
 ) {
-    while !stop.load(Ordering::Acquire) {
+    while !stop.load(Ordering::Acquire) && cut.lock().is_none() {
         let event = match pipe.recv(Some(READER_SLICE)) {
             Ok(Some(m)) => Event::Message(i, m),
             Ok(None) => Event::End(i),
             // Quiet, but the other end is alive (a dead one is an error): keep waiting.
             Err(Error::Timeout(_)) => continue,
-            Err(e) => Event::Failed(e),
+            Err(e) => Event::Failed(i, e),
         };
         let last = !matches!(event, Event::Message(..));
         if tx.send(event).is_err() || last {
             break;
         }
     }
-    if let Some(reason) = abort.lock().as_deref() {
+    if let Some(reason) = cut.lock().as_deref().or(abort.lock().as_deref()) {
         pipe.abort(reason);
     }
 }

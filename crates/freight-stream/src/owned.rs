@@ -86,7 +86,17 @@ impl Owned {
     /// `len` bytes of host memory (contents unspecified: the caller fills them).
     pub fn host(len: u64) -> Result<Owned> {
         let n = usize::try_from(len).map_err(|_| Error::InvalidArgument("object too large".into()))?;
-        let mem = take((false, 0, n)).unwrap_or_else(|| Mem::Host(vec![0; n]));
+        let mem = match take((false, 0, n)) {
+            Some(m) => m,
+            None => {
+                // The size may come from a peer: too much is an error, not an abort.
+                let mut v = Vec::new();
+                v.try_reserve_exact(n)
+                    .map_err(|e| Error::NoSpace(format!("cannot allocate {n} bytes of host memory: {e}")))?;
+                v.resize(n, 0);
+                Mem::Host(v)
+            }
+        };
         Ok(Owned { mem: Some(mem), len })
     }
 

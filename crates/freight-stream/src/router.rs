@@ -93,6 +93,19 @@ impl Router {
         rx
     }
 
+    /// Whether the sender of pipe `pipe` gave it up before it was accepted (its
+    /// `Abort` came first); if so, the pipe is ended here.
+    pub fn withdrawn(&self, peer: &str, pipe: u64) -> bool {
+        let route = (peer.to_string(), pipe);
+        let mut table = self.shared.table.lock();
+        let gave_up = table.early.get(&route).is_some_and(|m| m.iter().any(|m| matches!(m, Msg::Abort { .. })));
+        if gave_up {
+            table.early.remove(&route);
+            table.ended.insert(route);
+        }
+        gave_up
+    }
+
     pub fn unsubscribe(&self, peer: &str, pipe: u64) {
         let route = (peer.to_string(), pipe);
         let mut table = self.shared.table.lock();

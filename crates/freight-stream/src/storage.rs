@@ -331,6 +331,18 @@ impl StoreSender {
     }
 }
 
+impl Drop for StoreSender {
+    /// A sender dropped with objects not committed (a commit failed, or nobody called
+    /// it) breaks the stream: the receiver must not take its end for a whole one.
+    fn drop(&mut self) {
+        let uncommitted = self.pending();
+        if uncommitted > 0 {
+            tracing::warn!(objects = uncommitted, "a store sender was dropped with objects not committed");
+            self.channel.pipe().abort(&format!("the sender went away with {uncommitted} objects not committed"));
+        }
+    }
+}
+
 /// An object the receiver holds.
 pub struct StoredObject {
     pub key: String,
@@ -381,8 +393,9 @@ const WORKER_SLICE: Duration = Duration::from_millis(200);
 impl StoreReceiver {
     /// Takes in every object that arrives on `channel`, holding at most `capacity`
     /// bytes (no limit when `None`). A put that would go past the capacity stops the
-    /// store: its senders' commits fail with [`Error::NoSpace`], and the objects held
-    /// stay available. A key put again replaces the object held under it.
+    /// store: its waits fail with [`Error::NoSpace`], its senders' commits with
+    /// [`Error::PeerDisconnected`] ("the receiver aborted the pipe: out of space: ..."),
+    /// and the objects held stay available. A key put again replaces the object held under it.
     pub fn new(channel: ChannelReceiver, capacity: Option<u64>) -> StoreReceiver {
         let shared = Arc::new(Shared { state: Mutex::new(StoreState::default()), changed: Condvar::new(), capacity });
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -511,21 +524,23 @@ fn take_in(mut channel: ChannelReceiver, shared: &Shared, stop: &std::sync::atom
             Ok(Some(batch)) => {
                 let n = batch.len();
                 let started = Instant::now();
-                // A batch refused for room is still held while the senders hear why,
-                // so a commit waiting for its space fails instead of seeing it freed.
-                let filed = match room_for(shared, &batch) {
-                    Ok(()) => file(shared, batch),
-                    Err(e) => Err(e),
-                };
+                // Objects not filed are still held while the senders hear why, so a
+                // commit waiting for their space fails instead of seeing it freed.
+                let mut batch = batch;
+                let filed = room_for(shared, &batch).and_then(|()| file(shared, &mut batch));
                 if let Err(e) = filed {
                     channel.abort(&e.to_string());
+                    drop(batch);
                     break Err(e);
                 }
                 tracing::debug!(objects = n, ms = started.elapsed().as_secs_f64() * 1e3, "stored a batch");
             }
             Ok(None) => break Ok(()),
             Err(Error::Timeout(_)) => continue,
-            Err(e) => break Err(e),
+            Err(e) => {
+                channel.abort(&e.to_string());
+                break Err(e);
+            }
         }
     };
     let mut st = shared.state.lock();
@@ -558,9 +573,11 @@ fn room_for(shared: &Shared, batch: &[Received]) -> Result<()> {
     Ok(())
 }
 
-/// Copies a batch's objects out of the pipe buffers into the store.
-fn file(shared: &Shared, batch: Vec<Received>) -> Result<()> {
-    for mut object in batch {
+/// Copies a batch's objects out of the pipe buffers into the store, taking them out of
+/// `batch` one by one: on failure, the one that failed and those after it are left.
+fn file(shared: &Shared, batch: &mut Vec<Received>) -> Result<()> {
+    batch.reverse();
+    while let Some(object) = batch.last_mut() {
         let len = object.len();
         let data = object.take_owned()?;
         let (key, meta) = (std::mem::take(&mut object.key), std::mem::take(&mut object.meta));
@@ -574,7 +591,7 @@ fn file(shared: &Shared, batch: Vec<Received>) -> Result<()> {
         shared.changed.notify_all();
         drop(st);
         // Only now may its pipe space go back: a sender's commit waits for that.
-        drop(object);
+        drop(batch.pop());
     }
     Ok(())
 }

@@ -57,6 +57,8 @@ pub enum WindowError {
     OutOfOrder { expected: u64, got: u64 },
     #[error("message {seq} claims bytes {start}..{end}, but it belongs at {due}")]
     Misplaced { seq: u64, start: u64, end: u64, due: u64 },
+    #[error("message {seq} claims bytes {start}..{end}, over the message at {held} that is still held")]
+    Overwrites { seq: u64, start: u64, end: u64, held: u64 },
     #[error("no message starts at position {start} in the buffer (never received, or already released)")]
     NotHeld { start: u64 },
 }
@@ -210,6 +212,12 @@ impl RecvWindow {
         if slot.start != due {
             return Err(WindowError::Misplaced { seq: slot.seq, start: slot.start, end: slot.end(), due });
         }
+        // A sender that ignored credits would write over bytes still handed out.
+        if let Some(&held) = self.held.keys().next() {
+            if slot.end() > held + self.capacity {
+                return Err(WindowError::Overwrites { seq: slot.seq, start: slot.start, end: slot.end(), held });
+            }
+        }
         self.next_seq += 1;
         self.head = slot.end();
         self.held.insert(slot.start, slot.end());
@@ -288,6 +296,11 @@ mod tests {
         assert_eq!(r.release(3).unwrap_err(), WindowError::NotHeld { start: 3 });
         assert_eq!(r.release(0).unwrap(), Some(10));
         assert_eq!(r.release(0).unwrap_err(), WindowError::NotHeld { start: 0 }, "released twice");
+        // A sender that ignores credits: 10..70 is held, and 70..130 would wrap over it.
+        r.accept(Slot { seq: 1, start: 10, len: 60 }).unwrap();
+        let e = r.accept(Slot { seq: 2, start: 100, len: 60 }).unwrap_err();
+        assert_eq!(e, WindowError::Overwrites { seq: 2, start: 100, end: 160, held: 10 });
+        r.accept(Slot { seq: 2, start: 70, len: 30 }).unwrap();
     }
 
     #[test]

@@ -109,3 +109,73 @@ fn bad_batches_are_refused_whole() {
     channel.close().unwrap();
     assert_eq!(receiver.join().unwrap(), vec!["k0", "k1", "k2"], "only the good batch arrived");
 }
+
+#[test]
+fn a_sender_that_dies_leaves_the_others_streaming_to_the_end() {
+    let rx_agent = agent("ch-die-rx", None);
+    let addr = rx_agent.addresses()[0].clone();
+    let listener = PipeListener::new(&rx_agent);
+    let spawn_sender = |name: &'static str, die: bool| {
+        let addr = addr.clone();
+        thread::spawn(move || {
+            let tx_agent = agent(name, None);
+            let channel =
+                ChannelSender::new(PipeSender::connect(&tx_agent, &addr, &config()).unwrap(), 2, None).unwrap();
+            let (_seg, objs) = objects(&tx_agent, &format!("{name}-"), &[1_000, 2_000, 3_000, 4_000]);
+            channel.send(&objs[..2]).unwrap();
+            channel.flush().unwrap();
+            if die {
+                thread::sleep(Duration::from_millis(300));
+                tx_agent.close();
+                return;
+            }
+            thread::sleep(Duration::from_millis(1_000));
+            channel.send(&objs[2..]).unwrap();
+            channel.close().unwrap();
+        })
+    };
+    let senders = [spawn_sender("dies", true), spawn_sender("lives", false)];
+    let pipes = (0..2).map(|_| listener.accept(Buffer::Host { capacity: 1 << 20 }, &config()).unwrap()).collect();
+    let mut receiver = ChannelReceiver::new(pipes, Duration::from_secs(10));
+    let (mut keys, mut errors) = (Vec::new(), Vec::new());
+    loop {
+        match receiver.recv(None) {
+            Ok(Some(batch)) => keys.extend(batch.into_iter().map(|o| o.key.clone())),
+            Ok(None) => break,
+            // More than one error: the stream would never end (each recv times out).
+            Err(e) if !errors.is_empty() => panic!("{e}, after {errors:?}"),
+            Err(e) => errors.push(e),
+        }
+    }
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(matches!(errors[0], Error::PeerDisconnected { .. }), "{}", errors[0]);
+    keys.sort();
+    assert_eq!(keys, ["dies-0", "dies-1", "lives-0", "lives-1", "lives-2", "lives-3"], "the stream ends, whole");
+    for s in senders {
+        s.join().unwrap();
+    }
+}
+
+#[test]
+fn a_malformed_message_cuts_its_sender_off_before_its_space_goes_back() {
+    let rx_agent = agent("ch-bad-rx", None);
+    let tx_agent = agent("ch-bad-tx", None);
+    let addr = rx_agent.addresses()[0].clone();
+    let listener = PipeListener::new(&rx_agent);
+    let sender = thread::spawn(move || {
+        let pipe = PipeSender::connect(&tx_agent, &addr, &config()).unwrap();
+        let (_seg, objs) = objects(&tx_agent, "x", &[100]);
+        let list = freight_core::DescList::from_descs(MemKind::Dram, [objs[0].local]).unwrap();
+        // Not a channel header.
+        pipe.send(&list, vec![0xff; 7]).unwrap();
+        pipe.drain()
+    });
+    let pipe = listener.accept(Buffer::Host { capacity: 1 << 20 }, &config()).unwrap();
+    let mut receiver = ChannelReceiver::new(vec![pipe], Duration::from_secs(10));
+    let Err(e) = receiver.recv(None) else { panic!("a malformed message must fail recv") };
+    assert!(matches!(e, Error::Protocol(_)) && e.to_string().contains("malformed"), "{e}");
+    assert!(receiver.recv(None).unwrap().is_none(), "its only sender is cut off: the stream ended");
+    // The sender hears why, not a credit that would tell it the message was taken.
+    let e = sender.join().unwrap().unwrap_err();
+    assert!(matches!(e, Error::PeerDisconnected { .. }) && e.to_string().contains("malformed"), "{e}");
+}

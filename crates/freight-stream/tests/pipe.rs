@@ -125,6 +125,12 @@ fn bad_input_is_refused_before_anything_is_sent() {
     let empty = DescList::new(MemKind::Dram);
     assert!(matches!(pipe.send(&empty, vec![]).unwrap_err(), Error::InvalidArgument(_)));
     let ten = DescList::from_descs(MemKind::Dram, [Desc { addr: list.get(0).unwrap().addr, len: 10, dev: 0 }]).unwrap();
+    let e = pipe.send_scattered(&ten, &[(0, 0), (0, 10)], vec![]).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("empty"), "{e}");
+    let e = pipe.send_scattered(&ten, &[(u64::MAX - 4, 10)], vec![]).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    let e = pipe.send(&ten, vec![0; freight_core::wire::MAX_NOTIF]).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("tag"), "{e}");
     pipe.send(&ten, vec![]).unwrap();
     pipe.close().unwrap();
     receiver.join().unwrap();
@@ -178,4 +184,32 @@ fn nobody_opening_a_pipe_times_out() {
     // The receiver agent exists but nobody accepts.
     let e = PipeSender::connect(&tx_agent, &rx_agent.addresses()[0], &config(300)).err().unwrap();
     assert!(matches!(e, Error::Timeout(_)), "{e}");
+}
+
+#[test]
+fn a_sender_that_gave_up_opening_is_not_served_later() {
+    let rx_agent = agent("rx-late", None);
+    let addr = rx_agent.addresses()[0].clone();
+    let listener = PipeListener::new(&rx_agent);
+    // Nobody accepts in time: this sender gives up ...
+    let quitter = agent("tx-quitter", None);
+    let e = PipeSender::connect(&quitter, &addr, &config(300)).err().unwrap();
+    assert!(matches!(e, Error::Timeout(_)), "{e}");
+    thread::sleep(Duration::from_millis(200));
+    // ... and the listener, accepting late, serves the next sender instead.
+    let sender = thread::spawn(move || {
+        let tx_agent = agent("tx-patient", None);
+        let pipe = PipeSender::connect(&tx_agent, &addr, &config(5_000)).unwrap();
+        let (seg, list) = source(&tx_agent, 100);
+        fill(&seg, 100, 9);
+        pipe.send(&list, vec![]).unwrap();
+        pipe.close().unwrap();
+    });
+    let pipe = listener.accept(Buffer::Host { capacity: 4096 }, &config(5_000)).unwrap();
+    assert_eq!(pipe.peer(), "tx-patient");
+    let m = pipe.recv(None).unwrap().unwrap();
+    assert_eq!(m.bytes().unwrap(), expected(100, 9).as_slice());
+    drop(m);
+    assert!(pipe.recv(None).unwrap().is_none());
+    sender.join().unwrap();
 }

@@ -286,3 +286,18 @@ fn bad_puts_are_refused_and_lose_nothing() {
     let e = store.wait_for(&["b0", "never"], WAIT).unwrap_err();
     assert!(e.to_string().contains("closed before"), "{e}");
 }
+
+#[test]
+fn a_sender_dropped_before_its_commit_does_not_end_the_stream_cleanly() {
+    let (rx, tx) = (agent("st-drop-rx", None), agent("st-drop-tx", None));
+    let (store, mut sender) = connect(&rx, &tx, 64 << 10, None, 8);
+    let (_seg, objs) = objects(&tx, "d", &[1_000, 2_000, 3_000]);
+    sender.put(objs[0].clone()).unwrap();
+    sender.commit().unwrap();
+    sender.put(objs[1].clone()).unwrap();
+    sender.put(objs[2].clone()).unwrap();
+    drop(sender);
+    let e = store.wait_closed(WAIT).unwrap_err();
+    assert!(e.to_string().contains("not committed"), "{e}");
+    assert!(store.contains("d0"), "what was committed stays");
+}

@@ -129,7 +129,8 @@ impl PyChannelReceiver {
             Some(rx) => rx.recv(Some(slice)),
             None => Err(Error::InvalidState("the channel receiver is closed".into())),
         })?;
-        Ok(got.map(|objects| objects.into_iter().map(|r| PyReceived::new(py, r)).collect()))
+        let buffer = || this._keep.as_ref().map(|k| k.clone_ref(py));
+        Ok(got.map(|objects| objects.into_iter().map(|r| PyReceived::new(py, r, buffer())).collect()))
     }
 
     /// Stops receiving; senders still sending are told. Objects handed out stay valid.
@@ -160,10 +161,12 @@ pub struct PyReceived {
     sender: usize,
     is_view: bool,
     place: Place,
+    /// The caller's buffer a view points into, kept alive as long as the view.
+    _buffer: Option<Py<PyAny>>,
 }
 
 impl PyReceived {
-    fn new(py: Python<'_>, r: Received) -> Self {
+    fn new(py: Python<'_>, r: Received, buffer: Option<Py<PyAny>>) -> Self {
         let (kind, addr, dev) = r.location();
         PyReceived {
             key: r.key.clone(),
@@ -171,6 +174,7 @@ impl PyReceived {
             sender: r.sender,
             is_view: r.is_view(),
             place: Place { kind, addr, len: r.len(), dev },
+            _buffer: buffer.filter(|_| r.is_view()),
             inner: Mutex::new(Some(r)),
         }
     }

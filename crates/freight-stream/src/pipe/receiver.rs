@@ -27,11 +27,19 @@ impl PipeListener {
     /// `buffer`. A sender that cannot be served is told why (`Refuse`).
     pub fn accept(&self, buffer: Buffer, config: &PipeConfig) -> Result<PipeReceiver> {
         config.validate()?;
-        let (peer, msg) = self.router.opens().recv_timeout(config.timeout).map_err(|_| {
-            Error::Timeout(format!("no sender opened a pipe within {:.1}s", config.timeout.as_secs_f64()))
-        })?;
-        let Msg::Open { pipe, addresses } = msg else {
-            return Err(Error::Protocol(format!("'{peer}' sent {msg:?} where a pipe request was due")));
+        let deadline = Instant::now() + config.timeout;
+        let (peer, pipe, addresses) = loop {
+            let (peer, msg) = self.router.opens().recv_deadline(deadline).map_err(|_| {
+                Error::Timeout(format!("no sender opened a pipe within {:.1}s", config.timeout.as_secs_f64()))
+            })?;
+            let Msg::Open { pipe, addresses } = msg else {
+                return Err(Error::Protocol(format!("'{peer}' sent {msg:?} where a pipe request was due")));
+            };
+            // A sender that stopped waiting for this one is not served.
+            if !self.router.withdrawn(&peer, pipe) {
+                break (peer, pipe, addresses);
+            }
+            tracing::debug!(peer = %peer, pipe, "skipped a pipe request its sender gave up");
         };
         RecvEnd::set_up(&self.router, &peer, pipe, &addresses, buffer, config)
             .map(|end| PipeReceiver { end: Arc::new(end) })

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::Receiver;
+use freight_core::wire::MAX_NOTIF;
 use freight_core::{Agent, Desc, DescList, Error, OpKind, PreparedList, Request, Result, Status};
 use parking_lot::Mutex;
 
@@ -56,6 +57,10 @@ impl PipeSender {
         let (buffer, window) = match opened {
             Ok(x) => x,
             Err(e) => {
+                // The receiver may take the request up later (or did): it must not wait
+                // for a pipe nobody writes to.
+                let reason = format!("the sender gave the pipe up while opening it: {e}");
+                let _ = router.send(&peer, &Msg::Abort { pipe, reason });
                 router.unsubscribe(&peer, pipe);
                 return Err(e);
             }
@@ -142,7 +147,22 @@ impl PipeSender {
                 local.total_bytes()
             )));
         }
-        let len = pieces.iter().map(|(o, l)| o + l).max().unwrap_or(0);
+        if let Some(&(at, _)) = pieces.iter().find(|(_, l)| *l == 0) {
+            return Err(Error::InvalidArgument(format!("the piece at {at} is empty; pieces hold at least one byte")));
+        }
+        // Room for the rest of the announcement (pipe, slot, lengths) beside the tag.
+        if tag.len() + 64 > MAX_NOTIF {
+            return Err(Error::InvalidArgument(format!(
+                "a tag of {} bytes does not fit a notification (at most {MAX_NOTIF} bytes in all)",
+                tag.len()
+            )));
+        }
+        let ends: Option<Vec<u64>> = pieces.iter().map(|(o, l)| o.checked_add(*l)).collect();
+        let len = ends
+            .ok_or_else(|| Error::InvalidArgument("a piece runs past the end of the address space".into()))?
+            .into_iter()
+            .max()
+            .unwrap_or(0);
         if len == 0 {
             return Err(window_error(&self.peer, WindowError::Empty));
         }
@@ -372,6 +392,13 @@ impl PipeSender {
             self.router.send(&self.peer, &Msg::Close { pipe: self.pipe, messages: st.window.sent() })?;
         }
         Ok(())
+    }
+
+    /// Breaks the pipe and tells the receiver `reason`: its next call fails with it,
+    /// instead of seeing the stream end as if it were whole. Later sends fail.
+    pub fn abort(&self, reason: &str) {
+        let mut st = self.state.lock();
+        self.fail(&mut st, Error::InvalidState(format!("the pipe was aborted: {reason}")));
     }
 
     /// Messages sent so far.
