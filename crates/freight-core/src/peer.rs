@@ -402,11 +402,16 @@ impl Peer {
         stream.set_read_timeout(Some(ctx.peer_timeout))?;
         let dial: crate::transport::fabric::link::Dial = {
             let (addresses, intro, timeout) = (self.md.addresses.clone(), self.intro(ctx), ctx.timeout);
+            let peer_timeout = ctx.peer_timeout;
             let dials = self.dials.clone();
             Box::new(move || {
                 let started = Instant::now();
                 let stream = net::dial(&addresses, None, Role::Fabric, &intro, timeout)?;
                 dials.lock().record(Dialled::Fabric, 1, started.elapsed());
+                // A peer that hangs must not hold the relay's opening (or a send to it)
+                // forever: its answers and our sends are bounded.
+                stream.set_read_timeout(Some(peer_timeout))?;
+                stream.set_write_timeout(Some(peer_timeout))?;
                 Ok(stream)
             })
         };
@@ -428,6 +433,9 @@ impl Peer {
         }
         if let Some(t) = links.tcp {
             t.shutdown(reason);
+        }
+        if let Some(f) = links.fabric {
+            f.shutdown(reason);
         }
     }
 }

@@ -278,3 +278,31 @@ fn a_dead_peer_fails_transfers() {
         }
     }
 }
+
+/// A target that goes away while a request's chunks are on the wire and in its docks:
+/// the request fails, within the timeout, whatever step each chunk was at.
+#[test]
+fn a_peer_dying_mid_transfer_fails_it_without_hanging() {
+    if !libfabric() {
+        return;
+    }
+    for docked in [false, true] {
+        let (a, b, _key, req, buffers) = written_once(64 << 20, docked);
+        req.post().unwrap();
+        drop(b);
+        let started = std::time::Instant::now();
+        match req.wait(T) {
+            // It may also have been quick enough to finish first.
+            Status::Done => eprintln!("finished before the target went (docked: {docked})"),
+            Status::Error(e) => {
+                assert!(matches!(e, Error::PeerDisconnected { .. } | Error::RemoteRejected { .. }), "{e}")
+            }
+            other => panic!("a transfer to a dying agent ended {other:?} (docked: {docked})"),
+        }
+        assert!(started.elapsed() < Duration::from_secs(15), "no hang (docked: {docked})");
+        // The initiator is intact: its memory can be deregistered and it closes.
+        drop(req);
+        drop(a);
+        drop(buffers);
+    }
+}

@@ -53,11 +53,14 @@ impl GpuRegions {
     }
 }
 
-/// The GPU of a GPU region, or why tcp cannot reach it here.
+/// The GPU of a GPU region, or why its bytes cannot be staged here.
 pub fn gpu_of(r: &RegionInfo) -> Result<&'static Device> {
-    crate::cuda::driver::init()
-        .and_then(|_| Device::get(r.dev as usize))
-        .map_err(|e| Error::TransportUnavailable(format!("tcp cannot stage GPU region {} (GPU {}): {e}", r.key, r.dev)))
+    crate::cuda::driver::init().and_then(|_| Device::get(r.dev as usize)).map_err(|e| {
+        Error::TransportUnavailable(format!(
+            "cannot stage GPU region {} (GPU {}) through host memory: {e}",
+            r.key, r.dev
+        ))
+    })
 }
 
 fn total(pieces: &[Piece]) -> usize {
@@ -265,7 +268,7 @@ mod tests {
         }
         let gpu = region(3, MemKind::Vram, false);
         let e = path_facts(Some(&gpu), None).unwrap_err();
-        assert!(e.contains("tcp cannot stage GPU region 3"), "{e}");
+        assert!(e.contains("cannot stage GPU region 3"), "{e}");
         assert!(matches!(GpuRegions::of([&gpu]), Err(Error::TransportUnavailable(_))));
     }
 }

@@ -4,8 +4,9 @@
 //!
 //! Every copy is checked against the registry as a tcp access is: public regions only,
 //! inside their bounds, host or GPU memory. GPU copies go through the copy engines
-//! (docks are pinned where the agent has GPU memory registered) and are finished before
-//! the answer is sent, so a landed WRITE is in place once the initiator hears of it.
+//! (docks are pinned where the agent has GPU memory registered when they are lent;
+//! others are copied through pageable memory) and are finished before the answer is
+//! sent, so a landed WRITE is in place once the initiator hears of it.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -128,9 +129,13 @@ impl Docks {
         match (&mut d.bytes, gpu) {
             (Bytes::Pinned(b), _) if landing => staged::scatter(b, &[piece]),
             (Bytes::Pinned(b), _) => staged::gather(b, &[piece]).and_then(|_| b.wait()),
-            (Bytes::Plain(_), Some(_)) => Err(Error::TransportUnavailable(
-                "these docks were lent before this agent had GPU memory registered, so they are not pinned".into(),
-            )),
+            // Lent before this agent had GPU memory: not pinned, so the driver copies
+            // through pageable memory (slower, but the relay keeps working).
+            (Bytes::Plain(v), Some(device)) => {
+                let (dock, there) = (v.as_mut_ptr() as u64, seg.addr);
+                let (dst, src) = if landing { (there, dock) } else { (dock, there) };
+                crate::cuda::driver::copy_sync(device, dst, src, len)
+            }
             (Bytes::Plain(v), None) => {
                 // SAFETY: the segment lies in a registered region that `guard` keeps.
                 let there = unsafe { std::slice::from_raw_parts_mut(seg.addr as *mut u8, len) };

@@ -52,7 +52,8 @@ pub struct FabricLink {
     closing: Arc<AtomicBool>,
     dial: Dial,
     /// The relay through the peer's docks, once a request needed it.
-    relay: Mutex<Option<Arc<Relay>>>,
+    /// Shared with the watcher, which closes it when the peer goes away.
+    relay: Arc<Mutex<Option<Arc<Relay>>>>,
 }
 
 impl FabricLink {
@@ -90,7 +91,7 @@ impl FabricLink {
             dead: Arc::default(),
             closing: Arc::default(),
             dial,
-            relay: Mutex::default(),
+            relay: Arc::default(),
         };
         link.watch(Arc::downgrade(fabric))?;
         Ok(link)
@@ -99,8 +100,8 @@ impl FabricLink {
     /// Starts the thread that notices the peer going away (see the module docs).
     fn watch(&self, fabric: Weak<Fabric>) -> Result<()> {
         let stream = self.stream.lock().try_clone()?;
-        let (dead, closing, routes, peer) =
-            (self.dead.clone(), self.closing.clone(), self.routes.clone(), self.peer.clone());
+        let (dead, closing, routes, peer, relay) =
+            (self.dead.clone(), self.closing.clone(), self.routes.clone(), self.peer.clone(), self.relay.clone());
         std::thread::Builder::new().name("freight-fabric-watch".into()).spawn(move || {
             wait_for_hangup(&stream);
             if closing.load(Ordering::Acquire) {
@@ -109,6 +110,11 @@ impl FabricLink {
             let reason = "the peer closed its fabric exchange (its agent closed or its process died)".to_string();
             tracing::info!(%peer, %reason, "fabric peer gone");
             *dead.lock() = Some(reason.clone());
+            // The relay first: once the rails abandon its chunks' operations, their
+            // docks must not be lent again (the provider may still use them).
+            if let Some(r) = relay.lock().take() {
+                r.close(&reason);
+            }
             if let Some(f) = fabric.upgrade() {
                 f.abandon(&routes, &reason);
             }
@@ -157,11 +163,15 @@ impl FabricLink {
         Ok(regions.iter().filter_map(|r| known.get(r).map(|k| (*r, k.clone()))).collect())
     }
 
-    /// The relay through the peer's docks, opened on first use. Staged WRITEs are
-    /// landed once the provider says they were delivered, so a provider that cannot
-    /// say so cannot be used for them.
+    /// The relay through the peer's docks, opened on first use and again after one
+    /// closed. Staged WRITEs are landed once the provider says they were delivered, so
+    /// a provider that cannot say so cannot be used for them.
     pub fn relay(&self, fabric: &Arc<Fabric>) -> Result<Arc<Relay>> {
         if let Some(reason) = self.dead_reason() {
+            return Err(Error::PeerDisconnected { peer: self.peer.to_string(), reason });
+        }
+        if self.closing.load(Ordering::Acquire) {
+            let reason = "the connection to the peer was closed".to_string();
             return Err(Error::PeerDisconnected { peer: self.peer.to_string(), reason });
         }
         if !fabric.delivery_complete {
@@ -171,7 +181,7 @@ impl FabricLink {
             )));
         }
         let mut relay = self.relay.lock();
-        if let Some(r) = &*relay {
+        if let Some(r) = relay.as_ref().filter(|r| !r.is_closed()) {
             return Ok(r.clone());
         }
         let opened = Arc::new(Relay::open((self.dial)()?, fabric, self.routes.clone(), self.peer.clone())?);
@@ -183,12 +193,21 @@ impl FabricLink {
     pub fn forget(&self, region: u64) {
         self.keys.write().remove(&region);
     }
+
+    /// Hangs up the exchange and the relay (chunks in the peer's docks fail with
+    /// `reason`); requests made before keep the link, so it may outlive this.
+    pub fn shutdown(&self, reason: &str) {
+        self.closing.store(true, Ordering::Release);
+        if let Some(r) = self.relay.lock().take() {
+            r.close(reason);
+        }
+        let _ = self.stream.lock().shutdown(Shutdown::Both);
+    }
 }
 
 impl Drop for FabricLink {
     fn drop(&mut self) {
-        self.closing.store(true, Ordering::Release);
-        let _ = self.stream.lock().shutdown(Shutdown::Both);
+        self.shutdown("the connection to the peer was closed");
     }
 }
 
@@ -398,5 +417,50 @@ mod tests {
         });
         let expected: Vec<u8> = (0..100u32).map(|i| (i * 7) as u8).collect();
         assert_eq!(&memory[1000..1100], &expected[..]);
+    }
+
+    /// A relay that closed (the connection failed, the peer hung up) is not used again:
+    /// the next staged request dials a new one. A link shut down opens none.
+    #[test]
+    fn a_closed_relay_is_opened_again() {
+        let cfg = FabricConfig { provider: Some("tcp".into()), domains: vec!["lo".into()], ..FabricConfig::default() };
+        let Ok(fabric) = Fabric::open(&cfg) else {
+            eprintln!("SKIPPED: libfabric's tcp provider is not available");
+            return;
+        };
+        let fabric = Arc::new(fabric);
+        let registry = Arc::new(Registry::new());
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        {
+            let (fabric, registry) = (fabric.clone(), registry.clone());
+            std::thread::spawn(move || {
+                for stream in listener.incoming().take(3) {
+                    let (fabric, registry) = (fabric.clone(), registry.clone());
+                    std::thread::spawn(move || serve_fabric(stream.unwrap(), &registry, Some(&fabric), "tester"));
+                }
+            });
+        }
+        let dials = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let dial: Dial = {
+            let dials = dials.clone();
+            Box::new(move || {
+                dials.fetch_add(1, Ordering::Relaxed);
+                Ok(TcpStream::connect(addr)?)
+            })
+        };
+        let link = FabricLink::connect(TcpStream::connect(addr).unwrap(), &fabric, "target", dial).unwrap();
+        let first = link.relay(&fabric).unwrap();
+        assert!(Arc::ptr_eq(&first, &link.relay(&fabric).unwrap()), "an open relay is reused");
+        first.close("the test hung up");
+        assert!(first.is_closed());
+        let second = link.relay(&fabric).unwrap();
+        assert!(!second.is_closed() && !Arc::ptr_eq(&first, &second));
+        assert_eq!(dials.load(Ordering::Relaxed), 2);
+        link.shutdown("the test is over");
+        assert!(second.is_closed(), "shutting the link down closes its relay");
+        let e = link.relay(&fabric).err().expect("no relay after a shutdown");
+        assert!(matches!(e, Error::PeerDisconnected { .. }), "{e}");
+        assert_eq!(dials.load(Ordering::Relaxed), 2);
     }
 }

@@ -42,7 +42,7 @@ use crate::wire::Seg;
 use ffi::Lib;
 use progress::{Done, Work, Worker};
 use rail::{DomainInfo, InfoList, Rail};
-use relay::{Job, Part, Relay};
+use relay::{Job, Part};
 
 pub use link::{serve_fabric, FabricLink};
 
@@ -200,7 +200,7 @@ impl Fabric {
     /// peer's GPU memory go through its docks (the relay is opened on first need).
     pub fn compile(
         self: &Arc<Self>,
-        link: &FabricLink,
+        link: &Arc<FabricLink>,
         ops: &[Op],
         op: OpKind,
         local: impl Fn(u64) -> Option<RegionInfo>,
@@ -247,12 +247,25 @@ impl Fabric {
                 key: keys[&o.remote_region][remote_rail],
             });
         }
-        let relay = if docked.is_empty() { None } else { Some(link.relay(self)?) };
-        Ok(FabricProgram { read, direct, docked, relay, peer: link.peer().into() })
+        // Opened now, so that a peer that cannot lend docks fails the request's making.
+        let relay_via = if docked.is_empty() {
+            None
+        } else {
+            link.relay(self)?;
+            Some(link.clone())
+        };
+        Ok(FabricProgram { read, direct, docked, relay_via, peer: link.peer().into() })
     }
 
     /// Starts a compiled request.
-    pub fn execute(&self, program: &FabricProgram, tracker: &Arc<Tracker>, finisher: Finisher) -> Result<()> {
+    pub fn execute(
+        self: &Arc<Self>,
+        program: &FabricProgram,
+        tracker: &Arc<Tracker>,
+        finisher: Finisher,
+    ) -> Result<()> {
+        // The relay of this post (a new one if the last closed), before anything starts.
+        let relay = program.relay_via.as_ref().map(|link| link.relay(self)).transpose()?;
         let parts: usize = program.direct.iter().map(Vec::len).sum::<usize>() + program.docked.len();
         tracker.begin(parts as u64, finisher)?;
         for (worker, planned) in self.workers.iter().zip(&program.direct) {
@@ -276,7 +289,7 @@ impl Fabric {
                 .collect();
             worker.submit(batch);
         }
-        if let Some(relay) = &program.relay {
+        if let Some(relay) = &relay {
             relay.submit(program.docked.iter().map(|&part| Job { part, tracker: tracker.clone() }).collect());
         }
         Ok(())
@@ -301,7 +314,8 @@ pub struct FabricProgram {
     read: bool,
     direct: Vec<Vec<Planned>>,
     docked: Vec<Part>,
-    relay: Option<Arc<Relay>>,
+    /// The link whose relay carries `docked` (resolved at each post: relays close).
+    relay_via: Option<Arc<FabricLink>>,
     peer: Arc<str>,
 }
 

@@ -95,21 +95,38 @@ impl<C: Chunk, E: Clone> Pipeline<C, E> {
         self.advance(token, Step::Dock, result)
     }
 
-    /// The peer is gone: every chunk queued or in a dock fails with `why`, and so does
-    /// every chunk pushed later. Reports still to come for tokens in flight are ignored.
+    /// The peer is gone: every chunk queued or waiting for the peer fails with `why`,
+    /// and so does every chunk pushed later; no dock is lent again. A chunk on the wire
+    /// fails only once its wire step is reported: until then the provider may still
+    /// move its local bytes, which its request must not hand back before.
     pub fn close(&mut self, why: E) -> Vec<Action<C, E>> {
         self.closed.get_or_insert_with(|| why.clone());
         let fail = |chunk| Action::Finish { chunk, result: Err(why.clone()) };
         let mut actions: Vec<Action<C, E>> = self.queued.drain(..).map(fail).collect();
+        let mut waiting: Vec<u64> = self.active.iter().filter(|(_, d)| d.step == Step::Dock).map(|(t, _)| *t).collect();
+        waiting.sort_unstable();
+        actions.extend(waiting.into_iter().filter_map(|t| self.active.remove(&t)).map(|d| fail(d.chunk)));
+        actions
+    }
+
+    /// After [`Pipeline::close`]: fails the chunks whose wire step was never reported,
+    /// for a caller that cannot wait for the provider any longer.
+    pub fn give_up(&mut self) -> Vec<Action<C, E>> {
+        let Some(why) = self.closed.clone() else { return Vec::new() };
         let mut tokens: Vec<u64> = self.active.keys().copied().collect();
         tokens.sort_unstable();
-        actions.extend(tokens.into_iter().filter_map(|t| self.active.remove(&t)).map(|d| fail(d.chunk)));
-        actions
+        let gone = tokens.into_iter().filter_map(|t| self.active.remove(&t));
+        gone.map(|d| Action::Finish { chunk: d.chunk, result: Err(why.clone()) }).collect()
     }
 
     /// Chunks waiting for a dock or in one.
     pub fn in_flight(&self) -> usize {
         self.queued.len() + self.active.len()
+    }
+
+    /// Whether the pipeline was closed.
+    pub fn is_closed(&self) -> bool {
+        self.closed.is_some()
     }
 
     fn advance(&mut self, token: u64, step: Step, result: Result<(), E>) -> Vec<Action<C, E>> {
@@ -122,6 +139,12 @@ impl<C: Chunk, E: Clone> Pipeline<C, E> {
         let d = self.active.get_mut(&token).expect("looked up above");
         // A WRITE ends at the dock, a READ on the wire.
         let last = if d.chunk.reads() { Step::Wire } else { Step::Dock };
+        if let Some(why) = &self.closed {
+            // Its wire step is over: the chunk fails with the pipeline, its dock stays.
+            let d = self.active.remove(&token).expect("looked up above");
+            actions.push(Action::Finish { chunk: d.chunk, result: Err(why.clone()) });
+            return actions;
+        }
         if result.is_ok() && step != last {
             d.step = last;
             let (dock, chunk) = (d.dock, d.chunk.clone());
@@ -251,18 +274,31 @@ mod tests {
         assert_eq!(finished(&a), vec![(4, Err("copy failed".into()))]);
     }
 
-    /// A dead peer fails everything at once, in flight or queued, and later chunks too;
-    /// reports that still arrive change nothing.
+    /// A dead peer fails at once every chunk queued or waiting for the peer, and later
+    /// chunks too; a chunk on the wire fails once its wire step is reported (the
+    /// provider may move its bytes until then), and its dock is not lent again.
     #[test]
-    fn closing_fails_everything_now_and_later() {
-        let mut p: Pipeline<N, String> = Pipeline::new(1);
-        p.push([N(2), N(4)]);
+    fn closing_fails_everything_but_waits_for_the_wire() {
+        let mut p: Pipeline<N, String> = Pipeline::new(2);
+        // Chunk 2 (a write) is on the wire in dock 0; chunk 1 (a read) waits for its lift.
+        p.push([N(2), N(1), N(4)]);
         let a = p.close("peer gone".to_string());
         let mut f = finished(&a);
         f.sort();
-        assert_eq!(f, vec![(2, Err("peer gone".into())), (4, Err("peer gone".into()))]);
+        assert_eq!(f, vec![(1, Err("peer gone".into())), (4, Err("peer gone".into()))]);
+        assert_eq!(p.in_flight(), 1, "the write on the wire is still the provider's");
+        assert!(p.docked(2, Ok(())).is_empty(), "a lift answer for a failed chunk changes nothing");
+        assert_eq!(finished(&p.wire_done(1, Ok(()))), vec![(2, Err("peer gone".into()))]);
+        assert_eq!(p.in_flight(), 0);
         assert!(p.wire_done(1, Ok(())).is_empty());
         assert_eq!(finished(&p.push([N(6)])), vec![(6, Err("peer gone".into()))]);
+        assert!(p.is_closed() && p.in_flight() == 0, "no dock is lent after a close");
+        // One that is never reported is failed when the caller stops waiting.
+        let mut p: Pipeline<N, String> = Pipeline::new(1);
+        assert!(p.give_up().is_empty(), "only after a close");
+        p.push([N(2)]);
+        assert!(p.close("stop".to_string()).is_empty());
+        assert_eq!(finished(&p.give_up()), vec![(2, Err("stop".into()))]);
         assert_eq!(p.in_flight(), 0);
     }
 }

@@ -9,8 +9,10 @@
 //! answers; the connection closing fails every chunk still moving, at once.
 
 use std::net::{Shutdown, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{unbounded, Receiver, Sender};
 
@@ -101,6 +103,8 @@ pub struct Relay {
     events: Sender<Event>,
     stream: TcpStream,
     threads: Vec<JoinHandle<()>>,
+    /// Set once its pipeline closed: no chunk moves through it again.
+    closed: Arc<AtomicBool>,
 }
 
 impl Relay {
@@ -127,26 +131,47 @@ impl Relay {
         if docks.iter().any(|d| routes.iter().any(|&(_, rail)| rail >= d.keys.len())) {
             return Err(Error::Protocol(format!("fabric: peer '{peer}' lent docks without a key on every rail")));
         }
+        // From here answers come when chunks need them: an idle relay is no failure.
         stream.set_read_timeout(None)?;
         let (events, heard) = unbounded();
-        let reader = {
-            let (stream, events, peer) = (stream.try_clone()?, events.clone(), peer.clone());
-            std::thread::Builder::new()
-                .name("freight-fabric-relay-in".into())
-                .spawn(move || read(stream, &events, &peer))?
-        };
+        let closed = Arc::new(AtomicBool::new(false));
+        let (reading, writing) = (stream.try_clone()?, stream.try_clone()?);
         let driver = Driver {
             pipeline: Pipeline::new(docks.len()),
             docks,
             routes,
             fabric: Arc::downgrade(fabric),
-            stream: stream.try_clone()?,
+            stream: writing,
             events: events.clone(),
             peer: peer.clone(),
+            closed: closed.clone(),
         };
         let driver =
             std::thread::Builder::new().name("freight-fabric-relay".into()).spawn(move || driver.run(heard))?;
-        Ok(Relay { peer, events, stream, threads: vec![reader, driver] })
+        let relay = Relay { peer, events, stream, threads: vec![driver], closed };
+        let (events, peer) = (relay.events.clone(), relay.peer.clone());
+        // Should this fail, dropping the relay stops the driver and hangs up.
+        let reader = std::thread::Builder::new()
+            .name("freight-fabric-relay-in".into())
+            .spawn(move || read(reading, &events, &peer))?;
+        let mut relay = relay;
+        relay.threads.push(reader);
+        Ok(relay)
+    }
+
+    /// Whether it closed (the connection failed or the peer went away): a new relay
+    /// must be opened for more chunks.
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    /// Fails the chunks it holds (those on the wire once the provider reports them),
+    /// and hangs up so that the peer takes its docks back.
+    pub fn close(&self, reason: &str) {
+        self.closed.store(true, Ordering::Release);
+        let e = Error::PeerDisconnected { peer: self.peer.to_string(), reason: reason.to_string() };
+        let _ = self.events.send(Event::Closed(e));
+        let _ = self.stream.shutdown(Shutdown::Both);
     }
 
     /// Starts `jobs` (they finish their trackers' parts, with an error if the peer is gone).
@@ -204,7 +229,11 @@ struct Driver {
     /// Its own queue, for the rails' completions and its own failures.
     events: Sender<Event>,
     peer: Arc<str>,
+    closed: Arc<AtomicBool>,
 }
+
+/// How long a stopping relay waits for the provider to report chunks still on the wire.
+const STOP_GRACE: Duration = Duration::from_secs(2);
 
 impl Driver {
     fn run(mut self, heard: Receiver<Event>) {
@@ -213,18 +242,42 @@ impl Driver {
                 Event::Jobs(jobs) => self.pipeline.push(jobs),
                 Event::Wire { token, result } => self.pipeline.wire_done(token, result),
                 Event::Docked { token, result } => self.pipeline.docked(token, result),
-                Event::Closed(e) => self.pipeline.close(e),
-                Event::Stop => {
-                    let closed = Error::PeerDisconnected {
-                        peer: self.peer.to_string(),
-                        reason: "the local agent closed".into(),
-                    };
-                    let actions = self.pipeline.close(closed);
+                Event::Closed(e) => {
+                    self.closed.store(true, Ordering::Release);
+                    self.pipeline.close(e)
+                }
+                Event::Stop => return self.stop(&heard),
+            };
+            self.perform(actions);
+        }
+    }
+
+    /// The last handle is gone: fails what it holds, giving chunks on the wire a moment
+    /// to be reported (their local bytes may move until then).
+    fn stop(mut self, heard: &Receiver<Event>) {
+        self.closed.store(true, Ordering::Release);
+        let closed = Error::PeerDisconnected { peer: self.peer.to_string(), reason: "the local agent closed".into() };
+        let actions = self.pipeline.close(closed);
+        self.perform(actions);
+        let deadline = Instant::now() + STOP_GRACE;
+        while self.pipeline.in_flight() > 0 {
+            match heard.recv_deadline(deadline) {
+                Ok(Event::Wire { token, result }) => {
+                    let actions = self.pipeline.wire_done(token, result);
+                    self.perform(actions);
+                }
+                Ok(Event::Jobs(jobs)) => {
+                    let actions = self.pipeline.push(jobs);
+                    self.perform(actions);
+                }
+                Ok(_) => {}
+                Err(_) => {
+                    tracing::warn!(peer = %self.peer, chunks = self.pipeline.in_flight(), "fabric relay stopped with chunks the provider never reported");
+                    let actions = self.pipeline.give_up();
                     self.perform(actions);
                     return;
                 }
-            };
-            self.perform(actions);
+            }
         }
     }
 
