@@ -41,6 +41,9 @@ pub enum Msg {
     Close { pipe: u64, messages: u64 },
     /// Either way: the pipe is broken, and why.
     Abort { pipe: u64, reason: String },
+    /// Sender -> receiver: credit as soon as everything before stream position `upto`
+    /// is released, however few bytes that frees (the sender waits for that point).
+    Sync { pipe: u64, upto: u64 },
 }
 
 /// [`Slot`] on the wire.
@@ -72,7 +75,8 @@ impl Msg {
             | Msg::Data { pipe, .. }
             | Msg::Credit { pipe, .. }
             | Msg::Close { pipe, .. }
-            | Msg::Abort { pipe, .. } => *pipe,
+            | Msg::Abort { pipe, .. }
+            | Msg::Sync { pipe, .. } => *pipe,
         }
     }
 
@@ -107,6 +111,7 @@ mod tests {
             Msg::Credit { pipe: 7, upto: 4106 },
             Msg::Close { pipe: 7, messages: 4 },
             Msg::Abort { pipe: 7, reason: "gone".into() },
+            Msg::Sync { pipe: 7, upto: 4106 },
         ];
         for m in msgs {
             assert_eq!(Msg::decode(&m.encode()).unwrap().unwrap(), m);

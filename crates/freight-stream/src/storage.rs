@@ -210,13 +210,20 @@ impl StoreSender {
             self.first_send = None;
             return Err(e);
         }
+        let end = self.channel.pipe().position();
+        // Its sender waits for this point: the receiver must not hold back the credit.
+        if let Err(e) = self.channel.pipe().want_released(end) {
+            self.sent = 0;
+            self.first_send = None;
+            return Err(e);
+        }
         let objects = std::mem::take(&mut self.pending);
         let bytes = objects.iter().map(|o| o.local.len).sum();
         tracing::debug!(objects = objects.len(), bytes, "commit sealed");
         self.sealed.push_back(Sealed {
             objects,
             bytes,
-            end: self.channel.pipe().position(),
+            end,
             started,
             room_wait: self.channel.pipe().credit_wait().saturating_sub(waited_before),
             written: None,

@@ -18,7 +18,7 @@
 //! messages may be released in any order (zero-copy views are dropped when their owner
 //! likes), but the credit only moves past a run of released ones.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// One message in the buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -168,6 +168,8 @@ pub struct RecvWindow {
     /// Credits are sent once at least this many bytes are free again (or when nothing
     /// is held), so that a stream of small messages is not answered message by message.
     batch: u64,
+    /// Positions the sender waits for: a credit goes as soon as one is free.
+    wanted: BTreeSet<u64>,
 }
 
 impl RecvWindow {
@@ -184,6 +186,7 @@ impl RecvWindow {
             held: BTreeMap::new(),
             credited: 0,
             batch: batch.clamp(1, capacity),
+            wanted: BTreeSet::new(),
         })
     }
 
@@ -234,11 +237,25 @@ impl RecvWindow {
     pub fn release(&mut self, start: u64) -> Result<Option<u64>, WindowError> {
         self.held.remove(&start).ok_or(WindowError::NotHeld { start })?;
         let freed = self.freed();
-        if freed - self.credited >= self.batch || (self.held.is_empty() && freed > self.credited) {
+        let wanted = self.wanted.first().is_some_and(|&w| w <= freed);
+        if freed - self.credited >= self.batch || (self.held.is_empty() && freed > self.credited) || wanted {
+            self.wanted.retain(|&w| w > freed);
             self.credited = freed;
             return Ok(Some(freed));
         }
         Ok(None)
+    }
+
+    /// The sender waits until everything before `upto` is released: the credit that
+    /// says so goes at once when it is (returned here), else with the release that
+    /// frees it, whatever the batch.
+    pub fn want(&mut self, upto: u64) -> Option<u64> {
+        let freed = self.freed();
+        if upto > freed {
+            self.wanted.insert(upto);
+            return None;
+        }
+        self.flush()
     }
 
     /// The credit not sent yet, if any (for a receiver about to wait, or closing).
@@ -301,6 +318,24 @@ mod tests {
         let e = r.accept(Slot { seq: 2, start: 100, len: 60 }).unwrap_err();
         assert_eq!(e, WindowError::Overwrites { seq: 2, start: 100, end: 160, held: 10 });
         r.accept(Slot { seq: 2, start: 70, len: 30 }).unwrap();
+    }
+
+    #[test]
+    fn a_position_the_sender_waits_for_is_credited_at_once() {
+        let mut r = RecvWindow::new(1000, 500).unwrap();
+        for (seq, start) in [(0, 0), (1, 100), (2, 200)] {
+            r.accept(Slot { seq, start, len: 100 }).unwrap();
+        }
+        assert_eq!(r.want(200), None, "not free yet");
+        assert_eq!(r.release(100).unwrap(), None, "out of order: nothing before 200 is free");
+        assert_eq!(r.release(0).unwrap(), Some(200), "free up to the wanted point: credited below the batch");
+        assert_eq!(r.release(200).unwrap(), Some(300), "nothing held");
+        assert_eq!(r.want(300), None, "credited already");
+        r.accept(Slot { seq: 3, start: 300, len: 50 }).unwrap();
+        r.release(300).unwrap();
+        assert_eq!(r.want(320), None, "credited when nothing was held");
+        r.accept(Slot { seq: 4, start: 350, len: 50 }).unwrap();
+        assert_eq!(r.want(350), None, "freed up to 350 and credited already");
     }
 
     #[test]

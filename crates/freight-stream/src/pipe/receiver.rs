@@ -156,6 +156,12 @@ impl RecvEnd {
                 }
             }
             Msg::Close { messages, .. } => st.end = Some(messages),
+            Msg::Sync { upto, .. } => {
+                if let Some(credit) = st.window.want(upto) {
+                    drop(st);
+                    let _ = self.send_credit(credit);
+                }
+            }
             Msg::Abort { reason, .. } => {
                 st.broken = Some(Error::PeerDisconnected {
                     peer: self.peer.clone(),

@@ -359,6 +359,13 @@ impl PipeSender {
         self.reap_while(&mut st, deadline, |_, start| start < upto)
     }
 
+    /// Asks the receiver to credit as soon as everything before stream position `upto`
+    /// is released, rather than once a batch of bytes is free: for a sender that will
+    /// wait for that point ([`PipeSender::wait_released`], [`PipeSender::progress`]).
+    pub fn want_released(&self, upto: u64) -> Result<()> {
+        self.router.send(&self.peer, &Msg::Sync { pipe: self.pipe, upto })
+    }
+
     /// Waits until the receiver has released everything before stream position `upto`
     /// (a position this sender reached: see [`PipeSender::position`]).
     pub fn wait_released(&self, upto: u64) -> Result<()> {
