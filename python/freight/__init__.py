@@ -27,6 +27,7 @@ Main names:
 * :class:`EtcdDirectory` -- metadata exchange through etcd;
 * :func:`inspect_metadata` -- what metadata bytes advertise (regions, addresses);
 * :func:`set_log_level` -- engine logs to stderr (or set ``FREIGHT_LOG``);
+* :func:`release_pooled_memory` -- frees the memory received objects leave for reuse;
 * exceptions, all deriving from :class:`FreightError` (see :mod:`freight.errors`).
 """
 
@@ -67,6 +68,7 @@ from ._native import (  # noqa: E402
     copy_kernel_occupancy,
     cuda_status,
     inspect_metadata,
+    release_pooled_memory,
 )
 from .agent import Agent, Path
 from .config import TRANSPORTS, AgentConfig
@@ -165,6 +167,7 @@ __all__ = [
     "cuda_status",
     "set_log_level",
     "inspect_metadata",
+    "release_pooled_memory",
     "kv",
     "__version__",
     *errors.__all__,

@@ -55,5 +55,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gpu::cuda_status, m)?)?;
     m.add_function(wrap_pyfunction!(gpu::compile_copy_kernel, m)?)?;
     m.add_function(wrap_pyfunction!(gpu::copy_kernel_occupancy, m)?)?;
+    m.add_function(wrap_pyfunction!(stream::release_pooled_memory, m)?)?;
     Ok(())
 }

@@ -213,3 +213,36 @@ fn a_sender_that_gave_up_opening_is_not_served_later() {
     assert!(pipe.recv(None).unwrap().is_none());
     sender.join().unwrap();
 }
+
+/// Space another thread frees while the reader waits for the next message is credited
+/// at once, even below the credit batch: else a sender waiting for that space and the
+/// waiting reader would each wait for the other until they time out.
+#[test]
+fn space_freed_while_the_reader_waits_reaches_the_sender() {
+    let rx_agent = agent("rx-freed", None);
+    let tx_agent = agent("tx-freed", None);
+    let addr = rx_agent.addresses()[0].clone();
+    let listener = PipeListener::new(&rx_agent);
+    // Credits only once the whole buffer is free, unless the reader waits.
+    let cfg = PipeConfig { credit_batch: Some(4096), ..config(3_000) };
+    let receiver = thread::spawn(move || {
+        let pipe = listener.accept(Buffer::Host { capacity: 4096 }, &cfg).unwrap();
+        let held: Vec<_> = (0..4).map(|_| pipe.recv(None).unwrap().unwrap()).collect();
+        let mut held = held.into_iter();
+        let first = held.next().unwrap();
+        let releaser = thread::spawn(move || {
+            thread::sleep(Duration::from_millis(200));
+            drop(first);
+        });
+        let fifth = pipe.recv(None).map(|m| m.map(|m| m.seq()));
+        releaser.join().unwrap();
+        drop(held);
+        fifth
+    });
+    let pipe = PipeSender::connect(&tx_agent, &addr, &config(3_000)).unwrap();
+    let (_seg, list) = source(&tx_agent, 1000);
+    for _ in 0..5 {
+        pipe.send(&list, vec![]).unwrap();
+    }
+    assert_eq!(receiver.join().unwrap().unwrap(), Some(4), "the fifth message arrived");
+}

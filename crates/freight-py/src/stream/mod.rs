@@ -96,7 +96,7 @@ mod storage;
 
 pub(crate) use channel::{PyChannelReceiver, PyChannelSender, PyReceived};
 pub(crate) use pipe::{PyMessage, PyPipeListener, PyPipeReceiver, PyPipeSender};
-pub(crate) use storage::{PyStoreReceiver, PyStoreSender, PyStoredObject};
+pub(crate) use storage::{release_pooled_memory, PyStoreReceiver, PyStoreSender, PyStoredObject};
 
 /// A memory region as Python passes it: (kind, address, length, device).
 type Region = (String, u64, u64, u64);

@@ -474,3 +474,10 @@ impl Drop for PyStoredObject {
         }
     }
 }
+
+/// Frees the memory that received objects leave behind for reuse (kept per memory kind,
+/// GPU and size, up to 4 GiB of host memory and 16 GiB per GPU).
+#[pyfunction]
+pub fn release_pooled_memory() {
+    freight_stream::owned::trim();
+}

@@ -246,6 +246,11 @@ pub fn serve_fabric(mut stream: TcpStream, registry: &Registry, fabric: Option<&
                 Ok(keys) => Frame::FabricKeysReply { keys, error: None },
                 Err(e) => Frame::FabricKeysReply { keys: Vec::new(), error: Some(e.to_string()) },
             },
+            // One set per connection: a peer that wants others opens another relay.
+            (Frame::FabricDocks { .. }, Some(_)) if docks.is_some() => Frame::FabricDocksReply {
+                docks: Vec::new(),
+                error: Some("docks were lent on this connection already".into()),
+            },
             (Frame::FabricDocks { count, size }, Some(f)) => match Docks::open(f, registry, count, size) {
                 Ok(mut lent) => {
                     let described = lent.describe(f.virt_addr());
@@ -413,6 +418,12 @@ mod tests {
             assert_eq!(ask(&mut client, lift), Some(Frame::FabricDocked { token: 7, error: None }));
             let landed = ask(&mut client, Frame::FabricLand { token: 8, dock: 1, seg: seg(open, 1000, 100) });
             assert_eq!(landed, Some(Frame::FabricDocked { token: 8, error: None }));
+            match ask(&mut client, Frame::FabricDocks { count: 2, size: 1024 }) {
+                Some(Frame::FabricDocksReply { docks, error: Some(e) }) => {
+                    assert!(docks.is_empty() && e.contains("already"), "{e}")
+                }
+                other => panic!("a second set of docks was lent: {other:?}"),
+            }
             client.shutdown(std::net::Shutdown::Both).unwrap();
         });
         let expected: Vec<u8> = (0..100u32).map(|i| (i * 7) as u8).collect();
