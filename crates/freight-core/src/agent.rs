@@ -500,6 +500,13 @@ impl Agent {
         self.inner.notifs.drain()
     }
 
+    /// Returns notifications taken with [`Agent::get_notifs`] or [`Agent::wait_notifs`]
+    /// that the taker does not handle (a component that stops owning the queue): they
+    /// come first in line again, in their order.
+    pub fn give_back_notifs(&self, notifs: Vec<Notification>) {
+        self.inner.notifs.give_back(notifs);
+    }
+
     /// Waits up to `timeout` for at least one notification.
     pub fn wait_notifs(&self, timeout: Duration) -> Vec<Notification> {
         let inboxes = &self.inner.server.inboxes;

@@ -33,6 +33,18 @@ impl NotifQueue {
         self.cv.notify_all();
     }
 
+    /// Puts `notifs` (taken earlier, oldest first) back at the front of the queue.
+    pub fn give_back(&self, notifs: Vec<Notification>) {
+        if notifs.is_empty() {
+            return;
+        }
+        let mut q = self.queue.lock();
+        for n in notifs.into_iter().rev() {
+            q.notifs.push_front(n);
+        }
+        self.cv.notify_all();
+    }
+
     /// Everything received so far, oldest first.
     pub fn drain(&self) -> Vec<Notification> {
         self.queue.lock().notifs.drain(..).collect()

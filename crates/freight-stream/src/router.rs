@@ -4,7 +4,8 @@
 //! a router thread owns that queue: it hands each pipe message to the pipe it names (by
 //! sending peer and pipe id), queues `Open` requests for whoever accepts pipes, and keeps
 //! any other notification for [`Router::foreign`], so nothing is lost. There is one
-//! router per agent, shared by all its pipe ends, and it stops when the last one goes.
+//! router per agent, shared by all its pipe ends, and it stops when the last one goes,
+//! handing the agent back what it kept for it.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -47,6 +48,7 @@ struct Shared {
 pub struct Router {
     agent: Arc<Agent>,
     shared: Arc<Shared>,
+    thread: Option<std::thread::JoinHandle<()>>,
 }
 
 /// Routers by agent (keyed by the agent's address, which is stable while it lives).
@@ -67,12 +69,15 @@ impl Router {
             opens: crossbeam_channel::unbounded(),
             stop: AtomicBool::new(false),
         });
-        let router = Arc::new(Router { agent: agent.clone(), shared: shared.clone() });
         let weak_agent = Arc::downgrade(agent);
-        std::thread::Builder::new()
-            .name(format!("freight-pipes-{}", agent.name()))
-            .spawn(move || route(weak_agent, shared))
-            .expect("cannot start the pipe router thread");
+        let thread = {
+            let shared = shared.clone();
+            std::thread::Builder::new()
+                .name(format!("freight-pipes-{}", agent.name()))
+                .spawn(move || route(weak_agent, shared))
+                .expect("cannot start the pipe router thread")
+        };
+        let router = Arc::new(Router { agent: agent.clone(), shared, thread: Some(thread) });
         all.push((key, Arc::downgrade(&router)));
         router
     }
@@ -144,8 +149,17 @@ impl Router {
 }
 
 impl Drop for Router {
+    /// Stops the thread before a new router may start for the agent (both would take
+    /// from its queue), and gives the agent back the notifications that were not the
+    /// pipes', so that its own `get_notifs` sees them.
     fn drop(&mut self) {
+        let _no_new_router = ROUTERS.lock();
         self.shared.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        let kept: Vec<Notification> = self.shared.table.lock().foreign.drain(..).collect();
+        self.agent.give_back_notifs(kept);
     }
 }
 

@@ -246,3 +246,19 @@ fn space_freed_while_the_reader_waits_reaches_the_sender() {
     }
     assert_eq!(receiver.join().unwrap().unwrap(), Some(4), "the fifth message arrived");
 }
+
+/// While pipes exist their router owns the agent's notification queue; when the last
+/// pipe end goes, what it kept that was not a pipe's comes back to the agent.
+#[test]
+fn other_notifications_come_back_to_the_agent_when_the_pipes_go() {
+    let rx_agent = agent("rx-foreign", None);
+    let tx_agent = agent("tx-foreign", None);
+    let listener = PipeListener::new(&rx_agent);
+    let peer = tx_agent.connect(&rx_agent.addresses()[0], None).unwrap();
+    tx_agent.notify(&peer, b"not a pipe's".to_vec()).unwrap();
+    // The router takes it off the agent's queue meanwhile.
+    thread::sleep(Duration::from_millis(300));
+    drop(listener);
+    let got = rx_agent.wait_notifs(Duration::from_secs(2));
+    assert_eq!(got.iter().map(|n| n.msg.as_slice()).collect::<Vec<_>>(), [b"not a pipe's".as_slice()]);
+}
