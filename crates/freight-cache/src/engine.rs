@@ -62,8 +62,9 @@ pub struct StoreReport {
 
 pub struct CacheEngine {
     config: CacheConfig,
-    tiers: Vec<Tier>,
+    /// Dropped before the tiers (fields drop in order): its writes read their slots.
     remote_out: Option<StoreSender>,
+    tiers: Vec<Tier>,
     /// Chunks put to the remote peer (so that they are not sent twice).
     sent: HashSet<u64>,
     /// Chunks whose slot a put still reads, as (tier, key): those not sealed into a
@@ -86,7 +87,7 @@ impl CacheEngine {
         if config.chunk_tokens == 0 {
             return Err(Error::InvalidArgument("chunks hold at least one token".into()));
         }
-        let slot = config.shape.chunk_bytes(config.chunk_tokens);
+        let slot = config.shape.checked_chunk_bytes(config.chunk_tokens)?;
         let mut tiers = Vec::new();
         if config.gpu_bytes > 0 {
             let gpu = config.gpu.ok_or_else(|| Error::InvalidArgument("a GPU tier needs a GPU".into()))?;
@@ -117,8 +118,11 @@ impl CacheEngine {
     }
 
     /// Also puts every new chunk to a remote store (the prefill side).
+    /// Chunks count as sent once this sink's peer holds them; a chunk the peer dropped
+    /// since is not put again (the engine remembers the chunks it sent, 8 bytes each).
     pub fn with_remote_sink(mut self, sink: StoreSender) -> CacheEngine {
         self.remote_out = Some(sink);
+        self.sent.clear();
         self
     }
 
@@ -156,7 +160,7 @@ impl CacheEngine {
 
     fn check_kv(&self, tokens: &[u32], kv: &KvMemory) -> Result<()> {
         kv.layout.validate()?;
-        let need = kv.layout.bytes(&self.config.shape);
+        let need = kv.layout.checked_bytes(&self.config.shape)?;
         if kv.len < need {
             return Err(Error::InvalidArgument(format!("the KV memory has {} bytes; its layout needs {need}", kv.len)));
         }
@@ -233,7 +237,12 @@ impl CacheEngine {
             }
         };
         if let Some((gone, from)) = evicted {
-            self.demote(1, gone.key, from, gone.len)?;
+            // The slot holds the evicted chunk's bytes until the gather: the new key
+            // must not name them if the move fails.
+            if let Err(e) = self.demote(1, gone.key, from, gone.len) {
+                self.tiers[0].remove(key);
+                return Err(e);
+            }
         }
         Ok(place)
     }
@@ -250,7 +259,11 @@ impl CacheEngine {
         if let Some((gone, _)) = evicted {
             tracing::debug!(tier = tier.name, chunk = gone.key, "evicted");
         }
-        copy(from, place, &[(from.addr, place.addr, len)])
+        let copied = copy(from, place, &[(from.addr, place.addr, len)]);
+        if copied.is_err() {
+            tier.remove(key);
+        }
+        copied
     }
 
     fn put_remote(&mut self, key: &ChunkKey) -> Result<()> {
@@ -266,6 +279,11 @@ impl CacheEngine {
             local: desc,
             meta: (key.tokens as u64).to_le_bytes().to_vec(),
         };
+        // A commit's objects share one memory kind: a chunk put from another tier
+        // (one demoted since a failed commit) starts a commit of its own.
+        if self.unsealed.first().is_some_and(|&(t, _)| self.tiers[t].kind() != object.kind) {
+            self.seal_remote()?;
+        }
         self.tiers[tier].pin(key.hash);
         self.unsealed.push((tier, key.hash));
         self.sent.insert(key.hash);
@@ -285,7 +303,7 @@ impl CacheEngine {
     /// flight and the one filling fit in the first tier together.
     fn seal_every(&self) -> usize {
         let sink = self.remote_out.as_ref().map_or(usize::MAX, |s| s.commit_size());
-        let share = self.tiers[0].slots() / (self.commits_in_flight + 1);
+        let share = self.tiers[0].slots() / self.commits_in_flight.saturating_add(1);
         sink.min(share.max(1))
     }
 

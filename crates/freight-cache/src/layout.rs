@@ -39,6 +39,14 @@ impl KvShape {
     pub fn chunk_bytes(&self, tokens: u64) -> u64 {
         self.layers * 2 * tokens * self.row_bytes()
     }
+
+    /// [`KvShape::chunk_bytes`], or an error where it does not fit 64 bits.
+    pub fn checked_chunk_bytes(&self, tokens: u64) -> Result<u64> {
+        [self.heads, self.head_dim, self.elem_bytes, self.layers, 2, tokens]
+            .into_iter()
+            .try_fold(1u64, |acc, n| acc.checked_mul(n))
+            .ok_or_else(|| Error::InvalidArgument(format!("{tokens} tokens of this KV shape exceed 2^64 bytes")))
+    }
 }
 
 /// How the caller's KV memory is laid out.
@@ -58,6 +66,19 @@ impl KvLayout {
             KvLayout::Contiguous { tokens } => shape.chunk_bytes(*tokens),
             KvLayout::Paged { block_size, num_blocks, .. } => shape.chunk_bytes(block_size * num_blocks),
         }
+    }
+
+    /// [`KvLayout::bytes`], or an error where the layout's sizes overflow (every offset
+    /// in the memory is then representable too).
+    pub fn checked_bytes(&self, shape: &KvShape) -> Result<u64> {
+        let tokens = match self {
+            KvLayout::Contiguous { tokens } => Some(*tokens),
+            KvLayout::Paged { block_size, num_blocks, block_table } => block_size
+                .checked_mul(*num_blocks)
+                .filter(|_| block_size.checked_mul(block_table.len() as u64).is_some()),
+        };
+        let tokens = tokens.ok_or_else(|| Error::InvalidArgument("the paged layout's sizes exceed 2^64".into()))?;
+        shape.checked_chunk_bytes(tokens)
     }
 
     /// Tokens of the request the memory can hold.

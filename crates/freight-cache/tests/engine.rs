@@ -248,14 +248,22 @@ fn bad_input_is_refused() {
     assert!(engine.store(&tokens, &short).unwrap_err().to_string().contains("needs"));
     let mut bad_table = Kv::paged(4, 4, vec![0, 1, 2, 3, 4, 5, 6, 7, 8, 9]);
     assert!(engine.retrieve(&tokens, &bad_table.memory()).unwrap_err().to_string().contains("names block"));
+    // Sizes whose bytes overflow 64 bits are refused, not wrapped into a small size
+    // that would pass the bounds check.
+    let mut huge = Kv::paged(4, 4, vec![0, 1, 2, 3, 0, 1, 2, 3, 0, 1]);
+    let mut memory = huge.memory();
+    memory.layout = KvLayout::Paged { block_size: 1 << 62, num_blocks: 8, block_table: vec![0] };
+    let e = engine.store(&tokens, &memory).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("2^64"), "{e}");
     assert_eq!(engine.store(&tokens, &kv.memory()).unwrap().new_chunks, 3, "still usable");
     let base = CacheConfig { chunk_tokens: CHUNK, shape: SHAPE, gpu: None, gpu_bytes: 0, host_bytes: 1 << 20 };
     let no_tier = CacheConfig { host_bytes: 0, ..base.clone() };
     let gpu_without_gpu = CacheConfig { gpu_bytes: 1 << 20, ..base.clone() };
     let zero_chunk = CacheConfig { chunk_tokens: 0, ..base.clone() };
     let tiny = CacheConfig { host_bytes: 10, ..base.clone() };
-    let no_heads = CacheConfig { shape: KvShape { heads: 0, ..SHAPE }, ..base };
-    for c in [no_tier, gpu_without_gpu, zero_chunk, tiny, no_heads] {
+    let no_heads = CacheConfig { shape: KvShape { heads: 0, ..SHAPE }, ..base.clone() };
+    let overflowing = CacheConfig { chunk_tokens: 1 << 60, ..base };
+    for c in [no_tier, gpu_without_gpu, zero_chunk, tiny, no_heads, overflowing] {
         assert!(matches!(CacheEngine::new(&a, c.clone()), Err(Error::InvalidArgument(_))), "{c:?}");
     }
 }

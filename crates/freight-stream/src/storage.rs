@@ -316,8 +316,12 @@ impl StoreSender {
     /// Forgets every queued object, sent or not, and every sealed commit, and returns
     /// their keys: for a caller whose commit failed and who will put them again from
     /// memory that may have changed (a retried commit would otherwise send the old
-    /// descriptors' current bytes).
+    /// descriptors' current bytes). Returns once no write reads that memory any more
+    /// (one that never finishes breaks the stream instead, so its bytes are not taken).
     pub fn discard_pending(&mut self) -> Vec<String> {
+        if let Err(e) = self.channel.pipe().settle_writes() {
+            tracing::warn!(error = %e, "writes of discarded objects did not finish; the stream is broken");
+        }
         self.sent = 0;
         self.first_send = None;
         self.pending_keys.clear();

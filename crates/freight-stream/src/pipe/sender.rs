@@ -359,6 +359,31 @@ impl PipeSender {
         self.reap_while(&mut st, deadline, |_, start| start < upto)
     }
 
+    /// Waits until no write of this pipe is in flight, whatever happened to the pipe
+    /// (after a failure, before the sender's memory is reused). A write that does not
+    /// finish within the timeout breaks the pipe, so that the receiver drops what it
+    /// would bring.
+    pub fn settle_writes(&self) -> Result<()> {
+        let mut st = self.state.lock();
+        let deadline = Instant::now() + self.config.timeout;
+        while let Some((req, _)) = st.in_flight.front() {
+            match req.wait(Some(deadline.saturating_duration_since(Instant::now()))) {
+                Status::Done | Status::Error(_) => {
+                    st.in_flight.pop_front();
+                }
+                _ => {
+                    let e = Error::Timeout(format!(
+                        "a write to '{}' did not finish within {:.1}s",
+                        self.peer,
+                        self.config.timeout.as_secs_f64()
+                    ));
+                    return Err(self.fail(&mut st, e));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Asks the receiver to credit as soon as everything before stream position `upto`
     /// is released, rather than once a batch of bytes is free: for a sender that will
     /// wait for that point ([`PipeSender::wait_released`], [`PipeSender::progress`]).
