@@ -17,7 +17,7 @@
 //! Those slots never overlap (the pool hands out disjoint slots and nothing here frees a
 //! slot that another of them still uses), and each one goes back to the pool exactly
 //! once: when its value leaves the index unpinned, when its last pin is released after
-//! it left, or when its reservation is aborted or reclaimed. Committing moves a slot
+//! it left, or when its reservation is aborted. Committing moves a slot
 //! from reservation to value without freeing it. The tests check this after every
 //! operation: the owned slots are exactly the pool's live slots.
 //!
@@ -107,7 +107,6 @@ impl Value {
 
 #[derive(Debug)]
 struct Pending {
-    client: u64,
     key: Vec<u8>,
     slot: Slot,
     ttl_ms: u64,
@@ -229,7 +228,7 @@ impl Index {
     /// `InvalidArgument` for `len == 0`; `NoSpace` for `len` larger than the pool, or
     /// when no room can be made (eviction off, or what remains is pinned by readers or
     /// reserved by pending writes).
-    pub fn begin_put(&mut self, client: u64, key: &[u8], len: u64, ttl_ms: u64, now_ms: u64) -> Result<Grant> {
+    pub fn begin_put(&mut self, key: &[u8], len: u64, ttl_ms: u64, now_ms: u64) -> Result<Grant> {
         let capacity = self.pool.capacity();
         if len == 0 {
             return Err(Error::InvalidArgument(format!(
@@ -246,7 +245,7 @@ impl Index {
         let slot = self.reserve(key, len, now_ms)?;
         self.last_grant += 1;
         let id = self.last_grant;
-        self.pending.insert(id, Pending { client, key: key.to_vec(), slot, ttl_ms });
+        self.pending.insert(id, Pending { key: key.to_vec(), slot, ttl_ms });
         Ok(Grant { id, slot })
     }
 
@@ -257,11 +256,11 @@ impl Index {
     /// # Errors
     ///
     /// `InvalidArgument` if `id` is not pending: never granted, or already committed,
-    /// aborted or reclaimed.
+    /// aborted.
     pub fn commit_put(&mut self, id: u64, now_ms: u64) -> Result<u64> {
         let Some(put) = self.pending.remove(&id) else {
             return Err(Error::InvalidArgument(format!(
-                "no pending put with id {id}: it was never granted, or was already committed, aborted or reclaimed"
+                "no pending put with id {id}: it was never granted, or was already committed or aborted"
             )));
         };
         let key: Arc<[u8]> = match self.remove_value(&put.key) {
@@ -282,7 +281,7 @@ impl Index {
     }
 
     /// Gives up reservation `id` and frees its slot. Returns whether it was pending, so
-    /// that a late abort after a commit or a reclaim is harmless.
+    /// that a late abort after a commit is harmless.
     pub fn abort_put(&mut self, id: u64) -> bool {
         match self.pending.remove(&id) {
             Some(put) => {
@@ -291,20 +290,6 @@ impl Index {
             }
             None => false,
         }
-    }
-
-    /// Frees every pending reservation of `client`, for a client that went away between
-    /// `begin_put` and `commit_put`. Returns how many there were.
-    pub fn reclaim_client(&mut self, client: u64) -> usize {
-        let before = self.pending.len();
-        let pool = &mut self.pool;
-        self.pending.retain(|_, put| {
-            if put.client == client {
-                pool.free(put.slot);
-            }
-            put.client != client
-        });
-        before - self.pending.len()
     }
 
     /// The current value of `key`, pinned until [`Index::end_get`], and marked most
@@ -537,7 +522,7 @@ mod tests {
 
     /// Writes and commits `key` with no TTL.
     fn put(index: &mut Index, key: &[u8], len: u64, now: u64) -> Slot {
-        let grant = index.begin_put(1, key, len, 0, now).unwrap();
+        let grant = index.begin_put(key, len, 0, now).unwrap();
         index.commit_put(grant.id, now).unwrap();
         index.check_invariants();
         grant.slot
@@ -553,7 +538,7 @@ mod tests {
     #[test]
     fn put_then_get() {
         let mut ix = index(4096, false);
-        let grant = ix.begin_put(7, b"k", 100, 0, 0).unwrap();
+        let grant = ix.begin_put(b"k", 100, 0, 0).unwrap();
         assert_eq!(grant.slot.len, 100);
         assert!(ix.begin_get(b"k", 0).is_none(), "a pending put is invisible");
         assert!(!ix.exists(b"k", 0));
@@ -573,9 +558,9 @@ mod tests {
     #[test]
     fn grant_ids_increase_and_versions_count_commits() {
         let mut ix = index(4096, false);
-        let a = ix.begin_put(1, b"a", 10, 0, 0).unwrap();
-        let b = ix.begin_put(1, b"b", 10, 0, 0).unwrap();
-        let c = ix.begin_put(1, b"a", 10, 0, 0).unwrap();
+        let a = ix.begin_put(b"a", 10, 0, 0).unwrap();
+        let b = ix.begin_put(b"b", 10, 0, 0).unwrap();
+        let c = ix.begin_put(b"a", 10, 0, 0).unwrap();
         assert!(a.id < b.id && b.id < c.id);
         ix.commit_put(a.id, 0).unwrap();
         ix.commit_put(b.id, 0).unwrap();
@@ -591,10 +576,10 @@ mod tests {
     fn begin_put_never_reuses_the_current_slot() {
         let mut ix = index(128, false);
         let old = put(&mut ix, b"k", 64, 0);
-        let grant = ix.begin_put(1, b"k", 64, 0, 0).unwrap();
+        let grant = ix.begin_put(b"k", 64, 0, 0).unwrap();
         assert_ne!(grant.slot.offset, old.offset);
         assert_eq!(read(&mut ix, b"k", 0).unwrap().0, old, "the old value stays readable");
-        assert!(ix.begin_put(1, b"k", 64, 0, 0).is_err(), "both slots are taken");
+        assert!(ix.begin_put(b"k", 64, 0, 0).is_err(), "both slots are taken");
         ix.commit_put(grant.id, 0).unwrap();
         assert_eq!(ix.pool().used(), 64, "the old slot was freed on commit");
         ix.check_invariants();
@@ -609,9 +594,9 @@ mod tests {
         assert_ne!(new.offset, old.offset);
         assert_eq!(ix.pool().used(), 256, "the old slot is held by its reader");
         // The held slot is not handed out again while pinned.
-        let other = ix.begin_put(2, b"x", 768, 0, 0).unwrap();
+        let other = ix.begin_put(b"x", 768, 0, 0).unwrap();
         assert!(other.slot.offset >= 256);
-        assert!(ix.begin_put(2, b"y", 1, 0, 0).is_err());
+        assert!(ix.begin_put(b"y", 1, 0, 0).is_err());
         ix.abort_put(other.id);
         assert_eq!((pin.slot, pin.version), (old, 1));
         assert_eq!(read(&mut ix, b"k", 0).unwrap(), (new, 2), "new readers get the new value");
@@ -646,7 +631,7 @@ mod tests {
         assert!(ix.begin_get(b"k", 0).is_none());
         assert_eq!(ix.stats().bytes, 0);
         assert_eq!(ix.pool().used(), 1024, "the deleted value's slot is still pinned");
-        assert!(ix.begin_put(1, b"k", 1, 0, 0).is_err());
+        assert!(ix.begin_put(b"k", 1, 0, 0).is_err());
         assert_eq!(pin.slot, slot);
         ix.end_get(pin);
         assert_eq!(ix.pool().used(), 0);
@@ -656,9 +641,9 @@ mod tests {
     #[test]
     fn expiry_at_the_boundary() {
         let mut ix = index(4096, false);
-        let grant = ix.begin_put(1, b"k", 10, 10, 0).unwrap();
+        let grant = ix.begin_put(b"k", 10, 10, 0).unwrap();
         ix.commit_put(grant.id, 100).unwrap();
-        let forever = ix.begin_put(1, b"f", 10, 0, 100).unwrap();
+        let forever = ix.begin_put(b"f", 10, 0, 100).unwrap();
         ix.commit_put(forever.id, 100).unwrap();
         assert!(read(&mut ix, b"k", 109).is_some(), "the TTL counts from the commit");
         assert!(ix.exists(b"k", 109));
@@ -675,7 +660,7 @@ mod tests {
     fn expire_sweeps_in_time_order() {
         let mut ix = index(4096, false);
         for (i, ttl) in [30u64, 10, 20, 0].iter().enumerate() {
-            let grant = ix.begin_put(1, &[i as u8], 10, *ttl, 0).unwrap();
+            let grant = ix.begin_put(&[i as u8], 10, *ttl, 0).unwrap();
             ix.commit_put(grant.id, 0).unwrap();
         }
         assert_eq!(ix.expire(9), 0);
@@ -692,7 +677,7 @@ mod tests {
     #[test]
     fn expiry_while_pinned() {
         let mut ix = index(256, false);
-        let grant = ix.begin_put(1, b"k", 200, 5, 0).unwrap();
+        let grant = ix.begin_put(b"k", 200, 5, 0).unwrap();
         ix.commit_put(grant.id, 0).unwrap();
         let pin = ix.begin_get(b"k", 4).unwrap();
         assert_eq!(ix.expire(5), 1);
@@ -729,7 +714,7 @@ mod tests {
     fn eviction_takes_expired_values_first() {
         let mut ix = index(3 * ALIGN, true);
         put(&mut ix, b"old", 64, 0);
-        let grant = ix.begin_put(1, b"short", 64, 10, 0).unwrap();
+        let grant = ix.begin_put(b"short", 64, 10, 0).unwrap();
         ix.commit_put(grant.id, 0).unwrap();
         put(&mut ix, b"new", 64, 0);
         put(&mut ix, b"more", 64, 10);
@@ -742,10 +727,10 @@ mod tests {
     #[test]
     fn a_full_pool_without_eviction_still_reclaims_expired_values() {
         let mut ix = index(64, false);
-        let grant = ix.begin_put(1, b"short", 64, 10, 0).unwrap();
+        let grant = ix.begin_put(b"short", 64, 10, 0).unwrap();
         ix.commit_put(grant.id, 0).unwrap();
-        assert!(ix.begin_put(1, b"k", 64, 0, 9).is_err());
-        assert!(ix.begin_put(1, b"k", 64, 0, 10).is_ok());
+        assert!(ix.begin_put(b"k", 64, 0, 9).is_err());
+        assert!(ix.begin_put(b"k", 64, 0, 10).is_ok());
         assert_eq!(ix.stats().evictions, 0);
     }
 
@@ -775,8 +760,8 @@ mod tests {
         let mut ix = index(2 * ALIGN, true);
         put(&mut ix, b"a", 64, 0);
         let pin = ix.begin_get(b"a", 0).unwrap();
-        let grant = ix.begin_put(1, b"b", 64, 0, 0).unwrap();
-        match ix.begin_put(1, b"c", 64, 0, 0) {
+        let grant = ix.begin_put(b"b", 64, 0, 0).unwrap();
+        match ix.begin_put(b"c", 64, 0, 0) {
             Err(Error::NoSpace(msg)) => {
                 assert!(msg.contains("out of memory") && msg.contains("128 bytes") && msg.contains("64 bytes"), "{msg}")
             }
@@ -792,7 +777,7 @@ mod tests {
     fn no_eviction_error_names_the_pool_size() {
         let mut ix = index(1024, false);
         put(&mut ix, b"a", 1000, 0);
-        match ix.begin_put(1, b"b", 100, 0, 0) {
+        match ix.begin_put(b"b", 100, 0, 0) {
             Err(Error::NoSpace(msg)) => {
                 assert!(msg.contains("out of memory"), "{msg}");
                 assert!(msg.contains("1024 bytes"), "{msg}");
@@ -807,35 +792,18 @@ mod tests {
     #[test]
     fn bad_lengths() {
         let mut ix = index(1024, true);
-        match ix.begin_put(1, b"k", 0, 0, 0) {
+        match ix.begin_put(b"k", 0, 0, 0) {
             Err(Error::InvalidArgument(msg)) => assert!(msg.contains("1024"), "{msg}"),
             other => panic!("expected InvalidArgument, got {other:?}"),
         }
         put(&mut ix, b"a", 10, 0);
-        match ix.begin_put(1, b"k", 1025, 0, 0) {
+        match ix.begin_put(b"k", 1025, 0, 0) {
             Err(Error::NoSpace(msg)) => assert!(msg.contains("1025 bytes") && msg.contains("1024 bytes"), "{msg}"),
             other => panic!("expected NoSpace, got {other:?}"),
         }
         assert!(ix.exists(b"a", 0), "a value that can never fit evicts nothing");
-        assert!(ix.begin_put(1, b"k", u64::MAX, 0, 0).is_err());
-        assert!(ix.begin_put(1, b"k", 1024, 0, 0).is_ok(), "exactly the pool size fits after eviction");
-        ix.check_invariants();
-    }
-
-    #[test]
-    fn reclaim_a_dead_clients_reservations() {
-        let mut ix = index(4096, false);
-        let dead: Vec<Grant> = (0..3).map(|i| ix.begin_put(9, &[i], 100, 0, 0).unwrap()).collect();
-        let alive = ix.begin_put(1, b"alive", 100, 0, 0).unwrap();
-        assert_eq!(ix.stats().pending_puts, 4);
-        assert_eq!(ix.reclaim_client(9), 3);
-        assert_eq!(ix.reclaim_client(9), 0);
-        assert_eq!(ix.stats().pending_puts, 1);
-        assert_eq!(ix.pool().used(), 128);
-        for grant in dead {
-            assert!(matches!(ix.commit_put(grant.id, 0), Err(Error::InvalidArgument(_))));
-        }
-        ix.commit_put(alive.id, 0).unwrap();
+        assert!(ix.begin_put(b"k", u64::MAX, 0, 0).is_err());
+        assert!(ix.begin_put(b"k", 1024, 0, 0).is_ok(), "exactly the pool size fits after eviction");
         ix.check_invariants();
     }
 
@@ -846,11 +814,11 @@ mod tests {
             Err(Error::InvalidArgument(msg)) => assert!(msg.contains("42"), "{msg}"),
             other => panic!("expected InvalidArgument, got {other:?}"),
         }
-        let aborted = ix.begin_put(1, b"k", 10, 0, 0).unwrap();
+        let aborted = ix.begin_put(b"k", 10, 0, 0).unwrap();
         assert!(ix.abort_put(aborted.id));
         assert!(!ix.abort_put(aborted.id));
         assert!(matches!(ix.commit_put(aborted.id, 0), Err(Error::InvalidArgument(_))));
-        let committed = ix.begin_put(1, b"k", 10, 0, 0).unwrap();
+        let committed = ix.begin_put(b"k", 10, 0, 0).unwrap();
         ix.commit_put(committed.id, 0).unwrap();
         assert!(matches!(ix.commit_put(committed.id, 0), Err(Error::InvalidArgument(_))));
         assert!(!ix.abort_put(committed.id), "a late abort leaves the committed value alone");
@@ -898,7 +866,6 @@ mod tests {
         Delete(u8),
         Expire,
         Advance(u64),
-        Reclaim(u64),
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -915,7 +882,6 @@ mod tests {
             1 => (0..6u8).prop_map(Op::Delete),
             1 => Just(Op::Expire),
             2 => (0..15u64).prop_map(Op::Advance),
-            1 => (0..3u64).prop_map(Op::Reclaim),
         ]
     }
 
@@ -986,7 +952,7 @@ mod tests {
         fn step(&mut self, op: Op) {
             let now = self.now;
             match op {
-                Op::Put { client, key, len, ttl } => match self.ix.begin_put(client, &[key], len, ttl, now) {
+                Op::Put { client, key, len, ttl } => match self.ix.begin_put(&[key], len, ttl, now) {
                     Ok(grant) => {
                         assert!(grant.id > self.last_grant, "grant ids increase");
                         self.last_grant = grant.id;
@@ -1087,16 +1053,6 @@ mod tests {
                     }
                 }
                 Op::Advance(ms) => self.now += ms,
-                Op::Reclaim(client) => {
-                    let before = self.pending.len();
-                    self.pending.retain(|(grant, owner, ..)| {
-                        if *owner == client {
-                            self.finished.push(grant.id);
-                        }
-                        *owner != client
-                    });
-                    assert_eq!(self.ix.reclaim_client(client), before - self.pending.len());
-                }
             }
             self.check();
         }

@@ -131,10 +131,11 @@ impl Shared {
     pub(crate) fn hello(&self, metadata: &[u8]) -> Result<(u64, String)> {
         let name = self.agent.add_peer(metadata)?;
         let mut clients = self.clients.lock();
-        if let Some(old) = clients.remove(&name) {
-            // The same agent saying hello again (a reconnect): its old session ends.
-            self.index.lock().reclaim_client(old);
-        }
+        // The same agent saying hello again (a reconnect): its old session ends. Its
+        // reservations stay with the transfers that fill them: the worker commits or
+        // aborts each when its transfer settles (freeing one sooner could let another
+        // value take the slot while the old copy still writes into it).
+        clients.remove(&name);
         let id = clients.add(name.clone());
         tracing::info!(client = id, agent = %name, "client connected");
         Ok((id, name))
@@ -164,10 +165,10 @@ impl Shared {
         }
     }
 
+    /// Ends a session. Its PUTs still in flight end with their transfers (see `hello`).
     fn drop_client(&self, name: &str, id: u64, why: &str) {
-        let reclaimed = self.index.lock().reclaim_client(id);
         let _ = self.agent.remove_peer(name);
-        tracing::info!(client = id, agent = %name, reclaimed, why, "client gone");
+        tracing::info!(client = id, agent = %name, why, "client gone");
     }
 
     /// Drops clients whose agent stopped answering.
@@ -243,14 +244,6 @@ impl Server {
             started: Instant::now(),
             stop: AtomicBool::new(false),
         });
-        let worker = {
-            let shared = shared.clone();
-            let sweep = config.sweep_every;
-            std::thread::Builder::new()
-                .name("freight-kv-worker".into())
-                .spawn(move || Worker::new(shared, sweep).run())
-                .map_err(|e| Error::Io(format!("cannot start the KV worker: {e}")))?
-        };
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("freight-kv-rpc")
@@ -300,6 +293,16 @@ impl Server {
                 });
                 Some(bound)
             }
+        };
+        // Started last: until the `Server` exists nothing would stop it, so an earlier
+        // failure (a port in use, say) must not leave it running with the pool.
+        let worker = {
+            let shared = shared.clone();
+            let sweep = config.sweep_every;
+            std::thread::Builder::new()
+                .name("freight-kv-worker".into())
+                .spawn(move || Worker::new(shared, sweep).run())
+                .map_err(|e| Error::Io(format!("cannot start the KV worker: {e}")))?
         };
         let mut server = Server {
             shared,
@@ -452,9 +455,9 @@ impl Worker {
         if stopping {
             return refuse("the server is shutting down");
         }
-        let Some(client) = self.shared.clients.lock().id_of(&n.from) else {
+        if self.shared.clients.lock().id_of(&n.from).is_none() {
             return refuse("no session: say hello on the control plane first");
-        };
+        }
         let (items, kind) = match &request {
             wire::Request::Get { items, .. } | wire::Request::Put { items, .. } => {
                 (items, items.first().map(|i| i.1.kind))
@@ -481,7 +484,7 @@ impl Worker {
                 }
             }
             wire::Request::Put { first_id, ttl_ms, items } => {
-                let plan = PutPlan::new(&mut self.shared.index.lock(), client, &items, ttl_ms, now);
+                let plan = PutPlan::new(&mut self.shared.index.lock(), &items, ttl_ms, now);
                 if plan.copies.is_empty() {
                     let outcomes = plan.finish(&mut self.shared.index.lock(), Ok(()), now);
                     return self.reply(&n.from, Reply { first_id, outcomes });

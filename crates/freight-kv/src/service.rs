@@ -89,7 +89,7 @@ pub struct PutPlan {
 
 impl PutPlan {
     /// Reserves a slot for every value; refused items get their outcome now.
-    pub fn new(index: &mut Index, client: u64, items: &[(Vec<u8>, Buffer)], ttl_ms: u64, now_ms: u64) -> PutPlan {
+    pub fn new(index: &mut Index, items: &[(Vec<u8>, Buffer)], ttl_ms: u64, now_ms: u64) -> PutPlan {
         let mut plan = PutPlan { copies: Vec::new(), items: Vec::with_capacity(items.len()) };
         for (key, buffer) in items {
             let item = if key.is_empty() {
@@ -97,7 +97,7 @@ impl PutPlan {
             } else if buffer.len == 0 {
                 Err(invalid("a value of 0 bytes"))
             } else {
-                index.begin_put(client, key, buffer.len, ttl_ms, now_ms).map_err(refusal)
+                index.begin_put(key, buffer.len, ttl_ms, now_ms).map_err(refusal)
             };
             if let Ok(grant) = &item {
                 plan.copies.push((*buffer, grant.slot));
@@ -116,7 +116,6 @@ impl PutPlan {
                 (Err(outcome), _) => outcome,
                 (Ok(grant), Ok(())) => match index.commit_put(grant.id, now_ms) {
                     Ok(version) => Outcome::Stored { version },
-                    // Reclaimed meanwhile (its client was declared dead).
                     Err(e) => refusal(e),
                 },
                 (Ok(grant), Err(e)) => {
@@ -160,7 +159,7 @@ mod tests {
     }
 
     fn put(ix: &mut Index, key: &[u8], len: u64) -> Outcome {
-        let plan = PutPlan::new(ix, 1, &[(key.to_vec(), buf(0x1000, len))], 0, 0);
+        let plan = PutPlan::new(ix, &[(key.to_vec(), buf(0x1000, len))], 0, 0);
         plan.finish(ix, Ok(()), 0).remove(0)
     }
 
@@ -220,7 +219,7 @@ mod tests {
     fn a_failed_put_frees_its_slots_and_keeps_the_old_value() {
         let mut ix = index(1 << 20, true);
         let Outcome::Stored { version } = put(&mut ix, b"k", 10) else { panic!() };
-        let plan = PutPlan::new(&mut ix, 1, &[(b"k".to_vec(), buf(0x1000, 20))], 0, 0);
+        let plan = PutPlan::new(&mut ix, &[(b"k".to_vec(), buf(0x1000, 20))], 0, 0);
         let out = plan.finish(&mut ix, Err(Error::Io("reset".into())), 0);
         assert!(matches!(&out[0], Outcome::Failed { code: FailCode::Transfer, .. }));
         let get = GetPlan::new(&mut ix, &[(b"k".to_vec(), buf(0x9000, 64))], 0);
@@ -239,7 +238,7 @@ mod tests {
             (b"huge".to_vec(), buf(0x1000, 5000)),
             (b"fine".to_vec(), buf(0x1000, 10)),
         ];
-        let plan = PutPlan::new(&mut ix, 1, &items, 0, 0);
+        let plan = PutPlan::new(&mut ix, &items, 0, 0);
         assert_eq!(plan.copies.len(), 1);
         let out = plan.finish(&mut ix, Ok(()), 0);
         assert!(matches!(&out[0], Outcome::Failed { code: FailCode::Invalid, error } if error.contains("empty key")));
@@ -248,15 +247,5 @@ mod tests {
             matches!(&out[2], Outcome::Failed { code: FailCode::NoSpace, error } if error.contains("5000") && error.contains("1000"))
         );
         assert!(matches!(out[3], Outcome::Stored { .. }));
-    }
-
-    #[test]
-    fn a_reservation_reclaimed_meanwhile_fails_its_commit() {
-        let mut ix = index(1 << 20, true);
-        let plan = PutPlan::new(&mut ix, 7, &[(b"k".to_vec(), buf(0x1000, 20))], 0, 0);
-        assert_eq!(ix.reclaim_client(7), 1);
-        let out = plan.finish(&mut ix, Ok(()), 0);
-        assert!(matches!(&out[0], Outcome::Failed { code: FailCode::Invalid, .. }), "{out:?}");
-        assert_eq!(ix.len(), 0);
     }
 }
