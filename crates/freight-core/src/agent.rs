@@ -536,7 +536,9 @@ impl Agent {
             return;
         }
         self.inner.server.shutdown();
-        for (_, p) in self.inner.peers.write().drain() {
+        // Out of the table first: shutting a peer down may wait, and lookups must not.
+        let peers: Vec<_> = self.inner.peers.write().drain().collect();
+        for (_, p) in peers {
             p.shutdown("the local agent closed");
         }
         tracing::info!(agent = %self.inner.name, "closed");

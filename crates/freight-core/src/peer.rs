@@ -1,6 +1,6 @@
 //! What an agent knows about one peer, and its connections to it (opened lazily).
 
-use std::net::{Shutdown, TcpStream};
+use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread;
@@ -259,6 +259,16 @@ impl Peer {
         *self.dials.lock()
     }
 
+    /// The connections, unless the peer was removed: checked under their lock, so that
+    /// a connection dialled while it is removed is never kept (its thread would leak).
+    fn live_links(&self) -> Result<parking_lot::MutexGuard<'_, Links>> {
+        let links = self.links.lock();
+        if self.removed.load(Ordering::Acquire) {
+            return Err(self.disconnected("the peer was removed or replaced; prepare against the new peer"));
+        }
+        Ok(links)
+    }
+
     /// Fails when the peer was removed or a connection to it broke.
     pub fn check_alive(&self) -> Result<()> {
         if self.removed.load(Ordering::Acquire) {
@@ -280,7 +290,7 @@ impl Peer {
     /// The control link, dialled on first use.
     pub fn control(self: &Arc<Self>, ctx: &DialContext) -> Result<Arc<ControlLink>> {
         self.check_alive()?;
-        let mut links = self.links.lock();
+        let mut links = self.live_links()?;
         if let Some(c) = &links.control {
             return Ok(c.clone());
         }
@@ -288,11 +298,18 @@ impl Peer {
         let started = Instant::now();
         let stream = net::dial(&self.md.addresses, None, Role::Control, &intro, ctx.timeout)
             .map_err(|e| self.disconnected(format!("cannot open control connection: {e}")))?;
+        // A peer that stops reading fails a notification instead of blocking it (and
+        // everything waiting for the writer) for ever.
+        stream.set_write_timeout(Some(ctx.peer_timeout))?;
         let reader = stream.try_clone()?;
+        // Closing the link shuts the socket down through the health, never waiting for
+        // a writer that holds the lock.
+        let health = Arc::new(Health::default());
+        health.watch(stream.try_clone()?);
         let link = Arc::new(ControlLink {
             peer: self.name.clone(),
             writer: Mutex::new(stream),
-            health: Arc::new(Health::default()),
+            health,
             route: Mutex::new(Route::Undecided),
             answer: Answer::default(),
             same_host: self.same_host,
@@ -359,7 +376,7 @@ impl Peer {
     /// first, and threads of NICs without a NUMA node go to the GPU's.
     pub fn tcp(&self, ctx: &DialContext, cfg: &TcpConfig, gpu: Option<PciPlace>) -> Result<Arc<TcpConn>> {
         self.check_alive()?;
-        let mut links = self.links.lock();
+        let mut links = self.live_links()?;
         if let Some(t) = &links.tcp {
             return Ok(t.clone());
         }
@@ -392,7 +409,7 @@ impl Peer {
     /// The fabric exchange with the peer, set up on first use.
     pub fn fabric(&self, ctx: &DialContext, fabric: &Arc<Fabric>) -> Result<Arc<FabricLink>> {
         self.check_alive()?;
-        let mut links = self.links.lock();
+        let mut links = self.live_links()?;
         if let Some(f) = &links.fabric {
             return Ok(f.clone());
         }
@@ -429,7 +446,6 @@ impl Peer {
         let links = std::mem::take(&mut *self.links.lock());
         if let Some(c) = links.control {
             c.health.close(reason);
-            let _ = c.writer.lock().shutdown(Shutdown::Both);
         }
         if let Some(t) = links.tcp {
             t.shutdown(reason);

@@ -79,8 +79,15 @@ fn accept_loop(listener: TcpListener, agent: Weak<AgentInner>) {
         let stream = match listener.accept() {
             Ok((s, _)) => s,
             Err(e) => {
-                tracing::debug!(error = %e, "listener closed");
-                return;
+                if agent.upgrade().is_none_or(|a| a.is_closed()) {
+                    tracing::debug!(error = %e, "listener closed");
+                    return;
+                }
+                // Out of descriptors or memory, a connection reset before it was taken:
+                // the agent must stay reachable once that passes.
+                tracing::warn!(error = %e, "accepting a connection failed; trying again");
+                thread::sleep(std::time::Duration::from_millis(50));
+                continue;
             }
         };
         let Some(a) = agent.upgrade() else { return };
@@ -105,13 +112,16 @@ fn accept_loop(listener: TcpListener, agent: Weak<AgentInner>) {
 }
 
 fn serve_connection(mut stream: TcpStream, agent: &Weak<AgentInner>, id: u64) -> Result<()> {
-    let (timeout, metadata_token, secret, my_id) = {
+    let (timeout, peer_timeout, metadata_token, secret, my_id) = {
         let a = agent.upgrade().ok_or_else(|| Error::Io("agent closed".into()))?;
-        (a.config.connect_timeout, a.config.metadata_token.clone(), a.secret, a.id)
+        (a.config.connect_timeout, a.config.peer_timeout, a.config.metadata_token.clone(), a.secret, a.id)
     };
     tune(&stream)?;
     stream.set_read_timeout(Some(timeout))?;
-    let Some(Frame::Hello { version, role, from_name, target_id, token, .. }) = wire::read_frame(&mut stream)? else {
+    // Unauthenticated so far: a bounded hello, and answers that cannot block for ever.
+    stream.set_write_timeout(Some(peer_timeout))?;
+    let hello = wire::read_frame_within(&mut stream, wire::MAX_HELLO)?;
+    let Some(Frame::Hello { version, role, from_name, target_id, token, .. }) = hello else {
         return refuse(&mut stream, "expected a hello");
     };
     if version != PROTOCOL_VERSION {

@@ -234,13 +234,22 @@ pub fn take_frame(buf: &mut Vec<u8>) -> Result<Option<Frame>> {
 
 /// Reads one frame header. `Ok(None)` on a clean end of stream before any byte.
 pub fn read_frame(r: &mut impl Read) -> Result<Option<Frame>> {
+    read_frame_within(r, MAX_HEADER)
+}
+
+/// The largest hello: its names, ids and token, with room to spare. What a connection
+/// says before it is authenticated must not make the listener allocate much.
+pub const MAX_HELLO: usize = 64 << 10;
+
+/// [`read_frame`] for a frame whose header may take at most `most` bytes.
+pub fn read_frame_within(r: &mut impl Read, most: usize) -> Result<Option<Frame>> {
     let mut len = [0u8; 4];
     if !read_exact_or_eof(r, &mut len)? {
         return Ok(None);
     }
     let n = u32::from_le_bytes(len) as usize;
-    if n > MAX_HEADER {
-        return Err(Error::Protocol(format!("frame header of {n} bytes (max {MAX_HEADER})")));
+    if n > most {
+        return Err(Error::Protocol(format!("frame header of {n} bytes (max {most})")));
     }
     let mut buf = vec![0u8; n];
     r.read_exact(&mut buf)?;

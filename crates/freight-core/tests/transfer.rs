@@ -318,3 +318,24 @@ fn connections_to_a_peer_are_counted_and_timed() {
     assert!(s.setup_us > 0 && s.last_setup_us > 0 && s.last_setup_us <= s.setup_us, "{s:?}");
     assert!(matches!(a.connection_stats("nobody"), Err(Error::UnknownPeer(_))));
 }
+
+/// A connection that has not said who it is cannot make the listener wait for (and
+/// allocate) a large first frame: it is dropped at once, and the agent still serves.
+#[test]
+fn an_oversized_hello_is_dropped_at_once() {
+    use std::io::{Read, Write};
+    let (a, b) = agents(AgentConfig::default());
+    let addr = b.addresses()[0].clone();
+    let mut raw = std::net::TcpStream::connect(&addr).unwrap();
+    raw.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let started = std::time::Instant::now();
+    raw.write_all(&(1u32 << 20).to_le_bytes()).unwrap();
+    let mut byte = [0u8; 1];
+    // Closed (0 bytes or a reset) without waiting for the megabyte announced.
+    assert!(matches!(raw.read(&mut byte), Ok(0) | Err(_)));
+    assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
+    a.add_peer(&b.metadata()).unwrap();
+    a.notify("target", b"still here".to_vec()).unwrap();
+    let got = b.wait_notifs(Duration::from_secs(5));
+    assert_eq!(got.first().map(|n| n.msg.as_slice()), Some(b"still here".as_slice()));
+}

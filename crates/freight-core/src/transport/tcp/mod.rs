@@ -100,6 +100,9 @@ impl Job {
 #[derive(Default)]
 pub struct Health {
     dead: Mutex<Option<String>>,
+    /// The connection's sockets, shut down together when it dies: a stream whose
+    /// sibling failed must not leave its peer blocked writing answers nobody reads.
+    sockets: Mutex<Vec<TcpStream>>,
 }
 
 impl Health {
@@ -113,6 +116,14 @@ impl Health {
         self.mark(reason.to_string(), true);
     }
 
+    /// Shuts `sock` down along with the others when the connection dies.
+    pub fn watch(&self, sock: TcpStream) {
+        if self.dead.lock().is_some() {
+            let _ = sock.shutdown(Shutdown::Both);
+        }
+        self.sockets.lock().push(sock);
+    }
+
     fn mark(&self, reason: String, expected: bool) {
         let mut d = self.dead.lock();
         if d.is_none() {
@@ -122,6 +133,10 @@ impl Health {
                 tracing::warn!(%reason, "connection failed");
             }
             *d = Some(reason);
+            drop(d);
+            for s in self.sockets.lock().iter() {
+                let _ = s.shutdown(Shutdown::Both);
+            }
         }
     }
     pub fn reason(&self) -> Option<String> {
@@ -156,9 +171,13 @@ impl TcpConn {
             let (job_tx, job_rx) = unbounded::<Job>();
             let (exp_tx, exp_rx) = bounded::<(u64, Job)>(cfg.window.max(1));
             let writer = sock.try_clone()?;
+            // A chunk larger than the socket buffers to a peer that stopped reading
+            // fails within the timeout instead of blocking the stream for ever.
+            writer.set_write_timeout(Some(timeout))?;
             let zc = ZeroCopySocket::new(&writer, cfg.zerocopy);
             let reader = sock.try_clone()?;
             reader.set_read_timeout(Some(timeout))?;
+            health.watch(sock.try_clone()?);
             let (h1, h2) = (health.clone(), health.clone());
             let (p1, p2) = (peer.to_string(), peer.to_string());
             let (pin1, pin2, local) = (cfg.pin.clone(), cfg.pin.clone(), sock.local_addr().ok());
