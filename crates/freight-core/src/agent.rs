@@ -86,6 +86,9 @@ impl AgentConfig {
         if self.tcp.streams == 0 || self.tcp.window == 0 || self.tcp.chunk_size == 0 {
             return Err(invalid("tcp streams, window and chunk size must be positive"));
         }
+        if matches!(&self.tcp.pin, crate::nic::Pinning::Cores(cores) if cores.is_empty()) {
+            return Err(invalid("tcp pinning to cores needs at least one core"));
+        }
         if self.tcp.chunk_size > wire::MAX_PAYLOAD {
             return Err(invalid(format!("tcp chunk size must be at most {} bytes", wire::MAX_PAYLOAD)));
         }

@@ -159,12 +159,19 @@ impl Tracker {
 
     /// Runs `hook` once the current round is final: on the settling thread, or at once
     /// on this one where the round already is (so no completion slips between posting
-    /// and setting the hook). A round that is never posted never runs it.
+    /// and setting the hook). A round that is never posted never runs it. Hooks set
+    /// for one round all run, in the order they were set.
     pub fn on_settled(&self, hook: SettledHook) {
         {
             let mut st = self.state.lock();
             if st.status == Status::Pending || st.status == Status::Idle {
-                st.on_settled = Some(hook);
+                st.on_settled = Some(match st.on_settled.take() {
+                    Some(first) => Box::new(move || {
+                        first();
+                        hook();
+                    }),
+                    None => hook,
+                });
                 return;
             }
         }
@@ -225,16 +232,18 @@ mod tests {
             }) as SettledHook
         };
         t.begin(2, Box::new(|r| r)).unwrap();
+        // Two hooks for one round: both run.
+        t.on_settled(hook(&t, &runs));
         t.on_settled(hook(&t, &runs));
         t.finish_part(Ok(()));
         assert_eq!(runs.load(Ordering::SeqCst), 0);
         t.finish_part(Err(Error::Io("lost".into())));
-        assert_eq!(runs.load(Ordering::SeqCst), 1);
+        assert_eq!(runs.load(Ordering::SeqCst), 2);
         t.finish_part(Ok(()));
-        assert_eq!(runs.load(Ordering::SeqCst), 1);
+        assert_eq!(runs.load(Ordering::SeqCst), 2);
         // Set after the round settled: runs at once.
         t.on_settled(hook(&t, &runs));
-        assert_eq!(runs.load(Ordering::SeqCst), 2);
+        assert_eq!(runs.load(Ordering::SeqCst), 3);
     }
 
     #[test]

@@ -206,10 +206,13 @@ pub fn decode(bytes: &[u8]) -> Result<Frame> {
     if !rest.is_empty() {
         return Err(Error::Protocol(format!("{} trailing bytes after frame", rest.len())));
     }
-    if let Frame::Notify { msg } = &frame {
-        if msg.len() > MAX_NOTIF {
-            return Err(Error::Protocol(format!("notification of {} bytes (max {MAX_NOTIF})", msg.len())));
-        }
+    let notif = match &frame {
+        Frame::Notify { msg } => Some(msg),
+        Frame::Write { notif, .. } => notif.as_ref(),
+        _ => None,
+    };
+    if let Some(msg) = notif.filter(|m| m.len() > MAX_NOTIF) {
+        return Err(Error::Protocol(format!("notification of {} bytes (max {MAX_NOTIF})", msg.len())));
     }
     Ok(frame)
 }

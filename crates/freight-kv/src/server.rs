@@ -538,7 +538,9 @@ impl Worker {
             };
             match self.in_flight.swap_remove(i) {
                 InFlight::Get { client, first_id, plan, .. } => {
-                    if let Some(outcomes) = plan.finish(&mut self.shared.index.lock(), result) {
+                    // Bound first: the index lock must not be held while replying.
+                    let failed = plan.finish(&mut self.shared.index.lock(), result);
+                    if let Some(outcomes) = failed {
                         self.reply(&client, Reply { first_id, outcomes });
                     }
                 }
