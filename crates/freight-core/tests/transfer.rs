@@ -339,3 +339,11 @@ fn an_oversized_hello_is_dropped_at_once() {
     let got = b.wait_notifs(Duration::from_secs(5));
     assert_eq!(got.first().map(|n| n.msg.as_slice()), Some(b"still here".as_slice()));
 }
+
+#[test]
+fn pinning_to_no_cores_is_refused() {
+    let mut cfg = AgentConfig::default();
+    cfg.tcp.pin = freight_core::Pinning::Cores(vec![]);
+    let e = Agent::new("pinned", cfg).err().expect("refused");
+    assert!(matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("at least one core"), "{e}");
+}
