@@ -143,11 +143,13 @@ impl Shared {
 
     /// Takes a client's new metadata (it registered more memory).
     pub(crate) fn refresh(&self, client: u64, metadata: &[u8]) -> Result<()> {
-        let name = self.agent.add_peer(metadata)?;
+        // The session first: metadata of an agent without one is not taken as a peer.
+        let name = freight_core::metadata::AgentMetadata::decode(metadata)?.name;
         match self.clients.lock().id_of(&name) {
-            Some(id) if id == client => Ok(()),
-            _ => Err(Error::InvalidArgument(format!("client {client} has no session with this server"))),
+            Some(id) if id == client => {}
+            _ => return Err(Error::InvalidArgument(format!("client {client} has no session with this server"))),
         }
+        self.agent.add_peer(metadata).map(|_| ())
     }
 
     /// Ends the session of the client with this id (no error if there is none).

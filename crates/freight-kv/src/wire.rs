@@ -144,8 +144,31 @@ impl Request {
 }
 
 impl Reply {
+    /// The reply's bytes, within a notification's limit: where many failed items'
+    /// reasons would go past it, each keeps only its first bytes, or none (the code
+    /// still says what went wrong).
     pub fn encode(&self) -> Vec<u8> {
-        encode(self)
+        let bytes = encode(self);
+        if bytes.len() <= freight_core::wire::MAX_NOTIF {
+            return bytes;
+        }
+        for keep in [64, 0] {
+            let mut shorter = self.clone();
+            for o in &mut shorter.outcomes {
+                if let Outcome::Failed { error, .. } = o {
+                    let mut end = keep.min(error.len());
+                    while !error.is_char_boundary(end) {
+                        end -= 1;
+                    }
+                    error.truncate(end);
+                }
+            }
+            let bytes = encode(&shorter);
+            if bytes.len() <= freight_core::wire::MAX_NOTIF || keep == 0 {
+                return bytes;
+            }
+        }
+        unreachable!("the loop returns on its last pass")
     }
 
     pub fn decode(bytes: &[u8]) -> Option<Result<Reply>> {
@@ -159,6 +182,20 @@ mod tests {
 
     fn buf(addr: u64, len: u64) -> Buffer {
         Buffer { kind: MemKind::Dram, addr, len, dev: 0 }
+    }
+
+    #[test]
+    fn a_reply_of_many_failures_fits_a_notification() {
+        let failed = Outcome::Failed { code: FailCode::NoSpace, error: "é".repeat(200) };
+        let reply = Reply { first_id: 1, outcomes: vec![failed; 60_000] };
+        let bytes = reply.encode();
+        assert!(bytes.len() <= freight_core::wire::MAX_NOTIF, "{}", bytes.len());
+        let back = Reply::decode(&bytes).unwrap().unwrap();
+        assert_eq!(back.outcomes.len(), 60_000);
+        assert!(matches!(&back.outcomes[0], Outcome::Failed { code: FailCode::NoSpace, error } if error.len() <= 64));
+        let small =
+            Reply { first_id: 2, outcomes: vec![Outcome::Failed { code: FailCode::Invalid, error: "why".into() }] };
+        assert_eq!(Reply::decode(&small.encode()).unwrap().unwrap(), small, "a small reply is kept whole");
     }
 
     #[test]
