@@ -81,7 +81,11 @@ impl ChannelSender {
 
     /// Sends `objects` in batches of the channel's batch size. Keys must be unique
     /// within a call and not empty; the memory must stay unchanged until
-    /// [`ChannelSender::flush`] returns. Returns the number of pipe messages used.
+    /// [`ChannelSender::flush`] returns. Returns the number of pipe messages used. Bad
+    /// input refuses a batch before any of it goes; a failure while sending (no room in
+    /// time, a broken pipe) leaves the messages already sent delivered, whole objects
+    /// included. A cut object whose first pieces went out is started over by the
+    /// receiver when it is sent again.
     pub fn send(&self, objects: &[Outgoing]) -> Result<usize> {
         check_batch(objects)?;
         let mut messages = 0;
