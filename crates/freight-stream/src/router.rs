@@ -43,6 +43,8 @@ struct Shared {
     foreign_ready: Condvar,
     opens: (Sender<Open>, Receiver<Open>),
     stop: AtomicBool,
+    /// Set once its router is gone for good: thread joined, notifications given back.
+    finished: AtomicBool,
 }
 
 pub struct Router {
@@ -51,23 +53,36 @@ pub struct Router {
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
-/// Routers by agent (keyed by the agent's address, which is stable while it lives).
-static ROUTERS: Mutex<Vec<(usize, Weak<Router>)>> = Mutex::new(Vec::new());
+/// A router as the registry keeps it: (agent's address, the router, its state).
+type Registered = (usize, Weak<Router>, Arc<Shared>);
+
+/// Routers by agent (keyed by the agent's address, which is stable while it lives),
+/// kept until their drop has finished.
+static ROUTERS: Mutex<Vec<Registered>> = Mutex::new(Vec::new());
 
 impl Router {
     /// The router of `agent`, started on first use.
     pub fn of(agent: &Arc<Agent>) -> Arc<Router> {
         let key = Arc::as_ptr(agent) as usize;
         let mut all = ROUTERS.lock();
-        all.retain(|(_, r)| r.strong_count() > 0);
-        if let Some(r) = all.iter().find(|(k, _)| *k == key).and_then(|(_, r)| r.upgrade()) {
+        if let Some(r) = all.iter().find(|(k, ..)| *k == key).and_then(|(_, r, _)| r.upgrade()) {
             return r;
         }
+        // A router of this agent whose last handle just went may still be stopping
+        // (its drop does not take this lock): two threads must never both take from
+        // the agent's queue.
+        for (_, _, old) in all.iter().filter(|(k, ..)| *k == key) {
+            while !old.finished.load(Ordering::Acquire) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        all.retain(|(_, r, shared)| r.strong_count() > 0 || !shared.finished.load(Ordering::Acquire));
         let shared = Arc::new(Shared {
             table: Mutex::new(Table::default()),
             foreign_ready: Condvar::new(),
             opens: crossbeam_channel::unbounded(),
             stop: AtomicBool::new(false),
+            finished: AtomicBool::new(false),
         });
         let weak_agent = Arc::downgrade(agent);
         let thread = {
@@ -77,8 +92,8 @@ impl Router {
                 .spawn(move || route(weak_agent, shared))
                 .expect("cannot start the pipe router thread")
         };
-        let router = Arc::new(Router { agent: agent.clone(), shared, thread: Some(thread) });
-        all.push((key, Arc::downgrade(&router)));
+        let router = Arc::new(Router { agent: agent.clone(), shared: shared.clone(), thread: Some(thread) });
+        all.push((key, Arc::downgrade(&router), shared));
         router
     }
 
@@ -149,17 +164,17 @@ impl Router {
 }
 
 impl Drop for Router {
-    /// Stops the thread before a new router may start for the agent (both would take
-    /// from its queue), and gives the agent back the notifications that were not the
-    /// pipes', so that its own `get_notifs` sees them.
+    /// Stops the thread, and gives the agent back the notifications that were not the
+    /// pipes', so that its own `get_notifs` sees them. A new router for the agent waits
+    /// for this to finish (both threads would take from its queue).
     fn drop(&mut self) {
-        let _no_new_router = ROUTERS.lock();
         self.shared.stop.store(true, Ordering::Release);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
         let kept: Vec<Notification> = self.shared.table.lock().foreign.drain(..).collect();
         self.agent.give_back_notifs(kept);
+        self.shared.finished.store(true, Ordering::Release);
     }
 }
 

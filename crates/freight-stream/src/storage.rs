@@ -349,6 +349,8 @@ impl Drop for StoreSender {
         let uncommitted = self.pending();
         if uncommitted > 0 {
             tracing::warn!(objects = uncommitted, "a store sender was dropped with objects not committed");
+            // Its caller frees the objects' memory next: no write may still read it.
+            let _ = self.channel.pipe().settle_writes();
             self.channel.pipe().abort(&format!("the sender went away with {uncommitted} objects not committed"));
         }
     }

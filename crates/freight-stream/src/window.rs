@@ -141,6 +141,12 @@ impl SendWindow {
         Ok(Some(slot))
     }
 
+    /// The credit a message of `len` bytes waits for: once the receiver has finished
+    /// with everything before it, [`SendWindow::reserve`] finds room.
+    pub fn needs_credit(&self, len: u64) -> u64 {
+        (place(self.head, len, self.capacity) + len).saturating_sub(self.capacity).min(self.head)
+    }
+
     /// The receiver has finished with everything before `upto`.
     pub fn credit(&mut self, upto: u64) -> Result<(), WindowError> {
         if upto < self.credit {
@@ -318,6 +324,26 @@ mod tests {
         let e = r.accept(Slot { seq: 2, start: 100, len: 60 }).unwrap_err();
         assert_eq!(e, WindowError::Overwrites { seq: 2, start: 100, end: 160, held: 10 });
         r.accept(Slot { seq: 2, start: 70, len: 30 }).unwrap();
+    }
+
+    /// The credit a stuck sender asks for is exactly what it needs: just below it there
+    /// is no room, at it there is, whether or not the message wraps.
+    #[test]
+    fn a_stuck_sender_asks_for_the_credit_it_needs() {
+        for (sent, len) in [(30, 50), (70, 50), (100, 100), (95, 10), (40, 60)] {
+            let mut w = SendWindow::new(100).unwrap();
+            w.reserve(sent).unwrap().unwrap();
+            if w.clone().reserve(len).unwrap().is_some() {
+                continue;
+            }
+            let needed = w.needs_credit(len);
+            assert!(needed > 0 && needed <= sent, "sent {sent}, len {len}: {needed}");
+            let mut short = w.clone();
+            short.credit(needed - 1).unwrap();
+            assert!(short.reserve(len).unwrap().is_none(), "sent {sent}, len {len}: room before {needed}");
+            w.credit(needed).unwrap();
+            assert!(w.reserve(len).unwrap().is_some(), "sent {sent}, len {len}: no room at {needed}");
+        }
     }
 
     #[test]

@@ -88,9 +88,6 @@ struct RecvState {
     /// Messages in the stream, once the sender closed it.
     end: Option<u64>,
     broken: Option<Error>,
-    /// A reader waits for the sender: space freed meanwhile is credited at once, or a
-    /// sender waiting for it and this reader would wait for each other.
-    reader_waiting: bool,
 }
 
 impl RecvEnd {
@@ -131,13 +128,7 @@ impl RecvEnd {
             buffer: buffer.clone(),
             owned,
             timeout: config.timeout,
-            state: Mutex::new(RecvState {
-                window,
-                pending: BTreeMap::new(),
-                end: None,
-                broken: None,
-                reader_waiting: false,
-            }),
+            state: Mutex::new(RecvState { window, pending: BTreeMap::new(), end: None, broken: None }),
             reading: Mutex::new(()),
         };
         router.send(peer, &Msg::Accept { pipe, buffer, credit_batch: batch })?;
@@ -224,15 +215,13 @@ impl RecvEnd {
                     return Ok(None);
                 }
                 // About to wait: space freed but not yet credited must not stay hidden
-                // from a sender that may be waiting for it (nor space freed meanwhile).
-                st.reader_waiting = true;
+                // from a sender that may be waiting for it.
                 st.window.flush()
             };
             if let Some(upto) = credit {
                 self.send_credit(upto)?;
             }
             let waited = wait_message(self.agent(), &self.peer, &self.inbox, deadline);
-            self.state.lock().reader_waiting = false;
             match waited {
                 Ok(Some(msg)) => self.take(msg),
                 Ok(None) => {
@@ -254,11 +243,7 @@ impl RecvEnd {
     }
 
     fn release(&self, start: u64) -> Result<()> {
-        let credit = {
-            let mut st = self.state.lock();
-            let due = st.window.release(start).map_err(|e| window_error(&self.peer, e))?;
-            due.or_else(|| if st.reader_waiting { st.window.flush() } else { None })
-        };
+        let credit = self.state.lock().window.release(start).map_err(|e| window_error(&self.peer, e))?;
         match credit {
             Some(upto) => self.send_credit(upto),
             None => Ok(()),

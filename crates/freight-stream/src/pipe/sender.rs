@@ -42,6 +42,8 @@ struct SendState {
     broken: Option<Error>,
     /// Time spent waiting for room in the receiver's buffer, since the pipe opened.
     credit_wait: Duration,
+    /// The furthest credit asked for with `Sync` (see `reserve`).
+    asked: u64,
 }
 
 impl PipeSender {
@@ -66,8 +68,14 @@ impl PipeSender {
             }
         };
         tracing::info!(peer = %peer, pipe, capacity = buffer.len, kind = %buffer.kind.as_str(), "pipe opened");
-        let state =
-            SendState { window, in_flight: VecDeque::new(), closed: false, broken: None, credit_wait: Duration::ZERO };
+        let state = SendState {
+            window,
+            in_flight: VecDeque::new(),
+            closed: false,
+            broken: None,
+            credit_wait: Duration::ZERO,
+            asked: 0,
+        };
         Ok(PipeSender { router, peer, pipe, inbox, buffer, config: config.clone(), state: Mutex::new(state) })
     }
 
@@ -221,6 +229,13 @@ impl PipeSender {
             self.reap(st, self.config.max_in_flight - 1, deadline)?;
             if let Some(slot) = st.window.reserve(len).map_err(|e| window_error(&self.peer, e))? {
                 return Ok(slot);
+            }
+            // Stuck: the receiver must credit the room it frees now, not once a batch
+            // of bytes is free (it may hold the rest for long).
+            let needed = st.window.needs_credit(len);
+            if needed > st.asked {
+                st.asked = needed;
+                self.router.send(&self.peer, &Msg::Sync { pipe: self.pipe, upto: needed })?;
             }
             let waiting = Instant::now();
             let outcome = wait_message(self.agent(), &self.peer, &self.inbox, deadline);

@@ -111,13 +111,17 @@ impl FabricLink {
             tracing::info!(%peer, %reason, "fabric peer gone");
             *dead.lock() = Some(reason.clone());
             // The relay first: once the rails abandon its chunks' operations, their
-            // docks must not be lent again (the provider may still use them).
-            if let Some(r) = relay.lock().take() {
+            // docks must not be lent again (the provider may still use them). It is
+            // kept until the rails have reported those chunks, so that its driver
+            // finishes them with the rails' word rather than stopping on them.
+            let closed = relay.lock().take();
+            if let Some(r) = &closed {
                 r.close(&reason);
             }
             if let Some(f) = fabric.upgrade() {
                 f.abandon(&routes, &reason);
             }
+            drop(closed);
         })?;
         Ok(())
     }
@@ -198,7 +202,9 @@ impl FabricLink {
     /// `reason`); requests made before keep the link, so it may outlive this.
     pub fn shutdown(&self, reason: &str) {
         self.closing.store(true, Ordering::Release);
-        if let Some(r) = self.relay.lock().take() {
+        // Out of the lock before it goes: dropping the last handle waits for its driver.
+        let closed = self.relay.lock().take();
+        if let Some(r) = closed {
             r.close(reason);
         }
         let _ = self.stream.lock().shutdown(Shutdown::Both);

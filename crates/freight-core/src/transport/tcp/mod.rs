@@ -118,10 +118,12 @@ impl Health {
 
     /// Shuts `sock` down along with the others when the connection dies.
     pub fn watch(&self, sock: TcpStream) {
+        // Registered before looking: a death marked meanwhile finds it in the list.
+        let mut sockets = self.sockets.lock();
         if self.dead.lock().is_some() {
             let _ = sock.shutdown(Shutdown::Both);
         }
-        self.sockets.lock().push(sock);
+        sockets.push(sock);
     }
 
     fn mark(&self, reason: String, expected: bool) {
