@@ -231,7 +231,13 @@ impl CacheEngine {
                     if self.sealed.is_empty() {
                         self.seal_remote()?;
                     }
+                    // Each pass frees a commit's slots (the sink and the engine seal the
+                    // same commits), so this loop ends; a slip would spin, so it fails.
+                    let before = self.sealed.len();
                     self.wait_oldest_remote()?;
+                    if self.sealed.len() >= before {
+                        return Err(Error::InvalidState("the remote sink held no commit to free slots with".into()));
+                    }
                 }
                 other => break other?,
             }

@@ -398,13 +398,12 @@ impl ChannelReceiver {
                     }
                 }
                 Event::End(sender) => {
-                    let unfinished = self.partial.keys().find(|(s, _)| *s == sender).map(|(_, k)| k.clone());
-                    self.retire(sender);
-                    if let Some(key) = unfinished {
-                        return Err(Error::Protocol(format!(
-                            "sender {sender} closed its stream before the last piece of '{key}'"
-                        )));
+                    // Only a send that failed halfway leaves an object unfinished, and
+                    // its sender heard of it: the object is void, the stream whole.
+                    for (_, key) in self.partial.keys().filter(|(s, _)| *s == sender) {
+                        tracing::warn!(sender, key = %key, "a sender closed its stream with an object unfinished; it is dropped");
                     }
+                    self.retire(sender);
                 }
                 Event::Failed(sender, e) => {
                     // The stream goes on without it.
