@@ -313,6 +313,12 @@ mod tests {
     use crate::wire::Seg;
     use std::net::TcpListener;
 
+    /// libfabric's tcp provider on loopback, or `None` (and why) where it is missing.
+    fn loopback_fabric() -> Option<Fabric> {
+        let cfg = FabricConfig { provider: Some("tcp".into()), domains: vec!["lo".into()], ..FabricConfig::default() };
+        Fabric::open(&cfg).map_err(|e| eprintln!("SKIPPED: libfabric's tcp provider is not available: {e}")).ok()
+    }
+
     fn ask(stream: &mut TcpStream, frame: Frame) -> Option<Frame> {
         wire::write_frame(stream, &frame, &[]).unwrap();
         wire::read_frame(stream).unwrap()
@@ -374,11 +380,7 @@ mod tests {
     /// are refused with the reason, and the connection goes on; good copies move bytes.
     #[test]
     fn docks_are_lent_within_limits_and_copies_are_checked() {
-        let cfg = FabricConfig { provider: Some("tcp".into()), domains: vec!["lo".into()], ..FabricConfig::default() };
-        let Ok(fabric) = Fabric::open(&cfg) else {
-            eprintln!("SKIPPED: libfabric's tcp provider is not available");
-            return;
-        };
+        let Some(fabric) = loopback_fabric() else { return };
         let registry = Registry::new();
         let mut memory: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
         let private = vec![0u8; 4096];
@@ -440,11 +442,7 @@ mod tests {
     /// the next staged request dials a new one. A link shut down opens none.
     #[test]
     fn a_closed_relay_is_opened_again() {
-        let cfg = FabricConfig { provider: Some("tcp".into()), domains: vec!["lo".into()], ..FabricConfig::default() };
-        let Ok(fabric) = Fabric::open(&cfg) else {
-            eprintln!("SKIPPED: libfabric's tcp provider is not available");
-            return;
-        };
+        let Some(fabric) = loopback_fabric() else { return };
         let fabric = Arc::new(fabric);
         let registry = Arc::new(Registry::new());
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();

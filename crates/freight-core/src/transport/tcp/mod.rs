@@ -150,7 +150,6 @@ impl Health {
 pub struct TcpConn {
     peer: String,
     streams: Vec<Sender<Job>>,
-    sockets: Vec<TcpStream>,
     next: AtomicUsize,
     health: Arc<Health>,
 }
@@ -168,7 +167,6 @@ impl TcpConn {
         gpu_node: Option<u32>,
     ) -> Result<TcpConn> {
         let mut streams = Vec::with_capacity(sockets.len());
-        let mut kept = Vec::with_capacity(sockets.len());
         for (i, sock) in sockets.into_iter().enumerate() {
             let (job_tx, job_rx) = unbounded::<Job>();
             let (exp_tx, exp_rx) = bounded::<(u64, Job)>(cfg.window.max(1));
@@ -179,7 +177,6 @@ impl TcpConn {
             let zc = ZeroCopySocket::new(&writer, cfg.zerocopy);
             let reader = sock.try_clone()?;
             reader.set_read_timeout(Some(timeout))?;
-            health.watch(sock.try_clone()?);
             let (h1, h2) = (health.clone(), health.clone());
             let (p1, p2) = (peer.to_string(), peer.to_string());
             let (pin1, pin2, local) = (cfg.pin.clone(), cfg.pin.clone(), sock.local_addr().ok());
@@ -192,9 +189,9 @@ impl TcpConn {
                 receive_loop(reader, exp_rx, h2, p2)
             })?;
             streams.push(job_tx);
-            kept.push(sock);
+            health.watch(sock);
         }
-        Ok(TcpConn { peer: peer.to_string(), streams, sockets: kept, next: AtomicUsize::new(0), health })
+        Ok(TcpConn { peer: peer.to_string(), streams, next: AtomicUsize::new(0), health })
     }
 
     pub fn dead_reason(&self) -> Option<String> {
@@ -241,10 +238,8 @@ impl TcpConn {
 
     /// Closes the sockets; threads notice and fail whatever is still queued.
     pub fn shutdown(&self, reason: &str) {
+        // The health shuts every stream's socket down with it.
         self.health.close(reason);
-        for s in &self.sockets {
-            let _ = s.shutdown(Shutdown::Both);
-        }
     }
 }
 
