@@ -24,6 +24,7 @@ wheel:
 
 # every engine benchmark with its peer (iperf3, memcpy); see docs/bench-engine.md
 bench: setup
+	cargo build --release -p freight-cli
 	python3 bench/engine.py --machine "$$(hostname)" --freight $(CARGO_TARGET_DIR)/release/freight
 
 fmt:

@@ -2,7 +2,7 @@
 # libfabric, unpacks the Debian packages in .carry/debs under /tmp (nothing is
 # installed) and puts them on PATH and LD_LIBRARY_PATH. The list to download is in
 # scripts/net-bench.sh.
-if ! command -v ip >/dev/null || ! command -v iperf3 >/dev/null || ! ldconfig -p | grep -q libfabric.so.1; then
+if ! command -v ip >/dev/null || ! command -v iperf3 >/dev/null || ! "$(command -v ldconfig || echo /sbin/ldconfig)" -p | grep -q libfabric.so.1; then
     if ls .carry/debs/*.deb >/dev/null 2>&1; then
         root=/tmp/freight-debs
         echo "[debs] unpacking .carry/debs into $root"

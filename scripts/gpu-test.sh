@@ -50,24 +50,31 @@ log "GPU tests"
     test_py_kv.py::test_a_value_larger_than_a_gigabyte_round_trips) 2>&1 | tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
 
+# Benchmarks that failed (or timed out); named at the end and in the exit status.
+failed_benches=()
+bench_done() { [ "$1" = 0 ] || failed_benches+=("$2 (exit $1)"); }
+
 # The transfer benchmarks beside NIXL compare two GPUs; P2P=0 skips them.
 nixl_json=""
 if [ "${P2P:-1}" = 1 ]; then
     if [ -f .carry/nixl_trim.tar.xz ]; then
         mkdir -p /tmp/freight-nixl && tar -xJf .carry/nixl_trim.tar.xz -C /tmp/freight-nixl
         log "NIXL (same sizes)"
-        timeout 400 "$PY" bench/peers/nixl_p2p.py --nixl-dir /tmp/freight-nixl --out "$OUT/nixl.json" ${QUICK:+--quick} \
-            && nixl_json="$OUT/nixl.json"
+        timeout 400 "$PY" bench/peers/nixl_p2p.py --nixl-dir /tmp/freight-nixl --out "$OUT/nixl.json" ${QUICK:+--quick}
+        rc=$?; bench_done $rc nixl; [ $rc = 0 ] && nixl_json="$OUT/nixl.json"
     else
         log "NIXL skipped: .carry/nixl_trim.tar.xz is missing (run bench/peers/fetch_nixl.sh)"
     fi
     log "ceilings"
     timeout 300 "$PY" bench/peers/ceilings.py --out "$OUT/ceilings.json" ${QUICK:+--quick}
+    bench_done $? ceilings
     log "freight"
     timeout 400 "$PY" bench/gpu.py --out "$OUT/freight.json" ${QUICK:+--quick}
+    bench_done $? freight
     if [ "${SWEEP:-0}" = 1 ]; then
         log "kernel launch shapes (SWEEP=1)"
         timeout 300 "$PY" bench/gpu_sweep.py --out "$OUT/sweep.json" --ceilings "$OUT/ceilings.json" ${QUICK:+--quick}
+        bench_done $? sweep
     fi
 fi
 
@@ -75,12 +82,13 @@ if [ "${EP:-1}" = 1 ] && [ "$gpus" -ge 2 ]; then
     log "expert parallelism beside NCCL"
     timeout 900 "$PY" bench/ep.py --machine "$machine" --out "$OUT/ep.json" --freight "$PY -m freight" \
         2>&1 | tee "$OUT/ep.log"
+    bench_done "${PIPESTATUS[0]}" ep
 fi
 
 if [ "${STREAM:-1}" = 1 ]; then
     log "stream benchmarks (pipe, channel, storage, cache engine)"
     DEVICE=cuda:0 bash scripts/stream-bench.sh "$OUT" | tee "$OUT/stream.log"
-    stream_rc=${PIPESTATUS[0]}
+    bench_done "${PIPESTATUS[0]}" stream
 fi
 
 # The KV server beside Redis on this machine's CPUs; Redis comes from the Debian
@@ -95,12 +103,14 @@ if [ "${KV:-1}" = 1 ]; then
         log "KV server beside Redis ($(nproc) CPUs)"
         timeout 540 "$PY" bench/kv.py --machine "$machine host, $(nproc) CPUs" --out "$OUT/kv.json" \
             --freight "$PY -m freight" 2>&1 | tee "$OUT/kv.log"
+        bench_done "${PIPESTATUS[0]}" kv
     else
         log "KV benchmark skipped: no Redis here (bench/peers/redis.sh download .carry/redis)"
     fi
     log "KV server: GETs into GPU memory"
     timeout 300 "$PY" bench/kv_gpu.py --machine "$machine" --out "$OUT/kv_gpu.json" --freight "$PY -m freight" \
         2>&1 | tee "$OUT/kv_gpu.log"
+    bench_done "${PIPESTATUS[0]}" kv_gpu
 fi
 
 [ "${STREAM:-1}" = 1 ] && sed -n "/^. benchmark/,\$p" "$OUT/stream.log"
@@ -109,6 +119,6 @@ if [ "${P2P:-1}" = 1 ]; then
     "$PY" bench/gpu_report.py --freight "$OUT/freight.json" ${nixl_json:+--nixl "$nixl_json"} \
         --ceilings "$OUT/ceilings.json" --out-md "$OUT/report.md" --plot "$OUT/gpu.png" --machine "$machine"
 fi
-log "stream benchmarks: $([ "${stream_rc:-0}" = 0 ] && echo PASSED || echo FAILED)"
+log "benchmarks: $([ ${#failed_benches[@]} = 0 ] && echo PASSED || echo "FAILED: ${failed_benches[*]}")"
 log "tests: $([ "$tests_rc" = 0 ] && echo PASSED || echo "FAILED (exit $tests_rc)")"
-exit "$tests_rc"
+[ "$tests_rc" = 0 ] && [ ${#failed_benches[@]} = 0 ]

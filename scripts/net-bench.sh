@@ -23,7 +23,9 @@ log() { echo "[net-bench] $*"; }
 source scripts/carried-debs.sh
 site=/tmp/freight-net-site
 rm -rf "$site"
-"$PY" -m pip install -q --no-index --no-deps --no-compile --target "$site" dist/freight-*.whl
+wheel=$(ls -t dist/freight-*.whl 2>/dev/null | head -1)
+[ -n "$wheel" ] || { log "no wheel in dist/: build one with 'make wheel'"; exit 1; }
+"$PY" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$wheel"
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 "$PY" -m freight doctor | sed -n '/libfabric/,$p'
 

@@ -246,3 +246,83 @@ def test_a_rank_that_dies_fails_dispatch_on_the_others():
     for r in survivors:
         assert not r["failed"], r
         assert r["passed"] and r["passed"][0].startswith("PeerDisconnectedError"), r
+
+
+def test_a_dispatch_that_fails_between_its_halves_abandons_the_buffer(monkeypatch):
+    """Runs without a GPU: whatever fails between dispatch_begin and dispatch_finish (here
+    no memory for the outputs) makes the Python layer abandon the dispatch, which marks
+    the buffer unusable (and is a no-op where no dispatch is half done)."""
+    import types
+
+    calls = []
+
+    class Native:
+        def dispatch_begin(self, stream, inputs):
+            calls.append("begin")
+            return [3], [3]
+
+        def dispatch_finish(self, *args):
+            calls.append("finish")
+
+        def abandon(self):
+            calls.append("abandon")
+
+    def out_of_memory(*args):
+        raise MemoryError("no memory for the outputs")
+
+    monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))
+    buf = ep.Buffer.__new__(ep.Buffer)
+    buf._native, buf.hidden = Native(), 8
+    monkeypatch.setattr(buf, "_inputs", lambda *a: ((0, 0, 0, 3, 0, False), None, None))
+    monkeypatch.setattr(buf, "_stream", lambda: 0)
+    monkeypatch.setattr(buf, "_received_rows", out_of_memory)
+    with pytest.raises(MemoryError):
+        buf.dispatch(None, None, None)
+    assert calls == ["begin", "abandon"]
+
+
+@needs_gpu
+def test_one_rank_in_process_routing_errors_and_an_abandoned_dispatch():
+    """One rank in this process: device "cuda" is the current GPU; a repeated expert is
+    dropped in low-latency mode (the expert gets the token once, combine adds it once) and
+    reported by synchronize(), and refused by dispatch(); a dispatch that fails between
+    its halves leaves the buffer unusable, saying so."""
+    address = _free_address()
+    server = ep.RankServer(address, 1)
+    try:
+        group = ep.Group.join(0, 1, address, timeout=20)
+        buf = ep.Buffer(group, 512, 16, 4, 2, device="cuda", timeout=20)
+        assert buf.device == torch.device("cuda", torch.cuda.current_device())
+        x = torch.randn((4, 512), device=buf.device).to(torch.bfloat16)
+        w = torch.ones((4, 2), device=buf.device)
+        twice = torch.tensor([[0, 1], [2, 2], [3, -1], [1, 0]], dtype=torch.int64, device=buf.device)
+
+        recv, counts, _, handle = buf.low_latency_dispatch(x, twice, w)
+        out = buf.low_latency_combine(recv, handle)
+        with pytest.raises(freight.InvalidArgumentError, match="same expert twice"):
+            buf.synchronize()
+        buf.synchronize()  # reported once: the buffer goes on
+        assert counts.tolist() == [2, 2, 1, 1]
+        kept = torch.tensor([2.0, 1.0, 1.0, 2.0], device=buf.device)[:, None]
+        torch.testing.assert_close(out.float(), x.float() * kept, rtol=2e-2, atol=2e-2)
+
+        with pytest.raises(freight.InvalidArgumentError, match="same expert twice"):
+            buf.dispatch(x, twice, w)
+        fine = torch.tensor([[0, 1], [2, 3], [3, -1], [1, 0]], dtype=torch.int64, device=buf.device)
+        recv, _, _, _, handle = buf.dispatch(x, fine, w)
+        out = buf.combine(recv, handle)
+        kept = torch.tensor([2.0, 2.0, 1.0, 2.0], device=buf.device)[:, None]
+        torch.testing.assert_close(out.float(), x.float() * kept, rtol=2e-2, atol=2e-2)
+
+        def out_of_memory(*args):
+            raise MemoryError("no memory for the outputs")
+
+        buf._received_rows = out_of_memory
+        with pytest.raises(MemoryError):
+            buf.dispatch(x, fine, w)
+        del buf._received_rows
+        with pytest.raises(freight.InvalidStateError, match="unusable"):
+            buf.dispatch(x, fine, w)
+        group.leave()
+    finally:
+        server.close()

@@ -788,3 +788,71 @@ def test_gpu_prefill_engine_to_gpu_decode_engine_through_a_gpu_store():
         finally:
             prefill.close()
             decode.close()
+
+
+def current_cuda_context():
+    """The CUDA context current on the calling thread (0 for none), from the driver."""
+    import ctypes
+
+    ctx = ctypes.c_void_p()
+    assert ctypes.CDLL("libcuda.so.1").cuCtxGetCurrent(ctypes.byref(ctx)) == 0
+    return ctx.value or 0
+
+
+@needs_gpu
+def test_a_call_into_freight_leaves_the_threads_current_gpu_alone(gpu_pair):
+    """The CUDA runtime (PyTorch) takes a thread's device from its current context: a
+    thread that registers, prepares and posts GPU transfers must find it as it was."""
+    import threading
+
+    agent, name, peer = gpu_pair
+    local = torch.arange(MIB, dtype=torch.int32, device="cuda:0").to(torch.uint8)
+    torch.cuda.synchronize()
+    seen = {}
+
+    def fresh_thread():
+        seen["before"] = current_cuda_context()
+        agent.register(local)
+        req = agent.transfer("WRITE", vram([(local.data_ptr(), MIB, 0)]), name, vram([(peer.base, MIB, TORCH_GPUS - 1)]))
+        req.wait(timeout=30)
+        seen["status"] = req.status()
+        seen["after"] = current_cuda_context()
+
+    t = threading.Thread(target=fresh_thread)
+    t.start()
+    t.join(60)
+    assert seen.get("status") == "DONE", seen
+    assert seen["before"] == 0, "a new thread starts with no current context"
+    assert seen["after"] == seen["before"], "freight left its GPU's context current on the caller's thread"
+
+
+@needs_gpu
+def test_gpu_memory_of_a_stream_ordered_pool_registers_and_moves():
+    """Memory from cudaMallocAsync has no CUDA IPC handle. It still registers; a peer
+    that cannot map it reaches it through staging, and requiring cuda says why."""
+    cp = pytest.importorskip("cupy")
+    n = 4 * MIB
+    with cp.cuda.Device(0):
+        pool = cp.cuda.MemoryAsyncPool()
+        mem = pool.malloc(n)
+        cp.cuda.Stream.null.synchronize()
+    with freight.Agent("pool-owner") as owner, freight.Agent("writer") as writer:
+        owner.register((mem.ptr, n, 0), kind="VRAM")
+        src = pattern(11, n).to("cuda:0")
+        writer.register(src)
+        name = writer.add_peer(owner.metadata())
+        path = writer.path_to(name)
+        req = writer.transfer("WRITE", vram([(src.data_ptr(), n, 0)]), name, vram([(mem.ptr, n, 0)]))
+        req.wait(timeout=60)
+        assert req.status() == "DONE"
+        landed = torch.empty(n, dtype=torch.uint8)
+        cp.cuda.runtime.memcpy(landed.data_ptr(), mem.ptr, n, cp.cuda.runtime.memcpyDeviceToHost)
+        assert torch.equal(landed, src.cpu())
+        if path.transport != "cuda":  # not exportable (as the driver answers for pools)
+            assert "staged" in path.reason, path
+            with freight.Agent("strict", freight.AgentConfig(require="cuda")) as strict:
+                strict.register(src)
+                strict.add_peer(owner.metadata())
+                with pytest.raises(freight.TransportUnavailableError, match="CUDA IPC cannot share"):
+                    strict.transfer("WRITE", vram([(src.data_ptr(), n, 0)]), name, vram([(mem.ptr, n, 0)]))
+    del mem

@@ -4,7 +4,11 @@ tensors, metadata inspection, help texts."""
 from __future__ import annotations
 
 import gc
+import inspect
 import sys
+import threading
+import time
+import weakref
 from types import SimpleNamespace
 
 import numpy as np
@@ -157,3 +161,122 @@ def test_agent_basics_and_help():
                 freight.EtcdDirectory, freight.Agent.register, freight.Agent.make_request,
                 freight.Request.wait, freight.set_log_level, freight.inspect_metadata):
         assert obj.__doc__ and len(obj.__doc__) > 40, obj
+
+
+def test_object_arrays_are_not_memory():
+    objs = np.array([1, "two", None], dtype=object)
+    with freight.Agent("a") as a:
+        with pytest.raises(freight.InvalidArgumentError, match="Python objects"):
+            a.register(objs)
+        with pytest.raises(freight.InvalidArgumentError, match="Python objects"):
+            freight.DescList([objs])
+        with pytest.raises(freight.InvalidArgumentError, match="Python objects"):
+            a.register(np.zeros(2, dtype=[("x", "f4"), ("o", "O")]))
+
+
+def test_negative_descriptor_fields_are_invalid_arguments():
+    dl = freight.DescList()
+    for args in ((-1, 4, 0), (0x1000, -4, 0), (0x1000, 4, -1)):
+        with pytest.raises(freight.InvalidArgumentError):
+            dl.append(*args)
+    with pytest.raises(freight.InvalidArgumentError, match="count"):
+        dl.append_strided(0x1000, 64, 0, 128, -1)
+    with pytest.raises(freight.InvalidArgumentError, match="stride"):
+        freight.DescList.strided(0x1000, 64, 0, -128, 4)
+    assert len(dl) == 0
+    assert len(dl.append(0x1000, 4, np.uint64(0)).append_strided(0x2000, 4, 0, 8, 3)) == 4
+
+
+def test_a_read_into_read_only_memory_is_refused():
+    with freight.Agent("a") as a, freight.Agent("b") as b:
+        frozen = np.zeros(4096, dtype=np.uint8)
+        frozen.flags.writeable = False
+        a.register(frozen, readonly_ok=True)  # peers may read it
+        src = b.alloc(4096)
+        src[:] = 5
+        b.register(src)
+        a.add_peer(b.metadata())
+        remote = [(src.ctypes.data, 4096, 0)]
+        with pytest.raises(freight.InvalidArgumentError, match="read-only"):
+            a.transfer("read", [frozen], "b", remote)
+        assert not frozen.any()
+        with pytest.raises(freight.InvalidArgumentError, match="read-only"):
+            a.transfer("READ", [bytes(4096)], "b", remote)
+        out = a.alloc(4096)
+        a.register(out)
+        a.transfer("READ", [out], "b", remote).wait(10)
+        assert (out == 5).all()
+        a.transfer("WRITE", [frozen], "b", remote).wait(10)  # reading it is what it is for
+        assert not src.any()
+    assert "must only be read by peers" in freight.Agent.register.__doc__
+
+
+def test_closing_an_agent_lets_go_of_the_objects_it_kept():
+    a = freight.Agent("a")
+    arr = np.zeros(4096, dtype=np.uint8)
+    gone = weakref.ref(arr)
+    a.register(arr)
+    del arr
+    gc.collect()
+    assert gone() is not None, "registered memory is kept alive"
+    a.close()
+    gc.collect()
+    assert gone() is None, "the agent closed, nothing can use it"
+
+    # While a request of the agent exists, its memory stays.
+    with freight.Agent("b") as b:
+        a = freight.Agent("a2")
+        arr = a.alloc(4096)
+        gone = weakref.ref(arr)
+        a.register(arr)
+        dst = b.alloc(4096)
+        b.register(dst)
+        a.add_peer(b.metadata())
+        remote = a.prepare_remote("b", [(dst.ctypes.data, 4096, 0)])
+        req = a.make_request("WRITE", a.prepare_local([arr]), None, remote, None)
+        del arr
+        a.close()
+        gc.collect()
+        assert gone() is not None
+        del req, a
+        gc.collect()
+        assert gone() is None
+
+
+@pytest.mark.timeout(60)
+def test_dropping_an_agent_lets_other_threads_run_while_it_shuts_down():
+    """Closing it, and joining its pipe router's thread, takes some 20 ms: not with the
+    GIL held."""
+    gaps: list = []
+    running = True
+
+    def tick() -> None:
+        last = time.perf_counter()
+        while running:
+            time.sleep(0.0005)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    worst = 0.0
+    try:
+        for i in range(10):
+            a = freight.Agent(f"dropped-{i}")
+            freight.PipeListener(a)  # starts the agent's router, which the agent keeps
+            time.sleep(0.03)
+            gaps.clear()
+            del a
+            time.sleep(0.02)
+            worst = max(worst, max(gaps))
+    finally:
+        running = False
+        ticker.join()
+    assert worst < 0.01, f"another thread waited {worst * 1e3:.0f} ms for the GIL"
+
+
+def test_transport_docs_name_every_transport():
+    for doc in (freight.Request.transport.__doc__, inspect.getsource(freight.agent.Path)):
+        assert all(t in doc for t in ("cuda", "shm", "fabric", "tcp")), doc
+    assert "fabric connections" in freight._native.Agent.connection_stats.__doc__

@@ -193,6 +193,15 @@ def test_store_ends_are_handed_over_and_a_decode_engine_finds_what_prefill_put()
         decode.close()
 
 
+def test_object_dtypes_are_not_kv_dtypes():
+    from freight.cache import dtype_info
+
+    for dtype in (object, np.dtype("O"), "object", np.dtype([("x", "f4"), ("o", "O")])):
+        with pytest.raises(freight.InvalidArgumentError, match="number type"):
+            dtype_info(dtype)
+    assert dtype_info("float16") == ("float16", 2)
+
+
 # ----------------------------------------------------------------------------- two processes
 
 

@@ -407,6 +407,14 @@ def test_async_client_does_what_the_client_does_without_blocking_the_loop(server
             await dead.connect()
         await dead.close()
 
+        done = await AsyncClient(server.url, buffer_size=MIB, timeout=CLIENT_TIMEOUT).connect()
+        await done.close()
+        await done.close()  # harmless
+        for call in (done.get("x"), done.connect()):
+            with pytest.raises(freight.InvalidStateError, match="closed"):
+                await call
+        await idle.close()
+
     asyncio.run(main())
     assert server.stats()["keys"] == 8
 

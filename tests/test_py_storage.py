@@ -7,6 +7,7 @@ The putting side of the cross-process tests runs tests/store_peer.py in its own 
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import threading
@@ -276,3 +277,25 @@ def test_bad_arguments_are_refused_clearly():
             freight.StoreSender(a, a.addresses[0], commit_size=0)
         with pytest.raises(TypeError):
             freight.StoreSender(object(), "127.0.0.1:1")
+
+
+@pytest.mark.timeout(30)
+def test_ends_dropped_without_close_let_go_of_their_temporary_registrations():
+    with agent("rx") as rx, agent("tx") as tx:
+        regions = rx.registered_regions, tx.registered_regions
+        store, sender = connected(rx, tx, receiver={"buffer": np.zeros(MIB, dtype=np.uint8)},
+                                  sender={"commit_size": 100})
+        sender.put("k", np.arange(1000, dtype=np.int32))  # registered until its commit
+        assert (rx.registered_regions, tx.registered_regions) == (regions[0] + 1, regions[1] + 1)
+        del sender  # closing commits: the object arrives, then its memory is let go
+        gc.collect()
+        assert tx.registered_regions == regions[1]
+        store.wait_for("k", timeout=5)
+        obj = store["k"]
+        del store
+        gc.collect()
+        assert rx.registered_regions == regions[0]
+        out = bytearray(4000)  # a plain buffer takes the raw bytes
+        assert obj.copy_to(out) is out and bytes(out) == np.arange(1000, dtype=np.int32).tobytes()
+        with pytest.raises(freight.InvalidArgumentError, match="holds 100 bytes"):
+            obj._raw.copy_to("DRAM", np.zeros(100, np.uint8).ctypes.data, 100)

@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -387,3 +388,221 @@ def test_bad_arguments_are_refused_clearly():
             freight.ChannelReceiver(a, num_senders=0)
         with pytest.raises(freight.InvalidArgumentError):
             freight.ChannelReceiver(a, num_senders=2, buffer=256)
+
+
+# ----------------------------------------------------------------------------- in one process
+
+
+def pipe_pair(rx: freight.Agent, tx: freight.Agent, **accept) -> tuple:
+    """A PipeReceiver on ``rx`` and a PipeSender on ``tx`` feeding it (one process)."""
+    box = {}
+    t = threading.Thread(target=lambda: box.update(tx=freight.PipeSender.connect(tx, rx.addresses[0], timeout=10)))
+    t.start()
+    pipe = freight.PipeListener(rx).accept(**{"buffer": MIB, "timeout": 10, **accept})
+    t.join(timeout=15)
+    return pipe, box["tx"]
+
+
+def channel_pair(rx: freight.Agent, tx: freight.Agent, **receiver) -> tuple:
+    """A ChannelReceiver on ``rx`` and a ChannelSender on ``tx`` feeding it (one process)."""
+    box = {}
+    t = threading.Thread(target=lambda: box.update(tx=freight.ChannelSender(tx, rx.addresses[0], batch_size=1)))
+    t.start()
+    ch = freight.ChannelReceiver(rx, **{"buffer": MIB, "timeout": 10, **receiver})
+    t.join(timeout=15)
+    return ch, box["tx"]
+
+
+def in_thread(fn) -> threading.Thread:
+    t = threading.Thread(target=fn, daemon=True)
+    t.start()
+    return t
+
+
+STALE_VIEW = r"""
+import gc, sys, threading
+import numpy as np
+import freight
+
+product = sys.argv[1]
+rx, tx = freight.Agent("rx"), freight.Agent("tx")
+src = np.full(1 << 19, 7, dtype=np.uint8)
+if product == "pipe":
+    box = {}
+    t = threading.Thread(target=lambda: box.update(p=freight.PipeSender.connect(tx, rx.addresses[0], timeout=10)))
+    t.start()
+    end = freight.PipeListener(rx).accept(buffer=4 << 20, timeout=10)
+    t.join()
+    box["p"].send(src)
+    box["p"].close()
+    with end.recv() as item:
+        view = item.view()
+else:
+    box = {}
+    t = threading.Thread(target=lambda: box.update(c=freight.ChannelSender(tx, rx.addresses[0])))
+    t.start()
+    end = freight.ChannelReceiver(rx, buffer=4 << 20, timeout=10)
+    t.join()
+    box["c"].send(["k"], [src])
+    box["c"].close()
+    (item,) = end.recv()
+    assert item.is_view
+    with item:
+        view = item.view()
+end.close()
+del end, item, box
+gc.collect()
+print(int(view.sum()), flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("product", ["pipe", "channel"])
+def test_a_view_kept_past_release_and_close_still_sees_mapped_memory(spawn, product):
+    """The pipe's buffer goes with the receiver, but not under a view of it."""
+    proc = spawn(STALE_VIEW, product)
+    out, err = proc.communicate(timeout=40)
+    assert proc.returncode == 0, f"exit {proc.returncode}: {err}"
+    assert int(out) == 7 << 19
+
+
+@pytest.mark.timeout(60)
+def test_a_viewed_reassembled_object_is_not_reused_before_the_object_goes():
+    with agent("rx") as rx, agent("tx") as tx:
+        ch, sender = channel_pair(rx, tx)
+        first, second = pattern(1, 3 * MIB), pattern(2, 3 * MIB)  # three times the buffer
+        t = in_thread(lambda: (sender.send(["a", "b"], [first, second]), sender.close()))
+        (a,) = ch.recv()
+        assert a.key == "a" and not a.is_view
+        view = a.view()
+        a.release()
+        (b,) = ch.recv()  # reassembled in memory of the same size
+        assert b.key == "b"
+        np.testing.assert_array_equal(b.view(), second)
+        np.testing.assert_array_equal(view, first)
+        t.join(timeout=15)
+        ch.close()
+
+
+class Interrupted(Exception):
+    pass
+
+
+def _interrupted(*_) -> None:
+    raise Interrupted()
+
+
+@pytest.fixture
+def ctrl_c_soon():
+    """Sends this process SIGINT in 0.3 s; its handler raises Interrupted (not
+    KeyboardInterrupt, which would end the whole test session)."""
+    previous = signal.signal(signal.SIGINT, _interrupted)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    yield
+    timer.cancel()
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("product", ["pipe", "channel", "store"])
+def test_ctrl_c_interrupts_a_receiver_waiting_for_its_senders(ctrl_c_soon, product):
+    with agent("rx") as rx:
+        start = time.monotonic()
+        with pytest.raises(Interrupted):
+            if product == "pipe":
+                freight.PipeListener(rx).accept(buffer=MIB, timeout=10)
+            elif product == "channel":
+                freight.ChannelReceiver(rx, buffer=MIB, timeout=10)
+            else:
+                freight.StoreReceiver(rx, buffer=MIB, timeout=10)
+        assert time.monotonic() - start < 3
+
+
+@pytest.mark.timeout(30)
+def test_a_zero_accept_timeout_is_refused():
+    with agent("rx") as rx:
+        with pytest.raises(freight.InvalidArgumentError, match="positive"):
+            freight.PipeListener(rx).accept(buffer=MIB, timeout=0)
+
+
+RING_BYTES = 1 << 20  # the engine's notification ring (see test_py_doorbell.py)
+
+
+@pytest.mark.timeout(90)
+def test_a_credit_the_sender_does_not_take_fails_recv_instead_of_being_waited_out(spawn):
+    from test_py_doorbell import stop
+
+    with freight.Agent("rx", freight.AgentConfig(peer_timeout=1.0)) as rx:
+        peer = start(spawn, role="pipe-send", name="tx", addr=rx.addresses[0], count=10, size=256 * KIB,
+                     stop_after=2)
+        pipe = freight.PipeListener(rx).accept(buffer=MIB, timeout=20, credit_batch=MIB)
+        assert line(peer) == {"sent": 2}
+        first, second = pipe.recv(), pipe.recv()
+        first.release()  # the second is held: no credit is due until recv waits
+        stop(peer.pid)
+        try:
+            # The stopped sender's notification ring fills up, to the last bytes.
+            for size in (1000, 1):
+                with pytest.raises(freight.TimeoutError):
+                    for _ in range(2 * RING_BYTES // size):
+                        rx.notify("tx", b"x" * size)
+            t0 = time.monotonic()
+            with pytest.raises(freight.TimeoutError, match="took no notifications"):
+                pipe.recv(timeout=8)
+            assert time.monotonic() - t0 < 5
+        finally:
+            os.kill(peer.pid, signal.SIGCONT)
+        kill(peer)
+        pipe.close()
+        del second  # its credit cannot go anywhere: logged, not raised
+
+
+@pytest.mark.timeout(30)
+def test_negative_numbers_and_plain_buffers():
+    with agent("rx") as rx, agent("tx") as tx:
+        with pytest.raises(freight.InvalidArgumentError, match="credit_batch"):
+            freight.PipeListener(rx).accept(buffer=MIB, credit_batch=-1)
+        with pytest.raises(freight.InvalidArgumentError, match="credit_batch"):
+            freight.ChannelReceiver(rx, buffer=MIB, credit_batch=-1)
+        pipe, sender = pipe_pair(rx, tx)
+        src = np.arange(8, dtype=np.uint8)
+        with pytest.raises(freight.InvalidArgumentError, match="offset"):
+            sender.send_scattered(src, [(-1, 8)])
+        sender.send_scattered(src, [(4, 4), (0, 4)])
+        with pipe.recv() as msg:
+            assert msg.view().tolist() == [4, 5, 6, 7, 0, 1, 2, 3]
+        sender.close()
+        pipe.close()
+
+        ch, chan = channel_pair(rx, tx)
+        chan.send(["f"], [np.arange(4, dtype=np.float32)])
+        (r,) = ch.recv()
+        out = bytearray(16)  # a plain buffer takes the raw bytes
+        assert r.copy_to(out) is out and bytes(out) == np.arange(4, dtype=np.float32).tobytes()
+        with pytest.raises(freight.InvalidArgumentError, match="holds 8 bytes"):
+            r._raw.copy_to("DRAM", np.zeros(8, np.uint8).ctypes.data, 8)  # the native check itself
+        r.release()
+        chan.close()
+        ch.close()
+
+
+@pytest.mark.timeout(30)
+def test_temporary_registrations_go_with_ends_dropped_without_close():
+    with agent("rx") as rx, agent("tx") as tx:
+        regions = rx.registered_regions, tx.registered_regions
+        pipe, sender = pipe_pair(rx, tx, buffer=np.zeros(MIB, dtype=np.uint8))
+        sender.send(np.ones(1000, dtype=np.uint8))  # registered until the next flush
+        assert (rx.registered_regions, tx.registered_regions) == (regions[0] + 1, regions[1] + 1)
+        msg = pipe.recv()
+        del pipe, sender
+        gc.collect()
+        assert (rx.registered_regions, tx.registered_regions) == regions
+        assert msg.view().sum() == 1000, "a message outlives its receiver"
+        del msg
+
+        ch, chan = channel_pair(rx, tx, buffer=np.zeros(MIB, dtype=np.uint8))
+        assert rx.registered_regions == regions[0] + 1
+        del ch, chan
+        gc.collect()
+        assert rx.registered_regions == regions[0]

@@ -107,6 +107,9 @@ def describe(obj: Any, kind: Optional[str] = None, *, readonly_ok: bool = True) 
 
     if isinstance(obj, np.ndarray):
         _check_kind("DRAM", kind, obj)
+        if obj.dtype.hasobject:
+            # Its bytes are pointers to Python objects: moved elsewhere, they point nowhere.
+            raise InvalidArgumentError(f"the array holds Python objects (dtype {obj.dtype}), not raw memory")
         if not (obj.flags.c_contiguous or obj.flags.f_contiguous):
             raise InvalidArgumentError(
                 f"the array (shape {obj.shape}, strides {obj.strides}) is not contiguous; "
@@ -137,6 +140,20 @@ def describe(obj: Any, kind: Optional[str] = None, *, readonly_ok: bool = True) 
     addr = int(np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0])
     # Holding the memoryview pins the exporter (a bytearray cannot be resized under it).
     return Range("DRAM", addr, view.nbytes, 0, view)
+
+
+def is_readonly(obj: Any) -> bool:
+    """Whether ``obj`` (anything :func:`describe` takes) is memory Python marks read-only:
+    a numpy array that is not writeable, a read-only buffer. Tensors and raw tuples
+    carry no such mark."""
+    if isinstance(obj, tuple) or is_tensor(obj):
+        return False
+    if isinstance(obj, np.ndarray):
+        return not obj.flags.writeable
+    try:
+        return memoryview(obj).readonly
+    except TypeError:
+        return False
 
 
 def to_bytes(msg: Any, what: str = "message") -> bytes:

@@ -7,7 +7,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 import numpy as np
 
 from . import _native
-from ._objects import describe, indices, normalize_kind, to_bytes
+from ._objects import describe, indices, is_readonly, normalize_kind, to_bytes
 from .config import AgentConfig
 from .descs import _triple_array, as_desclist
 from .errors import InvalidArgumentError
@@ -25,7 +25,7 @@ BytesLike = Union[bytes, bytearray, memoryview, str]
 class Path(NamedTuple):
     """The transport that serves a path, and why (see :meth:`Agent.path_to`)."""
 
-    #: "shm" or "tcp".
+    #: "cuda", "shm", "fabric" or "tcp".
     transport: str
     #: Human-readable reason, including why better transports were not chosen.
     reason: str
@@ -146,6 +146,12 @@ class Agent:
         VRAM on their device), or an ``(addr, length, device)`` tuple whose kind is
         ``kind`` (default "DRAM"). For objects, ``kind`` (if given) must match their
         memory. The object is kept alive until :meth:`deregister`.
+
+        Read-only memory (``readonly_ok=True``) must only be read by peers: a
+        registration carries no access rights, and the engine does not stop a peer's
+        WRITE into it (which could corrupt an immutable object, or crash this process
+        on a read-only mapping). :meth:`transfer` refuses to READ into a read-only
+        object here.
 
         Memory from :meth:`alloc` is reachable through shm by same-host peers; other
         host memory only through tcp.
@@ -317,7 +323,11 @@ class Agent:
     ) -> Request:
         """One-shot transfer: prepares both descriptor lists (:class:`DescList` or anything
         it accepts), builds the request and posts it. Returns the posted
-        :class:`freight.Request`; call ``wait()`` on it."""
+        :class:`freight.Request`; call ``wait()`` on it. A READ into a read-only object
+        (a numpy array that is not writeable, a bytes object) raises
+        :class:`freight.InvalidArgumentError`."""
+        if isinstance(op, str) and op.upper() == "READ":
+            _check_writable(local_descs)
         local = as_desclist(local_descs)
         remote = as_desclist(remote_descs)
         return self._core.transfer(_op(op), local._raw, peer, remote._raw, None if notif is None else to_bytes(notif, "notif"))
@@ -341,6 +351,18 @@ class Agent:
         """Waits up to ``timeout`` seconds (None: no limit) for at least one
         notification; returns all received so far (``[]`` on timeout)."""
         return self._core.wait_notifs(timeout)
+
+
+def _check_writable(descs: Any) -> None:
+    """Refuses read-only objects among the local descriptors of a READ: the engine would
+    write into memory that Python promises will not change."""
+    if not isinstance(descs, (list, tuple)):
+        return  # a DescList or a descriptor array: addresses, which carry no such mark
+    for i, item in enumerate(descs):
+        if not isinstance(item, tuple) and is_readonly(item):
+            raise InvalidArgumentError(
+                f"local descriptor {i} is read-only ({type(item).__name__}): a READ writes into it"
+            )
 
 
 def _op(op: Any) -> str:

@@ -79,7 +79,7 @@ def dtype_info(dtype: Any) -> Tuple[str, int]:
         if name is not None and isinstance(itemsize, int) and itemsize > 0:
             return name, itemsize
         raise InvalidArgumentError(f"unknown dtype {dtype!r}") from None
-    if dt.kind == "V" or dt.itemsize == 0:
+    if dt.kind == "V" or dt.hasobject or dt.itemsize == 0:
         raise InvalidArgumentError(f"the KV dtype must be a number type, got {dtype!r}")
     return (dt.name if dt.isnative else dt.str), dt.itemsize
 

@@ -6,6 +6,7 @@ hands over the arguments and how to start the CLI again in a child process.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from typing import List, Optional, Sequence
@@ -20,14 +21,29 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     """Runs the CLI with ``argv`` (without the program name; default ``sys.argv[1:]``)
     and returns its exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if args[:2] == ["bench", "ep"]:
+    command, rest = _split_global(args)
+    if command[:2] == ["bench", "ep"]:
         # Expert parallelism runs on PyTorch tensors: its benchmark lives in Python.
         from . import ep_bench
 
-        return ep_bench.main(args[2:])
+        if rest:
+            # The engine's log filter, as the native CLI's --log-level sets it.
+            level = rest[0].split("=", 1)[1] if "=" in rest[0] else rest[1]
+            os.environ["FREIGHT_LOG"] = level
+        return ep_bench.main(command[2:])
     from . import _native
 
     return _native.cli_main(["freight", *args], self_command())
+
+
+def _split_global(args: list) -> tuple:
+    """The command line without the global option written before the command, and
+    that option (``--log-level LEVEL`` may come first, as the native CLI allows)."""
+    options: list = []
+    while args and args[0].startswith("--log-level") and len(args) >= (1 if "=" in args[0] else 2):
+        take = 1 if "=" in args[0] else 2
+        options, args = options + args[:take], args[take:]
+    return args, options
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

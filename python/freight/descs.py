@@ -7,7 +7,7 @@ from typing import Any, Iterable, Iterator, List, Optional, Tuple
 import numpy as np
 
 from . import _native
-from ._objects import describe, normalize_kind
+from ._objects import _uint, describe, normalize_kind
 from .errors import InvalidArgumentError
 
 __all__ = ["DescList", "as_desclist"]
@@ -65,13 +65,14 @@ class DescList:
 
     def append(self, addr: int, length: int, device: int = 0) -> "DescList":
         """Appends one descriptor; returns self."""
-        self._raw.push(addr, length, device)
+        self._raw.push(_uint(addr, "addr"), _uint(length, "length"), _uint(device, "device"))
         return self
 
     def append_strided(self, addr: int, length: int, device: int, stride: int, count: int) -> "DescList":
         """Appends ``count`` descriptors of ``length`` bytes spaced ``stride`` apart (one
         run, not materialised); returns self."""
-        self._raw.push_strided(addr, length, device, stride, count)
+        values = zip((addr, length, device, stride, count), ("addr", "length", "device", "stride", "count"))
+        self._raw.push_strided(*(_uint(v, what) for v, what in values))
         return self
 
     def extend(self, descs: Any) -> "DescList":

@@ -165,10 +165,12 @@ class Buffer:
         import torch
 
         if device is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+            device = "cuda"
         self.device = torch.device(device)
         if self.device.type != "cuda":
             raise InvalidArgumentError(f"an expert-parallel buffer lives on a GPU, not on {self.device}")
+        if self.device.index is None:  # "cuda": the current GPU, named so tensors compare equal
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.group = group
         self.hidden, self.max_tokens, self.topk = hidden, max_tokens, topk
         self.experts_per_rank = experts_per_rank
@@ -274,15 +276,23 @@ class Buffer:
 
         native, topk_idx, slot = self._inputs(x, topk_idx, topk_weights, fp8)
         stream = self._stream()
-        per_source, per_expert = self._native.dispatch_begin(stream, native)
-        received, pairs = sum(per_source), sum(per_expert)
-        recv_x, recv_scales = self._received_rows((pairs, self.hidden), fp8)
-        recv_expert = torch.empty(pairs, dtype=torch.int32, device=self.device)
-        recv_weight = torch.empty(pairs, dtype=torch.float32, device=self.device)
-        row_pairs, row_source, received_word = self._row_tables(received)
-        outputs = (recv_x.data_ptr(), recv_scales.data_ptr() if fp8 else 0, recv_expert.data_ptr(),
-                   recv_weight.data_ptr(), row_pairs.data_ptr(), row_source.data_ptr(), received_word.data_ptr())
-        self._native.dispatch_finish(stream, outputs, bool(fp8))
+        try:
+            per_source, per_expert = self._native.dispatch_begin(stream, native)
+            received, pairs = sum(per_source), sum(per_expert)
+            recv_x, recv_scales = self._received_rows((pairs, self.hidden), fp8)
+            recv_expert = torch.empty(pairs, dtype=torch.int32, device=self.device)
+            recv_weight = torch.empty(pairs, dtype=torch.float32, device=self.device)
+            row_pairs, row_source, received_word = self._row_tables(received)
+            outputs = (recv_x.data_ptr(), recv_scales.data_ptr() if fp8 else 0, recv_expert.data_ptr(),
+                       recv_weight.data_ptr(), row_pairs.data_ptr(), row_source.data_ptr(), received_word.data_ptr())
+            self._native.dispatch_finish(stream, outputs, bool(fp8))
+        except BaseException:
+            # Between the halves (out of memory for the outputs, an interrupt), the rows
+            # that arrived are never released and the ranks' steps part: the buffer is
+            # marked unusable, so later calls say why instead of waiting on the peers.
+            # A no-op where no dispatch is half done (dispatch_finish's bad-routing error).
+            self._native.abandon()
+            raise
         handle = Handle(slot, row_pairs, row_source, received_word, recv_weight, native[3], tuple(recv_x.shape), id(self), False)
         recv = (recv_x, recv_scales) if fp8 else recv_x
         return recv, recv_expert, recv_weight, list(per_expert), handle
@@ -305,8 +315,8 @@ class Buffer:
         first in ``recv_x[e, :recv_count[e]]`` (by source rank, then source token);
         ``recv_count`` is an int32 tensor on the GPU; ``recv_topk_weights`` is float32
         ``[experts_per_rank, ranks * max_tokens]``. ``fp8`` as for :meth:`dispatch`. Bad
-        routing is reported by the next call that waits (:meth:`synchronize`,
-        :meth:`dispatch`).
+        routing (its choices dropped, as in :meth:`dispatch`) is reported by the next
+        :meth:`synchronize`, :meth:`check` or :meth:`dispatch`.
         """
         import torch
 
@@ -368,11 +378,13 @@ class Buffer:
         return out
 
     def synchronize(self) -> None:
-        """Waits for this buffer's work on the current stream; raises what the GPU met."""
+        """Waits for this buffer's work on the current stream; raises what the GPU met,
+        bad routing of a low-latency dispatch included."""
         self._native.synchronize(self._stream())
 
     def check(self) -> None:
-        """Raises the error a kernel recorded, if any (does not wait)."""
+        """Raises the error a kernel recorded, if any, or bad routing a low-latency
+        dispatch met (does not wait: what is still running reports later)."""
         self._native.check()
 
 

@@ -457,18 +457,25 @@ class AsyncClient:
         self._args = (server,)
         self._options = options
         self._client: Optional[Client] = None
+        self._closed = False
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="freight-kv-async")
 
     async def _run(self, fn: Any, *args: Any) -> Any:
+        if self._closed:
+            raise InvalidStateError("this AsyncClient is closed")
         return await asyncio.get_running_loop().run_in_executor(self._thread, functools.partial(fn, *args))
 
     async def connect(self) -> "AsyncClient":
         """Opens the session (what ``async with`` does); returns this client."""
+        if self._closed:
+            raise InvalidStateError("this AsyncClient is closed")
         if self._client is None:
             self._client = await self._run(functools.partial(Client, *self._args, **self._options))
         return self
 
     def _connected(self) -> Client:
+        if self._closed:
+            raise InvalidStateError("this AsyncClient is closed")
         if self._client is None:
             raise InvalidStateError("this AsyncClient is not connected: await connect() or use 'async with'")
         return self._client
@@ -478,10 +485,16 @@ class AsyncClient:
         return self._client is not None and self._client.live
 
     async def close(self) -> None:
-        """Ends the session (see :meth:`Client.close`) and stops the client's thread."""
-        if self._client is not None:
-            await self._run(self._client.close)
-        self._thread.shutdown(wait=False)
+        """Ends the session (see :meth:`Client.close`) and stops the client's thread.
+        Harmless when called again; later calls raise :class:`freight.InvalidStateError`."""
+        if self._closed:
+            return
+        try:
+            if self._client is not None:
+                await self._run(self._client.close)
+        finally:
+            self._closed = True
+            self._thread.shutdown(wait=False)
 
     async def __aenter__(self) -> "AsyncClient":
         return await self.connect()

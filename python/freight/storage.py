@@ -34,17 +34,20 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable, List, NamedTuple, Optional, Sequence
 
 from . import _native
 from ._objects import Range
 from .agent import Agent
-from .errors import InvalidArgumentError
+from .errors import FreightError, InvalidArgumentError
 from .stream import (
     DEFAULT_BUFFER,
     KeyedObject,
     _core,
+    _credit_batch,
+    _on_collect,
     _PeerEnd,
     _StreamEnd,
     _deregister_all,
@@ -98,6 +101,20 @@ class _Queued(NamedTuple):
     obj: Any
 
 
+def _close_then_release(raw: Any, agent: Agent, queued: List[_Queued]) -> None:
+    """What a store sender dropped without :meth:`StoreSender.close` owes: closing
+    (which commits what is queued, quietly), then deregistering the objects'
+    temporary regions."""
+    keys = [q.temp_key for q in queued if q.temp_key is not None]
+    if not keys:
+        return
+    try:
+        raw.close()
+    except FreightError as e:
+        log.debug("closing a store sender dropped without close() failed: %s", e)
+    _deregister_all(agent, keys)
+
+
 def _check_key(key: Any) -> str:
     if not isinstance(key, str):
         raise InvalidArgumentError(f"keys must be str, got {type(key).__name__} {key!r}")
@@ -143,6 +160,8 @@ class StoreSender(_PeerEnd):
         )
         self._queued: List[_Queued] = []
         self._lock = threading.RLock()
+        # Not at interpreter exit: the registrations go with the process, and a commit could wait.
+        weakref.finalize(self, _close_then_release, self._raw, agent, self._queued).atexit = False
 
     # -- puts
 
@@ -310,7 +329,9 @@ class StoreReceiver(_StreamEnd):
         if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0):
             raise InvalidArgumentError(f"capacity must be a number of bytes >= 0 or None, got {capacity!r}")
         self._agent = agent
-        pipes, self._temp_key = _split_buffer(agent, n, buffer)
+        credit_batch = _credit_batch(credit_batch)
+        pipes, temp_key = _split_buffer(agent, n, buffer)
+        self._temp = [] if temp_key is None else [temp_key]
         try:
             self._raw = _native.StoreReceiver(
                 _core(agent), n, timeout=timeout, credit_batch=credit_batch, store_capacity=capacity, **pipes
@@ -318,6 +339,9 @@ class StoreReceiver(_StreamEnd):
         except BaseException:
             self._release_buffer()
             raise
+        # Handed to a cache engine, the store is the engine's to close (closing it here
+        # does nothing), and the engine, which holds this object, is gone by then.
+        _on_collect(self, self._raw, agent, self._temp)
 
     def get(self, key: str) -> Optional[StoredObject]:
         """The object held under ``key``, or None."""
@@ -396,9 +420,7 @@ class StoreReceiver(_StreamEnd):
         self._release_buffer()
 
     def _release_buffer(self) -> None:
-        if self._temp_key is not None:
-            _deregister_all(self._agent, [self._temp_key])
-            self._temp_key = None
+        _deregister_all(self._agent, self._temp)
 
     @property
     def closed(self) -> bool:

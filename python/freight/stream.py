@@ -27,9 +27,10 @@ receiver): :class:`ChannelSender` sends ``(keys, tensors)`` in batches, with eac
 object's dtype and shape; :class:`ChannelReceiver` hands out :class:`Received` objects,
 viewed in place (``view()``) or copied into caller memory (``copy_to()``).
 
-Views are valid until the message or object is released (explicitly, by the context
-manager, or when the Python object is garbage collected); after that the sender may
-write over the bytes.
+A view keeps the memory it sees mapped (and, for a reassembled object, out of reuse)
+for as long as the view exists, so it never points at freed memory; but once the message
+or object is released (explicitly, or by the context manager) its bytes may be
+overwritten by later messages: use views before releasing.
 
 Senders may send memory that is not registered with their agent: it is registered for
 the call and deregistered once its bytes are written, which costs a registration (and
@@ -43,12 +44,13 @@ from __future__ import annotations
 import json
 import logging
 import time
+import weakref
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 import numpy as np
 
 from . import _native
-from ._objects import Range, describe, is_tensor, to_bytes
+from ._objects import Range, _uint, describe, is_tensor, to_bytes
 from .agent import Agent
 from .descs import DescList, as_desclist
 from .errors import FreightError, InvalidArgumentError, InvalidStateError, OverlapError
@@ -97,6 +99,29 @@ def _deregister_all(agent: Agent, keys: List[int]) -> None:
         except FreightError as e:
             log.warning("could not deregister a temporary region %d: %s", key, e)
     keys.clear()
+
+
+def _close_then_deregister(raw: Any, agent: Agent, keys: List[int], how: str = "close") -> None:
+    """What a stream end dropped without :meth:`close` owes: ``raw.<how>()`` (so that
+    nothing uses its temporary regions any more), quietly, then deregistering them."""
+    if not keys:
+        return
+    try:
+        getattr(raw, how)()
+    except FreightError as e:
+        log.debug("%s of a stream end dropped without close() failed: %s", how, e)
+    _deregister_all(agent, keys)
+
+
+def _on_collect(owner: Any, raw: Any, agent: Agent, keys: List[int], how: str = "close") -> None:
+    """Deregisters ``keys`` (the list is shared with ``owner``, which empties it when it
+    cleans up itself) once ``owner`` is garbage collected without being closed. Not at
+    interpreter exit: the registrations go with the process, and a close could wait."""
+    weakref.finalize(owner, _close_then_deregister, raw, agent, keys, how).atexit = False
+
+
+def _credit_batch(credit_batch: Optional[int]) -> Optional[int]:
+    return None if credit_batch is None else _uint(credit_batch, "credit_batch")
 
 
 class CudaView:
@@ -195,8 +220,9 @@ class Message(_Bytes, _Releasable):
     ``tag`` (bytes the sender attached), ``seq`` (0, 1, 2... in send order),
     ``len(msg)`` / ``nbytes``, ``kind`` ("DRAM" or "VRAM"), ``device`` (CUDA ordinal).
     :meth:`view` gives the bytes without copying. :meth:`release` (or leaving a ``with``
-    block, or dropping the message) frees its space for the sender; views must not be
-    used after. Messages may be released in any order.
+    block, or dropping the message) frees its space for the sender. A view keeps the
+    memory mapped; after release its bytes may be overwritten by later messages.
+    Messages may be released in any order.
     """
 
     __slots__ = ()
@@ -214,7 +240,8 @@ class Message(_Bytes, _Releasable):
     def view(self) -> Any:
         """The bytes in place: a uint8 numpy array (host memory) or a :class:`CudaView`
         (GPU memory; ``torch.as_tensor(msg.view(), device="cuda")``). The view keeps
-        the message object alive, but not its space: use it before :meth:`release`."""
+        the message object, and with it the memory, alive, but not its space: after
+        :meth:`release` later messages may overwrite the bytes."""
         if self.released:
             raise InvalidStateError("the message was released")
         if self.kind == "VRAM":
@@ -222,7 +249,8 @@ class Message(_Bytes, _Releasable):
         return np.asarray(self._raw)
 
     def release(self) -> None:
-        """Frees the message's space for the sender. Harmless when called again."""
+        """Frees the message's space for the sender (views stay mapped, but see later
+        messages' bytes). Harmless when called again."""
         self._raw.release()
 
     def __repr__(self) -> str:
@@ -292,7 +320,8 @@ class PipeReceiver(_PeerEnd):
     def __init__(self, agent: Agent, raw: Any, temp_key: Optional[int]) -> None:
         self._agent = agent
         self._raw = raw
-        self._temp_key = temp_key
+        self._temp = [] if temp_key is None else [temp_key]
+        _on_collect(self, raw, agent, self._temp)
 
     def recv(self, timeout: Optional[float] = None) -> Optional[Message]:
         """The next message, or None at the end of the stream. Waits up to ``timeout``
@@ -331,9 +360,7 @@ class PipeReceiver(_PeerEnd):
         """Ends this side. A sender still sending is told that the receiver went away.
         A buffer registered by :meth:`PipeListener.accept` is deregistered."""
         self._raw.close()
-        if self._temp_key is not None:
-            _deregister_all(self._agent, [self._temp_key])
-            self._temp_key = None
+        _deregister_all(self._agent, self._temp)
 
     def __repr__(self) -> str:
         return f"<freight.PipeReceiver from {self.peer!r}: {self.capacity} bytes of {self.kind}>"
@@ -373,6 +400,7 @@ class PipeListener:
         least number of freed bytes worth telling the sender about (default: a quarter
         of the buffer).
         """
+        credit_batch = _credit_batch(credit_batch)
         capacity, region, key = _buffer_region(self._agent, buffer)
         try:
             if region is None:
@@ -423,6 +451,8 @@ class PipeSender(_PeerEnd):
         self._agent = agent
         self._raw = raw
         self._temp: List[int] = []
+        # Writes from the temporary regions must be done before they go.
+        _on_collect(self, raw, agent, self._temp, how="flush")
 
     @classmethod
     def connect(cls, agent: Agent, addr: str, timeout: float = 30.0, max_in_flight: int = 16) -> "PipeSender":
@@ -448,8 +478,9 @@ class PipeSender(_PeerEnd):
     def send_scattered(self, obj: Any, pieces: Sequence[Tuple[int, int]], tag: Any = b"") -> int:
         """Like :meth:`send`, but the bytes land in pieces of the message: ``pieces``
         are ``(offset in the message, length)`` in the order of the bytes of ``obj``."""
+        pieces = [(_uint(o, "a piece's offset"), _uint(n, "a piece's length")) for o, n in pieces]
         descs = _local_descs(self._agent, obj, self._temp)
-        return self._raw.send(descs._raw, to_bytes(tag, "tag"), [(int(o), int(n)) for o, n in pieces])
+        return self._raw.send(descs._raw, to_bytes(tag, "tag"), pieces)
 
     def flush(self) -> None:
         """Waits until every message sent so far is written into the receiver's buffer;
@@ -687,16 +718,18 @@ class KeyedObject(_Bytes):
     def copy_to(self, dst: Any) -> Any:
         """Copies the object into ``dst`` (a numpy array or a CPU or CUDA tensor,
         contiguous and writable, of the same size in bytes and, when the object's dtype
-        is known, of the same dtype); returns ``dst``. Raises
+        is known, of the same dtype; or a writable buffer such as a bytearray, which
+        takes the raw bytes); returns ``dst``. Raises
         :class:`freight.InvalidArgumentError` on a mismatch."""
         if isinstance(dst, np.ndarray) and not dst.flags.c_contiguous:
             raise InvalidArgumentError("the destination array is not C-contiguous")
         r = describe(dst, readonly_ok=False)
         if r.length != self.nbytes:
             raise InvalidArgumentError(f"object {self.key!r} has {self.nbytes} bytes, the destination {r.length}")
-        if self.dtype is not None and _dtype_name(dst) != self.dtype:
+        typed = isinstance(dst, np.ndarray) or is_tensor(dst)
+        if typed and self.dtype is not None and _dtype_name(dst) != self.dtype:
             raise InvalidArgumentError(f"object {self.key!r} is {self.dtype}, the destination {_dtype_name(dst)}")
-        self._raw.copy_to(r.kind, r.addr)
+        self._raw.copy_to(r.kind, r.addr, r.length)
         return dst
 
 
@@ -706,8 +739,10 @@ class Received(KeyedObject, _Releasable):
     ``key``, ``meta`` (dict: ``dtype``, ``shape``), ``sender`` (index of the sender,
     in accept order), ``nbytes``, ``kind``/``device``, ``is_view`` (True: the bytes lie
     in the pipe buffer; False: the object was cut across messages and reassembled).
-    :meth:`view` sees the bytes in place (valid until :meth:`release`), :meth:`copy_to`
-    copies them out; :meth:`release` (or leaving a ``with`` block) frees the space.
+    :meth:`view` sees the bytes in place, :meth:`copy_to` copies them out;
+    :meth:`release` (or leaving a ``with`` block) frees the space. A view keeps the
+    memory mapped (a reassembled object's memory is not reused while this object
+    lives); after release, a view of a pipe buffer may see later messages' bytes.
     """
 
     __slots__ = ()
@@ -729,7 +764,8 @@ class Received(KeyedObject, _Releasable):
 
     def release(self) -> None:
         """Frees the object's space (a message's space is freed once every object in it
-        is released). Views must not be used after. Harmless when called again."""
+        is released). Views stay mapped, but a view of a pipe buffer may see later
+        messages' bytes. Harmless when called again."""
         self._raw.release()
 
     def __repr__(self) -> str:
@@ -794,13 +830,15 @@ class ChannelReceiver(_StreamEnd):
         self.recv_seconds = 0.0
         #: Batches received so far.
         self.batches = 0
-        pipes, self._temp_key = _split_buffer(agent, n, buffer)
+        credit_batch = _credit_batch(credit_batch)
+        pipes, temp_key = _split_buffer(agent, n, buffer)
+        self._temp = [] if temp_key is None else [temp_key]
         try:
             self._raw = _native.ChannelReceiver(_core(agent), n, timeout=timeout, credit_batch=credit_batch, **pipes)
         except BaseException:
-            if self._temp_key is not None:
-                _deregister_all(agent, [self._temp_key])
+            _deregister_all(agent, self._temp)
             raise
+        _on_collect(self, self._raw, agent, self._temp)
 
     def add_observer(self, fn: Observer) -> None:
         """Calls ``fn(keys, objects)`` (a list of str, a list of :class:`Received`) with
@@ -855,9 +893,7 @@ class ChannelReceiver(_StreamEnd):
         """Stops receiving (senders still sending are told). Objects handed out stay
         valid until released; a buffer registered by the constructor is deregistered."""
         self._raw.close()
-        if self._temp_key is not None:
-            _deregister_all(self._agent, [self._temp_key])
-            self._temp_key = None
+        _deregister_all(self._agent, self._temp)
 
     def __repr__(self) -> str:
         return f"<freight.ChannelReceiver from {self.peers}>"

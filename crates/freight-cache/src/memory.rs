@@ -138,7 +138,7 @@ fn kernel_copy(device: &'static Device, copies: &[(u64, u64, u64)]) -> Result<()
         || Ok(Launcher { table: Grown::default(), stream: Stream::new(device)?, done: Event::new(device)? }),
         |l| {
             let table = l.table.reserve(device, bytes as u64)?.addr();
-            device.bind()?;
+            let _ctx = device.bind()?;
             // Queued ahead of the kernel on its stream, so it is in place when the kernel
             // reads it; `items` outlives the wait below. `Item` is three u64s,
             // `repr(C)`: its bytes are the table the kernel reads.
@@ -175,7 +175,8 @@ impl Arena {
         unsafe { std::ptr::write_bytes(seg.as_ptr(), 0, n) };
         let mut place = Place::host(seg.addr());
         if let Some(g) = gpu {
-            pin(Device::get(g)?, seg.addr(), len)?;
+            // The agent's: its deregistration below (at drop) unpins it.
+            pin(Device::get(g)?, seg.addr(), len, agent.pin_owner())?;
             place.mapped = true;
         }
         let key = agent.register(MemKind::Dram, seg.addr(), len, 0)?;

@@ -391,8 +391,7 @@ impl EngineOpts {
         v
     }
 
-    /// The options a target process needs to open the same fabric transport.
-    pub fn fabric_args(&self) -> Vec<String> {
+    fn fabric_args(&self) -> Vec<String> {
         let mut v = Vec::new();
         if let Some(p) = &self.fabric_provider {
             v.extend(["--fabric-provider".to_string(), p.clone()]);

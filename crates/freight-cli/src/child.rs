@@ -19,6 +19,22 @@ const START_TIMEOUT: Duration = Duration::from_secs(30);
 /// Checking 64 MiB takes milliseconds; this only bounds a target that went silent.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(120);
 
+/// In a child process: exits once the parent goes away, which closes our stdin (the
+/// parent holds its end open on purpose, see [`TargetProcess`]). A child whose parent
+/// died must not keep its memory and its port until its own timeouts run out.
+pub fn exit_with_parent() -> CliResult<()> {
+    std::thread::Builder::new()
+        .name("parent-watch".into())
+        .spawn(|| {
+            let mut buf = [0u8; 64];
+            while matches!(std::io::Read::read(&mut std::io::stdin(), &mut buf), Ok(n) if n > 0) {}
+            tracing::debug!("parent closed our stdin; exiting");
+            std::process::exit(0);
+        })
+        .map_err(|e| CliError::runtime(format!("cannot start a thread: {e}")))?;
+    Ok(())
+}
+
 /// A target process we started. Dropping it without [`TargetProcess::finish`] stops it.
 pub struct TargetProcess {
     child: Mutex<Child>,

@@ -24,9 +24,10 @@ pub struct ServeArgs {
     pub no_evict: bool,
 
     /// Address of the data plane's engine listener (clients on other hosts reach the
-    /// server's agent there over tcp; port 0 picks one).
-    #[arg(long, value_name = "IP:PORT", default_value = "127.0.0.1:0")]
-    pub data_listen: String,
+    /// server's agent there over tcp; port 0 picks one) [default: 127.0.0.1:0, or every
+    /// interface when --listen is not a loopback address].
+    #[arg(long, value_name = "IP:PORT")]
+    pub data_listen: Option<String>,
 
     /// Serve Prometheus metrics (GET /metrics) on this address, e.g. 127.0.0.1:9464.
     #[arg(long, value_name = "IP:PORT")]
@@ -71,7 +72,11 @@ pub fn run(a: &ServeArgs) -> CliResult<()> {
         listen: a.listen.clone(),
         memory_bytes: a.memory_mb << 20,
         evict: !a.no_evict,
-        engine: a.engine.agent_config(&a.data_listen, a.engine.transport.require()),
+        // Unset, the server opens it up where its control plane faces other hosts.
+        engine: a.engine.agent_config(
+            a.data_listen.as_deref().unwrap_or(&freight_core::AgentConfig::default().listen),
+            a.engine.transport.require(),
+        ),
         token: a.token.clone(),
         metrics_listen: a.metrics_listen.clone(),
         etcd: (!a.etcd_endpoints.is_empty()).then(|| freight_kv::EtcdConfig {

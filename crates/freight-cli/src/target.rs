@@ -1,14 +1,14 @@
 //! The target side of `demo` and `bench p2p`: an agent that owns a buffer, and does what
 //! initiators ask of it through notifications (see [`crate::proto`]).
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use freight_core::{Agent, AgentConfig, FabricConfig, MemKind, Notification, SharedSegment};
+use freight_core::{Agent, MemKind, Notification, SharedSegment};
 
-use crate::args::{format_size, CliError, CliResult};
+use crate::args::{format_size, CliError, CliResult, EngineOpts};
 use crate::pattern;
 use crate::proto::{Command, Reply};
 
@@ -24,37 +24,15 @@ pub struct TargetArgs {
     #[arg(long, default_value = "127.0.0.1:0")]
     listen: String,
 
-    /// The libfabric provider to open the fabric transport with (as the initiator's).
-    #[arg(long)]
-    fabric_provider: Option<String>,
-
-    /// Domains to use as fabric rails (as the initiator's).
-    #[arg(long, value_delimiter = ',')]
-    fabric_domains: Vec<String>,
-}
-
-impl TargetArgs {
-    fn fabric(&self) -> FabricConfig {
-        FabricConfig {
-            provider: self.fabric_provider.clone(),
-            domains: self.fabric_domains.clone(),
-            ..FabricConfig::default()
-        }
-    }
+    /// The initiator's engine options: the target serves with the same configuration.
+    #[command(flatten)]
+    engine: EngineOpts,
 }
 
 /// As a child process: exits by itself when the parent goes away (its stdin closes).
 pub fn run_child(a: &TargetArgs) -> CliResult<()> {
-    std::thread::Builder::new()
-        .name("parent-watch".into())
-        .spawn(|| {
-            let mut buf = [0u8; 64];
-            while matches!(std::io::stdin().read(&mut buf), Ok(n) if n > 0) {}
-            tracing::debug!("parent closed our stdin; exiting");
-            std::process::exit(0);
-        })
-        .map_err(|e| CliError::runtime(format!("cannot start a thread: {e}")))?;
-    serve(&a.listen, false, a.fabric())
+    crate::child::exit_with_parent()?;
+    serve(&a.listen, false, &a.engine)
 }
 
 /// The first line a target prints; its parent reads the address from it.
@@ -73,8 +51,10 @@ pub fn parse_listen_line(line: &str) -> Option<(Vec<String>, u32)> {
 
 /// Serves initiators until one says bye. `standalone` targets narrate on stdout. The
 /// fabric transport opens where `fabric` names a provider (or the environment does).
-pub fn serve(listen: &str, standalone: bool, fabric: FabricConfig) -> CliResult<()> {
-    let agent = Agent::new(NAME, AgentConfig { listen: listen.to_string(), fabric, ..AgentConfig::default() })
+/// Serves initiators with the agent `engine` describes: the side that answers READs
+/// sends with its own settings (zero-copy, pinning, streams), so they must be the run's.
+pub fn serve(listen: &str, standalone: bool, engine: &EngineOpts) -> CliResult<()> {
+    let agent = Agent::new(NAME, engine.agent_config(listen, engine.transport.require()))
         .map_err(|e| CliError::runtime(format!("cannot start the target agent on {listen}: {e}")))?;
     say(&listen_line(&agent.addresses(), std::process::id()));
     if standalone {

@@ -17,7 +17,7 @@ use parking_lot::RwLock;
 use crate::cuda::completion::Completions;
 use crate::desc::DescList;
 use crate::error::{invalid, Error, Result};
-use crate::memory::{MemKind, Registry, RemoteRegions, SharedSegment};
+use crate::memory::{MemKind, Registry, SharedSegment};
 use crate::metadata::{AgentMetadata, HostIdentity};
 use crate::net::{self, Introduction};
 use crate::notify::{NotifQueue, Notification, Waker};
@@ -209,6 +209,12 @@ impl Agent {
         &self.inner.name
     }
 
+    /// Host memory pinned on this agent's behalf (see [`crate::cuda::pinned`]): released
+    /// when the agent deregisters it or goes away.
+    pub fn pin_owner(&self) -> crate::cuda::pinned::Owner {
+        crate::cuda::pinned::Owner::Agent(self.inner.id)
+    }
+
     pub fn config(&self) -> &AgentConfig {
         &self.inner.config
     }
@@ -253,7 +259,7 @@ impl Agent {
     pub fn register_private(&self, kind: MemKind, addr: u64, len: u64, dev: u64) -> Result<u64> {
         self.inner.check_open()?;
         if kind == MemKind::Vram {
-            gpu::check_region(addr, dev)?;
+            gpu::check_region(addr, len, dev)?;
         }
         self.inner.registry.register_private(kind, addr, len, dev)
     }
@@ -271,7 +277,7 @@ impl Agent {
                 self.inner.server.broadcast(&Frame::Revoke { region: key });
             }
             if info.kind == MemKind::Dram && crate::cuda::pinned::any() {
-                crate::cuda::pinned::unpin_within(info.addr, info.len);
+                crate::cuda::pinned::unpin_within(info.addr, info.len, self.pin_owner());
             }
         }
         Ok(())
@@ -305,7 +311,7 @@ impl Agent {
         // connections, so that transfers in flight to it carry on.
         if let Some(known) = self.inner.peers.read().get(&name) {
             if known.md.agent_id == md.agent_id && known.check_alive().is_ok() {
-                *known.regions.write() = RemoteRegions::new(&md.regions);
+                known.replace_regions(&md.regions);
                 tracing::debug!(agent = %self.inner.name, peer = %name, regions = md.regions.len(), "refreshed peer");
                 return Ok(name);
             }
@@ -551,6 +557,16 @@ impl Agent {
 impl Drop for Agent {
     fn drop(&mut self) {
         self.close();
+    }
+}
+
+impl Drop for AgentInner {
+    /// Once no request is left (each holds the agent), the host memory it pinned is
+    /// unpinned, also where the application never deregistered it.
+    fn drop(&mut self) {
+        if crate::cuda::pinned::any() {
+            crate::cuda::pinned::unpin_all(crate::cuda::pinned::Owner::Agent(self.id));
+        }
     }
 }
 
@@ -835,22 +851,26 @@ impl Request {
         if let Some(p) = self.cuda.get() {
             return Ok(p.clone());
         }
-        let program = {
+        // A copy of the regions, not the lock: compiling may load (even build) the
+        // kernels, and a revocation waiting for the lock would stall every reader.
+        let remote: std::collections::HashMap<u64, crate::memory::RegionInfo> = {
             let regions = self.peer.regions.read();
-            let view = gpu::PeerView {
-                cuda: &self.peer.cuda,
-                shm: &self.peer.shm,
-                same_process: self.peer.same_host && self.peer.md.host.pid == std::process::id(),
-            };
-            CudaProgram::compile(
-                &self.plan.ops,
-                self.op,
-                |k| self.agent.registry.get(k).map(|r| r.info.clone()),
-                |k| regions.get(k).cloned(),
-                &view,
-                &self.agent.config.cuda,
-            )?
+            self.plan.remote_regions.iter().filter_map(|&k| regions.get(k).map(|r| (k, r.clone()))).collect()
         };
+        let view = gpu::PeerView {
+            cuda: &self.peer.cuda,
+            shm: &self.peer.shm,
+            same_process: self.peer.same_host && self.peer.md.host.pid == std::process::id(),
+        };
+        let program = CudaProgram::compile(
+            &self.plan.ops,
+            self.op,
+            |k| self.agent.registry.get(k).map(|r| r.info.clone()),
+            |k| remote.get(&k).cloned(),
+            &view,
+            &self.agent.config.cuda,
+            self.agent.id,
+        )?;
         Ok(self.cuda.get_or_init(|| Arc::new(program)).clone())
     }
 

@@ -196,8 +196,18 @@ pub struct GpuLocation {
     /// The allocation the region lies in: the IPC handle names it.
     pub alloc_base: u64,
     pub alloc_len: u64,
-    /// `cuIpcGetMemHandle` of the allocation (64 opaque bytes).
+    /// `cuIpcGetMemHandle` of the allocation (64 opaque bytes), or empty where the
+    /// allocation cannot be exported (see [`GpuLocation::exportable`]).
     pub handle: Vec<u8>,
+}
+
+impl GpuLocation {
+    /// Whether same-host peers can map the allocation. Memory from a stream-ordered
+    /// pool (`cudaMallocAsync`) or the VMM API (PyTorch's expandable segments) has no
+    /// IPC handle: peers then reach it through staging (tcp), not the cuda transport.
+    pub fn exportable(&self) -> bool {
+        !self.handle.is_empty()
+    }
 }
 
 impl RegionInfo {

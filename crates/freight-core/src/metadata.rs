@@ -120,7 +120,7 @@ impl AgentMetadata {
             if let Some(g) = &r.gpu {
                 let inside = r.addr >= g.alloc_base
                     && g.alloc_base.checked_add(g.alloc_len).is_some_and(|end| r.addr + r.len <= end);
-                if g.handle.len() != 64 || g.bus_id.len() > 32 || !inside || r.kind != MemKind::Vram {
+                if !matches!(g.handle.len(), 0 | 64) || g.bus_id.len() > 32 || !inside || r.kind != MemKind::Vram {
                     return bad(format!("region {} has an invalid GPU location", r.key));
                 }
             }
@@ -209,6 +209,18 @@ mod tests {
         let mut md = sample();
         md.regions[1].shared.as_mut().unwrap().offset = 8000;
         assert!(AgentMetadata::decode(&md.encode()).is_err());
+        let mut md = sample();
+        md.regions[2].gpu.as_mut().unwrap().handle = vec![5; 10];
+        assert!(AgentMetadata::decode(&md.encode()).is_err());
+    }
+
+    #[test]
+    fn gpu_memory_without_an_ipc_handle_is_described_as_not_exportable() {
+        let mut md = sample();
+        md.regions[2].gpu.as_mut().unwrap().handle.clear();
+        let back = AgentMetadata::decode(&md.encode()).unwrap();
+        assert!(!back.regions[2].gpu.as_ref().unwrap().exportable());
+        assert!(sample().regions[2].gpu.as_ref().unwrap().exportable());
     }
 
     proptest! {

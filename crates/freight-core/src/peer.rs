@@ -324,6 +324,19 @@ impl Peer {
         Ok(link)
     }
 
+    /// Takes the regions of the peer's refreshed metadata.
+    pub fn replace_regions(&self, regions: &[crate::memory::RegionInfo]) {
+        let mut known = self.regions.write();
+        *known = RemoteRegions::new(regions);
+        self.close_unused_imports(&known);
+    }
+
+    /// Lets go of the peer's GPU allocations that no registered region lies in any more.
+    fn close_unused_imports(&self, regions: &RemoteRegions) {
+        let live: Vec<u64> = regions.iter().filter_map(|r| r.gpu.as_ref().map(|g| g.alloc_base)).collect();
+        self.cuda.imports.retain(|base| live.contains(&base));
+    }
+
     fn intro(&self, ctx: &DialContext) -> Introduction {
         Introduction { target_id: self.md.agent_id, token: self.md.secret.to_vec(), ..ctx.intro.clone() }
     }
@@ -337,10 +350,8 @@ impl Peer {
                     tracing::debug!(peer = %self.name, region, "peer revoked a region");
                     let mut regions = self.regions.write();
                     regions.remove(region);
-                    // Close the peer's GPU allocations no registered region lies in any more.
-                    let live: Vec<u64> = regions.iter().filter_map(|r| r.gpu.as_ref().map(|g| g.alloc_base)).collect();
+                    self.close_unused_imports(&regions);
                     drop(regions);
-                    self.cuda.imports.retain(|base| live.contains(&base));
                     if let Some(f) = &self.links.lock().fabric {
                         f.forget(region);
                     }

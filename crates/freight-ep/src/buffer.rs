@@ -11,7 +11,7 @@
 //! can capture it. Combine is one call and does not synchronise; a failure it meets
 //! shows at the next call that waits, or at [`Buffer::check`].
 
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use cudarc::driver::sys as cu;
@@ -29,7 +29,7 @@ use crate::kernels::{
 };
 use crate::layout::{Config, Shape};
 use crate::relay::{self, Backend, Relay};
-use crate::rendezvous::Group;
+use crate::rendezvous::{Group, RENDEZVOUS_LOST};
 use crate::status;
 
 /// What each rank tells the others when a buffer is created.
@@ -41,9 +41,48 @@ struct Announcement {
     /// Where the workspace starts (its allocation may begin earlier).
     workspace_addr: u64,
     workspace_bytes: u64,
+    sizes: Sizes,
     backend: String,
     /// How to reach this rank through the engine (engine backends).
     engine: Option<relay::Announcement>,
+}
+
+/// What a buffer was made for, as the ranks must agree on it: the kernels index peers'
+/// workspaces and records with these (fp8 follows from the hidden size).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+struct Sizes {
+    hidden: usize,
+    max_tokens: usize,
+    topk: usize,
+    experts_per_rank: usize,
+}
+
+impl Sizes {
+    fn of(config: &Config) -> Sizes {
+        Sizes {
+            hidden: config.hidden,
+            max_tokens: config.max_tokens,
+            topk: config.topk,
+            experts_per_rank: config.local_experts,
+        }
+    }
+
+    /// Fails naming the first size in which rank `rank`'s buffer (`peer`) differs from
+    /// this rank's.
+    fn agree(&self, rank: usize, peer: &Sizes) -> Result<()> {
+        let fields = [
+            ("hidden size", self.hidden, peer.hidden),
+            ("max tokens", self.max_tokens, peer.max_tokens),
+            ("topk", self.topk, peer.topk),
+            ("experts per rank", self.experts_per_rank, peer.experts_per_rank),
+        ];
+        match fields.iter().find(|(_, mine, theirs)| mine != theirs) {
+            None => Ok(()),
+            Some((name, mine, theirs)) => Err(Error::InvalidArgument(format!(
+                "rank {rank} made its buffer with {name} {theirs}, this rank with {mine}: every rank must pass the same hidden size, max tokens, topk and experts per rank"
+            ))),
+        }
+    }
 }
 
 /// How a buffer reaches the other ranks, and how long it waits for them.
@@ -98,20 +137,37 @@ impl HostWords {
 
     /// Takes what the layout kernel found wrong with the routing, leaving the word clear.
     fn take_input_error(&self) -> Option<Error> {
-        // SAFETY: an aligned word of live pinned memory; no kernel is running (the
-        // caller synchronised).
-        let word = unsafe { std::ptr::replace(self.word(Self::INPUT), 0) };
+        // SAFETY: an aligned word of live pinned memory.
+        let word = unsafe { std::ptr::read_volatile(self.word(Self::INPUT)) };
+        if word != 0 {
+            // Cleared only once set: a layout kernel still running sets it by a
+            // compare-and-swap from zero, which fails until then, so no report slips in
+            // between the read and the clear.
+            // SAFETY: as above.
+            unsafe { std::ptr::write_volatile(self.word(Self::INPUT), 0) };
+        }
         status::decode(word, 0.0)
     }
 
     fn abort(&self, dead_rank: usize) {
         // SAFETY: as above; kernels only read it.
-        unsafe { std::ptr::write_volatile(self.word(Self::ABORT), dead_rank as u64 + 1) };
+        unsafe { std::ptr::write_volatile(self.word(Self::ABORT), abort_word(dead_rank)) };
     }
 
     fn count(&self, index: usize) -> usize {
         // SAFETY: within the allocation; written by a kernel the caller synchronised with.
         unsafe { std::ptr::read_volatile((self.memory.as_ptr().add(Self::COUNTS) as *const i32).add(index)) as usize }
+    }
+}
+
+/// The abort word for a death hook's `dead_rank`: the rank plus one (the kernels report
+/// the word less one), or for a lost rendezvous the word they report as
+/// [`status::RENDEZVOUS_LOST`].
+fn abort_word(dead_rank: usize) -> u64 {
+    if dead_rank == RENDEZVOUS_LOST {
+        status::RENDEZVOUS_LOST + 1
+    } else {
+        dead_rank as u64 + 1
     }
 }
 
@@ -138,6 +194,18 @@ fn broken(state: &mut State, e: Error) -> Error {
     e
 }
 
+/// Checks that `outputs` take rows of `row_bytes`, before anything is sent: a dispatch
+/// whose expansion is refused once its rows are in never releases them.
+fn outputs_fit(outputs: &DispatchOutputs, row_bytes: u64) -> Result<()> {
+    if outputs.row_bytes != row_bytes || outputs.head_bytes > row_bytes {
+        return Err(Error::InvalidArgument(format!(
+            "outputs for rows of {} bytes ({} of them to recv_x); the dispatch sent rows of {row_bytes}",
+            outputs.row_bytes, outputs.head_bytes
+        )));
+    }
+    Ok(())
+}
+
 /// fp8 needs whole groups of channels, and scales that keep rows 16-byte aligned.
 fn fp8_allowed(hidden: usize) -> bool {
     hidden.is_multiple_of(FP8_GROUP * 4)
@@ -158,7 +226,7 @@ impl Scratch {
             if fp8_allowed(config.hidden) { fp8_row_bytes(config.hidden) * config.max_tokens as u64 } else { 0 },
         ];
         let memory = DeviceBuffer::alloc(device, sizes.iter().sum::<u64>() as usize)?;
-        device.bind()?;
+        let _ctx = device.bind()?;
         // SAFETY: our own allocation; the counters must start at zero.
         check(unsafe { cu::cuMemsetD8_v2(memory.addr(), 0, memory.len()) }, "cuMemsetD8")?;
         let mut at = memory.addr();
@@ -269,14 +337,14 @@ impl Buffer {
         let device = Device::get(device)?;
         let kernels = Kernels::on(device)?;
         let workspace = DeviceBuffer::alloc(device, shape.workspace_bytes() as usize)?;
-        device.bind()?;
+        let _ctx = device.bind()?;
         // SAFETY: our own allocation; the signal words must start at zero (epoch 0).
         check(unsafe { cu::cuMemsetD8_v2(workspace.addr(), 0, workspace.len()) }, "cuMemsetD8")?;
         let (relay, engine) = match options.backend {
             Backend::Ipc => (None, None),
             backend => {
                 let (relay, me) =
-                    Relay::new(config.rank, &shape, device, &workspace, backend, &options.listen, timeout)?;
+                    Relay::new(group.clone(), &shape, device, &workspace, backend, &options.listen, timeout)?;
                 (Some(relay), Some(me))
             }
         };
@@ -286,6 +354,7 @@ impl Buffer {
             workspace: ipc::export(device, workspace.addr(), workspace.len() as u64)?,
             workspace_addr: workspace.addr(),
             workspace_bytes: shape.workspace_bytes(),
+            sizes: Sizes::of(&config),
             backend: format!("{:?}", options.backend),
             engine,
         };
@@ -308,6 +377,9 @@ impl Buffer {
                 "rank {} uses the {} backend, this rank {}: every rank must use the same",
                 other.rank, other.backend, me.backend
             )));
+        }
+        for peer in &announced {
+            me.sizes.agree(peer.rank, &peer.sizes)?;
         }
         let mut relay = relay;
         if let Some(relay) = relay.as_mut() {
@@ -350,10 +422,17 @@ impl Buffer {
             failed: scratch.failed,
             timeout_ns: timeout.as_nanos().min(u64::MAX as u128) as u64,
         };
-        let watched = host.clone();
+        // Weak: the group keeps its hooks until a death, and must not keep every buffer's
+        // pinned words alive until then.
+        let watched: Weak<HostWords> = Arc::downgrade(&host);
         group.on_dead(Box::new(move |rank, reason| {
-            tracing::warn!(rank, reason, "an expert-parallel rank died; aborting this rank's waits");
-            watched.abort(rank);
+            let Some(host) = watched.upgrade() else { return };
+            if rank == RENDEZVOUS_LOST {
+                tracing::warn!(reason, "the expert-parallel rendezvous was lost; aborting this rank's waits");
+            } else {
+                tracing::warn!(rank, reason, "an expert-parallel rank died; aborting this rank's waits");
+            }
+            host.abort(rank);
         }));
         let mut event = std::ptr::null_mut();
         // SAFETY: out-pointer to a local; the device's context is current.
@@ -362,7 +441,11 @@ impl Buffer {
             "cuEventCreate",
         )?;
         // Nobody writes into a peer before every peer has mapped everyone.
-        group.barrier(timeout)?;
+        if let Err(e) = group.barrier(timeout) {
+            // SAFETY: our event, never recorded.
+            unsafe { cu::cuEventDestroy_v2(event) };
+            return Err(e);
+        }
         tracing::info!(
             rank = config.rank,
             ranks = config.ranks,
@@ -403,10 +486,29 @@ impl Buffer {
     }
 
     /// The error a kernel recorded, if any (does not wait for the GPU). Once one is
-    /// recorded the buffer is broken: every later call fails with it.
+    /// recorded the buffer is broken: every later call fails with it. Then bad routing
+    /// that a low-latency dispatch met since the last report (the buffer stays usable).
     pub fn check(&self) -> Result<()> {
         let mut state = self.state.lock();
-        self.check_locked(&mut state)
+        self.check_locked(&mut state)?;
+        self.host.take_input_error().map_or(Ok(()), Err)
+    }
+
+    /// Gives up a dispatch that was begun and will not be finished (its outputs could not
+    /// be made, or the caller was interrupted): its rows are never released to their
+    /// senders, so the ranks' steps no longer agree and every later call fails saying so.
+    /// Does nothing when no dispatch is half done.
+    pub fn abandon(&self) {
+        let mut state = self.state.lock();
+        if state.phase != Phase::Idle {
+            state.phase = Phase::Idle;
+            broken(
+                &mut state,
+                Error::InvalidState(
+                    "a dispatch was begun and never finished, so the ranks' steps no longer agree: this buffer is unusable; make a new one on every rank".into(),
+                ),
+            );
+        }
     }
 
     fn check_locked(&self, state: &mut State) -> Result<()> {
@@ -632,12 +734,7 @@ impl Buffer {
         row_bytes: u64,
         most_rows: usize,
     ) -> Result<()> {
-        if outputs.row_bytes != row_bytes || outputs.head_bytes > row_bytes {
-            return Err(Error::InvalidArgument(format!(
-                "outputs for rows of {} bytes ({} of them to recv_x); the dispatch sent rows of {row_bytes}",
-                outputs.row_bytes, outputs.head_bytes
-            )));
-        }
+        outputs_fit(outputs, row_bytes)?;
         let sc = &self.scratch;
         // SAFETY: as the caller promises.
         unsafe { self.kernels.dispatch_expand(&self.site(stream), &sc.plan, outputs, most_rows, sc.done(1)) }
@@ -679,16 +776,21 @@ impl Buffer {
                 self.most_received()
             )));
         }
+        outputs_fit(outputs, inputs.row_bytes)?;
         // SAFETY: as the caller promises.
-        unsafe {
-            let sent = self.send(stream, &mut state, inputs, 0)?;
-            self.expand(stream, outputs, sent.row_bytes, self.most_received())?;
-            let bytes = 4 * self.config.local_experts;
-            check(
-                cu::cuMemcpyDtoDAsync_v2(counts, self.scratch.plan.expert_count, bytes, stream),
-                "cuMemcpyDtoDAsync (expert counts)",
-            )
-        }
+        let sent = unsafe { self.send(stream, &mut state, inputs, 0)? };
+        // SAFETY: as above.
+        let bytes = 4 * self.config.local_experts;
+        let queued = unsafe {
+            self.expand(stream, outputs, sent.row_bytes, self.most_received()).and_then(|()| {
+                check(
+                    cu::cuMemcpyDtoDAsync_v2(counts, self.scratch.plan.expert_count, bytes, stream),
+                    "cuMemcpyDtoDAsync (expert counts)",
+                )
+            })
+        };
+        // The rows are sent: a dispatch that cannot be completed leaves the ranks apart.
+        queued.map_err(|e| broken(&mut state, e))
     }
 
     /// Second half of a dispatch: fills the outputs sized by the counts
@@ -704,14 +806,21 @@ impl Buffer {
     pub unsafe fn dispatch_finish(&self, stream: cu::CUstream, outputs: &DispatchOutputs) -> Result<()> {
         let mut state = self.state.lock();
         self.check_locked(&mut state)?;
-        let Phase::Begun { received, input, row_bytes } = std::mem::replace(&mut state.phase, Phase::Idle) else {
+        let Phase::Begun { row_bytes, .. } = state.phase else {
             return Err(Error::InvalidState("dispatch_finish without dispatch_begin".into()));
         };
+        // Refused outputs leave the dispatch begun, for a call with the right ones.
         if outputs.expert_stride != 0 {
             return Err(Error::InvalidArgument("dispatch_finish fills packed outputs (expert_stride 0)".into()));
         }
+        outputs_fit(outputs, row_bytes)?;
+        let Phase::Begun { received, input, .. } = std::mem::replace(&mut state.phase, Phase::Idle) else {
+            return Err(Error::InvalidState("dispatch_finish without dispatch_begin".into()));
+        };
         // SAFETY: as the caller promises.
-        unsafe { self.expand(stream, outputs, row_bytes, received)? };
+        let queued = unsafe { self.expand(stream, outputs, row_bytes, received) };
+        // The rows are in: a dispatch that cannot be completed leaves the ranks apart.
+        queued.map_err(|e| broken(&mut state, e))?;
         self.ship_signal(stream, &mut state, relay::DISPATCH_RELEASED)?;
         input.map_or(Ok(()), Err)
     }
@@ -758,14 +867,16 @@ impl Buffer {
         self.ship_signal(stream, &mut state, relay::COMBINE_RELEASED)
     }
 
-    /// Waits for the work queued on `stream` and reports any failure of the kernels.
+    /// Waits for the work queued on `stream` and reports any failure of the kernels; then,
+    /// as [`Buffer::check`], bad routing that a low-latency dispatch met.
     ///
     /// # Safety
     ///
     /// `stream` is a live stream of this buffer's GPU.
     pub unsafe fn synchronize(&self, stream: cu::CUstream) -> Result<()> {
         let mut state = self.state.lock();
-        self.wait(stream, &mut state)
+        self.wait(stream, &mut state)?;
+        self.host.take_input_error().map_or(Ok(()), Err)
     }
 }
 
@@ -774,5 +885,61 @@ impl Drop for Buffer {
         // SAFETY: our event; work that recorded it was waited for or is abandoned with
         // the buffer.
         unsafe { cu::cuEventDestroy_v2(self.event) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sizes() -> Sizes {
+        Sizes { hidden: 7168, max_tokens: 128, topk: 8, experts_per_rank: 8 }
+    }
+
+    #[test]
+    fn ranks_that_agree_on_every_size_pass() {
+        assert!(sizes().agree(1, &sizes()).is_ok());
+        let config = Config { ranks: 2, rank: 0, max_tokens: 128, hidden: 7168, topk: 8, local_experts: 8 };
+        assert_eq!(Sizes::of(&config), sizes());
+    }
+
+    #[test]
+    fn a_size_that_differs_is_named_with_both_values() {
+        let base = sizes();
+        let cases = [
+            (Sizes { hidden: 4096, ..base }, "hidden size 4096, this rank with 7168"),
+            (Sizes { max_tokens: 64, ..base }, "max tokens 64, this rank with 128"),
+            (Sizes { topk: 6, ..base }, "topk 6, this rank with 8"),
+            (Sizes { experts_per_rank: 4, ..base }, "experts per rank 4, this rank with 8"),
+        ];
+        for (peer, want) in cases {
+            match base.agree(3, &peer) {
+                Err(Error::InvalidArgument(m)) => {
+                    assert!(m.starts_with("rank 3 made its buffer with ") && m.contains(want), "{m}")
+                }
+                other => panic!("{want}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn the_sizes_travel_in_the_announcement() {
+        let json = serde_json::to_value(sizes()).unwrap();
+        assert_eq!(json["experts_per_rank"], 8);
+        assert_eq!(serde_json::from_value::<Sizes>(json).unwrap(), sizes());
+    }
+
+    #[test]
+    fn an_abort_names_the_dead_rank_or_the_lost_rendezvous() {
+        // The kernels report the abort word less one, in the status word's low 48 bits.
+        let reported = |rank: usize| status::decode((2 << 56) | ((abort_word(rank) - 1) & 0xffff_ffff_ffff), 1.0);
+        match reported(3) {
+            Some(Error::PeerDisconnected { peer, .. }) => assert_eq!(peer, "rank 3"),
+            other => panic!("{other:?}"),
+        }
+        match reported(RENDEZVOUS_LOST) {
+            Some(Error::PeerDisconnected { peer, .. }) => assert_eq!(peer, "rendezvous"),
+            other => panic!("{other:?}"),
+        }
     }
 }

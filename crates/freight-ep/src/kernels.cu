@@ -109,15 +109,33 @@ __device__ __forceinline__ void fail(const Control& c, u64 code, u64 what, u64 v
 
 __device__ __forceinline__ bool failed(const Control& c) { return *(volatile u64*)c.failed != 0; }
 
+// failed(c) as thread 0 of the block read it, for a kernel that is about to reach a barrier:
+// a failure recorded by another block while this one's threads each read the word could
+// send some of them home and leave the others waiting at the barrier.
+__device__ bool block_failed(const Control& c) {
+    __shared__ int seen;
+    if (threadIdx.x == 0) seen = failed(c);
+    __syncthreads();
+    return seen;
+}
+
+// Whether epoch `v >> shift` has reached `want`, by their signed distance: a dispatch
+// "arrived" word keeps only the epoch's low 32 bits (the row count takes the rest), so a
+// plain >= would wait forever once 2^32 dispatches wrapped it. Ranks are never more than
+// an epoch apart, so the distance is always small.
+__device__ __forceinline__ bool reached(u64 v, int shift, u64 want) {
+    return shift == 32 ? (int)((u32)(v >> 32) - (u32)want) >= 0 : (i64)(v - want) >= 0;
+}
+
 // Waits until `*word >> shift` reaches `want`; returns the word, or ~0 after recording
 // why it gave up (`what` names the wait, `rank` the peer it waited for).
 __device__ u64 wait_for(const u64* word, int shift, u64 want, const Control& c, u64 what, int rank) {
     u64 v = load_acquire(word);
-    if ((v >> shift) >= want) return v;
+    if (reached(v, shift, want)) return v;
     const u64 start = now_ns();
     for (u32 spins = 0;; ++spins) {
         v = load_acquire(word);
-        if ((v >> shift) >= want) return v;
+        if (reached(v, shift, want)) return v;
         if ((spins & 255) == 0) {
             if (*(volatile const u64*)c.abort != 0) {
                 fail(c, STATUS_ABORTED, what, *(volatile const u64*)c.abort - 1);
@@ -294,8 +312,8 @@ __device__ int scan_flags(int flag, int* total) {
 // saturating (written out because NVRTC has no fp8 header without the toolkit).
 __device__ __forceinline__ u32 to_e4m3(float f) {
     const u32 sign = (__float_as_uint(f) >> 24) & 0x80;
+    if (isnan(f)) return sign | 0x7f;  // before the clamp, which would make it 448
     const float a = fminf(fabsf(f), 448.0f);
-    if (a != a) return 0x7f;
     if (a < 0.015625f) return sign | __float2uint_rn(a * 512.0f);  // subnormals: steps of 2^-9
     int e;
     const float m = frexpf(a, &e);  // a = m x 2^e, m in [0.5, 1)
@@ -327,6 +345,8 @@ ep_quantize_fp8(const char* x, int tokens, Shape s, char* packed) {
         const uint2 raw = *(const uint2*)(x + (u64)t * s.row_bytes + (u64)(g * 128 + lane * 4) * 2);
         float v[4] = {bf16_to_float(raw.x & 0xffff), bf16_to_float(raw.x >> 16), bf16_to_float(raw.y & 0xffff),
                       bf16_to_float(raw.y >> 16)};
+        // fmaxf passes over a NaN, so the group's other channels keep a scale of their own;
+        // the NaN itself stays a NaN (to_e4m3).
         float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
         for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
         const float scale = amax > 0.0f ? amax / 448.0f : 1.0f;
@@ -421,7 +441,7 @@ extern "C" __global__ void __launch_bounds__(512, 1)
 ep_dispatch_send(const char* x, u64 x_row_bytes, const i64* topk_idx, const float* topk_weights, const int* slot,
                  int tokens, Shape s, const u64* peers, const u64* epochs, const int* send_count, u32* done,
                  Control c) {
-    if (failed(c)) return;
+    if (block_failed(c)) return;
     const u64 epoch = epochs[0] + 1;
     const char* own = (const char*)peers[s.me];
     if (!wait_all(own, s, DISPATCH_RELEASED, 0, epoch - 1, c, 0)) return;
@@ -441,9 +461,13 @@ ep_dispatch_send(const char* x, u64 x_row_bytes, const i64* topk_idx, const floa
             if (seg != 0) continue;
             char* meta = dispatch_meta(peer, s, s.me, row);
             if (lane == 0) *(int*)meta = t;
+            const i64* choices = topk_idx + (i64)t * s.topk;
             for (int k = lane; k < s.topk; k += 32) {
-                const i64 e = topk_idx[(i64)t * s.topk + k];
-                const bool here = e >= 0 && e / s.local_experts == r;
+                const i64 e = choices[k];
+                bool here = e >= 0 && e / s.local_experts == r;
+                // A repeat of an earlier choice is dropped (ep_layout reported it), so that
+                // the expert gets the token once and combine adds its output once.
+                for (int j = 0; j < k && here; ++j) here = choices[j] != e;
                 meta_expert(meta)[k] = here ? (int)(e % s.local_experts) : -1;
                 meta_weight(meta, s.topk)[k] = here ? topk_weights[(i64)t * s.topk + k] : 0.0f;
             }
@@ -465,7 +489,7 @@ extern "C" __global__ void __launch_bounds__(1024)
 ep_dispatch_plan(Shape s, const char* own, const u64* epochs, int* recv_count, int* expert_pos, int* expert_count,
                  int* host_counts, Control c) {
     __shared__ u64 arrived[1024];
-    if (failed(c)) return;
+    if (block_failed(c)) return;
     const u64 epoch = epochs[0] + 1;
     if (!wait_all(own, s, DISPATCH_ARRIVED, 32, epoch, c, arrived)) return;
     const int e = blockIdx.x;
@@ -509,7 +533,7 @@ ep_dispatch_expand(Shape s, const u64* peers, u64* epochs, const int* recv_count
                    int* received_out, u32* done, Control c) {
     __shared__ int source_start[1025];
     __shared__ int expert_start[1025];
-    if (failed(c)) return;
+    if (block_failed(c)) return;
     const u64 epoch = epochs[0] + 1;
     if (threadIdx.x == 0) {
         source_start[0] = 0;
@@ -541,7 +565,9 @@ ep_dispatch_expand(Shape s, const u64* peers, u64* epochs, const int* recv_count
         }
         for (int k = 0; k < s.topk; ++k) {
             const int e = meta_expert(meta)[k];
-            if (e < 0) {
+            // A record is a peer's writing: an expert out of range would index past the
+            // tables, so it is taken for no choice.
+            if (e < 0 || e >= s.local_experts) {
                 if (seg == 0 && lane == 0) row_pairs[(i64)u * s.topk + k] = -1;
                 continue;
             }
@@ -568,7 +594,7 @@ ep_dispatch_expand(Shape s, const u64* peers, u64* epochs, const int* recv_count
 extern "C" __global__ void __launch_bounds__(512, 1)
 ep_combine_send(Shape s, const u64* peers, const char* expert_out, const float* weights, const int* row_pairs,
                 const int* row_source, const int* received_rows, const u64* epochs, u32* done, Control c) {
-    if (failed(c)) return;
+    if (block_failed(c)) return;
     const u64 epoch = epochs[1] + 1;
     const int received = *received_rows;
     if (!wait_all((const char*)peers[s.me], s, COMBINE_RELEASED, 0, epoch - 1, c, 0)) return;
@@ -600,7 +626,7 @@ ep_combine_send(Shape s, const u64* peers, const char* expert_out, const float* 
 extern "C" __global__ void __launch_bounds__(512, 1)
 ep_combine_reduce(Shape s, const u64* peers, const int* slot, int tokens, char* out, u64* epochs, u32* done,
                   Control c) {
-    if (failed(c)) return;
+    if (block_failed(c)) return;
     const u64 epoch = epochs[1] + 1;
     const char* own = (const char*)peers[s.me];
     if (!wait_all(own, s, COMBINE_ARRIVED, 0, epoch, c, 0)) return;

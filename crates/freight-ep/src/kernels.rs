@@ -380,6 +380,33 @@ mod tests {
         }
     }
 
+    /// kernels.cu's `reached`: whether epoch `v >> shift` has reached `want`.
+    fn reached(v: u64, shift: u32, want: u64) -> bool {
+        if shift == 32 {
+            ((v >> 32) as u32).wrapping_sub(want as u32) as i32 >= 0
+        } else {
+            v.wrapping_sub(want) as i64 >= 0
+        }
+    }
+
+    #[test]
+    fn epochs_are_compared_across_their_wrap() {
+        let kernel = "return shift == 32 ? (int)((u32)(v >> 32) - (u32)want) >= 0 : (i64)(v - want) >= 0;";
+        assert!(SOURCE.contains(kernel), "kernels.cu's `reached` changed: update this test's copy");
+        assert!(!SOURCE.contains(">> shift) >= want"), "an epoch compared without its wrap");
+        // A dispatch "arrived" word: the epoch's low 32 bits, then the row count.
+        let arrived = |epoch: u64, rows: u32| (epoch << 32) | rows as u64;
+        for epoch in [1, 2, u32::MAX as u64, 1 << 32, (1 << 32) + 1, 3 << 32, u64::MAX] {
+            assert!(reached(arrived(epoch, 7), 32, epoch), "{epoch:#x}");
+            assert!(reached(arrived(epoch.wrapping_add(1), 0), 32, epoch), "{epoch:#x}");
+            assert!(!reached(arrived(epoch - 1, u32::MAX), 32, epoch), "{epoch:#x}");
+            assert!(reached(epoch, 0, epoch) && reached(epoch.wrapping_add(1), 0, epoch));
+            assert!(!reached(epoch - 1, 0, epoch), "{epoch:#x}");
+        }
+        // The first dispatch waits for the release of epoch 0, which the zeroed words hold.
+        assert!(reached(0, 0, 0));
+    }
+
     #[test]
     fn rows_are_cut_into_segments_as_the_kernels_cut_them() {
         assert!(SOURCE.contains("#define VECTORS_PER_LANE 4") && SOURCE.contains("(32 * VECTORS_PER_LANE)"));

@@ -9,6 +9,7 @@
 //! run while the kernel spins).
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -19,6 +20,10 @@ use freight_core::{
 };
 
 use crate::layout::Shape;
+use crate::rendezvous::{dead_error, Group};
+
+/// How often host waits look up the group's deaths.
+const DEATH_POLL: Duration = Duration::from_millis(100);
 
 /// Which engine path ranks other than this one take.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,6 +70,9 @@ pub struct Relay {
     shape: Shape,
     device: &'static Device,
     timeout: Duration,
+    /// Watched while waiting: a dead peer never signals, and waiting on would only end at
+    /// the timeout.
+    group: Arc<dyn Group>,
 }
 
 /// What a rank tells the others about its engine side.
@@ -75,10 +83,10 @@ pub struct Announcement {
 }
 
 impl Relay {
-    /// An agent for this rank with `workspace` registered, and an outbox per other rank.
-    /// `config` picks the transports (see [`Backend`]).
+    /// An agent for this rank of `group` with `workspace` registered, and an outbox per
+    /// other rank. `backend` picks the transports (see [`Backend`]).
     pub fn new(
-        rank: usize,
+        group: Arc<dyn Group>,
         shape: &Shape,
         device: &'static Device,
         workspace: &DeviceBuffer,
@@ -86,6 +94,7 @@ impl Relay {
         listen: &str,
         timeout: Duration,
     ) -> Result<(Relay, Announcement)> {
+        let rank = group.rank();
         let mut config = AgentConfig { listen: listen.to_string(), peer_timeout: timeout, ..AgentConfig::default() };
         if backend == Backend::Network {
             config.require = Some(TransportKind::Tcp);
@@ -100,14 +109,14 @@ impl Relay {
                 continue;
             }
             let outbox = DeviceBuffer::alloc(device, shape.block_bytes as usize)?;
-            device.bind()?;
+            let _ctx = device.bind()?;
             // SAFETY: our own allocation; its signal words must start at zero.
             check(unsafe { cudarc::driver::sys::cuMemsetD8_v2(outbox.addr(), 0, outbox.len()) }, "cuMemsetD8")?;
             agent.register(MemKind::Vram, outbox.addr(), outbox.len() as u64, dev)?;
             peers.push(Some(Peer { name: String::new(), outbox, block: 0 }));
         }
         let me = Announcement { metadata: agent.metadata(), workspace: workspace.addr() };
-        let relay = Relay { agent, arrived: Mutex::default(), peers, shape: *shape, device, timeout };
+        let relay = Relay { agent, arrived: Mutex::default(), peers, shape: *shape, device, timeout, group };
         Ok((relay, me))
     }
 
@@ -171,6 +180,7 @@ impl Relay {
                     return Ok(());
                 }
             }
+            self.check_alive()?;
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Err(Error::Timeout(format!(
@@ -178,7 +188,7 @@ impl Relay {
                     self.timeout
                 )));
             }
-            for n in self.agent.wait_notifs(left.min(Duration::from_millis(100))) {
+            for n in self.agent.wait_notifs(left.min(DEATH_POLL)) {
                 match signal_of(&n.msg) {
                     Some(k) => *self.arrived.lock().entry(k).or_default() += 1,
                     None => tracing::warn!(from = %n.from, "an unexpected notification on an expert-parallel agent"),
@@ -189,18 +199,31 @@ impl Relay {
 
     fn wait_all(&self, requests: Vec<Option<Request>>) -> Result<()> {
         for req in requests.into_iter().flatten() {
-            match req.wait(Some(self.timeout)) {
-                Status::Done => {}
-                Status::Error(e) => return Err(e),
-                other => {
-                    return Err(Error::Timeout(format!(
-                        "shipping to another rank did not finish within {:?} ({other:?})",
-                        self.timeout
-                    )))
+            let deadline = Instant::now() + self.timeout;
+            loop {
+                let left = deadline.saturating_duration_since(Instant::now());
+                match req.wait(Some(left.min(DEATH_POLL))) {
+                    Status::Done => break,
+                    Status::Error(e) => return Err(e),
+                    other if left.is_zero() => {
+                        return Err(Error::Timeout(format!(
+                            "shipping to another rank did not finish within {:?} ({other:?})",
+                            self.timeout
+                        )))
+                    }
+                    _ => self.check_alive()?,
                 }
             }
         }
         Ok(())
+    }
+
+    /// Fails as the group's collectives do once it knows a rank died.
+    fn check_alive(&self) -> Result<()> {
+        match self.group.dead() {
+            Some((rank, reason)) => Err(dead_error(rank, &reason)),
+            None => Ok(()),
+        }
     }
 
     /// Byte ranges of our block's dispatch rows and records for `rows` tokens of

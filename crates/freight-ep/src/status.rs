@@ -9,6 +9,10 @@ const ABORTED: u64 = 2;
 const BAD_EXPERT: u64 = 3;
 const DUPLICATE_EXPERT: u64 = 4;
 
+/// The value an abort reports (the abort word less one, in the status word's low 48
+/// bits) when the rendezvous was lost rather than a rank: no rank number comes near it.
+pub const RENDEZVOUS_LOST: u64 = 0xffff_ffff_ffff;
+
 /// The wait a kernel gave up in (kernels.cu's signal kinds).
 fn wait_name(what: u64) -> &'static str {
     match what {
@@ -31,6 +35,13 @@ pub fn decode(word: u64, timeout_s: f64) -> Option<Error> {
             "rank {value} did not signal within {timeout_s} s while this rank waited for {}; is it alive and running the same sequence of calls?",
             wait_name(what)
         )),
+        ABORTED if value == RENDEZVOUS_LOST => Error::PeerDisconnected {
+            peer: "rendezvous".into(),
+            reason: format!(
+                "lost while this rank waited for {}: no rank's death can be learnt any more",
+                wait_name(what)
+            ),
+        },
         ABORTED => Error::PeerDisconnected {
             peer: format!("rank {value}"),
             reason: format!("found dead while this rank waited for {}", wait_name(what)),
@@ -60,6 +71,13 @@ mod tests {
         }
         match decode(word(ABORTED, 0, 2), 5.0) {
             Some(Error::PeerDisconnected { peer, .. }) => assert_eq!(peer, "rank 2"),
+            other => panic!("{other:?}"),
+        }
+        match decode(word(ABORTED, 1, RENDEZVOUS_LOST), 5.0) {
+            Some(Error::PeerDisconnected { peer, reason }) => {
+                assert_eq!(peer, "rendezvous");
+                assert!(reason.contains("release its dispatch rows"), "{reason}");
+            }
             other => panic!("{other:?}"),
         }
         match decode(word(BAD_EXPERT, 0, 17), 5.0) {

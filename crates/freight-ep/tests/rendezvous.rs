@@ -13,7 +13,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use freight_core::{Error, Result};
-use freight_ep::rendezvous::{EtcdGroup, EtcdOptions, Group, RankServer, ServerGroup};
+use freight_ep::rendezvous::{EtcdGroup, EtcdOptions, Group, RankServer, ServerGroup, RENDEZVOUS_LOST};
 
 const JOIN: Duration = Duration::from_secs(3);
 const COLLECTIVE: Duration = Duration::from_secs(3);
@@ -354,6 +354,7 @@ fn a_join_times_out_when_no_server_appears() {
 fn a_stopped_server_fails_collectives_at_once() {
     let server = RankServer::start(loopback(), 2).unwrap();
     let groups = join_all(server.addr(), 2);
+    let hook = counting_hook(&groups[0]);
     let (tx, rx) = mpsc::channel();
     thread::scope(|s| {
         let g = &groups[0];
@@ -367,8 +368,11 @@ fn a_stopped_server_fails_collectives_at_once() {
     let (res, took) = rx.recv().unwrap();
     assert!(matches!(&res, Err(Error::PeerDisconnected { peer, .. }) if peer == "rank server"), "{res:?}");
     assert!(took < Duration::from_secs(1), "{took:?}");
-    // Not a rank death: nobody is reported dead.
+    // Not a rank death: nobody is reported dead. But the death hooks (the buffers' abort
+    // words) fire, so that GPU waits on the peers end now rather than at their timeout.
     assert_eq!(groups[0].dead(), None);
+    assert_eq!(hook.0.load(Ordering::SeqCst), 1);
+    assert_eq!(hook.1.load(Ordering::SeqCst), RENDEZVOUS_LOST);
 }
 
 // ---------------------------------------------------------------------------------------

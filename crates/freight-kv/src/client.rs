@@ -70,11 +70,12 @@ pub fn too_small(value: u64, room: u64) -> Error {
 struct PinnedBuffer {
     addr: u64,
     len: u64,
+    owner: cuda::pinned::Owner,
 }
 
 impl Drop for PinnedBuffer {
     fn drop(&mut self) {
-        cuda::pinned::unpin_within(self.addr, self.len);
+        cuda::pinned::unpin_within(self.addr, self.len, self.owner);
     }
 }
 
@@ -114,7 +115,9 @@ impl Client {
             return Err(Error::InvalidArgument("a client needs a receive buffer (buffer_bytes is 0)".into()));
         }
         let name = format!("{}-{}-{:08x}", config.name, std::process::id(), rand::random::<u32>());
-        let agent = Arc::new(Agent::new(&name, config.engine.clone())?);
+        let remote = crate::reach::beyond_loopback(crate::reach::url_host(&config.server));
+        let engine = crate::reach::open_to_other_hosts(config.engine.clone(), remote);
+        let agent = Arc::new(Agent::new(&name, engine)?);
         let len = usize::try_from(config.buffer_bytes)
             .map_err(|_| Error::InvalidArgument(format!("a buffer of {} bytes is too large", config.buffer_bytes)))?;
         let buffer = agent.alloc(len)?;
@@ -293,10 +296,11 @@ impl Client {
     pub fn get_to_gpu(&mut self, key: &[u8], dst: u64, capacity: u64, device: usize) -> Result<Option<u64>> {
         let gpu = cuda::Device::get(device)?;
         if self.pinned.is_none() {
-            cuda::pinned::pin(gpu, self.buffer.addr(), self.buffer_bytes())?;
-            self.pinned = Some(PinnedBuffer { addr: self.buffer.addr(), len: self.buffer_bytes() });
+            let owner = self.agent.pin_owner();
+            cuda::pinned::pin(gpu, self.buffer.addr(), self.buffer_bytes(), owner)?;
+            self.pinned = Some(PinnedBuffer { addr: self.buffer.addr(), len: self.buffer_bytes(), owner });
         }
-        gpu.bind()?;
+        let _ctx = gpu.bind()?;
         let stream = match self.gpu_streams.iter().find(|(d, _)| *d == device) {
             Some((_, s)) => s.clone(),
             None => {

@@ -19,6 +19,7 @@ mod memory;
 pub mod metrics;
 mod poll;
 pub mod pool;
+pub mod reach;
 pub mod rpc;
 pub mod server;
 pub mod service;

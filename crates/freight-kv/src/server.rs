@@ -232,7 +232,9 @@ impl Server {
         })?;
         // Distinct servers of one process (tests start several) need distinct agent names.
         let name = format!("freight-kv-server-{}-{:08x}", std::process::id(), rand::random::<u32>());
-        let agent = Arc::new(Agent::new(&name, config.engine.clone())?);
+        // Clients the control plane serves on other hosts must reach the data plane too.
+        let engine = crate::reach::open_to_other_hosts(config.engine.clone(), !listen.ip().is_loopback());
+        let agent = Arc::new(Agent::new(&name, engine)?);
         let len = usize::try_from(config.memory_bytes)
             .map_err(|_| Error::InvalidArgument(format!("{} bytes of memory is too many", config.memory_bytes)))?;
         let pool = PoolMemory::allocate(len)?;

@@ -1,8 +1,9 @@
 //! The agent binding: conversions and GIL release around `freight_core::Agent`.
 
 use std::collections::HashMap;
+use std::mem::ManuallyDrop;
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
@@ -27,12 +28,16 @@ static NEXT_AGENT_ID: AtomicU64 = AtomicU64::new(1);
 /// Native agent (use `freight.Agent`, which wraps it with Python conveniences).
 #[pyclass(frozen, name = "Agent", module = "freight._native")]
 pub struct PyAgent {
-    pub(crate) inner: Arc<Agent>,
+    /// Taken out by `Drop` only (closing an agent waits on its peers: not with the GIL
+    /// held). Clone it with `Arc::clone`: a `ManuallyDrop` clone would never be dropped.
+    pub(crate) inner: ManuallyDrop<Arc<Agent>>,
     /// Identifies this agent in prepared lists (so that they are not used with another).
     id: u64,
     /// Python objects whose memory is registered, by region key: they stay alive while
     /// registered (and while any request of this agent exists).
     keep: Mutex<HashMap<u64, Py<PyAny>>>,
+    /// Request objects of this agent that exist.
+    pub(crate) requests: AtomicUsize,
     /// The pipe router, once a pipe end was made here: from then on it owns the engine's
     /// notification queue, and the agent's own notifications are read from it. Held
     /// for the agent's life so that notifications it keeps are never dropped with it.
@@ -81,7 +86,19 @@ impl PyAgent {
     }
 
     fn request(slf: &Bound<'_, Self>, inner: freight_core::Request, peer: String) -> PyRequest {
+        slf.get().requests.fetch_add(1, Ordering::AcqRel);
         PyRequest { inner, peer, _owner: slf.clone().unbind() }
+    }
+
+    /// True when nothing of this agent can move bytes any more: no request object, and
+    /// no pipe end, store or cache engine holding the engine (directly or through the
+    /// router). A closed agent starts nothing new, so this stays true.
+    fn idle(&self) -> bool {
+        let router = self.router.get();
+        let holders = 1 + usize::from(router.is_some());
+        self.requests.load(Ordering::Acquire) == 0
+            && router.is_none_or(|r| Arc::strong_count(r) == 1)
+            && Arc::strong_count(&self.inner) == holders
     }
 
     fn check_owner(&self, id: u64, what: &str) -> PyResult<()> {
@@ -210,9 +227,10 @@ impl PyAgent {
         };
         let inner = Arc::new(py.detach(|| Agent::new(&name, config)).or_raise()?);
         Ok(PyAgent {
-            inner,
+            inner: ManuallyDrop::new(inner),
             id: NEXT_AGENT_ID.fetch_add(1, Ordering::Relaxed),
             keep: Mutex::default(),
+            requests: AtomicUsize::new(0),
             router: OnceLock::new(),
             queue_gate: RwLock::new(()),
         })
@@ -242,9 +260,15 @@ impl PyAgent {
         self.inner.registered_regions()
     }
 
-    /// Stops listening and closes every connection; in-flight requests fail.
+    /// Stops listening and closes every connection; in-flight requests fail. The objects
+    /// kept for registered memory are let go once nothing of the agent can still use
+    /// them (no request object, pipe end, store or cache engine), else with the agent.
     fn close(&self, py: Python<'_>) {
-        py.detach(|| self.inner.close())
+        py.detach(|| self.inner.close());
+        if self.idle() {
+            let kept = std::mem::take(&mut *self.keep());
+            drop(kept);
+        }
     }
 
     /// Listens on one more address; returns the bound ip:port.
@@ -386,7 +410,8 @@ impl PyAgent {
         Ok((p.transport.as_str(), p.reason))
     }
 
-    /// (control connections, tcp connections, handshakes, set-up us, last set-up us).
+    /// (control connections, tcp connections, fabric connections, handshakes, set-up us,
+    /// last set-up us).
     fn connection_stats(&self, peer: &str) -> PyResult<(u64, u64, u64, u64, u64, u64)> {
         let s = self.inner.connection_stats(peer).or_raise()?;
         Ok((s.control_connections, s.tcp_connections, s.fabric_connections, s.handshakes, s.setup_us, s.last_setup_us))
@@ -488,5 +513,21 @@ impl PyAgent {
 
     fn __repr__(&self) -> String {
         format!("<freight._native.Agent '{}' at {:?}>", self.inner.name(), self.inner.addresses())
+    }
+}
+
+impl Drop for PyAgent {
+    /// The last hold on the engine closes it, which shuts its peers down, and the
+    /// router's joins its thread: neither with the GIL held.
+    fn drop(&mut self) {
+        let router = self.router.take();
+        // SAFETY: `inner` is taken once, here, and `self` is not used after.
+        let inner = unsafe { ManuallyDrop::take(&mut self.inner) };
+        Python::attach(|py| {
+            py.detach(move || {
+                drop(router);
+                drop(inner);
+            })
+        });
     }
 }

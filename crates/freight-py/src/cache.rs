@@ -5,7 +5,7 @@
 //! released. A store sender or receiver given to the engine is handed over: the engine
 //! owns it from then on, and keeps its Python object (and what that keeps) alive.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use freight_cache::{CacheConfig, CacheEngine, KvLayout, KvMemory, KvShape, Place};
 use freight_core::{Error, MemKind, Result};
@@ -110,7 +110,7 @@ impl PyCacheEngine {
             gpu_bytes,
             host_bytes,
         };
-        let a = agent.get().inner.clone();
+        let a = Arc::clone(&agent.get().inner);
         let cfg = config.clone();
         let mut engine = py.detach(move || CacheEngine::new(&a, cfg)).or_raise()?;
         // The store first: it is refused while another thread waits on it.

@@ -239,6 +239,12 @@ impl PyBuffer {
         py.detach(move || unsafe { b.dispatch_finish(stream(stream_handle), &outputs) }).or_raise()
     }
 
+    /// Gives up a dispatch begun and not finished: the buffer is unusable from here on,
+    /// and later calls say so (a no-op when no dispatch is half done).
+    fn abandon(&self) {
+        self.inner.abandon();
+    }
+
     /// A whole low-latency dispatch of `inputs` (as for `dispatch_begin`) into `outputs`
     /// (as for `dispatch_finish`) sized for the most it can deliver (`most_received`
     /// rows per local expert), and the rows per local expert into `counts`; does not
@@ -295,7 +301,8 @@ impl PyBuffer {
         py.detach(move || unsafe { b.combine(stream(stream_handle), &args) }).or_raise()
     }
 
-    /// Waits for the stream and raises what the kernels met.
+    /// Waits for the stream and raises what the kernels met (bad routing of a low-latency
+    /// dispatch included).
     fn synchronize(&self, py: Python<'_>, stream_handle: usize) -> PyResult<()> {
         let b = self.inner.clone();
         // SAFETY: the current stream of the buffer's GPU.

@@ -1,5 +1,6 @@
 //! Requests: post, poll, wait.
 
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use freight_core::{Error, Request, Status};
@@ -85,7 +86,7 @@ impl PyRequest {
         }
     }
 
-    /// The transport that serves this request: "shm" or "tcp".
+    /// The transport that serves this request: "cuda", "shm", "fabric" or "tcp".
     #[getter]
     fn transport(&self) -> &'static str {
         self.inner.path().transport.as_str()
@@ -131,5 +132,11 @@ impl PyRequest {
             self.inner.path().transport,
             status_str(&self.inner.status())
         )
+    }
+}
+
+impl Drop for PyRequest {
+    fn drop(&mut self) {
+        self._owner.get().requests.fetch_sub(1, Ordering::AcqRel);
     }
 }

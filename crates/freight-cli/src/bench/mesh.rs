@@ -334,7 +334,7 @@ pub fn run(
     for i in 0..n {
         let mut cmd = std::process::Command::new(prog);
         cmd.args(rest).args([SUBCOMMAND, "--index", &i.to_string(), "--members", &n.to_string()]);
-        cmd.args(["--block", &block.to_string(), "--duration", &format!("{}ms", duration.as_millis())]);
+        cmd.args(["--block", &block.to_string(), "--duration", &format!("{}us", duration.as_micros())]);
         if gpus > 0 {
             cmd.args(["--gpu", &(i % gpus).to_string()]);
         }

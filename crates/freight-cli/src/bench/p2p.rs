@@ -38,7 +38,8 @@ pub enum Role {
     Auto,
     /// Drive the benchmark against a target given with --connect.
     Initiator,
-    /// Own the buffer and serve one initiator, then exit. Only --listen applies.
+    /// Own the buffer and serve one initiator, then exit. --listen and the engine
+    /// options apply (give it the initiator's); the initiator decides the rest.
     Target,
 }
 
@@ -74,8 +75,9 @@ pub struct P2pArgs {
     #[arg(long, value_name = "IP:PORT")]
     pub(super) listen: Option<String>,
 
-    /// Address of a target started with --role target (implies --role initiator).
-    #[arg(long, value_name = "IP:PORT")]
+    /// Address of a target started with --role target, as IP:PORT or HOST:PORT
+    /// (implies --role initiator).
+    #[arg(long, value_name = "HOST:PORT")]
     pub(super) connect: Option<String>,
 
     /// Direction, seen from the initiator.
@@ -149,13 +151,28 @@ pub struct P2pArgs {
     /// GPUs exist) that all WRITE blocks of the largest --block-sizes to each other at
     /// once for --duration (default 3s) over --transport, every byte checked at the end;
     /// reports each process's bandwidth and the total.
-    #[arg(long, value_name = "N", conflicts_with_all = ["connect", "role"])]
+    #[arg(
+        long,
+        value_name = "N",
+        value_parser = parse_mesh_size,
+        conflicts_with_all = [
+            "connect", "role", "listen", "op", "iters", "warmup", "batch_sizes", "total_bytes",
+            "random_order", "memcpy_baseline", "initiator_seg", "target_seg", "mode",
+        ]
+    )]
     pub(super) full_mesh: Option<usize>,
 
     /// With --full-mesh: where the processes' buffers live: auto (GPU memory where GPUs
     /// exist), host or gpu.
     #[arg(long, value_enum, default_value_t = super::mesh::MeshMemory::Auto)]
     pub(super) mesh_memory: super::mesh::MeshMemory,
+}
+
+fn parse_mesh_size(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if (2..=64).contains(&n) => Ok(n),
+        _ => Err(format!("'{s}' must be a number of processes from 2 to 64")),
+    }
 }
 
 fn parse_iters(s: &str) -> Result<usize, String> {
@@ -188,8 +205,16 @@ pub(super) struct Grid {
 
 pub(super) const DEFAULT_BATCHES: [u64; 3] = [1, 16, 128];
 
+/// `v` as an address: IP:PORT, or HOST:PORT resolved (its first address).
 fn socket_addr(opt: &str, v: &str) -> CliResult<SocketAddr> {
-    v.parse().map_err(|_| CliError::usage(format!("{opt} '{v}' is not an IP:PORT address (e.g. 10.0.0.2:7000)")))
+    if let Ok(a) = v.parse() {
+        return Ok(a);
+    }
+    let unusable = |why: String| CliError::usage(format!("{opt} '{v}': {why} (expected IP:PORT or HOST:PORT)"));
+    match std::net::ToSocketAddrs::to_socket_addrs(v) {
+        Ok(mut addrs) => addrs.next().ok_or_else(|| unusable("the name has no address".into())),
+        Err(e) => Err(unusable(e.to_string())),
+    }
 }
 
 impl P2pArgs {
@@ -211,7 +236,7 @@ impl P2pArgs {
                 let target = socket_addr("--connect", c)?;
                 let default = if target.ip().is_loopback() { "127.0.0.1:0" } else { "0.0.0.0:0" };
                 Ok(Plan::Initiator {
-                    connect: Some(c.clone()),
+                    connect: Some(target.to_string()),
                     listen: self.listen.clone().unwrap_or_else(|| default.into()),
                 })
             }
@@ -271,7 +296,7 @@ pub fn run(a: &P2pArgs, ctx: &Context) -> CliResult<()> {
         return super::mesh::run(n, a.mesh_memory, block, duration, &a.engine, a.json, ctx);
     }
     match a.plan()? {
-        Plan::Target { listen } => target::serve(&listen, true, a.engine.fabric_config()),
+        Plan::Target { listen } => target::serve(&listen, true, &a.engine),
         Plan::Initiator { connect, listen } => {
             let grid = a.grid()?;
             initiator(a, &grid, connect.as_deref(), &listen, ctx)
@@ -281,7 +306,7 @@ pub fn run(a: &P2pArgs, ctx: &Context) -> CliResult<()> {
 
 fn initiator(a: &P2pArgs, grid: &Grid, connect: Option<&str>, listen: &str, ctx: &Context) -> CliResult<()> {
     let process = match connect {
-        None => Some(TargetProcess::spawn(&ctx.self_command, ctx.log_level.as_deref(), &a.engine.fabric_args())?),
+        None => Some(TargetProcess::spawn(&ctx.self_command, ctx.log_level.as_deref(), &a.engine.to_args())?),
         Some(_) => None,
     };
     let target_addr = connect.map_or_else(|| process.as_ref().expect("spawned").addr.clone(), str::to_string);
@@ -397,6 +422,29 @@ mod tests {
 
     fn args(extra: &[&str]) -> Result<P2pArgs, clap::Error> {
         T::try_parse_from(std::iter::once("p2p").chain(extra.iter().copied())).map(|t| t.a)
+    }
+
+    #[test]
+    fn full_mesh_takes_its_own_options_only() {
+        assert_eq!(args(&["--full-mesh", "4", "--duration", "1s"]).unwrap().full_mesh, Some(4));
+        for bad in [
+            &["--full-mesh", "1"][..],
+            &["--full-mesh", "65"],
+            &["--full-mesh", "4", "--iters", "10"],
+            &["--full-mesh", "4", "--op", "READ"],
+            &["--full-mesh", "4", "--connect", "127.0.0.1:7000"],
+        ] {
+            assert!(args(bad).is_err(), "{bad:?} was accepted");
+        }
+    }
+
+    #[test]
+    fn connect_takes_a_host_name() {
+        let a = args(&["--connect", "localhost:7000"]).unwrap();
+        let Plan::Initiator { connect: Some(c), .. } = a.plan().unwrap() else { panic!("not an initiator") };
+        assert!(c.parse::<SocketAddr>().unwrap().ip().is_loopback(), "{c}");
+        let err = args(&["--connect", "no-such-host.invalid:7000"]).unwrap().plan().unwrap_err().to_string();
+        assert!(err.contains("--connect"), "{err}");
     }
 
     #[test]

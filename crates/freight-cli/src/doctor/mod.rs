@@ -60,11 +60,10 @@ pub fn run(args: &DoctorArgs) -> CliResult<()> {
     let report = report(&root);
     if args.json {
         let text = serde_json::to_string_pretty(&report).map_err(|e| CliError::Runtime(e.to_string()))?;
-        println!("{text}");
+        crate::emit(&format!("{text}\n"))
     } else {
-        print!("{}", render(&report));
+        crate::emit(&render(&report))
     }
-    Ok(())
 }
 
 fn or_dash<T: ToString>(v: Option<T>) -> String {

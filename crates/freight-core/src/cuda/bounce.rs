@@ -26,7 +26,7 @@ unsafe impl Send for PinnedBuffer {}
 
 impl PinnedBuffer {
     pub fn new(device: &Device, len: usize) -> Result<PinnedBuffer> {
-        device.bind()?;
+        let _ctx = device.bind()?;
         let mut ptr = std::ptr::null_mut();
         // SAFETY: out-pointer to a local; PORTABLE makes the memory pinned for every
         // context, not only the one current here.
@@ -130,7 +130,7 @@ impl Bounce {
             }
         };
         let lane = &mut self.lanes[lane];
-        lane.device.bind()?;
+        let _ctx = lane.device.bind()?;
         // SAFETY: the host side lies in our pinned buffer (asserted above); the GPU side
         // is registered memory the caller keeps alive until `wait`.
         let host = unsafe { self.buffer.as_ptr().add(offset) } as u64;
@@ -150,15 +150,18 @@ impl Bounce {
     pub fn wait(&mut self) -> Result<()> {
         let mut first_error = None;
         for lane in self.lanes.iter_mut().filter(|l| l.busy) {
-            lane.busy = false;
             let waited = lane.stream.record(&lane.event).and_then(|_| {
                 match crate::poll::briefly(WATCH, || lane.event.query().ok().filter(|&done| done)) {
                     Some(_) => Ok(()),
                     None => lane.event.synchronize(),
                 }
             });
-            if let Err(e) = waited {
-                first_error.get_or_insert(e);
+            match waited {
+                Ok(()) => lane.busy = false,
+                // Not known to be idle: the drop waits for the whole stream instead.
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
             }
         }
         first_error.map_or(Ok(()), Err)
@@ -181,6 +184,10 @@ impl Bounce {
 impl Drop for Bounce {
     fn drop(&mut self) {
         // Copies still in flight use the buffer: let them finish before it is freed.
-        let _ = self.wait();
+        if self.wait().is_err() {
+            for lane in self.lanes.iter().filter(|l| l.busy) {
+                let _ = lane.stream.synchronize();
+            }
+        }
     }
 }

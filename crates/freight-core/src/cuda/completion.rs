@@ -1,8 +1,8 @@
-//! One thread per agent turns finished GPU work into finished requests.
+//! One thread per agent and GPU turns finished GPU work into finished requests.
 //!
 //! Each launch records an event (blocking-sync, so waiting sleeps in the driver rather
-//! than spinning) and queues it here with what to do when it fires. The thread takes
-//! them in order: launches on one stream finish in order anyway. How it waits for an
+//! than spinning) and queues it here with what to do when it fires. A GPU's thread
+//! takes them in order: launches on one stream finish in order anyway. How it waits for an
 //! event is the agent's [`CompletionMode`]:
 //!
 //! - `Event`: it polls the event briefly first where that pays (see [`crate::poll`]): a
@@ -173,32 +173,51 @@ impl Predictor {
     }
 }
 
+/// The agent's completion threads, one per GPU it launched on (started on first use):
+/// events of one GPU's stream fire in order, those of two GPUs do not, and a long copy
+/// on one must not hold up reporting a short one that finished on the other.
 pub struct Completions {
-    queue: Sender<Pending>,
+    agent: String,
+    polling: bool,
+    queues: parking_lot::Mutex<HashMap<usize, Sender<Pending>>>,
 }
 
 impl Completions {
     pub fn start(agent: &str, mode: CompletionMode) -> Result<Completions> {
-        let (tx, rx) = unbounded::<Pending>();
         let polling = mode == CompletionMode::Poll && crate::poll::polling_pays();
         if mode == CompletionMode::Poll && !polling {
             tracing::debug!(agent, "too few cores to poll for GPU completions: waiting on events instead");
         }
-        let name = format!("freight-gpu-{agent}");
-        if polling {
+        Ok(Completions { agent: agent.to_string(), polling, queues: Default::default() })
+    }
+
+    fn queue(&self, device: &Device) -> Result<Sender<Pending>> {
+        let mut queues = self.queues.lock();
+        if let Some(q) = queues.get(&device.ordinal) {
+            return Ok(q.clone());
+        }
+        let (tx, rx) = unbounded::<Pending>();
+        let name = format!("freight-gpu{}-{}", device.ordinal, self.agent);
+        if self.polling {
             thread::Builder::new().name(name).spawn(move || run_polling(rx))?;
         } else {
             thread::Builder::new().name(name).spawn(move || run_event(rx))?;
         }
-        Ok(Completions { queue: tx })
+        queues.insert(device.ordinal, tx.clone());
+        Ok(tx)
     }
 
     /// Calls `on_done` once `event` (already recorded on `device`'s stream after `work`)
     /// fires.
     pub fn watch(&self, device: &'static Device, event: Arc<Event>, work: Work, on_done: OnDone) {
-        if let Err(e) = self.queue.send(Pending { device, event, work, on_done }) {
-            // The thread is gone only when the agent is: report rather than hang.
-            (e.into_inner().on_done)(Err(Error::InvalidState("the agent is closed".into())));
+        let pending = Pending { device, event, work, on_done };
+        let sent = match self.queue(device) {
+            Ok(q) => q.send(pending).map_err(|e| (e.into_inner(), Error::InvalidState("the agent is closed".into()))),
+            Err(e) => Err((pending, e)),
+        };
+        if let Err((pending, e)) = sent {
+            // Report rather than leave the request waiting for ever.
+            (pending.on_done)(Err(e));
         }
     }
 }
@@ -207,7 +226,7 @@ fn run_event(rx: Receiver<Pending>) {
     loop {
         let next = crate::poll::briefly(LINGER, || rx.try_recv().ok()).map(Ok).unwrap_or_else(|| rx.recv());
         let Ok(p) = next else { break };
-        let outcome = p.device.bind().and_then(|_| {
+        let outcome = p.device.bind().and_then(|_ctx| {
             // An error from the query ends the polling; the sleeping wait reports it.
             let ready = crate::poll::briefly(POLL, || match p.event.query() {
                 Ok(true) => Some(()),
@@ -233,7 +252,7 @@ fn run_polling(rx: Receiver<Pending>) {
     // work on it, and small requests are watched by their posting thread.
     while let Ok(p) = rx.recv() {
         let predictor = predictors.entry(p.device.ordinal).or_default();
-        let outcome = p.device.bind().and_then(|_| wait_planned(&p.event, predictor.plan(&p.work)));
+        let outcome = p.device.bind().and_then(|_ctx| wait_planned(&p.event, predictor.plan(&p.work)));
         predictor.finished(&p.work, Instant::now(), outcome.is_ok());
         (p.on_done)(outcome);
     }

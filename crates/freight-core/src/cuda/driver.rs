@@ -89,6 +89,8 @@ pub struct Device {
     /// For [`copy_sync`]: waiting on it waits for that copy alone, not for transfers in
     /// flight on `stream`. Made on first use.
     sync_stream: OnceLock<std::result::Result<Stream, Error>>,
+    /// GPUs whose memory this one's kernels may reach (see [`Device::enable_access`]).
+    peers_enabled: parking_lot::Mutex<Vec<usize>>,
     /// PCI bus id ("0000:1b:00.0"): the same GPU under any CUDA_VISIBLE_DEVICES.
     pub bus_id: String,
     /// The product name ("NVIDIA H100 80GB HBM3").
@@ -159,6 +161,7 @@ impl Device {
             ctx,
             stream,
             sync_stream: OnceLock::new(),
+            peers_enabled: parking_lot::Mutex::new(Vec::new()),
             bus_id,
             name,
             compute_capability,
@@ -166,10 +169,20 @@ impl Device {
         })
     }
 
-    /// Makes this GPU's context current on the calling thread (cheap when it already is).
-    pub fn bind(&self) -> Result<()> {
+    /// Makes this GPU's context current on the calling thread until the guard goes,
+    /// then the thread's previous one again (cheap when it already is current). The
+    /// CUDA runtime, and with it PyTorch, takes a thread's current device from this
+    /// context: a call into freight must not leave the application on another GPU.
+    pub fn bind(&self) -> Result<Bound> {
+        let mut previous = std::ptr::null_mut();
+        // SAFETY: out-pointer to a local.
+        check(unsafe { cu::cuCtxGetCurrent(&mut previous) }, "cuCtxGetCurrent")?;
+        if previous == self.ctx {
+            return Ok(Bound { previous: None });
+        }
         // SAFETY: a valid, retained context.
-        check(unsafe { cu::cuCtxSetCurrent(self.ctx) }, "cuCtxSetCurrent")
+        check(unsafe { cu::cuCtxSetCurrent(self.ctx) }, "cuCtxSetCurrent")?;
+        Ok(Bound { previous: Some(previous) })
     }
 
     /// The stream of the cuda transport's requests.
@@ -178,7 +191,7 @@ impl Device {
     }
 
     fn sync_stream(&self) -> Result<&Stream> {
-        self.sync_stream.get_or_init(|| self.bind().and_then(|_| Stream::create())).as_ref().map_err(Clone::clone)
+        self.sync_stream.get_or_init(|| self.bind().and_then(|_ctx| Stream::create())).as_ref().map_err(Clone::clone)
     }
 
     pub fn raw(&self) -> cu::CUdevice {
@@ -196,6 +209,31 @@ impl Device {
         Ok(ok != 0)
     }
 
+    /// Lets kernels on this GPU dereference `other`'s memory of this process. Peer
+    /// access that is possible is not yet enabled: a kernel that touches the other GPU
+    /// before this faults, and the fault poisons the context PyTorch shares. (Memory of
+    /// other processes needs none of this: IPC mappings enable it themselves.)
+    pub fn enable_access(&self, other: &Device) -> Result<()> {
+        if self.dev == other.dev || self.peers_enabled.lock().contains(&other.ordinal) {
+            return Ok(());
+        }
+        if !self.can_access(other)? {
+            return Err(Error::TransportUnavailable(format!(
+                "GPU {} cannot access GPU {} directly (no peer access)",
+                self.ordinal, other.ordinal
+            )));
+        }
+        let _ctx = self.bind()?;
+        // SAFETY: both contexts are valid, retained primary contexts.
+        let r = unsafe { cu::cuCtxEnablePeerAccess(other.ctx, 0) };
+        // The application (PyTorch) may have enabled it already.
+        if r != CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
+            check(r, "cuCtxEnablePeerAccess")?;
+        }
+        self.peers_enabled.lock().push(other.ordinal);
+        Ok(())
+    }
+
     /// The GPU with this PCI bus id, if this process sees it.
     pub fn by_bus_id(bus_id: &str) -> Result<Option<&'static Device>> {
         for i in 0..device_count()? {
@@ -205,6 +243,23 @@ impl Device {
             }
         }
         Ok(None)
+    }
+}
+
+/// A GPU made current by [`Device::bind`]; the thread's previous context comes back
+/// when it drops. Tied to its thread (a raw context pointer is neither Send nor Sync).
+#[must_use = "the GPU is current only while the guard lives"]
+pub struct Bound {
+    previous: Option<cu::CUcontext>,
+}
+
+impl Drop for Bound {
+    fn drop(&mut self) {
+        if let Some(previous) = self.previous {
+            // SAFETY: the context that was current before (or none): still valid, since
+            // primary contexts stay retained for the life of the process.
+            unsafe { cu::cuCtxSetCurrent(previous) };
+        }
     }
 }
 
@@ -229,7 +284,13 @@ pub fn pointer_kind(addr: u64) -> Result<PointerKind> {
             addr,
         )
     };
-    if r != CUresult::CUDA_SUCCESS || mem_type != cu::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+    // The driver answers INVALID_VALUE for memory it does not know (plain host memory);
+    // any other failure is the driver's, not a verdict on the address.
+    if r == CUresult::CUDA_ERROR_INVALID_VALUE {
+        return Ok(PointerKind::Host);
+    }
+    check(r, "cuPointerGetAttribute")?;
+    if mem_type != cu::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
         return Ok(PointerKind::Host);
     }
     let mut ordinal: i32 = -1;
@@ -265,7 +326,7 @@ pub fn allocation_range(addr: u64) -> Result<(u64, u64)> {
 /// freight's non-blocking streams is not ordered after it. Copying on a stream and
 /// waiting for that stream closes the gap.
 pub fn copy_sync(device: &Device, dst: u64, src: u64, len: usize) -> Result<()> {
-    device.bind()?;
+    let _ctx = device.bind()?;
     let stream = device.sync_stream()?;
     // SAFETY: the caller vouches for both ranges; the driver checks the pointers.
     unsafe { stream.copy(dst, src, len)? };
@@ -284,7 +345,7 @@ unsafe impl Sync for Stream {}
 impl Stream {
     /// A new stream on `device`.
     pub fn new(device: &Device) -> Result<Stream> {
-        device.bind()?;
+        let _ctx = device.bind()?;
         Stream::create()
     }
 
@@ -348,7 +409,7 @@ unsafe impl Sync for Event {}
 
 impl Event {
     pub fn new(device: &Device) -> Result<Event> {
-        device.bind()?;
+        let _ctx = device.bind()?;
         let mut e = std::ptr::null_mut();
         let flags =
             cu::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32 | cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
@@ -405,7 +466,7 @@ unsafe impl Sync for DeviceBuffer {}
 impl DeviceBuffer {
     /// Allocates `len` bytes (at least 16) on `device`, uninitialised.
     pub fn alloc(device: &'static Device, len: usize) -> Result<DeviceBuffer> {
-        device.bind()?;
+        let _ctx = device.bind()?;
         let len = len.max(16);
         let mut ptr = 0;
         // SAFETY: out-pointer to a local.
@@ -442,7 +503,7 @@ impl DeviceBuffer {
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
-        if self.device.bind().is_ok() {
+        if let Ok(_ctx) = self.device.bind() {
             // SAFETY: we own the allocation; no launch that uses it is pending (its
             // request holds this buffer until the launch completed).
             unsafe { cu::cuMemFree_v2(self.ptr) };

@@ -81,7 +81,7 @@ struct Pool {
 
 impl Pool {
     fn grow(&mut self, device: &Device) -> Result<()> {
-        device.bind()?;
+        let _ctx = device.bind()?;
         let mut host = std::ptr::null_mut();
         let flags = cu::CU_MEMHOSTALLOC_PORTABLE | cu::CU_MEMHOSTALLOC_DEVICEMAP;
         // SAFETY: out-pointer to a local.

@@ -18,22 +18,26 @@ pub use crate::memory::GpuLocation;
 
 /// Exports the allocation that contains `[addr, addr+len)` on `device`.
 pub fn export(device: &Device, addr: u64, len: u64) -> Result<GpuLocation> {
-    device.bind()?;
+    let _ctx = device.bind()?;
     let (alloc_base, alloc_len) = allocation_range(addr)?;
-    if addr + len > alloc_base + alloc_len {
+    if addr.checked_add(len).is_none_or(|end| end > alloc_base + alloc_len) {
         return Err(Error::InvalidArgument(format!(
             "GPU memory [{addr:#x}, +{len}) spans more than one allocation (its allocation is [{alloc_base:#x}, +{alloc_len}))"
         )));
     }
     let mut handle = cu::CUipcMemHandle { reserved: [0; 64] };
     // SAFETY: out-pointer to a local; the base is the start of a live allocation.
-    check(unsafe { cu::cuIpcGetMemHandle(&mut handle, alloc_base) }, "cuIpcGetMemHandle")?;
-    Ok(GpuLocation {
-        bus_id: device.bus_id.clone(),
-        alloc_base,
-        alloc_len,
-        handle: handle.reserved.iter().map(|&b| b as u8).collect(),
-    })
+    let handle = match check(unsafe { cu::cuIpcGetMemHandle(&mut handle, alloc_base) }, "cuIpcGetMemHandle") {
+        Ok(()) => handle.reserved.iter().map(|&b| b as u8).collect(),
+        // Device memory of this GPU (checked by the caller) that IPC cannot name: a
+        // pool's or the VMM API's. Still registered: this process and staged
+        // transports use it; same-host peers are told they cannot map it.
+        Err(e) => {
+            tracing::debug!(addr, alloc_base, error = %e, "GPU memory not exportable through CUDA IPC");
+            Vec::new()
+        }
+    };
+    Ok(GpuLocation { bus_id: device.bus_id.clone(), alloc_base, alloc_len, handle })
 }
 
 /// A peer's allocation opened in this process.
@@ -45,26 +49,47 @@ pub struct Imported {
 
 impl Drop for Imported {
     fn drop(&mut self) {
-        if self.device.bind().is_ok() {
+        if let Ok(_ctx) = self.device.bind() {
             // SAFETY: opened by us; no program that uses it is alive any more.
             unsafe { cu::cuIpcCloseMemHandle(self.base) };
         }
     }
 }
 
+/// An opened allocation and the handle it was opened with.
+struct Opened {
+    handle: Vec<u8>,
+    len: u64,
+    mapping: Arc<Imported>,
+}
+
 /// The allocations of one peer opened here, keyed by the peer's allocation base.
 #[derive(Default)]
 pub struct ImportCache {
-    opened: Mutex<HashMap<(usize, u64), Arc<Imported>>>,
+    opened: Mutex<HashMap<(usize, u64), Opened>>,
 }
 
 impl ImportCache {
     /// Maps the peer's allocation into `device`'s context (opening it on first use).
+    ///
+    /// The base alone does not name an allocation: the peer may free one and get a new
+    /// one at the same address, and the news of the first one's revocation may arrive
+    /// after the new region (or never, where no control link was up yet). The handle
+    /// does name it, so a mapping is reused only for the handle it was opened with;
+    /// requests prepared against the old mapping keep it until they are dropped.
     pub fn open(&self, device: &'static Device, loc: &GpuLocation) -> Result<Arc<Imported>> {
         let key = (device.ordinal, loc.alloc_base);
         let mut opened = self.opened.lock();
-        if let Some(m) = opened.get(&key) {
-            return Ok(m.clone());
+        if let Some(o) = opened.get(&key) {
+            if o.handle == loc.handle && o.len == loc.alloc_len {
+                return Ok(o.mapping.clone());
+            }
+            tracing::debug!(
+                gpu = device.ordinal,
+                base = loc.alloc_base,
+                "a peer's allocation was replaced at the same address; opening the new one"
+            );
+            opened.remove(&key);
         }
         if loc.handle.len() != 64 {
             return Err(Error::Metadata(format!("a CUDA IPC handle has 64 bytes, not {}", loc.handle.len())));
@@ -73,7 +98,7 @@ impl ImportCache {
         for (d, s) in handle.reserved.iter_mut().zip(&loc.handle) {
             *d = *s as std::ffi::c_char;
         }
-        device.bind()?;
+        let _ctx = device.bind()?;
         let mut base = 0;
         // SAFETY: a handle the peer exported; lazy peer access lets a GPU map memory of
         // another GPU (even one this process does not see).
@@ -89,7 +114,7 @@ impl ImportCache {
         )?;
         tracing::debug!(gpu = device.ordinal, peer_gpu = %loc.bus_id, len = loc.alloc_len, "opened a peer's GPU allocation");
         let m = Arc::new(Imported { base, device });
-        opened.insert(key, m.clone());
+        opened.insert(key, Opened { handle: loc.handle.clone(), len: loc.alloc_len, mapping: m.clone() });
         Ok(m)
     }
 

@@ -118,6 +118,8 @@ pub fn compile(file_name: &str, source: &str, arch: &str, extra: &[&str]) -> Res
 /// A kernel source file's cubin for one architecture, and its module on one GPU.
 type ByArch = (&'static str, String);
 type ByGpu = (&'static str, usize);
+/// A build's outcome: the cubin, or why it failed.
+type Built = Result<Arc<Vec<u8>>>;
 
 /// A cubin loaded on one GPU; lives as long as the process (kernels are loaded once).
 pub struct Module {
@@ -133,35 +135,41 @@ impl Module {
     /// The module built from `source` on `device`: compiled by NVRTC once per `(name,
     /// architecture)` and loaded once per `(name, GPU)` for the life of the process.
     pub fn cached(device: &'static Device, file_name: &'static str, source: &'static str) -> Result<Arc<Module>> {
-        static CUBINS: OnceLock<Mutex<HashMap<ByArch, Arc<Vec<u8>>>>> = OnceLock::new();
+        // A failed build is kept too: it fails the same way every time, and building
+        // again would cost every request seconds under the lock.
+        static CUBINS: OnceLock<Mutex<HashMap<ByArch, Built>>> = OnceLock::new();
         static LOADED: OnceLock<Mutex<HashMap<ByGpu, Arc<Module>>>> = OnceLock::new();
-        let loaded = LOADED.get_or_init(Default::default);
-        if let Some(m) = loaded.lock().get(&(file_name, device.ordinal)) {
+        // Held while loading, so that racing callers load the module once.
+        let mut loaded = LOADED.get_or_init(Default::default).lock();
+        if let Some(m) = loaded.get(&(file_name, device.ordinal)) {
             return Ok(m.clone());
         }
         let (major, minor) = device.compute_capability;
         let arch = format!("sm_{major}{minor}");
-        let cubin = {
-            let mut cubins = CUBINS.get_or_init(Default::default).lock();
-            match cubins.get(&(file_name, arch.clone())) {
-                Some(c) => c.clone(),
-                None => {
-                    let t = std::time::Instant::now();
-                    let c = Arc::new(compile(file_name, source, &arch, &[])?.0);
-                    tracing::info!(file = file_name, %arch, bytes = c.len(), ms = t.elapsed().as_millis() as u64, "compiled kernels");
-                    cubins.insert((file_name, arch), c.clone());
-                    c
+        let cubin = CUBINS
+            .get_or_init(Default::default)
+            .lock()
+            .entry((file_name, arch.clone()))
+            .or_insert_with(|| {
+                let t = std::time::Instant::now();
+                let built = compile(file_name, source, &arch, &[]).map(|(cubin, _)| Arc::new(cubin));
+                match &built {
+                    Ok(c) => {
+                        tracing::info!(file = file_name, %arch, bytes = c.len(), ms = t.elapsed().as_millis() as u64, "compiled kernels")
+                    }
+                    Err(e) => tracing::error!(file = file_name, %arch, error = %e, "the kernels do not compile"),
                 }
-            }
-        };
+                built
+            })
+            .clone()?;
         let module = Arc::new(Module::load(device, &cubin)?);
-        loaded.lock().insert((file_name, device.ordinal), module.clone());
+        loaded.insert((file_name, device.ordinal), module.clone());
         Ok(module)
     }
 
     /// Loads `cubin` (built for this GPU's architecture) on `device`.
     pub fn load(device: &'static Device, cubin: &[u8]) -> Result<Module> {
-        device.bind()?;
+        let _ctx = device.bind()?;
         let mut raw = std::ptr::null_mut();
         // SAFETY: out-pointer to a local; the driver copies the image.
         check(unsafe { cu::cuModuleLoadData(&mut raw, cubin.as_ptr() as *const c_void) }, "cuModuleLoadData")?;
@@ -225,7 +233,7 @@ impl Function {
         threads: u32,
         params: &mut [*mut c_void],
     ) -> Result<()> {
-        self.device.bind()?;
+        let _ctx = self.device.bind()?;
         // SAFETY: as the caller promises.
         check(
             unsafe {

@@ -146,6 +146,7 @@ impl CudaProgram {
         remote_region: impl Fn(u64) -> Option<RegionInfo>,
         peer: &PeerView<'_>,
         cfg: &CudaConfig,
+        agent_id: u64,
     ) -> Result<CudaProgram> {
         let first = ops.first().ok_or_else(|| Error::InvalidArgument("a request with nothing to copy".into()))?;
         let lr = local_region(first.local_region).ok_or(Error::UnknownRegion(first.local_region))?;
@@ -162,7 +163,7 @@ impl CudaProgram {
                 Some((r, s)) if r.key == o.local_region => Side { region: r, shift: *s },
                 _ => {
                     let r = local_region(o.local_region).ok_or(Error::UnknownRegion(o.local_region))?;
-                    let shift = local_shift(device, &r)?;
+                    let shift = local_shift(device, &r, agent_id)?;
                     local_cache = Some((r, shift));
                     let (r, s) = local_cache.as_ref().expect("just set");
                     Side { region: r, shift: *s }
@@ -283,7 +284,7 @@ impl CudaProgram {
     /// Queues the copies and the event; returns the value the kernel writes to its flag
     /// when it has one.
     fn launch(&self) -> Result<Option<u64>> {
-        self.device.bind()?;
+        let _ctx = self.device.bind()?;
         let stream = self.device.stream();
         let mut flag_value = None;
         match &self.kernel {
@@ -299,34 +300,37 @@ impl CudaProgram {
             }
             None => {}
         }
-        for &(dst, src, len) in &self.engine_copies {
-            // SAFETY: both ranges were bounds-checked against registered regions and are
-            // mapped (and pinned, for host memory) for this program's lifetime.
-            check(unsafe { cu::cuMemcpyAsync(dst, src, len as usize, stream) }, "cuMemcpyAsync")?;
+        let rest = || -> Result<()> {
+            for &(dst, src, len) in &self.engine_copies {
+                // SAFETY: both ranges were bounds-checked against registered regions and
+                // are mapped (and pinned, for host memory) for this program's lifetime.
+                check(unsafe { cu::cuMemcpyAsync(dst, src, len as usize, stream) }, "cuMemcpyAsync")?;
+            }
+            // Recorded for a flagged kernel too: the completion thread waits on the
+            // event when the posting thread stops watching the flag.
+            self.event.record(self.device)
+        };
+        if let Err(e) = rest() {
+            // What was queued still reads and writes the request's memory: it must end
+            // before the request fails, which lets the memory be deregistered or reused.
+            // SAFETY: the device's own stream.
+            let _ = unsafe { cu::cuStreamSynchronize(stream) };
+            return Err(e);
         }
-        // Recorded for a flagged kernel too: the completion thread waits on the event
-        // when the posting thread stops watching the flag.
-        self.event.record(self.device)?;
         Ok(flag_value)
     }
 }
 
 /// Local memory: GPU memory must be on the launching GPU's side of a peer link; host
 /// memory is pinned (once) so the GPU reaches it directly.
-fn local_shift(device: &'static Device, r: &RegionInfo) -> Result<u64> {
+fn local_shift(device: &'static Device, r: &RegionInfo, agent_id: u64) -> Result<u64> {
     match r.kind {
         MemKind::Vram => {
-            let owner = Device::get(r.dev as usize)?;
-            if !device.can_access(owner)? {
-                return Err(Error::TransportUnavailable(format!(
-                    "GPU {} cannot access GPU {} directly (no peer access)",
-                    device.ordinal, owner.ordinal
-                )));
-            }
+            device.enable_access(Device::get(r.dev as usize)?)?;
             Ok(0)
         }
         MemKind::Dram => {
-            pinned::pin(device, r.addr, r.len)?;
+            pinned::pin(device, r.addr, r.len, pinned::Owner::Agent(agent_id))?;
             Ok(0)
         }
         MemKind::File => Err(Error::TransportUnavailable("cuda cannot serve FILE memory".into())),
@@ -343,7 +347,10 @@ fn remote_shift(
     maps: &mut Vec<Arc<Mapping>>,
 ) -> Result<u64> {
     match r.kind {
-        MemKind::Vram if peer.same_process => Ok(0),
+        MemKind::Vram if peer.same_process => {
+            device.enable_access(Device::get(r.dev as usize)?)?;
+            Ok(0)
+        }
         MemKind::Vram => {
             let loc = r.gpu.as_ref().ok_or_else(|| {
                 Error::TransportUnavailable(format!(
@@ -351,6 +358,9 @@ fn remote_shift(
                     r.key
                 ))
             })?;
+            if !loc.exportable() {
+                return Err(not_exportable(r.key));
+            }
             let m = peer.cuda.imports.open(device, loc)?;
             let shift = m.base.wrapping_sub(loc.alloc_base);
             if !imports.iter().any(|x| Arc::ptr_eq(x, &m)) {
@@ -360,7 +370,7 @@ fn remote_shift(
         }
         MemKind::Dram => {
             let (m, base) = peer.shm.remote_base(r)?;
-            pinned::pin(device, m.addr(), m.len() as u64)?;
+            pinned::pin(device, m.addr(), m.len() as u64, pinned::Owner::Mapping(m.addr()))?;
             if !maps.iter().any(|x| Arc::ptr_eq(x, &m)) {
                 maps.push(m);
             }
@@ -374,15 +384,15 @@ fn remote_shift(
 /// peers. `None` where CUDA is absent: the region is then registered as given and the
 /// transports refuse it with the reason.
 pub fn export_region(addr: u64, len: u64, dev: u64) -> Result<Option<crate::memory::GpuLocation>> {
-    match check_region(addr, dev)? {
+    match check_region(addr, len, dev)? {
         Some(device) => crate::cuda::ipc::export(device, addr, len).map(Some),
         None => Ok(None),
     }
 }
 
-/// Checks that `addr` is memory of GPU `dev`, without exporting anything (for private
-/// regions, which no peer may map). `None` where CUDA is absent.
-pub fn check_region(addr: u64, dev: u64) -> Result<Option<&'static Device>> {
+/// Checks that `[addr, addr+len)` is memory of GPU `dev`, without exporting anything
+/// (for private regions, which no peer may map). `None` where CUDA is absent.
+pub fn check_region(addr: u64, len: u64, dev: u64) -> Result<Option<&'static Device>> {
     use crate::cuda::driver::{pointer_kind, PointerKind};
     if crate::cuda::driver::init().is_err() {
         return Ok(None);
@@ -401,7 +411,23 @@ pub fn check_region(addr: u64, dev: u64) -> Result<Option<&'static Device>> {
             )))
         }
     }
+    // Kernels trust registered bounds: a region past its allocation's end would have
+    // them fault, and a fault poisons the context for every user of the GPU.
+    let _ctx = device.bind()?;
+    let (base, alloc_len) = crate::cuda::driver::allocation_range(addr)?;
+    if addr.checked_add(len).is_none_or(|end| end > base + alloc_len) {
+        return Err(Error::InvalidArgument(format!(
+            "GPU memory [{addr:#x}, +{len}) runs past its allocation [{base:#x}, +{alloc_len})"
+        )));
+    }
     Ok(Some(device))
+}
+
+fn not_exportable(key: u64) -> Error {
+    Error::TransportUnavailable(format!(
+        "the peer's GPU region {key} lies in memory CUDA IPC cannot share (a stream-ordered pool or \
+         VMM allocation, such as PyTorch's expandable segments)"
+    ))
 }
 
 /// How the cuda transport would serve a path between `local` and `remote` regions (one
@@ -426,6 +452,9 @@ pub fn path_facts(
     let Some(loc) = &remote.gpu else {
         return Err(format!("the peer's GPU region {} carries no CUDA IPC handle", remote.key));
     };
+    if !loc.exportable() {
+        return Err(not_exportable(remote.key).to_string());
+    }
     let owner = Device::by_bus_id(&loc.bus_id).map_err(|e| e.to_string())?;
     let how = match owner {
         Some(o) if o.ordinal == device.ordinal => "on the same GPU".to_string(),

@@ -365,5 +365,9 @@ fn read_loop(shared: &Shared, mut reader: BufReader<TcpStream>) {
     if !already {
         tracing::error!(rank = shared.rank, error = %end, "lost the rank server; failing every collective");
     }
+    // Deaths can no longer be heard of: waits on the peers (GPU kernels polling their
+    // memory) must end now, not at their timeout. Before the collectives fail, so that a
+    // caller that sees their error finds the waits already ended.
+    shared.deaths.lost(&format!("the rank server was lost ({end})"));
     shared.fail(end);
 }

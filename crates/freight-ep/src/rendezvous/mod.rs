@@ -31,8 +31,15 @@ pub use client::ServerGroup;
 pub use etcd::{EtcdGroup, EtcdOptions};
 pub use server::RankServer;
 
-/// Called with `(rank, reason)` of the first rank found dead.
+/// Called with `(rank, reason)` of the first rank found dead, or with
+/// [`RENDEZVOUS_LOST`] for the rank where the rendezvous itself was lost first.
 pub type DeathHook = Box<dyn Fn(usize, &str) + Send + Sync>;
+
+/// The rank death hooks get when the rendezvous itself was lost (the rank server went
+/// away): no rank is known dead ([`Group::dead`] stays `None`), but no death can be
+/// learnt any more either, so whatever waits on the peers must stop instead of running
+/// to its timeout.
+pub const RENDEZVOUS_LOST: usize = usize::MAX;
 
 /// A joined group of `world` ranks.
 pub trait Group: Send + Sync {
@@ -54,8 +61,8 @@ pub trait Group: Send + Sync {
     /// The first rank known to have died, with why, if any.
     fn dead(&self) -> Option<(usize, String)>;
 
-    /// Runs `hook(rank, reason)` once when a rank is found dead, or at once if one already
-    /// is: the place to raise the abort flag that GPU kernels poll, since a kernel waiting on
+    /// Runs `hook(rank, reason)` once when a rank is found dead (or the rendezvous is lost:
+    /// [`RENDEZVOUS_LOST`]), or at once if one already is: the place to raise the abort flag that GPU kernels poll, since a kernel waiting on
     /// a dead peer never returns to check a `Result`. Runs on the group's background thread
     /// (or the caller's, if the death is already known); keep it short and non-blocking.
     fn on_dead(&self, hook: DeathHook);
@@ -74,6 +81,8 @@ pub(crate) struct Deaths {
 #[derive(Default)]
 struct DeathsInner {
     first: Option<(usize, String)>,
+    /// Why the rendezvous was lost, if it was before any death.
+    lost: Option<String>,
     hooks: Vec<DeathHook>,
 }
 
@@ -100,18 +109,36 @@ impl Deaths {
         true
     }
 
-    pub(crate) fn on_dead(&self, hook: DeathHook) {
-        let first = {
+    /// Records that the rendezvous was lost: fires the hooks (once, and only if no death
+    /// fired them) with [`RENDEZVOUS_LOST`], leaving `first` empty since no rank is known
+    /// dead.
+    pub(crate) fn lost(&self, reason: &str) {
+        let hooks = {
             let mut inner = self.inner.lock();
-            match inner.first.clone() {
-                Some(first) => first,
-                None => {
+            if inner.first.is_some() || inner.lost.is_some() {
+                return;
+            }
+            inner.lost = Some(reason.to_owned());
+            std::mem::take(&mut inner.hooks)
+        };
+        for hook in &hooks {
+            run_hook(hook, RENDEZVOUS_LOST, reason);
+        }
+    }
+
+    pub(crate) fn on_dead(&self, hook: DeathHook) {
+        let (rank, reason) = {
+            let mut inner = self.inner.lock();
+            match (&inner.first, &inner.lost) {
+                (Some(first), _) => first.clone(),
+                (None, Some(lost)) => (RENDEZVOUS_LOST, lost.clone()),
+                (None, None) => {
                     inner.hooks.push(hook);
                     return;
                 }
             }
         };
-        run_hook(&hook, first.0, &first.1);
+        run_hook(&hook, rank, &reason);
     }
 }
 
@@ -183,6 +210,25 @@ mod tests {
             c.fetch_add(10, Ordering::SeqCst);
         }));
         assert_eq!(calls.load(Ordering::SeqCst), 11);
+    }
+
+    #[test]
+    fn a_lost_rendezvous_fires_the_hooks_once_without_a_death() {
+        let deaths = Deaths::default();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let s = seen.clone();
+        deaths.on_dead(Box::new(move |rank, reason| s.lock().push((rank, reason.to_owned()))));
+        deaths.lost("the rank server was lost");
+        deaths.lost("again");
+        assert_eq!(*seen.lock(), [(RENDEZVOUS_LOST, "the rank server was lost".to_owned())]);
+        assert_eq!(deaths.first(), None);
+        // A hook set later fires at once; a death found later fires nothing again.
+        let s = seen.clone();
+        deaths.on_dead(Box::new(move |rank, _| s.lock().push((rank, String::new()))));
+        assert!(deaths.report(1, "gone"));
+        assert_eq!(seen.lock().len(), 2);
+        assert_eq!(seen.lock()[1].0, RENDEZVOUS_LOST);
+        assert_eq!(deaths.first(), Some((1, "gone".to_string())));
     }
 
     #[test]

@@ -1,15 +1,18 @@
 //! The channel's bindings: sending end, receiving end and the objects it hands out.
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use freight_core::{Desc, Error};
+use freight_core::{Desc, Error, SharedSegment};
+use freight_stream::owned::Owned;
 use freight_stream::{ChannelReceiver, ChannelSender, Outgoing, Received};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use super::{
-    accept_pipes, close_sender, connect_channel, drop_taken, lock, sliced, wait_arg, with_sender, Place, Region,
+    accept_pipes, check_room, close_sender, connect_channel, drop_detached, drop_taken, lock, segment_of, sliced,
+    wait_arg, with_sender, Place, Region,
 };
 use crate::agent::PyAgent;
 use crate::descs::parse_kind;
@@ -125,7 +128,8 @@ impl PyChannelReceiver {
         let py = slf.py();
         let this = slf.get();
         let timeout = wait_arg(timeout, this.timeout)?;
-        let got = sliced(py, timeout, "no object arrived", |slice| match lock(&this.inner).as_mut() {
+        let none = "no object arrived";
+        let got = sliced(py, timeout, none, none, |slice| match lock(&this.inner).as_mut() {
             Some(rx) => rx.recv(Some(slice)),
             None => Err(Error::InvalidState("the channel receiver is closed".into())),
         })?;
@@ -133,7 +137,8 @@ impl PyChannelReceiver {
         Ok(got.map(|objects| objects.into_iter().map(|r| PyReceived::new(py, r, buffer())).collect()))
     }
 
-    /// Stops receiving; senders still sending are told. Objects handed out stay valid.
+    /// Stops receiving; senders still sending are told. Objects handed out stay valid
+    /// until released, and their memory while they exist.
     fn close(&self, py: Python<'_>) {
         py.detach(|| drop(lock(&self.inner).take()));
     }
@@ -152,7 +157,8 @@ impl Drop for PyChannelReceiver {
 }
 
 /// An object received whole (use `freight.Received`): a view of a pipe buffer, or
-/// reassembled memory, until `release()`.
+/// reassembled memory, until `release()`. The memory itself lives as long as this
+/// object (see `release`).
 #[pyclass(frozen, name = "Received", module = "freight._native")]
 pub struct PyReceived {
     inner: Mutex<Option<Received>>,
@@ -161,6 +167,14 @@ pub struct PyReceived {
     sender: usize,
     is_view: bool,
     place: Place,
+    /// Set (under `inner`'s lock) once a view of the bytes was made.
+    viewed: AtomicBool,
+    /// Reassembled memory that was viewed, taken out of the object on release: back to
+    /// the pool, a later object would be written into it under the view.
+    kept: Mutex<Option<Owned>>,
+    /// A pipe buffer the receiver allocated: a view may outlive the release and the
+    /// receiver, and must not see the segment unmapped.
+    segment: Option<Arc<SharedSegment>>,
     /// The caller's buffer a view points into, kept alive as long as the view.
     _buffer: Option<Py<PyAny>>,
 }
@@ -168,12 +182,16 @@ pub struct PyReceived {
 impl PyReceived {
     fn new(py: Python<'_>, r: Received, buffer: Option<Py<PyAny>>) -> Self {
         let (kind, addr, dev) = r.location();
+        let place = Place { kind, addr, len: r.len(), dev };
         PyReceived {
             key: r.key.clone(),
             meta: PyBytes::new(py, &r.meta).unbind(),
             sender: r.sender,
             is_view: r.is_view(),
-            place: Place { kind, addr, len: r.len(), dev },
+            place,
+            viewed: AtomicBool::new(false),
+            kept: Mutex::new(None),
+            segment: r.is_view().then(|| segment_of(&place)).flatten(),
             _buffer: buffer.filter(|_| r.is_view()),
             inner: Mutex::new(Some(r)),
         }
@@ -181,6 +199,14 @@ impl PyReceived {
 
     fn is_live(&self) -> bool {
         lock(&self.inner).is_some()
+    }
+
+    fn lend(&self) -> bool {
+        let inner = lock(&self.inner);
+        if inner.is_some() {
+            self.viewed.store(true, Ordering::Relaxed);
+        }
+        inner.is_some()
     }
 }
 
@@ -210,9 +236,11 @@ placed_pymethods! {
         self.is_view
     }
 
-    /// Copies the bytes to `addr` (memory of `kind`, at least as long as the object).
-    fn copy_to(&self, py: Python<'_>, kind: &str, addr: u64) -> PyResult<()> {
+    /// Copies the bytes to `addr` (`len` bytes of memory of `kind`, at least as many as
+    /// the object has).
+    fn copy_to(&self, py: Python<'_>, kind: &str, addr: u64, len: u64) -> PyResult<()> {
         let kind = parse_kind(kind)?;
+        check_room(len, self.place.len)?;
         py.detach(|| match lock(&self.inner).as_ref() {
             Some(r) => r.copy_to(kind, addr),
             None => Err(Error::InvalidState("the object was released".into())),
@@ -221,9 +249,19 @@ placed_pymethods! {
     }
 
     /// Frees the object's space (its message's, once every object of it is released).
-    /// Views must not be used after. Releasing twice is harmless.
+    /// A view keeps the memory (mapped, and out of reuse for later objects) as long as
+    /// this object lives, but after the release a view of a pipe buffer may see its
+    /// bytes overwritten by later messages. Releasing twice is harmless.
     fn release(&self, py: Python<'_>) {
-        let r = lock(&self.inner).take();
+        let taken = {
+            let mut inner = lock(&self.inner);
+            inner.take().map(|r| (r, self.viewed.load(Ordering::Relaxed)))
+        };
+        let Some((mut r, viewed)) = taken else { return };
+        if viewed && !r.is_view() {
+            // Reassembled memory is moved out, which cannot fail.
+            *lock(&self.kept) = r.take_owned().ok();
+        }
         py.detach(move || drop(r));
     }
 }
@@ -231,5 +269,9 @@ placed_pymethods! {
 impl Drop for PyReceived {
     fn drop(&mut self) {
         drop_taken(&self.inner);
+        drop_taken(&self.kept);
+        if let Some(segment) = self.segment.take() {
+            drop_detached(segment);
+        }
     }
 }

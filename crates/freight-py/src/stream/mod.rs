@@ -1,16 +1,19 @@
 //! Pipe and channel bindings (`freight_stream`), wrapped by `freight.stream`.
 //!
-//! Blocking calls release the GIL; the long waits (`recv`) run in slices so that Ctrl-C
-//! interrupts them. Mutexes that a blocking call holds are only ever locked with the
-//! GIL released, so that a thread waiting for one never holds up the thread that owns it.
-//! Messages and received objects expose their bytes zero-copy, through
+//! Blocking calls release the GIL; the long waits (`accept`, `recv`) run in slices so
+//! that Ctrl-C interrupts them. Mutexes that a blocking call holds are only ever locked
+//! with the GIL released, so that a thread waiting for one never holds up the thread
+//! that owns it. Messages and received objects expose their bytes zero-copy, through
 //! `__array_interface__` (host memory) or `__cuda_array_interface__` (GPU memory): the
-//! consumer (numpy, torch, cupy) keeps the Python object, and with it the bytes, alive.
+//! consumer (numpy, torch, cupy) keeps the Python object, and with it the memory, alive.
+//! Releasing one hands its space back (later messages may write over it), but the
+//! memory stays mapped, or out of the reuse pool, until the Python object goes: a view
+//! kept past `release()` sees stale bytes, never unmapped memory.
 
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use freight_core::{Error, MemKind};
+use freight_core::{Error, MemKind, SharedSegment};
 use freight_stream::{Buffer, BufferInfo, ChannelSender, PipeConfig, PipeListener, PipeReceiver, PipeSender};
 use pyo3::exceptions::PyAttributeError;
 use pyo3::prelude::*;
@@ -29,7 +32,8 @@ use crate::util::{seconds, timeout_arg};
 /// The macro writes the whole block because pyo3 reads one `#[pymethods]` block per
 /// class (a second needs its `multiple-pymethods` feature) and does not expand macros
 /// inside one. The class has an `is_live()` (false once its bytes may no longer be
-/// used); `what` names it in error messages and docs, `live` documents `live`.
+/// used) and a `lend()` (the same, noting that a view of the bytes is being made);
+/// `what` names it in error messages and docs, `live` documents `live`.
 macro_rules! placed_pymethods {
     ($ty:ty, what = $what:literal, live = $live_doc:literal; $($methods:tt)*) => {
         #[::pyo3::pymethods]
@@ -75,7 +79,7 @@ macro_rules! placed_pymethods {
                 &self,
                 py: ::pyo3::Python<'py>,
             ) -> ::pyo3::PyResult<::pyo3::Bound<'py, ::pyo3::types::PyDict>> {
-                self.place.host_interface(py, self.is_live(), $what)
+                self.place.host_interface(py, self.lend(), $what)
             }
 
             #[getter]
@@ -83,7 +87,7 @@ macro_rules! placed_pymethods {
                 &self,
                 py: ::pyo3::Python<'py>,
             ) -> ::pyo3::PyResult<::pyo3::Bound<'py, ::pyo3::types::PyDict>> {
-                self.place.cuda_interface(py, self.is_live(), $what)
+                self.place.cuda_interface(py, self.lend(), $what)
             }
         }
     };
@@ -136,7 +140,7 @@ fn connect_pipe<T: Send>(
     // The agent holds its router first, so that its own notifications survive.
     a.router();
     let config = pipe_config(timeout, None, max_in_flight)?;
-    let inner = a.inner.clone();
+    let inner = Arc::clone(&a.inner);
     py.detach(|| PipeSender::connect(&inner, addr, &config).and_then(then)).or_raise()
 }
 
@@ -154,7 +158,12 @@ fn connect_channel(
 }
 
 fn pipe_config(timeout: f64, credit_batch: Option<u64>, max_in_flight: usize) -> PyResult<PipeConfig> {
-    Ok(PipeConfig { timeout: seconds(timeout, "timeout")?, credit_batch, max_in_flight })
+    let timeout = seconds(timeout, "timeout")?;
+    // Checked here too: `accept` waits in slices, each of them positive.
+    if timeout.is_zero() {
+        return Err(invalid("a pipe's timeout must be positive"));
+    }
+    Ok(PipeConfig { timeout, credit_batch, max_in_flight })
 }
 
 /// The receiver's buffer: host memory the pipe allocates (`capacity` bytes), or a
@@ -195,10 +204,21 @@ fn accept_pipes(
     a.router();
     let config = pipe_config(timeout, credit_batch, 1)?;
     let listener = PipeListener::new(&a.inner);
-    let pipes = py
-        .detach(|| buffers.into_iter().map(|b| listener.accept(b, &config)).collect::<freight_core::Result<Vec<_>>>())
-        .or_raise()?;
+    let pipes = buffers.into_iter().map(|b| accept_pipe(py, &listener, b, &config)).collect::<PyResult<Vec<_>>>()?;
     Ok((pipes, config.timeout))
+}
+
+/// Waits up to `config.timeout` for a sender to open a pipe on `listener`, and sets it
+/// up with `buffer`. The wait runs in slices, so that Ctrl-C interrupts it: a slice that
+/// ends with no sender has changed nothing. The pipe keeps a slice as its own timeout,
+/// which only a `recv` without one would use, and these bindings always give one.
+fn accept_pipe(py: Python<'_>, listener: &PipeListener, buffer: Buffer, config: &PipeConfig) -> PyResult<PipeReceiver> {
+    let what = || "no sender opened a pipe".to_string();
+    sliced_with(py, config.timeout, what, "no sender opened a pipe", |slice| {
+        // A pipe's timeout must be positive; the last slice may round down to nothing.
+        let slice = PipeConfig { timeout: slice.max(Duration::from_millis(1)), ..config.clone() };
+        listener.accept(buffer.clone(), &slice)
+    })
 }
 
 /// A `recv` timeout: None is the end's own, +inf practically forever.
@@ -213,29 +233,37 @@ fn wait_arg(timeout: Option<f64>, default: Duration) -> PyResult<Duration> {
 const FOREVER: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
 /// Runs `f` with the GIL released in slices of at most `SIGNAL_SLICE` until it returns
-/// something other than a timeout, or `timeout` passes; Ctrl-C interrupts between slices.
+/// something other than the timeout of a slice, or `timeout` passes; Ctrl-C interrupts
+/// between slices. `own` is how that timeout's message starts (see [`sliced_with`]).
 fn sliced<T: Send>(
     py: Python<'_>,
     timeout: Duration,
     what: &str,
+    own: &str,
     f: impl FnMut(Duration) -> freight_core::Result<T> + Send,
 ) -> PyResult<T> {
-    sliced_with(py, timeout, || what.to_string(), f)
+    sliced_with(py, timeout, || what.to_string(), own, f)
 }
 
 /// [`sliced`], saying what did not happen in time with `what()`, asked only then.
+///
+/// Only a timeout whose message starts with `own` is a slice that ran out with nothing
+/// done. Another one happened inside `f` (a credit that a stuck peer did not take within
+/// the peer timeout, say): waiting on would hide it, and what it failed to do (the
+/// credit) would not be done again, so it is raised as it is.
 fn sliced_with<T: Send>(
     py: Python<'_>,
     timeout: Duration,
     what: impl FnOnce() -> String,
+    own: &str,
     mut f: impl FnMut(Duration) -> freight_core::Result<T> + Send,
 ) -> PyResult<T> {
     let deadline = Instant::now() + timeout;
     loop {
         let slice = deadline.saturating_duration_since(Instant::now()).min(SIGNAL_SLICE);
         match py.detach(|| f(slice)) {
-            Err(Error::Timeout(_)) if Instant::now() < deadline => {}
-            Err(Error::Timeout(_)) => {
+            Err(Error::Timeout(m)) if m.starts_with(own) && Instant::now() < deadline => {}
+            Err(Error::Timeout(m)) if m.starts_with(own) => {
                 return Err(to_py_err(Error::Timeout(format!("{} within {:.1}s", what(), timeout.as_secs_f64()))))
             }
             other => return other.or_raise(),
@@ -289,6 +317,21 @@ impl Place {
         }
         interface(py, self.addr, self.len, true)
     }
+}
+
+/// The shared segment that the bytes at `place` lie in, if they are host memory in one
+/// (a pipe buffer the pipe allocated, say). Held with a view of them, it keeps them
+/// mapped after the pipe that owned the segment is gone.
+fn segment_of(place: &Place) -> Option<Arc<SharedSegment>> {
+    (place.kind == MemKind::Dram).then(|| SharedSegment::containing(place.addr, place.len)).flatten()
+}
+
+/// Fails unless a destination of `room` bytes holds the `len` bytes of an object.
+fn check_room(room: u64, len: u64) -> PyResult<()> {
+    if room < len {
+        return Err(invalid(format!("the destination holds {room} bytes, the object has {len}")));
+    }
+    Ok(())
 }
 
 /// Takes a live sender out of `cell` and ends its stream with `close`, with the GIL

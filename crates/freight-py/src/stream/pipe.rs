@@ -3,13 +3,14 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use freight_core::Error;
+use freight_core::{Error, SharedSegment};
 use freight_stream::{BufferInfo, Message, PipeListener, PipeReceiver, PipeSender};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use super::{
-    buffer_arg, close_sender, connect_pipe, drop_taken, lock, pipe_config, sliced, wait_arg, with_sender, Place, Region,
+    accept_pipe, buffer_arg, close_sender, connect_pipe, drop_detached, drop_taken, lock, pipe_config, segment_of,
+    sliced, wait_arg, with_sender, Place, Region,
 };
 use crate::agent::PyAgent;
 use crate::descs::PyDescList;
@@ -46,7 +47,7 @@ impl PyPipeListener {
     ) -> PyResult<PyPipeReceiver> {
         let buffer = buffer_arg(capacity, region)?;
         let config = pipe_config(timeout, credit_batch, 1)?;
-        let rx = py.detach(|| self.inner.accept(buffer, &config)).or_raise()?;
+        let rx = accept_pipe(py, &self.inner, buffer, &config)?;
         Ok(PyPipeReceiver::new(rx, config.timeout, keep))
     }
 }
@@ -83,12 +84,13 @@ impl PyPipeReceiver {
         let rx = this.get()?;
         let timeout = wait_arg(timeout, this.timeout)?;
         let what = format!("no message from '{}'", this.peer);
-        let got = sliced(py, timeout, &what, |slice| rx.recv(Some(slice)))?;
+        let got = sliced(py, timeout, &what, "no message ", |slice| rx.recv(Some(slice)))?;
         Ok(got.map(|m| PyMessage::new(py, m, slf.clone().unbind())))
     }
 
     /// Ends this side: a sender still sending is told the receiver went away. Messages
-    /// already handed out stay valid until released.
+    /// already handed out stay valid until released, and their memory mapped while
+    /// they exist.
     fn close(&self, py: Python<'_>) {
         let rx = lock(&self.inner).take();
         py.detach(move || drop(rx));
@@ -138,13 +140,16 @@ impl Drop for PyPipeReceiver {
 }
 
 /// A message in a pipe's buffer (use `freight.Message`). Its bytes are a view of the
-/// buffer until `release()`.
+/// buffer until `release()`; the memory stays mapped as long as this object.
 #[pyclass(frozen, name = "Message", module = "freight._native")]
 pub struct PyMessage {
     inner: Mutex<Option<Message>>,
     seq: u64,
     tag: Py<PyBytes>,
     place: Place,
+    /// A buffer the pipe allocated: a view may outlive the release and the pipe, and
+    /// must not see the segment unmapped. (A caller's buffer is the pipe's `keep`.)
+    segment: Option<Arc<SharedSegment>>,
     _pipe: Py<PyPipeReceiver>,
 }
 
@@ -153,11 +158,15 @@ impl PyMessage {
         let (kind, addr, dev) = m.location();
         let place = Place { kind, addr, len: m.len(), dev };
         let tag = PyBytes::new(py, m.tag()).unbind();
-        PyMessage { seq: m.seq(), tag, place, inner: Mutex::new(Some(m)), _pipe: pipe }
+        PyMessage { seq: m.seq(), tag, place, segment: segment_of(&place), inner: Mutex::new(Some(m)), _pipe: pipe }
     }
 
     fn is_live(&self) -> bool {
         lock(&self.inner).is_some()
+    }
+
+    fn lend(&self) -> bool {
+        self.is_live()
     }
 }
 
@@ -176,8 +185,9 @@ placed_pymethods! {
         self.tag.clone_ref(py)
     }
 
-    /// Frees the message's space for the sender. Views of it must not be used after.
-    /// Releasing twice is harmless.
+    /// Frees the message's space for the sender. A view keeps the memory mapped, but
+    /// after the release its bytes may be overwritten by later messages. Releasing
+    /// twice is harmless.
     fn release(&self, py: Python<'_>) -> PyResult<()> {
         match lock(&self.inner).take() {
             Some(m) => py.detach(|| m.release()).or_raise(),
@@ -189,6 +199,10 @@ placed_pymethods! {
 impl Drop for PyMessage {
     fn drop(&mut self) {
         drop_taken(&self.inner);
+        // The last hold on a segment unmaps it.
+        if let Some(segment) = self.segment.take() {
+            drop_detached(segment);
+        }
     }
 }
 

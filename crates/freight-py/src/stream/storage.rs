@@ -12,7 +12,7 @@ use freight_stream::{ChannelReceiver, CommitStats, Outgoing, StoreReceiver, Stor
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use super::{accept_pipes, connect_channel, drop_detached, lock, sliced_with, wait_arg, Place, Region};
+use super::{accept_pipes, check_room, connect_channel, drop_detached, lock, sliced_with, wait_arg, Place, Region};
 use crate::agent::PyAgent;
 use crate::descs::parse_kind;
 use crate::errors::{invalid, OrRaise};
@@ -238,8 +238,8 @@ impl PyStoreReceiver {
     ) -> PyResult<()> {
         let timeout = wait_arg(timeout, self.timeout)?;
         let store = py.detach(|| lock(&self.inner).live(RECEIVER).cloned()).or_raise()?;
-        let out =
-            sliced_with(py, timeout, || format!("the store did not get {}", what(&store)), |slice| f(&store, slice));
+        let missing = || format!("the store did not get {}", what(&store));
+        let out = sliced_with(py, timeout, missing, "the store did not get", |slice| f(&store, slice));
         drop_detached(store);
         out
     }
@@ -435,6 +435,10 @@ impl PyStoredObject {
     fn is_live(&self) -> bool {
         true
     }
+
+    fn lend(&self) -> bool {
+        true
+    }
 }
 
 placed_pymethods! {
@@ -459,9 +463,11 @@ placed_pymethods! {
         self.object().sender
     }
 
-    /// Copies the bytes to `addr` (memory of `kind`, at least as long as the object).
-    fn copy_to(&self, py: Python<'_>, kind: &str, addr: u64) -> PyResult<()> {
+    /// Copies the bytes to `addr` (`len` bytes of memory of `kind`, at least as many as
+    /// the object has).
+    fn copy_to(&self, py: Python<'_>, kind: &str, addr: u64, len: u64) -> PyResult<()> {
         let kind = parse_kind(kind)?;
+        check_room(len, self.place.len)?;
         let object = self.object();
         py.detach(|| object.data.copy_to(kind, addr)).or_raise()
     }

@@ -145,6 +145,10 @@ pub struct StreamArgs {
     /// Print the results as JSON on stdout (the narration goes to stderr).
     #[arg(long)]
     pub json: bool,
+
+    /// Set on the receiver a sender starts: exit when the sender goes away.
+    #[arg(long, hide = true)]
+    pub exit_with_parent: bool,
 }
 
 /// What kind of round.
@@ -243,6 +247,7 @@ pub fn run(product: Product, a: &StreamArgs, ctx: &Context) -> CliResult<()> {
         Plan::Local => Err(CliError::usage("--role local is for cache-engine only")),
         Plan::Sender { connect: Some(addr) } => sender::run(product, a, &addr),
         Plan::Sender { connect: None } => {
+            check_both_sides(product, a)?;
             let child = spawn_receiver(product, a, ctx)?;
             let sent = sender::run(product, a, &child.addr);
             // The receiver's verdict counts as much as ours.
@@ -250,6 +255,28 @@ pub fn run(product: Product, a: &StreamArgs, ctx: &Context) -> CliResult<()> {
             sent.and(received)
         }
     }
+}
+
+/// Where this process starts the receiver, it knows both sides' options: what cannot
+/// work is refused before either process starts. An object a pipe cannot hold; and,
+/// with the data in host memory, the sender's objects, the receiver's buffer and (for
+/// the cache engine) the receiver's KV memory must all fit.
+fn check_both_sides(product: Product, a: &StreamArgs) -> CliResult<()> {
+    if product == Product::Pipe && a.obj_size > a.buffer_size {
+        return Err(CliError::usage(format!(
+            "bench pipe sends each object whole: --obj-size {} does not fit in --buffer-size {} \
+             (bench channel splits large objects)",
+            crate::args::format_size(a.obj_size),
+            crate::args::format_size(a.buffer_size)
+        )));
+    }
+    if Device::parse(&a.device, 0)? != Device::Cpu {
+        return Ok(());
+    }
+    let round = Shape::from_args(product, a).round_bytes();
+    let receiver_kv = if product == Product::CacheEngine { round } else { 0 };
+    let needed = round.saturating_add(a.buffer_size).saturating_add(receiver_kv);
+    memory::ensure_host_room(needed, &format!("bench {} (sender and receiver)", product.command()))
 }
 
 fn spawn_receiver(product: Product, a: &StreamArgs, ctx: &Context) -> CliResult<TargetProcess> {
@@ -263,9 +290,9 @@ fn spawn_receiver(product: Product, a: &StreamArgs, ctx: &Context) -> CliResult<
         }
     };
     let mut args: Vec<String> = vec!["bench".into(), product.command().into(), "--role".into(), "receiver".into()];
-    args.extend(["--listen".into(), "127.0.0.1:0".into(), "--device".into(), device]);
+    args.extend(["--listen".into(), "127.0.0.1:0".into(), "--device".into(), device, "--exit-with-parent".into()]);
     args.extend(["--buffer-size".into(), a.buffer_size.to_string()]);
-    args.extend(["--timeout".into(), format!("{}ms", a.timeout.as_millis())]);
+    args.extend(["--timeout".into(), format!("{}us", a.timeout.as_micros())]);
     args.extend(a.engine.to_args());
     TargetProcess::spawn_with(&ctx.self_command, &args, ctx.log_level.as_deref())
 }
@@ -374,6 +401,21 @@ mod tests {
         assert_eq!(s.round_bytes(), 500 * (32 << 20));
         let s = Shape::from_args(Product::Pipe, &args(&["--simulate-workload"]));
         assert_eq!(s.rounds, vec![Round::Verify, Round::Transfer, Round::Work]);
+    }
+
+    #[test]
+    fn what_cannot_work_is_refused_before_the_receiver_starts() {
+        let fits = args(&["--device", "cpu", "--num-objs", "4", "--obj-size", "1MiB", "--buffer-size", "8MiB"]);
+        check_both_sides(Product::Pipe, &fits).unwrap();
+        let whole = args(&["--device", "cpu", "--num-objs", "4", "--obj-size", "16MiB", "--buffer-size", "8MiB"]);
+        let err = check_both_sides(Product::Pipe, &whole).unwrap_err().to_string();
+        assert!(err.contains("does not fit"), "{err}");
+        // Split by the channel: fine.
+        check_both_sides(Product::Channel, &whole).unwrap();
+        // A petabyte of objects in host memory.
+        let huge = args(&["--device", "cpu", "--num-objs", "1000", "--obj-size", "1TiB"]);
+        let err = check_both_sides(Product::Channel, &huge).unwrap_err().to_string();
+        assert!(err.contains("of host memory") && err.contains("--num-objs"), "{err}");
     }
 
     #[test]

@@ -21,6 +21,9 @@ pub const RECEIVER_WORK_MS: u64 = 20;
 pub const AGENT_NAME: &str = "freight-stream-receiver";
 
 pub fn run(product: Product, a: &StreamArgs) -> CliResult<()> {
+    if a.exit_with_parent {
+        crate::child::exit_with_parent()?;
+    }
     let device = Device::parse(&a.device, 1)?;
     let agent = Arc::new(Agent::new(AGENT_NAME, a.engine.agent_config(&a.listen, a.engine.transport.require()))?);
     // The line a parent process (or a person) reads the address from.
@@ -63,7 +66,7 @@ pub fn run(product: Product, a: &StreamArgs) -> CliResult<()> {
         }
     };
     for (r, &round) in shape.rounds.iter().enumerate() {
-        let secs = receive_round(&mut source, &shape, r, round)?;
+        let timed = receive_round(&mut source, &shape, r, round)?;
         if product.needs_round_sync() {
             super::say_round_done(&agent, &sender, r)?;
         }
@@ -71,7 +74,13 @@ pub fn run(product: Product, a: &StreamArgs) -> CliResult<()> {
         if round == Round::Verify {
             say(a.json, "All data verified successfully!");
         }
-        say(a.json, &format!("Receiver throughput: {:.2} GB/s over {secs:.6} s", gbps(shape.round_bytes(), secs)));
+        match timed.bytes {
+            0 => say(a.json, "Receiver throughput: not measured (the round arrived at once)"),
+            bytes => say(
+                a.json,
+                &format!("Receiver throughput: {:.2} GB/s over {:.6} s", gbps(bytes, timed.secs), timed.secs),
+            ),
+        }
     }
     source.expect_end()?;
     say(a.json, "Test completed");
@@ -141,15 +150,28 @@ impl Source {
     }
 }
 
-fn receive_round(source: &mut Source, shape: &Shape, r: usize, round: Round) -> CliResult<f64> {
+/// What the receiver timed of a round.
+struct Timed {
+    secs: f64,
+    bytes: u64,
+}
+
+/// Receives round `r`. The clock starts when its first objects arrive (the time before
+/// is the sender's, not the transfer's), so those objects are not counted in the rate.
+fn receive_round(source: &mut Source, shape: &Shape, r: usize, round: Round) -> CliResult<Timed> {
     if let Source::Cache(decode, timeout) = source {
-        return decode.round(shape, r, round == Round::Verify, *timeout);
+        let secs = decode.round(shape, r, round == Round::Verify, *timeout)?;
+        return Ok(Timed { secs, bytes: shape.round_bytes() });
     }
     let mut start = None;
+    let mut untimed = 0u64;
     let mut next = 0u64;
     while next < shape.num_objs {
         let (objects, keep) = source.next(&key_of(r, next))?;
-        start.get_or_insert_with(Instant::now);
+        if start.is_none() {
+            start = Some(Instant::now());
+            untimed = objects.len() as u64;
+        }
         for (key, kind, addr, dev, len) in objects {
             let expected = key_of(r, next);
             if key != expected {
@@ -171,5 +193,6 @@ fn receive_round(source: &mut Source, shape: &Shape, r: usize, round: Round) -> 
         }
         drop(keep);
     }
-    Ok(start.map_or(Duration::ZERO, |s| s.elapsed()).as_secs_f64())
+    let secs = start.map_or(Duration::ZERO, |s| s.elapsed()).as_secs_f64();
+    Ok(Timed { secs, bytes: (shape.num_objs - untimed.min(shape.num_objs)) * shape.obj_size })
 }

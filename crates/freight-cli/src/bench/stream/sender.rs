@@ -47,7 +47,8 @@ pub fn run(product: Product, a: &StreamArgs, addr: &str) -> CliResult<()> {
     let config = PipeConfig { timeout: a.timeout, ..PipeConfig::default() };
     let pipe = PipeSender::connect(&agent, addr, &config)
         .map_err(|e| CliError::runtime(format!("cannot open a pipe to {addr}: {e}")))?;
-    let path = agent.path_to(pipe.peer()).map(|p| format!("{} ({})", p.transport, p.reason)).unwrap_or_default();
+    let path_taken = agent.path_to(pipe.peer()).ok();
+    let path = path_taken.as_ref().map(|p| format!("{} ({})", p.transport, p.reason)).unwrap_or_default();
     say(
         a.json,
         &format!(
@@ -91,7 +92,7 @@ pub fn run(product: Product, a: &StreamArgs, addr: &str) -> CliResult<()> {
         }
     }
     sink.close()?;
-    report(product, a, &shape, &results, device)
+    report(product, a, &shape, &results, device, &path_taken)
 }
 
 enum Sink {
@@ -211,7 +212,17 @@ fn send_round(
     Ok(RoundResult { round, secs: start.elapsed().as_secs_f64(), work_secs: work.as_secs_f64(), commits })
 }
 
-fn report(product: Product, a: &StreamArgs, shape: &Shape, results: &[RoundResult], device: Device) -> CliResult<()> {
+/// The path the pipe took: the transport and why.
+type PathTaken = Option<freight_core::Path>;
+
+fn report(
+    product: Product,
+    a: &StreamArgs,
+    shape: &Shape,
+    results: &[RoundResult],
+    device: Device,
+    path_taken: &PathTaken,
+) -> CliResult<()> {
     let bytes = shape.round_bytes();
     let timed: Vec<&RoundResult> = results.iter().filter(|r| r.round != Round::Verify).collect();
     let main_kind = if a.simulate_work { Round::Work } else { Round::Transfer };
@@ -247,6 +258,7 @@ fn report(product: Product, a: &StreamArgs, shape: &Shape, results: &[RoundResul
             "buffer_size": a.buffer_size,
             "batch_size": shape.batch_size,
             "transport": a.engine.transport.as_str(),
+            "path": path_taken.as_ref().map(|p| json!({"transport": p.transport.to_string(), "reason": p.reason})),
             "verified": !a.no_verify,
             "simulate_work": a.simulate_work,
             "rounds": results.iter().map(|r| json!({
