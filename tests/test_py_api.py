@@ -208,7 +208,7 @@ def test_a_read_into_read_only_memory_is_refused():
         assert (out == 5).all()
         a.transfer("WRITE", [frozen], "b", remote).wait(10)  # reading it is what it is for
         assert not src.any()
-    assert "must only be read by peers" in freight.Agent.register.__doc__
+    assert "registered read-only" in freight.Agent.register.__doc__
 
 
 def test_closing_an_agent_lets_go_of_the_objects_it_kept():

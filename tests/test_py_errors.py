@@ -186,6 +186,35 @@ def test_read_only_buffers(pair):
     ba.extend(b"more")
 
 
+@pytest.mark.parametrize("transport", ["tcp", None])
+def test_read_only_memory_is_read_by_peers_and_never_written(transport):
+    """Read-only objects registered with readonly_ok=True (one by register, one among
+    others by register_many): a peer reads them; its WRITE is refused, over any
+    transport, and the bytes stay as they were."""
+    cfg = freight.AgentConfig(require=transport) if transport else None
+    with freight.Agent("owner", cfg) as owner, freight.Agent("reader", cfg) as reader:
+        blob = bytes(range(256)) * 16
+        frozen = np.arange(4096, dtype=np.uint16).view(np.uint8)[:4096].copy()
+        frozen.flags.writeable = False
+        open_ = np.zeros(4096, dtype=np.uint8)
+        owner.register(blob, readonly_ok=True)
+        owner.register_many([open_, frozen], readonly_ok=True)
+        dst, src = np.zeros(4096, dtype=np.uint8), np.full(4096, 7, dtype=np.uint8)
+        reader.register(dst)
+        reader.register(src)
+        name = reader.add_peer(owner.metadata())
+        blob_at = np.frombuffer(blob, dtype=np.uint8)
+        for ro, expected in (((addr(blob_at), 4096, 0), blob), ((addr(frozen), 4096, 0), frozen.tobytes())):
+            reader.transfer("READ", [dst], name, [ro]).wait(timeout=30)
+            assert dst.tobytes() == expected
+            with pytest.raises(freight.RemoteRejectedError, match="read-only"):
+                reader.transfer("WRITE", [src], name, [ro])
+        assert blob_at.tobytes() == bytes(range(256)) * 16
+        # The writable one registered beside it takes writes.
+        reader.transfer("WRITE", [src], name, [(addr(open_), 4096, 0)]).wait(timeout=30)
+        assert (open_ == 7).all()
+
+
 def test_bad_kinds_ops_and_objects(pair):
     a, b, src, shm, plain = pair
     buf = np.zeros(4096, dtype=np.uint8)

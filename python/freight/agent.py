@@ -147,11 +147,12 @@ class Agent:
         ``kind`` (default "DRAM"). For objects, ``kind`` (if given) must match their
         memory. The object is kept alive until :meth:`deregister`.
 
-        Read-only memory (``readonly_ok=True``) must only be read by peers: a
-        registration carries no access rights, and the engine does not stop a peer's
-        WRITE into it (which could corrupt an immutable object, or crash this process
-        on a read-only mapping). :meth:`transfer` refuses to READ into a read-only
-        object here.
+        A read-only object (``readonly_ok=True``: ``bytes``, a non-writable array, a
+        read-only mapping) is registered read-only: peers may read it, and no transfer
+        writes it. A peer's WRITE into it fails with
+        :class:`freight.RemoteRejectedError` at the peer (and is refused here again
+        where this agent serves the access, over tcp and fabric), and a READ into it
+        here with :class:`freight.InvalidArgumentError`.
 
         Memory from :meth:`alloc` is reachable through shm by same-host peers; other
         host memory only through tcp.
@@ -161,7 +162,8 @@ class Agent:
         """
         k = normalize_kind(kind) if kind is not None else None
         r = describe(obj, k, readonly_ok=readonly_ok)
-        return self._core.register(r.kind, r.addr, r.length, r.device, r.keep)
+        read_only = not isinstance(obj, tuple) and is_readonly(obj)
+        return self._core.register(r.kind, r.addr, r.length, r.device, r.keep, read_only)
 
     def register_many(self, objs: Any, kind: Optional[str] = None, *, readonly_ok: bool = False) -> List[int]:
         """Registers many objects (anything :meth:`register` accepts) in one call into
@@ -181,9 +183,10 @@ class Agent:
             except (InvalidArgumentError, TypeError) as e:
                 e.index = i  # type: ignore[attr-defined]
                 raise
-            triples, keeps, positions = groups.setdefault(r.kind, ([], [], []))
+            group = (r.kind, is_readonly(obj))
+            triples, keeps, positions = groups.setdefault(group, ([], [], []))
             positions.append(i)
-            order.append((r.kind, len(triples)))
+            order.append((group, len(triples)))
             triples.append((r.addr, r.length, r.device))
             keeps.append(r.keep)
         keys_by_kind: dict = {}
@@ -191,7 +194,7 @@ class Agent:
         try:
             for gk, (triples, keeps, positions) in groups.items():
                 try:
-                    keys = self._core.register_many(gk, triples, keeps)
+                    keys = self._core.register_many(gk[0], triples, keeps, gk[1])
                 except Exception as e:
                     if isinstance(getattr(e, "index", None), int):
                         e.index = positions[e.index]  # type: ignore[attr-defined]

@@ -17,7 +17,16 @@ fn main() {
         addresses: vec!["127.0.0.1:4000".into(), "[::1]:4000".into()],
         transports: vec!["shm".into(), "tcp".into()],
         regions: vec![
-            RegionInfo { key: 1, kind: MemKind::Dram, addr: 4096, len: 4096, dev: 0, shared: None, gpu: None },
+            RegionInfo {
+                key: 1,
+                kind: MemKind::Dram,
+                addr: 4096,
+                len: 4096,
+                dev: 0,
+                shared: None,
+                gpu: None,
+                read_only: false,
+            },
             RegionInfo {
                 key: 2,
                 kind: MemKind::Dram,
@@ -26,6 +35,7 @@ fn main() {
                 dev: 0,
                 shared: Some(SharedLocation { segment: 1, fd: 3, segment_len: 8192, offset: 0 }),
                 gpu: None,
+                read_only: false,
             },
             RegionInfo {
                 key: 3,
@@ -40,6 +50,7 @@ fn main() {
                     alloc_len: 2 << 20,
                     handle: vec![9; 64],
                 }),
+                read_only: false,
             },
         ],
     };

@@ -17,7 +17,7 @@ use parking_lot::RwLock;
 use crate::cuda::completion::Completions;
 use crate::desc::DescList;
 use crate::error::{invalid, Error, Result};
-use crate::memory::{MemKind, Registry, SharedSegment};
+use crate::memory::{Access, MemKind, Registry, SharedSegment};
 use crate::metadata::{AgentMetadata, HostIdentity};
 use crate::net::{self, Introduction};
 use crate::notify::{NotifQueue, Notification, Waker};
@@ -236,9 +236,23 @@ impl Agent {
     /// same-host peers where CUDA is present; without CUDA it is registered as given,
     /// and every transport refuses it with the reason.
     pub fn register(&self, kind: MemKind, addr: u64, len: u64, dev: u64) -> Result<u64> {
+        self.register_as(kind, addr, len, dev, Access::Shared)
+    }
+
+    /// Registers memory that peers may read but never write, and that this agent's own
+    /// READs never land in: a buffer that must not change, or a read-only mapping (which
+    /// a write would fault on). A WRITE into it is refused by the peer that would make
+    /// it, and refused again here by the transports that serve remote accesses (tcp, the
+    /// fabric's landing buffers and its memory registrations); shm and cuda peers write
+    /// through their own mappings, so for them the refusal rests on their freight.
+    pub fn register_read_only(&self, kind: MemKind, addr: u64, len: u64, dev: u64) -> Result<u64> {
+        self.register_as(kind, addr, len, dev, Access::ReadOnly)
+    }
+
+    fn register_as(&self, kind: MemKind, addr: u64, len: u64, dev: u64, access: Access) -> Result<u64> {
         self.inner.check_open()?;
         let export = if kind == MemKind::Vram { gpu::export_region(addr, len, dev)? } else { None };
-        self.inner.registry.register_gpu(kind, addr, len, dev, export)
+        self.inner.registry.register_gpu(kind, addr, len, dev, export, access)
     }
 
     /// Registers private memory: like [`Agent::register`], but no peer may ever target
@@ -424,6 +438,7 @@ impl Agent {
         }
         let plan = Plan::build(local, local_idx, &remote.list, remote_idx)?;
         let peer = remote.peer.clone();
+        self.check_written_regions(op, &plan, &peer)?;
         let shared = {
             let regions = peer.regions.read();
             plan.remote_regions
@@ -470,6 +485,27 @@ impl Agent {
             request.cuda_program()?;
         }
         Ok(request)
+    }
+
+    /// Refuses a request that would write into read-only memory: ours for a READ, the
+    /// peer's for a WRITE (which its transports would refuse too, where they serve it).
+    fn check_written_regions(&self, op: OpKind, plan: &Plan, peer: &Peer) -> Result<()> {
+        match op {
+            OpKind::Read => plan.local_regions.iter().try_for_each(|&k| match self.inner.registry.get(k) {
+                Some(r) => r.info.check_writable(),
+                None => Ok(()),
+            }),
+            OpKind::Write => {
+                let regions = peer.regions.read();
+                plan.remote_regions.iter().try_for_each(|&k| match regions.get(k) {
+                    Some(r) if r.read_only => Err(Error::RemoteRejected {
+                        peer: peer.name.clone(),
+                        reason: format!("region {k} is registered read-only by its owner: it cannot be written"),
+                    }),
+                    _ => Ok(()),
+                })
+            }
+        }
     }
 
     /// One-shot form: prepares both lists, builds the request and posts it.

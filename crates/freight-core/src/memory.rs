@@ -186,6 +186,23 @@ pub struct RegionInfo {
     pub shared: Option<SharedLocation>,
     /// Present for GPU memory exported to same-host peers (CUDA IPC).
     pub gpu: Option<GpuLocation>,
+    /// Peers may read it but not write it (see [`Access::ReadOnly`]).
+    pub read_only: bool,
+}
+
+/// Who may do what with a registered region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Access {
+    /// Peers read and write it; it is the local side of any transfer.
+    #[default]
+    Shared,
+    /// Peers only read it, and this agent's own READs never land in it: memory that
+    /// must not change (an immutable buffer, a read-only mapping, which a write would
+    /// fault on). A peer's WRITE into it is refused at the peer, and again here by the
+    /// transports that serve remote accesses.
+    ReadOnly,
+    /// No peer may use it: this agent's local side only (see [`Registry::register_private`]).
+    Private,
 }
 
 /// What a same-host peer needs to map a registered GPU region.
@@ -213,6 +230,18 @@ impl GpuLocation {
 impl RegionInfo {
     pub fn end(&self) -> u64 {
         self.addr + self.len
+    }
+
+    /// Fails where `[addr, addr+len)` of this region would be written by a transfer
+    /// that must not write it.
+    pub fn check_writable(&self) -> Result<()> {
+        if self.read_only {
+            return Err(Error::InvalidArgument(format!(
+                "region {} at {:#x} is registered read-only: no transfer may write into it",
+                self.key, self.addr
+            )));
+        }
+        Ok(())
     }
 
     /// Checks that `[addr, addr+len)` lies inside this region.
@@ -271,12 +300,7 @@ impl Registry {
 
     /// Registers `[addr, addr+len)` of `kind` on `dev` and returns its key.
     pub fn register(&self, kind: MemKind, addr: u64, len: u64, dev: u64) -> Result<u64> {
-        self.register_gpu(kind, addr, len, dev, None)
-    }
-
-    /// [`Registry::register`], with the IPC export of GPU memory when there is one.
-    pub fn register_gpu(&self, kind: MemKind, addr: u64, len: u64, dev: u64, gpu: Option<GpuLocation>) -> Result<u64> {
-        self.insert(kind, addr, len, dev, gpu, false)
+        self.register_gpu(kind, addr, len, dev, None, Access::Shared)
     }
 
     /// Registers a private region: memory this agent uses only as the local side of its
@@ -294,18 +318,21 @@ impl Registry {
     /// live in a segment (or GPU allocation) of its own, never next to public regions
     /// whose metadata hands out the segment.
     pub fn register_private(&self, kind: MemKind, addr: u64, len: u64, dev: u64) -> Result<u64> {
-        self.insert(kind, addr, len, dev, None, true)
+        self.register_gpu(kind, addr, len, dev, None, Access::Private)
     }
 
-    fn insert(
+    /// [`Registry::register`], with the IPC export of GPU memory when there is one, and
+    /// who may use the region how (private regions: [`Registry::register_private`]).
+    pub fn register_gpu(
         &self,
         kind: MemKind,
         addr: u64,
         len: u64,
         dev: u64,
         gpu: Option<GpuLocation>,
-        private: bool,
+        access: Access,
     ) -> Result<u64> {
+        let private = access == Access::Private;
         if len == 0 {
             return Err(invalid("cannot register a zero-length region"));
         }
@@ -346,7 +373,7 @@ impl Registry {
             }
         }
         let region = Arc::new(Region {
-            info: RegionInfo { key, kind, addr, len, dev, shared, gpu },
+            info: RegionInfo { key, kind, addr, len, dev, shared, gpu, read_only: access == Access::ReadOnly },
             private,
             _segment: segment,
         });
@@ -396,13 +423,17 @@ impl Registry {
         Ok(region.clone())
     }
 
-    /// The public region with `key`, checked to contain `[addr, addr+len)`: the check on
-    /// an access a peer asks for. A private region is refused exactly as a key that does
-    /// not exist (same error, before any bounds check, which would reveal its range).
-    pub fn get_checked(&self, key: u64, addr: u64, len: u64) -> Result<Arc<Region>> {
+    /// The public region with `key`, checked to contain `[addr, addr+len)` and, where
+    /// the peer would `write` it, to be writable: the check on an access a peer asks
+    /// for. A private region is refused exactly as a key that does not exist (same
+    /// error, before any bounds check, which would reveal its range).
+    pub fn get_checked(&self, key: u64, addr: u64, len: u64, write: bool) -> Result<Arc<Region>> {
         let inner = self.inner.read();
         let region = inner.by_key.get(&key).filter(|r| !r.private).ok_or(Error::UnknownRegion(key))?;
         region.info.check_contains(addr, len)?;
+        if write {
+            region.info.check_writable()?;
+        }
         Ok(region.clone())
     }
 
@@ -560,6 +591,20 @@ mod tests {
     }
 
     #[test]
+    fn read_only_regions_are_read_but_never_written() {
+        let reg = Registry::new();
+        let ro = reg.register_gpu(MemKind::Dram, 0x1000, 0x1000, 0, None, Access::ReadOnly).unwrap();
+        let rw = reg.register(MemKind::Dram, 0x4000, 0x1000, 0).unwrap();
+        // Peers learn it, so that they refuse a WRITE before sending one.
+        let (_, listed) = reg.snapshot();
+        assert_eq!(listed.iter().map(|r| (r.key, r.read_only)).collect::<Vec<_>>(), vec![(ro, true), (rw, false)]);
+        assert!(reg.get_checked(ro, 0x1000, 16, false).is_ok());
+        let err = reg.get_checked(ro, 0x1000, 16, true).unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument(ref m) if m.contains("read-only")), "{err}");
+        assert!(reg.get_checked(rw, 0x4000, 16, true).is_ok());
+    }
+
+    #[test]
     fn private_regions_are_local_only() {
         let reg = Registry::new();
         let public = reg.register(MemKind::Dram, 0x1000, 0x1000, 0).unwrap();
@@ -570,10 +615,10 @@ mod tests {
         assert_eq!(reg.snapshot(), (gen, listed.clone()));
         assert_eq!(listed.iter().map(|r| r.key).collect::<Vec<_>>(), vec![public]);
         // Remote accesses: refused exactly like a key that does not exist, even out of bounds.
-        assert_eq!(reg.get_checked(private, 0x4000, 16).unwrap_err(), Error::UnknownRegion(private));
-        assert_eq!(reg.get_checked(private, 0x9000, 1 << 20).unwrap_err(), Error::UnknownRegion(private));
-        assert_eq!(reg.get_checked(999, 0x4000, 16).unwrap_err(), Error::UnknownRegion(999));
-        assert!(reg.get_checked(public, 0x1000, 16).is_ok());
+        assert_eq!(reg.get_checked(private, 0x4000, 16, false).unwrap_err(), Error::UnknownRegion(private));
+        assert_eq!(reg.get_checked(private, 0x9000, 1 << 20, false).unwrap_err(), Error::UnknownRegion(private));
+        assert_eq!(reg.get_checked(999, 0x4000, 16, false).unwrap_err(), Error::UnknownRegion(999));
+        assert!(reg.get_checked(public, 0x1000, 16, false).is_ok());
         // Local use: found like any region, and overlaps are still refused.
         let found = reg.find(MemKind::Dram, 0x4800, 16, 0).unwrap();
         assert_eq!(found.info.key, private);

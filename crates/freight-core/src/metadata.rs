@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 use crate::memory::{MemKind, RegionInfo};
 
 pub const MAGIC: [u8; 4] = *b"FRMD";
-pub const VERSION: u16 = 2;
+pub const VERSION: u16 = 3;
 /// Larger blobs are refused before decoding (10^6 regions fit comfortably).
 pub const MAX_METADATA_BYTES: usize = 128 << 20;
 const MAX_NAME: usize = 256;
@@ -144,7 +144,16 @@ mod tests {
             addresses: vec!["127.0.0.1:5000".into()],
             transports: vec!["shm".into(), "tcp".into()],
             regions: vec![
-                RegionInfo { key: 1, kind: MemKind::Dram, addr: 0x1000, len: 4096, dev: 0, shared: None, gpu: None },
+                RegionInfo {
+                    key: 1,
+                    kind: MemKind::Dram,
+                    addr: 0x1000,
+                    len: 4096,
+                    dev: 0,
+                    shared: None,
+                    gpu: None,
+                    read_only: false,
+                },
                 RegionInfo {
                     key: 2,
                     kind: MemKind::Dram,
@@ -153,6 +162,7 @@ mod tests {
                     dev: 0,
                     shared: Some(SharedLocation { segment: 3, fd: 9, segment_len: 8192, offset: 4096 }),
                     gpu: None,
+                    read_only: false,
                 },
                 RegionInfo {
                     key: 3,
@@ -167,6 +177,7 @@ mod tests {
                         alloc_len: 2 << 20,
                         handle: vec![5; 64],
                     }),
+                    read_only: false,
                 },
             ],
         }

@@ -260,6 +260,45 @@ fn deregistered_memory_is_refused_by_the_provider() {
     }
 }
 
+/// Read-only memory is read over fabric, and a WRITE into it is refused even from a
+/// peer that forged metadata saying otherwise: directly by the provider (the region's
+/// registration grants no remote writes), staged by the target's registry.
+#[test]
+fn read_only_memory_is_refused_to_writers_forged_or_not() {
+    if !libfabric() {
+        return;
+    }
+    for docked in [false, true] {
+        let cfg = config("tcp", &["lo"], 1 << 20);
+        let a = Agent::new("initiator", if docked { through_docks(cfg) } else { cfg }).unwrap();
+        let b = Agent::new("target", config("tcp", &["lo"], 1 << 20)).unwrap();
+        let len = 1u64 << 16;
+        let (src, frozen, back) =
+            (Buffer::new(len as usize, 1), Buffer::new(len as usize, 2), Buffer::new(len as usize, 3));
+        a.register(MemKind::Dram, src.addr(), len, 0).unwrap();
+        a.register(MemKind::Dram, back.addr(), len, 0).unwrap();
+        b.register_read_only(MemKind::Dram, frozen.addr(), len, 0).unwrap();
+        a.add_peer(&b.metadata()).unwrap();
+        let read =
+            a.transfer(OpKind::Read, &list(&[(back.addr(), len)]), "target", &list(&[(frozen.addr(), len)]), None);
+        assert_eq!(read.unwrap().wait(T), Status::Done);
+        assert_eq!(back.0, frozen.0);
+        let honest =
+            a.transfer(OpKind::Write, &list(&[(src.addr(), len)]), "target", &list(&[(frozen.addr(), len)]), None);
+        assert!(matches!(honest, Err(Error::RemoteRejected { .. })), "docked {docked}: {:?}", honest.err());
+        let mut md = freight_core::metadata::AgentMetadata::decode(&b.metadata()).unwrap();
+        md.regions.iter_mut().for_each(|r| r.read_only = false);
+        a.add_peer(&md.encode()).unwrap();
+        let forged =
+            a.transfer(OpKind::Write, &list(&[(src.addr(), len)]), "target", &list(&[(frozen.addr(), len)]), None);
+        match forged.unwrap().wait(T) {
+            Status::Error(Error::RemoteRejected { .. }) => {}
+            other => panic!("a forged WRITE into read-only memory (docked: {docked}) gave {other:?}"),
+        }
+        assert_eq!(back.0, frozen.0, "the read-only memory changed");
+    }
+}
+
 /// A target that went away fails transfers to it; nothing hangs.
 #[test]
 fn a_dead_peer_fails_transfers() {

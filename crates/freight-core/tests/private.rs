@@ -107,6 +107,7 @@ fn a_forged_private_key_is_refused_like_an_unknown_key_over_tcp() {
         dev: 0,
         shared: None,
         gpu: None,
+        read_only: false,
     };
     md.regions.push(forged(k, pool.addr()));
     md.regions.push(forged(unknown, stranger.addr()));
@@ -254,6 +255,7 @@ fn deregistered_private_memory_can_be_registered_again_either_way() {
         dev: 0,
         shared: None,
         gpu: None,
+        read_only: false,
     });
     client.add_peer(&md.encode()).unwrap();
     let before = bytes(&pool).to_vec();

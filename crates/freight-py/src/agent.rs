@@ -101,6 +101,14 @@ impl PyAgent {
             && Arc::strong_count(&self.inner) == holders
     }
 
+    fn register_one(&self, kind: MemKind, addr: u64, len: u64, dev: u64, read_only: bool) -> freight_core::Result<u64> {
+        if read_only {
+            self.inner.register_read_only(kind, addr, len, dev)
+        } else {
+            self.inner.register(kind, addr, len, dev)
+        }
+    }
+
     fn check_owner(&self, id: u64, what: &str) -> PyResult<()> {
         if id != self.id {
             return Err(invalid(format!("this {what} list was prepared by another agent")));
@@ -295,8 +303,10 @@ impl PyAgent {
     }
 
     /// Registers `[addr, addr + length)` of `kind` on `device`; returns the region key.
-    /// `keep` (any object) is held until the region is deregistered.
-    #[pyo3(signature = (kind, addr, length, device = 0, keep = None))]
+    /// `keep` (any object) is held until the region is deregistered. `read_only`: no
+    /// transfer may write it (peers only read it).
+    #[pyo3(signature = (kind, addr, length, device = 0, keep = None, read_only = false))]
+    #[allow(clippy::too_many_arguments)]
     fn register(
         &self,
         py: Python<'_>,
@@ -305,9 +315,10 @@ impl PyAgent {
         length: u64,
         device: u64,
         keep: Option<Py<PyAny>>,
+        read_only: bool,
     ) -> PyResult<u64> {
         let kind = parse_kind(kind)?;
-        let key = py.detach(|| self.inner.register(kind, addr, length, device)).or_raise()?;
+        let key = py.detach(|| self.register_one(kind, addr, length, device, read_only)).or_raise()?;
         if let Some(k) = keep {
             self.keep().insert(key, k);
         }
@@ -316,13 +327,14 @@ impl PyAgent {
 
     /// Registers every (addr, length, device) of a list of tuples or an Nx3 array, all or nothing (on
     /// error nothing stays registered and the exception's `index` names the culprit).
-    #[pyo3(signature = (kind, triples, keeps = None))]
+    #[pyo3(signature = (kind, triples, keeps = None, read_only = false))]
     fn register_many(
         &self,
         py: Python<'_>,
         kind: &str,
         triples: &Bound<'_, PyAny>,
         keeps: Option<Vec<Py<PyAny>>>,
+        read_only: bool,
     ) -> PyResult<Vec<u64>> {
         let kind: MemKind = parse_kind(kind)?;
         let mut all = Vec::new();
@@ -338,7 +350,7 @@ impl PyAgent {
         let outcome = py.detach(|| {
             let mut keys = Vec::with_capacity(all.len());
             for (i, &(addr, len, dev)) in all.iter().enumerate() {
-                match self.inner.register(kind, addr, len, dev) {
+                match self.register_one(kind, addr, len, dev, read_only) {
                     Ok(k) => keys.push(k),
                     Err(e) => {
                         for k in keys {

@@ -171,7 +171,7 @@ pub struct P2pArgs {
 fn parse_mesh_size(s: &str) -> Result<usize, String> {
     match s.trim().parse::<usize>() {
         Ok(n) if (2..=64).contains(&n) => Ok(n),
-        _ => Err(format!("'{s}' must be a number of processes from 2 to 64")),
+        _ => Err(format!("'{s}': a full mesh needs at least 2 processes (and at most 64)")),
     }
 }
 

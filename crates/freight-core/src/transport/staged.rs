@@ -242,7 +242,7 @@ mod tests {
             alloc_len: 1 << 20,
             handle: vec![0; 64],
         });
-        RegionInfo { key, kind, addr: 0x7000_0000, len: 1 << 20, dev: 0, shared: None, gpu }
+        RegionInfo { key, kind, addr: 0x7000_0000, len: 1 << 20, dev: 0, shared: None, gpu, read_only: false }
     }
 
     #[test]

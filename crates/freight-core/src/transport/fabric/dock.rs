@@ -118,7 +118,8 @@ impl Docks {
         if seg.len > self.size {
             return Err(Error::Protocol(format!("{} bytes do not fit a dock of {}", seg.len, self.size)));
         }
-        let guard = registry.get_checked(seg.region, seg.addr, seg.len)?;
+        // Landing writes the region.
+        let guard = registry.get_checked(seg.region, seg.addr, seg.len, landing)?;
         let gpu = match guard.info.kind {
             MemKind::Dram => None,
             MemKind::Vram => Some(staged::gpu_of(&guard.info)?),

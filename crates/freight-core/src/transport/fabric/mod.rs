@@ -180,7 +180,7 @@ impl Fabric {
 
     /// Registers a region with every rail (cached): its keys, one per rail.
     pub fn keys(&self, region: &RegionInfo) -> Result<Vec<u64>> {
-        self.workers.iter().map(|w| w.rail.registration(region.key, region.addr, region.len).map(|m| m.key)).collect()
+        self.workers.iter().map(|w| w.rail.registration(region).map(|m| m.key)).collect()
     }
 
     /// Drops a region's registrations; whether it had any.
@@ -228,7 +228,7 @@ impl Fabric {
             let (gpu, desc) = if lr.kind == MemKind::Vram {
                 (Some(staged::gpu_of(&lr)?), 0)
             } else {
-                (None, self.workers[rail].rail.registration(lr.key, lr.addr, lr.len)?.desc as usize)
+                (None, self.workers[rail].rail.registration(&lr)?.desc as usize)
             };
             if through_docks(&rr) {
                 let seg = Seg { region: o.remote_region, addr: o.remote_addr, len: o.len };

@@ -10,6 +10,7 @@ use parking_lot::RwLock;
 
 use super::ffi::*;
 use crate::error::{Error, Result};
+use crate::memory::RegionInfo;
 
 /// A list of `fi_info` from `fi_getinfo`, freed on drop.
 pub struct InfoList {
@@ -137,6 +138,12 @@ impl Drop for Mr {
 
 /// One domain's objects. Every method takes `&self`: the domain is opened thread-safe,
 /// and in practice one progress thread posts and reaps while others register memory.
+/// Memory that both sides may read and write: the source and destination of local
+/// operations, and the target of peers' reads and writes.
+const FULL_ACCESS: u64 = FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE;
+/// Memory peers may only read; locally it is only ever a source (of a write).
+const READ_ONLY_ACCESS: u64 = FI_WRITE | FI_REMOTE_READ;
+
 pub struct Rail {
     lib: &'static Lib,
     fabric: *mut FidFabric,
@@ -236,8 +243,10 @@ impl Rail {
         self.lib.error_text(code)
     }
 
-    /// The registration of region `key` at `[addr, addr+len)`, made on first use.
-    pub fn registration(&self, key: u64, addr: u64, len: u64) -> Result<std::sync::Arc<Mr>> {
+    /// The registration of `region`, made on first use. A read-only region's lets no
+    /// peer write it (the provider refuses the access).
+    pub fn registration(&self, region: &RegionInfo) -> Result<std::sync::Arc<Mr>> {
+        let (key, addr, len) = (region.key, region.addr, region.len);
         if let Some(mr) = self.mrs.read().get(&key) {
             return Ok(mr.clone());
         }
@@ -247,7 +256,8 @@ impl Rail {
         }
         // SAFETY: the region is registered memory that stays mapped until `forget`
         // (called before the registry lets it go).
-        let mr = std::sync::Arc::new(unsafe { self.register(addr, len, key) }?);
+        let access = if region.read_only { READ_ONLY_ACCESS } else { FULL_ACCESS };
+        let mr = std::sync::Arc::new(unsafe { self.register_with(addr, len, key, access) }?);
         mrs.insert(key, mr.clone());
         Ok(mr)
     }
@@ -258,7 +268,14 @@ impl Rail {
     /// # Safety
     /// The memory stays mapped until the registration is dropped.
     pub unsafe fn register(&self, addr: u64, len: u64, key: u64) -> Result<Mr> {
-        let access = FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE;
+        self.register_with(addr, len, key, FULL_ACCESS)
+    }
+
+    /// [`Rail::register`] with the given access rights.
+    ///
+    /// # Safety
+    /// As [`Rail::register`].
+    unsafe fn register_with(&self, addr: u64, len: u64, key: u64, access: u64) -> Result<Mr> {
         let mut fid: *mut FidMr = null_mut();
         let reg = (*(*self.domain).mr).reg;
         let rc =

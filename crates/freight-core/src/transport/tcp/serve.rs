@@ -86,7 +86,7 @@ fn receive_write(
     bounce: &mut Option<Bounce>,
 ) -> Result<Result<()>> {
     let total = wire::seg_bytes(segs)?;
-    match check_access(registry, segs) {
+    match check_access(registry, segs, true) {
         Ok((guards, Some(pieces))) => {
             let outcome = staged::receive(sock, bounce, &pieces, total)?;
             drop(guards);
@@ -128,7 +128,7 @@ impl Answer {
     /// Checks the access and queues the GPU copies, if any. Errors: the frame is malformed.
     fn start(registry: &Registry, tag: u64, segs: Vec<Seg>, staging: &mut Alternating) -> Result<Answer> {
         let total = wire::seg_bytes(&segs)? as usize;
-        let access = check_access(registry, &segs).and_then(|(guards, pieces)| match pieces {
+        let access = check_access(registry, &segs, false).and_then(|(guards, pieces)| match pieces {
             Some(pieces) => Ok((guards, Some(staging.gather(&pieces)?))),
             None => Ok((guards, None)),
         });
@@ -175,17 +175,18 @@ impl Answer {
 /// The guards on a message's regions, and its pieces where GPU memory is involved.
 type Access = (Vec<Arc<Region>>, Option<Vec<Piece>>);
 
-/// Every segment must lie in a registered public region of host or GPU memory (a
-/// private region is refused as an unknown key by `get_checked`); returns the
+/// Every segment must lie in a registered public region of host or GPU memory,
+/// writable where the peer would `write` it (a private region is refused as an unknown
+/// key by `get_checked`); returns the
 /// guards and, where GPU memory is involved, the segments as pieces with the GPU behind
 /// each one (host-memory messages, the common case, need no pieces).
-fn check_access(registry: &Registry, segs: &[Seg]) -> Result<Access> {
+fn check_access(registry: &Registry, segs: &[Seg], write: bool) -> Result<Access> {
     let mut guards: Vec<Arc<Region>> = Vec::new();
     for s in segs {
         match guards.iter().find(|g| g.info.key == s.region) {
             Some(g) => g.info.check_contains(s.addr, s.len)?,
             None => {
-                let g = registry.get_checked(s.region, s.addr, s.len)?;
+                let g = registry.get_checked(s.region, s.addr, s.len, write)?;
                 if !matches!(g.info.kind, MemKind::Dram | MemKind::Vram) {
                     return Err(Error::TransportUnavailable(format!(
                         "tcp cannot serve {} memory in this build",
