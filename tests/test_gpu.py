@@ -856,3 +856,28 @@ def test_gpu_memory_of_a_stream_ordered_pool_registers_and_moves():
                 with pytest.raises(freight.TransportUnavailableError, match="CUDA IPC cannot share"):
                     strict.transfer("WRITE", vram([(src.data_ptr(), n, 0)]), name, vram([(mem.ptr, n, 0)]))
     del mem
+
+
+@needs_gpu
+def test_host_regions_sharing_a_page_stay_reachable_after_a_neighbour_goes(gpu_pair):
+    """Two regions of one page (pinned as whole pages by the driver): each is read into
+    from the peer's GPU, and the second still is once the first was deregistered."""
+    agent, name, peer = gpu_pair
+    peer.call(op="fill", seed=8)
+    expected = pattern(8, 4096).numpy()
+    page = agent.alloc(3 * 4096)
+    first, second = page[100:1100], page[1100:3100]
+    keys = [agent.register(first), agent.register(second)]
+
+    def read_into(region, start):
+        req = agent.transfer("READ", freight.DescList([(region.ctypes.data, len(region), 0)], kind="DRAM"), name,
+                             freight.DescList([(peer.base + start, len(region), TORCH_GPUS - 1)], kind="VRAM"))
+        req.wait(timeout=60)
+        assert req.status() == "DONE"
+        assert np.array_equal(region, expected[start:start + len(region)])
+
+    read_into(first, 0)
+    read_into(second, 1000)
+    agent.deregister(keys[0])
+    second[:] = 0
+    read_into(second, 1000)

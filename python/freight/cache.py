@@ -150,6 +150,9 @@ class CacheEngine:
             raise TypeError(f"remote_source must be a freight.StoreReceiver, got {type(remote_source).__name__}")
         if remote_sink is not None:
             remote_sink.commit()  # its own puts go before the engine's
+        # The engine keeps the agent's engine running: the Python agent, which keeps the
+        # objects its regions lie in, must outlive it.
+        self._agent = agent
         self._raw = _native.CacheEngine(
             _core(agent),
             self._layers,

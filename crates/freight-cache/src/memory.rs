@@ -173,14 +173,15 @@ impl Arena {
         // memory pages are allocated on first touch, and slowly).
         // SAFETY: the whole segment is ours and nothing else uses it yet.
         unsafe { std::ptr::write_bytes(seg.as_ptr(), 0, n) };
-        let mut place = Place::host(seg.addr());
-        if let Some(g) = gpu {
-            // The agent's: its deregistration below (at drop) unpins it.
-            pin(Device::get(g)?, seg.addr(), len, agent.pin_owner())?;
-            place.mapped = true;
-        }
         let key = agent.register(MemKind::Dram, seg.addr(), len, 0)?;
-        Ok(Arena { agent: agent.clone(), key, place, len, _host: Some(seg), _gpu: None })
+        let mut arena =
+            Arena { agent: agent.clone(), key, place: Place::host(seg.addr()), len, _host: Some(seg), _gpu: None };
+        if let Some(g) = gpu {
+            // The agent's: the arena's deregistration (at drop, also if this fails) unpins it.
+            pin(Device::get(g)?, arena.place.addr, len, agent.pin_owner(key))?;
+            arena.place.mapped = true;
+        }
+        Ok(arena)
     }
 
     /// `len` bytes on GPU `gpu`.

@@ -62,6 +62,7 @@ pub fn staged(kv: Place, chunk: Place, runs: &[Run], direction: Direction) -> Re
     }
     let device = Device::get(kv.dev as usize)?;
     let kernel = Kernel::on(device)?;
+    let _ctx = device.bind()?;
     STAGERS.with(
         device,
         || Stager::new(device),
@@ -78,7 +79,7 @@ pub fn staged(kv: Place, chunk: Place, runs: &[Run], direction: Direction) -> Re
 
 /// Waits until every move queued by [`staged`], on any GPU, is done.
 pub fn wait_all() -> Result<()> {
-    STAGERS.for_each(|stager| stager.finish())
+    STAGERS.for_each(|stager| stager.device.bind().and_then(|_ctx| stager.finish()))
 }
 
 static STAGERS: PerGpu<Stager> = PerGpu::new();

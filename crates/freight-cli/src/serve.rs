@@ -25,7 +25,8 @@ pub struct ServeArgs {
 
     /// Address of the data plane's engine listener (clients on other hosts reach the
     /// server's agent there over tcp; port 0 picks one) [default: 127.0.0.1:0, or every
-    /// interface when --listen is not a loopback address].
+    /// interface when --listen is not a loopback address; 127.0.0.1:0 given here counts
+    /// as the default].
     #[arg(long, value_name = "IP:PORT")]
     pub data_listen: Option<String>,
 

@@ -209,10 +209,10 @@ impl Agent {
         &self.inner.name
     }
 
-    /// Host memory pinned on this agent's behalf (see [`crate::cuda::pinned`]): released
-    /// when the agent deregisters it or goes away.
-    pub fn pin_owner(&self) -> crate::cuda::pinned::Owner {
-        crate::cuda::pinned::Owner::Agent(self.inner.id)
+    /// Who host memory pinned for region `key` belongs to (see [`crate::cuda::pinned`]):
+    /// released when the region is deregistered or the agent goes away.
+    pub fn pin_owner(&self, key: u64) -> crate::cuda::pinned::Owner {
+        crate::cuda::pinned::Owner::Region { agent: self.inner.id, key }
     }
 
     pub fn config(&self) -> &AgentConfig {
@@ -291,7 +291,7 @@ impl Agent {
                 self.inner.server.broadcast(&Frame::Revoke { region: key });
             }
             if info.kind == MemKind::Dram && crate::cuda::pinned::any() {
-                crate::cuda::pinned::unpin_within(info.addr, info.len, self.pin_owner());
+                crate::cuda::pinned::release(self.pin_owner(key));
             }
         }
         Ok(())
@@ -601,7 +601,7 @@ impl Drop for AgentInner {
     /// unpinned, also where the application never deregistered it.
     fn drop(&mut self) {
         if crate::cuda::pinned::any() {
-            crate::cuda::pinned::unpin_all(crate::cuda::pinned::Owner::Agent(self.id));
+            crate::cuda::pinned::release_agent(self.id);
         }
     }
 }

@@ -20,7 +20,7 @@ use freight_core::{
 };
 
 use crate::layout::Shape;
-use crate::rendezvous::{dead_error, Group};
+use crate::rendezvous::{dead_error, Group, RENDEZVOUS_LOST};
 
 /// How often host waits look up the group's deaths.
 const DEATH_POLL: Duration = Duration::from_millis(100);
@@ -73,6 +73,9 @@ pub struct Relay {
     /// Watched while waiting: a dead peer never signals, and waiting on would only end at
     /// the timeout.
     group: Arc<dyn Group>,
+    /// The first death the group's hooks reported, the rendezvous' own loss included
+    /// (which [`Group::dead`] does not name, no rank being known dead).
+    ended: Arc<std::sync::OnceLock<(usize, String)>>,
 }
 
 /// What a rank tells the others about its engine side.
@@ -116,7 +119,14 @@ impl Relay {
             peers.push(Some(Peer { name: String::new(), outbox, block: 0 }));
         }
         let me = Announcement { metadata: agent.metadata(), workspace: workspace.addr() };
-        let relay = Relay { agent, arrived: Mutex::default(), peers, shape: *shape, device, timeout, group };
+        let ended = Arc::new(std::sync::OnceLock::new());
+        let seen = Arc::downgrade(&ended);
+        group.on_dead(Box::new(move |rank, reason| {
+            if let Some(ended) = seen.upgrade() {
+                let _ = ended.set((rank, reason.to_owned()));
+            }
+        }));
+        let relay = Relay { agent, arrived: Mutex::default(), peers, shape: *shape, device, timeout, group, ended };
         Ok((relay, me))
     }
 
@@ -220,8 +230,14 @@ impl Relay {
 
     /// Fails as the group's collectives do once it knows a rank died.
     fn check_alive(&self) -> Result<()> {
-        match self.group.dead() {
-            Some((rank, reason)) => Err(dead_error(rank, &reason)),
+        if let Some((rank, reason)) = self.group.dead() {
+            return Err(dead_error(rank, &reason));
+        }
+        match self.ended.get() {
+            Some((RENDEZVOUS_LOST, reason)) => {
+                Err(Error::PeerDisconnected { peer: "the rendezvous".into(), reason: reason.clone() })
+            }
+            Some((rank, reason)) => Err(dead_error(*rank, reason)),
             None => Ok(()),
         }
     }

@@ -68,14 +68,12 @@ pub fn too_small(value: u64, room: u64) -> Error {
 
 /// The receive buffer while it is pinned for GPU copies.
 struct PinnedBuffer {
-    addr: u64,
-    len: u64,
     owner: cuda::pinned::Owner,
 }
 
 impl Drop for PinnedBuffer {
     fn drop(&mut self) {
-        cuda::pinned::unpin_within(self.addr, self.len, self.owner);
+        cuda::pinned::release(self.owner);
     }
 }
 
@@ -296,9 +294,9 @@ impl Client {
     pub fn get_to_gpu(&mut self, key: &[u8], dst: u64, capacity: u64, device: usize) -> Result<Option<u64>> {
         let gpu = cuda::Device::get(device)?;
         if self.pinned.is_none() {
-            let owner = self.agent.pin_owner();
+            let owner = cuda::pinned::Owner::Memory(self.buffer.addr());
             cuda::pinned::pin(gpu, self.buffer.addr(), self.buffer_bytes(), owner)?;
-            self.pinned = Some(PinnedBuffer { addr: self.buffer.addr(), len: self.buffer_bytes(), owner });
+            self.pinned = Some(PinnedBuffer { owner });
         }
         let _ctx = gpu.bind()?;
         let stream = match self.gpu_streams.iter().find(|(d, _)| *d == device) {

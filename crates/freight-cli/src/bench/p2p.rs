@@ -205,14 +205,23 @@ pub(super) struct Grid {
 
 pub(super) const DEFAULT_BATCHES: [u64; 3] = [1, 16, 128];
 
-/// `v` as an address: IP:PORT, or HOST:PORT resolved (its first address).
+/// `v` as an address: IP:PORT, or HOST:PORT resolved, its IPv4 address first (targets
+/// listen on IPv4 addresses: 127.0.0.1 or 0.0.0.0 unless told otherwise).
 fn socket_addr(opt: &str, v: &str) -> CliResult<SocketAddr> {
     if let Ok(a) = v.parse() {
         return Ok(a);
     }
     let unusable = |why: String| CliError::usage(format!("{opt} '{v}': {why} (expected IP:PORT or HOST:PORT)"));
     match std::net::ToSocketAddrs::to_socket_addrs(v) {
-        Ok(mut addrs) => addrs.next().ok_or_else(|| unusable("the name has no address".into())),
+        Ok(addrs) => {
+            let addrs: Vec<SocketAddr> = addrs.collect();
+            addrs
+                .iter()
+                .find(|a| a.is_ipv4())
+                .or(addrs.first())
+                .copied()
+                .ok_or_else(|| unusable("the name has no address".into()))
+        }
         Err(e) => Err(unusable(e.to_string())),
     }
 }
@@ -442,7 +451,8 @@ mod tests {
     fn connect_takes_a_host_name() {
         let a = args(&["--connect", "localhost:7000"]).unwrap();
         let Plan::Initiator { connect: Some(c), .. } = a.plan().unwrap() else { panic!("not an initiator") };
-        assert!(c.parse::<SocketAddr>().unwrap().ip().is_loopback(), "{c}");
+        let c = c.parse::<SocketAddr>().unwrap();
+        assert!(c.ip().is_loopback() && c.is_ipv4(), "{c}");
         let err = args(&["--connect", "no-such-host.invalid:7000"]).unwrap().plan().unwrap_err().to_string();
         assert!(err.contains("--connect"), "{err}");
     }

@@ -150,7 +150,7 @@ impl Bounce {
     pub fn wait(&mut self) -> Result<()> {
         let mut first_error = None;
         for lane in self.lanes.iter_mut().filter(|l| l.busy) {
-            let waited = lane.stream.record(&lane.event).and_then(|_| {
+            let waited = lane.device.bind().and_then(|_ctx| lane.stream.record(&lane.event)).and_then(|_| {
                 match crate::poll::briefly(WATCH, || lane.event.query().ok().filter(|&done| done)) {
                     Some(_) => Ok(()),
                     None => lane.event.synchronize(),

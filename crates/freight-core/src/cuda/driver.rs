@@ -129,9 +129,12 @@ impl Device {
         unsafe {
             check(cu::cuDeviceGet(&mut dev, ordinal as i32), "cuDeviceGet")?;
             check(cu::cuDevicePrimaryCtxRetain(&mut ctx, dev), "cuDevicePrimaryCtxRetain")?;
-            check(cu::cuCtxSetCurrent(ctx), "cuCtxSetCurrent")?;
         }
-        let stream = Stream::create()?;
+        // Current only while the stream is made, as for every other call (see `bind`).
+        let stream = {
+            let _ctx = Bound::enter(ctx)?;
+            Stream::create()?
+        };
         let attr = |a: cu::CUdevice_attribute| -> Result<i32> {
             let mut v = 0;
             // SAFETY: out-pointer to a local.
@@ -174,15 +177,7 @@ impl Device {
     /// CUDA runtime, and with it PyTorch, takes a thread's current device from this
     /// context: a call into freight must not leave the application on another GPU.
     pub fn bind(&self) -> Result<Bound> {
-        let mut previous = std::ptr::null_mut();
-        // SAFETY: out-pointer to a local.
-        check(unsafe { cu::cuCtxGetCurrent(&mut previous) }, "cuCtxGetCurrent")?;
-        if previous == self.ctx {
-            return Ok(Bound { previous: None });
-        }
-        // SAFETY: a valid, retained context.
-        check(unsafe { cu::cuCtxSetCurrent(self.ctx) }, "cuCtxSetCurrent")?;
-        Ok(Bound { previous: Some(previous) })
+        Bound::enter(self.ctx)
     }
 
     /// The stream of the cuda transport's requests.
@@ -253,6 +248,20 @@ pub struct Bound {
     previous: Option<cu::CUcontext>,
 }
 
+impl Bound {
+    fn enter(ctx: cu::CUcontext) -> Result<Bound> {
+        let mut previous = std::ptr::null_mut();
+        // SAFETY: out-pointer to a local.
+        check(unsafe { cu::cuCtxGetCurrent(&mut previous) }, "cuCtxGetCurrent")?;
+        if previous == ctx {
+            return Ok(Bound { previous: None });
+        }
+        // SAFETY: a valid, retained context.
+        check(unsafe { cu::cuCtxSetCurrent(ctx) }, "cuCtxSetCurrent")?;
+        Ok(Bound { previous: Some(previous) })
+    }
+}
+
 impl Drop for Bound {
     fn drop(&mut self) {
         if let Some(previous) = self.previous {
@@ -306,6 +315,26 @@ pub fn pointer_kind(addr: u64) -> Result<PointerKind> {
         "cuPointerGetAttribute",
     )?;
     Ok(PointerKind::Device(ordinal as usize))
+}
+
+/// Whether `addr` lies in memory CUDA IPC handles can name: `cudaMalloc`'s, not a
+/// stream-ordered pool's or the VMM API's (whose "allocations", as
+/// [`allocation_range`] sees them, are single mapped chunks, not what the caller
+/// allocated).
+pub fn legacy_ipc_capable(addr: u64) -> Result<bool> {
+    let mut capable: i32 = 0;
+    // SAFETY: the attribute is a 32-bit boolean written into a local.
+    check(
+        unsafe {
+            cu::cuPointerGetAttribute(
+                (&mut capable as *mut i32).cast(),
+                cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
+                addr,
+            )
+        },
+        "cuPointerGetAttribute",
+    )?;
+    Ok(capable != 0)
 }
 
 /// The allocation `addr` belongs to: (base, size). IPC handles name allocations.

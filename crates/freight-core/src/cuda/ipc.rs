@@ -12,13 +12,21 @@ use std::sync::Arc;
 use cudarc::driver::sys as cu;
 use parking_lot::Mutex;
 
-use super::driver::{allocation_range, check, Device};
+use super::driver::{allocation_range, check, legacy_ipc_capable, Device};
 use crate::error::{Error, Result};
 pub use crate::memory::GpuLocation;
 
 /// Exports the allocation that contains `[addr, addr+len)` on `device`.
 pub fn export(device: &Device, addr: u64, len: u64) -> Result<GpuLocation> {
     let _ctx = device.bind()?;
+    if !legacy_ipc_capable(addr)? {
+        // A pool's or the VMM API's memory (PyTorch's expandable segments map a tensor
+        // over several chunks): no handle names it, and its chunks say nothing of what
+        // was allocated, so the region stands for itself. Same-host peers are told they
+        // cannot map it; this process and staged transports use it.
+        tracing::debug!(addr, len, "GPU memory CUDA IPC cannot share");
+        return Ok(GpuLocation { bus_id: device.bus_id.clone(), alloc_base: addr, alloc_len: len, handle: Vec::new() });
+    }
     let (alloc_base, alloc_len) = allocation_range(addr)?;
     if addr.checked_add(len).is_none_or(|end| end > alloc_base + alloc_len) {
         return Err(Error::InvalidArgument(format!(
@@ -27,16 +35,8 @@ pub fn export(device: &Device, addr: u64, len: u64) -> Result<GpuLocation> {
     }
     let mut handle = cu::CUipcMemHandle { reserved: [0; 64] };
     // SAFETY: out-pointer to a local; the base is the start of a live allocation.
-    let handle = match check(unsafe { cu::cuIpcGetMemHandle(&mut handle, alloc_base) }, "cuIpcGetMemHandle") {
-        Ok(()) => handle.reserved.iter().map(|&b| b as u8).collect(),
-        // Device memory of this GPU (checked by the caller) that IPC cannot name: a
-        // pool's or the VMM API's. Still registered: this process and staged
-        // transports use it; same-host peers are told they cannot map it.
-        Err(e) => {
-            tracing::debug!(addr, alloc_base, error = %e, "GPU memory not exportable through CUDA IPC");
-            Vec::new()
-        }
-    };
+    check(unsafe { cu::cuIpcGetMemHandle(&mut handle, alloc_base) }, "cuIpcGetMemHandle")?;
+    let handle = handle.reserved.iter().map(|&b| b as u8).collect();
     Ok(GpuLocation { bus_id: device.bus_id.clone(), alloc_base, alloc_len, handle })
 }
 

@@ -353,6 +353,7 @@ impl Kernel {
             return Ok(k.clone());
         }
         let module = Module::cached(device, "freight_copy.cu", SOURCE)?;
+        let _ctx = device.bind()?;
         let functions = [
             module.function(KernelMode::ALL[0].function_name())?,
             module.function(KernelMode::ALL[1].function_name())?,

@@ -20,10 +20,13 @@ use crate::error::Result;
 /// Who relies on a pinned range.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Owner {
-    /// An agent's registered host memory (by agent id).
-    Agent(u64),
-    /// A peer's segment mapped here (by the mapping's address, unique while mapped).
-    Mapping(u64),
+    /// A registered region of an agent (agent id, region key): released when the region
+    /// is deregistered or the agent goes away. By region, not by agent: two regions of
+    /// one agent may share a page, and so a pinned range.
+    Region { agent: u64, key: u64 },
+    /// Memory a component pins for itself (a peer's segment mapped here, a client's
+    /// receive buffer), by its address, unique while it is mapped.
+    Memory(u64),
 }
 
 struct Pinned {
@@ -48,45 +51,92 @@ pub fn pin(device: &'static Device, addr: u64, len: u64, owner: Owner) -> Result
         return Ok(());
     }
     let _ctx = device.bind()?;
-    let flags = cu::CU_MEMHOSTREGISTER_PORTABLE | cu::CU_MEMHOSTREGISTER_DEVICEMAP;
-    // SAFETY: the range is host memory the caller keeps mapped until it unpins.
-    match unsafe { cu::cuMemHostRegister_v2(addr as *mut std::ffi::c_void, len as usize, flags) } {
+    if register(addr, len)? {
+        tracing::debug!(addr, len, ?owner, "pinned host memory for GPU access");
+        pinned.insert(addr, Pinned { len, device, owners: vec![owner] });
+        return Ok(());
+    }
+    // Part of it is pinned already. The driver pins whole pages, so a range that shares
+    // a page with one of ours (two small arrays side by side) overlaps it: share those
+    // ranges, and pin the pages between them.
+    let end = addr + len;
+    let ours: Vec<(u64, u64)> =
+        pinned.range(..end).filter(|(&a, p)| a + p.len > addr).map(|(&a, p)| (a, p.len)).collect();
+    if ours.is_empty() {
         // Pinned by someone else (PyTorch's pin_memory, cudaHostAlloc): usable as is,
         // and not ours to unpin.
-        CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED => return Ok(()),
-        r => check(r, "cuMemHostRegister")?,
+        return Ok(());
     }
-    tracing::debug!(addr, len, ?owner, "pinned host memory for GPU access");
-    pinned.insert(addr, Pinned { len, device, owners: vec![owner] });
+    let page = page_size();
+    let mut next = addr / page * page;
+    for &(a, l) in &ours {
+        let p = pinned.get_mut(&a).expect("just listed");
+        if !p.owners.contains(&owner) {
+            p.owners.push(owner);
+        }
+        pin_gap(&mut pinned, device, next, a / page * page, owner)?;
+        next = next.max((a + l).div_ceil(page) * page);
+    }
+    pin_gap(&mut pinned, device, next, end.div_ceil(page) * page, owner)
+}
+
+/// Pins the whole pages `[from, to)` (nothing where empty) for `owner`, unless someone
+/// else pinned them.
+fn pin_gap(
+    pinned: &mut BTreeMap<u64, Pinned>,
+    device: &'static Device,
+    from: u64,
+    to: u64,
+    owner: Owner,
+) -> Result<()> {
+    if from < to && register(from, to - from)? {
+        tracing::debug!(addr = from, len = to - from, ?owner, "pinned host memory beside a pinned neighbour");
+        pinned.insert(from, Pinned { len: to - from, device, owners: vec![owner] });
+    }
     Ok(())
 }
 
-/// `owner` no longer needs the ranges it pinned inside `[addr, addr+len)` (its memory
-/// is about to be deregistered, unmapped or handed back).
-pub fn unpin_within(addr: u64, len: u64, owner: Owner) {
-    let mut pinned = table().lock();
-    // Ranges that start inside, and one that starts before and reaches in (pinned for
-    // a larger region of another owner, which this one shared).
-    let before = pinned.range(..addr).next_back().filter(|(&a, p)| a + p.len > addr).map(|(&a, _)| a);
-    let inside = pinned.range(addr..addr.saturating_add(len)).map(|(&a, _)| a);
-    let ranges: Vec<u64> = before.into_iter().chain(inside).collect();
-    release(&mut pinned, ranges, owner);
+/// Pins `[addr, addr+len)` for every GPU (portable, mapped), in the current context;
+/// false where some of it is pinned already.
+fn register(addr: u64, len: u64) -> Result<bool> {
+    let flags = cu::CU_MEMHOSTREGISTER_PORTABLE | cu::CU_MEMHOSTREGISTER_DEVICEMAP;
+    // SAFETY: the range is host memory the caller keeps mapped until it unpins.
+    match unsafe { cu::cuMemHostRegister_v2(addr as *mut std::ffi::c_void, len as usize, flags) } {
+        CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED => Ok(false),
+        r => check(r, "cuMemHostRegister").map(|()| true),
+    }
 }
 
-/// `owner` lets go of every range it pinned (an agent that closes).
-pub fn unpin_all(owner: Owner) {
-    let mut pinned = table().lock();
-    let held: Vec<u64> = pinned.iter().filter(|(_, p)| p.owners.contains(&owner)).map(|(&a, _)| a).collect();
-    release(&mut pinned, held, owner);
+fn page_size() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
+        n if n > 0 => n as u64,
+        _ => 4096,
+    }
 }
 
-fn release(pinned: &mut BTreeMap<u64, Pinned>, ranges: Vec<u64>, owner: Owner) {
-    for a in ranges {
-        let Some(p) = pinned.get_mut(&a) else { continue };
-        p.owners.retain(|o| *o != owner);
-        if !p.owners.is_empty() {
-            continue;
-        }
+/// `owner` no longer needs what it pinned (its memory is about to be deregistered,
+/// unmapped or handed back).
+pub fn release(owner: Owner) {
+    release_where(|o| *o == owner);
+}
+
+/// Agent `agent` (closing) lets go of everything its regions pinned.
+pub fn release_agent(agent: u64) {
+    release_where(|o| matches!(o, Owner::Region { agent: a, .. } if *a == agent));
+}
+
+fn release_where(gone: impl Fn(&Owner) -> bool) {
+    let mut pinned = table().lock();
+    let emptied: Vec<u64> = pinned
+        .iter_mut()
+        .filter_map(|(&a, p)| {
+            let had = p.owners.len();
+            p.owners.retain(|o| !gone(o));
+            (p.owners.len() < had && p.owners.is_empty()).then_some(a)
+        })
+        .collect();
+    for a in emptied {
         let p = pinned.remove(&a).expect("just seen");
         let unpinned = p.device.bind().and_then(|_ctx| {
             // SAFETY: we pinned it; nothing queued uses it any more (its users are gone).

@@ -330,7 +330,7 @@ fn local_shift(device: &'static Device, r: &RegionInfo, agent_id: u64) -> Result
             Ok(0)
         }
         MemKind::Dram => {
-            pinned::pin(device, r.addr, r.len, pinned::Owner::Agent(agent_id))?;
+            pinned::pin(device, r.addr, r.len, pinned::Owner::Region { agent: agent_id, key: r.key })?;
             Ok(0)
         }
         MemKind::File => Err(Error::TransportUnavailable("cuda cannot serve FILE memory".into())),
@@ -370,7 +370,7 @@ fn remote_shift(
         }
         MemKind::Dram => {
             let (m, base) = peer.shm.remote_base(r)?;
-            pinned::pin(device, m.addr(), m.len() as u64, pinned::Owner::Mapping(m.addr()))?;
+            pinned::pin(device, m.addr(), m.len() as u64, pinned::Owner::Memory(m.addr()))?;
             if !maps.iter().any(|x| Arc::ptr_eq(x, &m)) {
                 maps.push(m);
             }
@@ -412,8 +412,13 @@ pub fn check_region(addr: u64, len: u64, dev: u64) -> Result<Option<&'static Dev
         }
     }
     // Kernels trust registered bounds: a region past its allocation's end would have
-    // them fault, and a fault poisons the context for every user of the GPU.
+    // them fault, and a fault poisons the context for every user of the GPU. (Only
+    // `cudaMalloc`'s allocations can be checked: a pool's or the VMM API's are seen
+    // chunk by chunk.)
     let _ctx = device.bind()?;
+    if !crate::cuda::driver::legacy_ipc_capable(addr)? {
+        return Ok(Some(device));
+    }
     let (base, alloc_len) = crate::cuda::driver::allocation_range(addr)?;
     if addr.checked_add(len).is_none_or(|end| end > base + alloc_len) {
         return Err(Error::InvalidArgument(format!(

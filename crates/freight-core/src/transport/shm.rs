@@ -50,8 +50,7 @@ unsafe impl Sync for Mapping {}
 impl Drop for Mapping {
     fn drop(&mut self) {
         if crate::cuda::pinned::any() {
-            let owner = crate::cuda::pinned::Owner::Mapping(self.addr());
-            crate::cuda::pinned::unpin_within(self.addr(), self.len as u64, owner);
+            crate::cuda::pinned::release(crate::cuda::pinned::Owner::Memory(self.addr()));
         }
         // SAFETY: we created this mapping and nobody else unmaps it.
         unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
