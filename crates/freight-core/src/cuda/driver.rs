@@ -281,39 +281,29 @@ pub enum PointerKind {
     Host,
 }
 
+/// A 32-bit attribute of `addr`, with the driver's answer.
+fn pointer_attribute(addr: u64, attribute: cu::CUpointer_attribute) -> (CUresult, i32) {
+    let mut value: i32 = 0;
+    // SAFETY: every attribute asked for here is a 32-bit value, written into a local.
+    let r = unsafe { cu::cuPointerGetAttribute((&mut value as *mut i32).cast(), attribute, addr) };
+    (r, value)
+}
+
 /// Classifies `addr` (device memory of which GPU, or not device memory at all).
 pub fn pointer_kind(addr: u64) -> Result<PointerKind> {
     init()?;
-    let mut mem_type: u32 = 0;
-    // SAFETY: the attribute is a 32-bit value written into a local.
-    let r = unsafe {
-        cu::cuPointerGetAttribute(
-            (&mut mem_type as *mut u32).cast(),
-            cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-            addr,
-        )
-    };
+    let (r, mem_type) = pointer_attribute(addr, cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE);
     // The driver answers INVALID_VALUE for memory it does not know (plain host memory);
     // any other failure is the driver's, not a verdict on the address.
     if r == CUresult::CUDA_ERROR_INVALID_VALUE {
         return Ok(PointerKind::Host);
     }
     check(r, "cuPointerGetAttribute")?;
-    if mem_type != cu::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+    if mem_type as u32 != cu::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
         return Ok(PointerKind::Host);
     }
-    let mut ordinal: i32 = -1;
-    // SAFETY: as above.
-    check(
-        unsafe {
-            cu::cuPointerGetAttribute(
-                (&mut ordinal as *mut i32).cast(),
-                cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                addr,
-            )
-        },
-        "cuPointerGetAttribute",
-    )?;
+    let (r, ordinal) = pointer_attribute(addr, cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL);
+    check(r, "cuPointerGetAttribute")?;
     Ok(PointerKind::Device(ordinal as usize))
 }
 
@@ -322,18 +312,9 @@ pub fn pointer_kind(addr: u64) -> Result<PointerKind> {
 /// [`allocation_range`] sees them, are single mapped chunks, not what the caller
 /// allocated).
 pub fn legacy_ipc_capable(addr: u64) -> Result<bool> {
-    let mut capable: i32 = 0;
-    // SAFETY: the attribute is a 32-bit boolean written into a local.
-    check(
-        unsafe {
-            cu::cuPointerGetAttribute(
-                (&mut capable as *mut i32).cast(),
-                cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
-                addr,
-            )
-        },
-        "cuPointerGetAttribute",
-    )?;
+    let (r, capable) =
+        pointer_attribute(addr, cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE);
+    check(r, "cuPointerGetAttribute")?;
     Ok(capable != 0)
 }
 
