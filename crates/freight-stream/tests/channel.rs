@@ -9,7 +9,7 @@ use freight_core::{Error, MemKind, TransportKind};
 use freight_stream::{Buffer, ChannelReceiver, ChannelSender, PipeConfig, PipeListener, PipeSender};
 
 mod common;
-use common::{agent, objects, pattern};
+use common::{agent, ends, objects, pattern, Ends};
 
 fn config() -> PipeConfig {
     PipeConfig { timeout: Duration::from_secs(10), ..PipeConfig::default() }
@@ -73,10 +73,7 @@ fn three_senders_feed_one_receiver() {
 
 #[test]
 fn bad_batches_are_refused_whole() {
-    let rx_agent = agent("ch-bad-rx", None);
-    let tx_agent = agent("ch-bad-tx", None);
-    let addr = rx_agent.addresses()[0].clone();
-    let listener = PipeListener::new(&rx_agent);
+    let Ends { rx: _rx_agent, tx: tx_agent, addr, listener } = ends("ch-bad-rx", "ch-bad-tx", None);
     let receiver = thread::spawn(move || {
         let pipe = listener.accept(Buffer::Host { capacity: 1 << 16 }, &config()).unwrap();
         let mut channel = ChannelReceiver::new(vec![pipe], Duration::from_secs(10));
@@ -158,10 +155,7 @@ fn a_sender_that_dies_leaves_the_others_streaming_to_the_end() {
 
 #[test]
 fn a_malformed_message_cuts_its_sender_off_before_its_space_goes_back() {
-    let rx_agent = agent("ch-bad-rx", None);
-    let tx_agent = agent("ch-bad-tx", None);
-    let addr = rx_agent.addresses()[0].clone();
-    let listener = PipeListener::new(&rx_agent);
+    let Ends { rx: _rx_agent, tx: tx_agent, addr, listener } = ends("ch-bad-rx", "ch-bad-tx", None);
     let sender = thread::spawn(move || {
         let pipe = PipeSender::connect(&tx_agent, &addr, &config()).unwrap();
         let (_seg, objs) = objects(&tx_agent, "x", &[100]);

@@ -10,7 +10,7 @@ use freight_core::{Agent, Desc, DescList, Error, MemKind, SharedSegment, Transpo
 use freight_stream::{Buffer, PipeConfig, PipeListener, PipeSender};
 
 mod common;
-use common::agent;
+use common::{agent, ends, Ends};
 
 fn config(timeout_ms: u64) -> PipeConfig {
     PipeConfig { timeout: Duration::from_millis(timeout_ms), ..PipeConfig::default() }
@@ -39,10 +39,7 @@ fn expected(len: usize, seed: u64) -> Vec<u8> {
 fn stream_through(require: Option<TransportKind>) {
     const MSG: usize = 300_000; // not a multiple of the alignment, so slots have gaps
     const COUNT: u64 = 40;
-    let rx_agent = agent("rx", require);
-    let tx_agent = agent("tx", require);
-    let addr = rx_agent.addresses()[0].clone();
-    let listener = PipeListener::new(&rx_agent);
+    let Ends { rx: _rx_agent, tx: tx_agent, addr, listener } = ends("rx", "tx", require);
     let receiver = thread::spawn(move || {
         let pipe = listener.accept(Buffer::Host { capacity: 1 << 20 }, &config(10_000)).unwrap();
         let mut got = 0;
@@ -80,10 +77,7 @@ fn far_more_than_the_buffer_arrives_in_order_over_tcp() {
 
 #[test]
 fn a_receiver_that_keeps_messages_makes_the_sender_wait_then_time_out() {
-    let rx_agent = agent("rx-hold", None);
-    let tx_agent = agent("tx-hold", None);
-    let addr = rx_agent.addresses()[0].clone();
-    let listener = PipeListener::new(&rx_agent);
+    let Ends { rx: _rx_agent, tx: tx_agent, addr, listener } = ends("rx-hold", "tx-hold", None);
     let receiver = thread::spawn(move || {
         let pipe = listener.accept(Buffer::Host { capacity: 4096 }, &config(5_000)).unwrap();
         // Hold both messages: the buffer stays full.
@@ -105,10 +99,7 @@ fn a_receiver_that_keeps_messages_makes_the_sender_wait_then_time_out() {
 
 #[test]
 fn bad_input_is_refused_before_anything_is_sent() {
-    let rx_agent = agent("rx-bad", None);
-    let tx_agent = agent("tx-bad", None);
-    let addr = rx_agent.addresses()[0].clone();
-    let listener = PipeListener::new(&rx_agent);
+    let Ends { rx: _rx_agent, tx: tx_agent, addr, listener } = ends("rx-bad", "tx-bad", None);
     let receiver = thread::spawn(move || {
         let pipe = listener.accept(Buffer::Host { capacity: 8192 }, &config(5_000)).unwrap();
         let m = pipe.recv(None).unwrap().unwrap();
@@ -139,10 +130,7 @@ fn bad_input_is_refused_before_anything_is_sent() {
 #[test]
 fn a_receiver_that_goes_away_fails_the_sender_and_vice_versa() {
     // The receiver drops its end mid-stream: the sender learns it.
-    let rx_agent = agent("rx-gone", None);
-    let tx_agent = agent("tx-gone", None);
-    let addr = rx_agent.addresses()[0].clone();
-    let listener = PipeListener::new(&rx_agent);
+    let Ends { rx: _rx_agent, tx: tx_agent, addr, listener } = ends("rx-gone", "tx-gone", None);
     let receiver = thread::spawn(move || {
         let pipe = listener.accept(Buffer::Host { capacity: 4096 }, &config(5_000)).unwrap();
         drop(pipe.recv(None).unwrap().unwrap());
@@ -156,10 +144,7 @@ fn a_receiver_that_goes_away_fails_the_sender_and_vice_versa() {
     assert!(e.to_string().contains("receiver"), "{e}");
 
     // A sender agent that closes mid-stream: the receiver does not hang.
-    let rx_agent = agent("rx-orphan", None);
-    let tx_agent = agent("tx-orphan", None);
-    let addr = rx_agent.addresses()[0].clone();
-    let listener = PipeListener::new(&rx_agent);
+    let Ends { rx: _rx_agent, tx: tx_agent, addr, listener } = ends("rx-orphan", "tx-orphan", None);
     let receiver = thread::spawn(move || {
         let pipe = listener.accept(Buffer::Host { capacity: 4096 }, &config(3_000)).unwrap();
         drop(pipe.recv(None).unwrap().unwrap());
@@ -219,10 +204,7 @@ fn a_sender_that_gave_up_opening_is_not_served_later() {
 /// waiting reader would each wait for the other until they time out.
 #[test]
 fn space_freed_while_the_reader_waits_reaches_the_sender() {
-    let rx_agent = agent("rx-freed", None);
-    let tx_agent = agent("tx-freed", None);
-    let addr = rx_agent.addresses()[0].clone();
-    let listener = PipeListener::new(&rx_agent);
+    let Ends { rx: _rx_agent, tx: tx_agent, addr, listener } = ends("rx-freed", "tx-freed", None);
     // Credits only once the whole buffer is free, unless the reader waits.
     let cfg = PipeConfig { credit_batch: Some(4096), ..config(3_000) };
     let receiver = thread::spawn(move || {

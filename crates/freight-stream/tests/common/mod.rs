@@ -5,10 +5,26 @@
 use std::sync::Arc;
 
 use freight_core::{Agent, AgentConfig, Desc, MemKind, SharedSegment, TransportKind};
-use freight_stream::Outgoing;
+use freight_stream::{Outgoing, PipeListener};
 
 pub fn agent(name: &str, require: Option<TransportKind>) -> Arc<Agent> {
     Arc::new(Agent::new(name, AgentConfig { require, ..AgentConfig::default() }).unwrap())
+}
+
+/// A receiving agent listening for pipes, and a sending agent that knows where.
+pub struct Ends {
+    pub rx: Arc<Agent>,
+    pub tx: Arc<Agent>,
+    /// The receiver's address, for the sender to connect to.
+    pub addr: String,
+    pub listener: PipeListener,
+}
+
+pub fn ends(rx_name: &str, tx_name: &str, require: Option<TransportKind>) -> Ends {
+    let (rx, tx) = (agent(rx_name, require), agent(tx_name, require));
+    let addr = rx.addresses()[0].clone();
+    let listener = PipeListener::new(&rx);
+    Ends { rx, tx, addr, listener }
 }
 
 pub fn pattern(key: &str, len: usize) -> Vec<u8> {
