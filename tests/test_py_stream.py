@@ -278,6 +278,8 @@ def test_channel_views_keep_the_callers_buffer_alive_after_close(spawn):
         ch = freight.ChannelReceiver(rx, buffer=buf, timeout=20)
         got = ch.recv()
         assert [r.key for r in got] == list(want) and all(r.is_view for r in got)
+        # The sender's end of the stream first: closing before it arrives aborts the sender.
+        assert ch.recv() is None
         del buf
         ch.close()
         del ch
