@@ -522,6 +522,76 @@ def test_ctrl_c_interrupts_a_receiver_waiting_for_its_senders(ctrl_c_soon, produ
 
 
 @pytest.mark.timeout(30)
+def test_ctrl_c_interrupts_a_send_waiting_for_room_and_the_pipe_goes_on(ctrl_c_soon):
+    with agent("rx") as rx, agent("tx") as tx:
+        pipe, sender = pipe_pair(rx, tx, buffer=64 * KIB)
+        src = np.zeros(32 * KIB, dtype=np.uint8)
+        tx.register(src)
+        sender.send(src)
+        sender.send(src)
+        held = [pipe.recv(), pipe.recv()]  # the buffer is full, and stays so
+        start = time.monotonic()
+        with pytest.raises(Interrupted):
+            sender.send(src)
+        assert time.monotonic() - start < 3
+        for m in held:
+            m.release()
+        sender.send(src)  # nothing was taken or broken
+        sender.close()
+        assert pipe.recv().nbytes == 32 * KIB
+        assert pipe.recv() is None
+
+
+@pytest.mark.timeout(30)
+def test_ctrl_c_interrupts_a_recv_and_the_pipe_goes_on(ctrl_c_soon):
+    with agent("rx") as rx, agent("tx") as tx:
+        pipe, sender = pipe_pair(rx, tx, buffer=64 * KIB)
+        start = time.monotonic()
+        with pytest.raises(Interrupted):
+            pipe.recv(timeout=10)
+        assert time.monotonic() - start < 3
+        src = np.arange(100, dtype=np.uint8)
+        tx.register(src)
+        sender.send(src)
+        sender.close()
+        np.testing.assert_array_equal(pipe.recv().view(), src)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("product", ["pipe", "store"])
+def test_close_ends_a_wait_on_another_thread(product):
+    with agent("rx") as rx, agent("tx") as tx:
+        if product == "pipe":
+            end, sender = pipe_pair(rx, tx, buffer=64 * KIB)
+            wait = lambda: end.recv(timeout=20)  # noqa: E731
+        else:
+            box = {}
+            t = threading.Thread(target=lambda: box.update(rx=freight.StoreReceiver(rx, buffer=MIB, timeout=10)))
+            t.start()
+            sender = freight.StoreSender(tx, rx.addresses[0], timeout=10)
+            t.join(timeout=15)
+            end = box["rx"]
+            wait = lambda: end.wait_for(["never"], timeout=20)  # noqa: E731
+        outcome = {}
+
+        def waiter():
+            start = time.monotonic()
+            try:
+                wait()
+            except freight.FreightError as e:
+                outcome["error"] = e
+            outcome["waited"] = time.monotonic() - start
+
+        t = threading.Thread(target=waiter)
+        t.start()
+        time.sleep(0.3)
+        end.close()
+        t.join(timeout=10)
+        assert isinstance(outcome.get("error"), freight.InvalidStateError), outcome
+        assert outcome["waited"] < 5
+
+
+@pytest.mark.timeout(30)
 def test_a_zero_accept_timeout_is_refused():
     with agent("rx") as rx:
         with pytest.raises(freight.InvalidArgumentError, match="positive"):

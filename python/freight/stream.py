@@ -591,8 +591,10 @@ class ChannelSender(_PeerEnd):
         memory; their dtype and shape travel with them. The memory must stay unchanged
         until :meth:`flush`, except for objects that were not registered with the agent:
         those are registered for this call, and the call flushes and deregisters them
-        before it returns (see the module's note on cost). Bad input raises
-        :class:`freight.InvalidArgumentError` before anything is sent.
+        before it returns (see the module's note on cost). Bad keys, empty tensors
+        and mixed memory raise :class:`freight.InvalidArgumentError` before anything
+        is sent; a batch whose headers do not fit a message fails as it goes, after
+        the batches before it were sent whole.
         """
         keys, tensors = list(keys), list(tensors)
         if len(keys) != len(tensors):

@@ -62,6 +62,11 @@ pub enum Error {
     #[error("timed out: {0}")]
     Timeout(String),
 
+    /// The caller's interrupt check stopped a wait (Ctrl-C in Python); what the wait was
+    /// for did not happen, and the call may be made again (see [`crate::interrupt`]).
+    #[error("interrupted: {0}")]
+    Interrupted(String),
+
     /// The request cannot be used in its current state (posted while pending, released...).
     #[error("invalid state: {0}")]
     InvalidState(String),

@@ -11,6 +11,7 @@ pub mod cuda;
 pub mod desc;
 pub mod error;
 pub mod exchange;
+pub mod interrupt;
 pub mod memory;
 pub mod metadata;
 pub mod notify;

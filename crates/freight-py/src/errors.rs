@@ -90,6 +90,7 @@ fn build(py: Python<'_>, e: Error) -> PyResult<PyErr> {
             "PeerDisconnectedError"
         }
         Error::Timeout(_) => "TimeoutError",
+        Error::Interrupted(_) => return Ok(crate::interrupt::raised(msg)),
         Error::InvalidState(_) => "InvalidStateError",
         Error::Io(_) => "IoError",
         Error::NoSpace(_) => "NoSpaceError",

@@ -11,6 +11,7 @@ mod descs;
 mod ep;
 mod errors;
 mod etcd;
+mod interrupt;
 mod gpu;
 mod kv;
 mod logging;

@@ -13,11 +13,12 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::Receiver;
-use freight_core::{Desc, DescList, Error, MemKind, Result};
+use crossbeam_channel::{Receiver, RecvTimeoutError};
+use freight_core::{interrupt, Desc, DescList, Error, MemKind, Result};
 use serde::{Deserialize, Serialize};
 
 use crate::layout;
+use crate::next::Next;
 use crate::owned::{copy_bytes, Owned};
 use crate::pipe::{Message, PipeReceiver, PipeSender, ALIGN};
 
@@ -372,22 +373,33 @@ impl ChannelReceiver {
     /// every sender closed its stream.
     pub fn recv(&mut self, timeout: Option<Duration>) -> Result<Option<Vec<Received>>> {
         let timeout = timeout.unwrap_or(self.timeout);
-        let deadline = Instant::now() + timeout;
+        self.next_within(timeout)?
+            .or_timeout(|| Error::Timeout(format!("no object arrived within {:.1}s", timeout.as_secs_f64())))
+    }
+
+    /// [`ChannelReceiver::recv`] for a caller that waits in slices: `NotYet` when
+    /// `wait` passed with no object completed, and nothing changed.
+    pub fn next_within(&mut self, wait: Duration) -> Result<Next<Vec<Received>>> {
+        let deadline = Instant::now() + wait;
         loop {
             if self.live == 0 {
-                return Ok(None);
+                return Ok(Next::End);
             }
-            let event = self
-                .events
-                .recv_deadline(deadline)
-                .map_err(|_| Error::Timeout(format!("no object arrived within {:.1}s", timeout.as_secs_f64())))?;
+            let event = interrupt::until(deadline, |slice| match self.events.recv_timeout(slice) {
+                Ok(event) => Ok(Some(event)),
+                Err(RecvTimeoutError::Timeout) => Ok(None),
+                Err(RecvTimeoutError::Disconnected) => {
+                    Err(Error::InvalidState("every pipe reader of the channel stopped".into()))
+                }
+            })?;
+            let Some(event) = event else { return Ok(Next::NotYet) };
             match event {
                 Event::Message(sender, _) | Event::End(sender) | Event::Failed(sender, _) if self.retired(sender) => {}
                 Event::Message(sender, m) => {
                     let message = Arc::new(m);
                     match self.unpack(sender, &message) {
                         Ok(objects) if objects.is_empty() => {}
-                        Ok(objects) => return Ok(Some(objects)),
+                        Ok(objects) => return Ok(Next::Item(objects)),
                         Err(e) => {
                             // The message's space goes back only after the sender heard
                             // why: a credit first would tell it the objects were taken.
@@ -473,11 +485,11 @@ fn read_pipe(
     cut: Arc<parking_lot::Mutex<Option<String>>>,
 ) {
     while !stop.load(Ordering::Acquire) && cut.lock().is_none() {
-        let event = match pipe.recv(Some(READER_SLICE)) {
-            Ok(Some(m)) => Event::Message(i, m),
-            Ok(None) => Event::End(i),
+        let event = match pipe.next_within(READER_SLICE) {
+            Ok(Next::Item(m)) => Event::Message(i, m),
+            Ok(Next::End) => Event::End(i),
             // Quiet, but the other end is alive (a dead one is an error): keep waiting.
-            Err(Error::Timeout(_)) => continue,
+            Ok(Next::NotYet) => continue,
             Err(e) => Event::Failed(i, e),
         };
         let last = !matches!(event, Event::Message(..));

@@ -12,6 +12,7 @@
 //! - [`proto`]: what the two ends tell each other, in engine notifications.
 //! - [`router`]: sorts an agent's notifications by pipe.
 //! - [`pipe`]: the two ends of a pipe.
+//! - [`next`]: what a bounded wait for a stream's next item came to.
 //! - [`layout`]: how a batch of keyed objects fills pipe messages (pure, property-tested).
 //! - [`channel`]: keyed objects over pipes, many senders to one receiver.
 //! - [`owned`]: memory objects are kept in once out of a pipe buffer, pooled for reuse.
@@ -19,6 +20,7 @@
 
 pub mod channel;
 pub mod layout;
+pub mod next;
 pub mod owned;
 pub mod pipe;
 pub mod proto;
@@ -27,6 +29,7 @@ pub mod storage;
 pub mod window;
 
 pub use channel::{ChannelReceiver, ChannelSender, Outgoing, Received};
+pub use next::Next;
 pub use owned::Owned;
 pub use pipe::{Buffer, BufferInfo, Message, PipeConfig, PipeListener, PipeReceiver, PipeSender};
 pub use storage::{CommitStats, Committed, StoreReceiver, StoreSender, StoredObject, DEFAULT_COMMIT_SIZE};

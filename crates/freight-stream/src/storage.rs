@@ -28,11 +28,12 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use freight_core::{Error, Result};
+use freight_core::{interrupt, Error, Result};
 use parking_lot::{Condvar, Mutex};
 use serde::Serialize;
 
 use crate::channel::{ChannelReceiver, ChannelSender, Outgoing, Received};
+use crate::next::Next;
 use crate::owned::Owned;
 
 /// Objects per commit, unless told otherwise.
@@ -272,10 +273,12 @@ impl StoreSender {
     }
 
     /// Runs `f`; when it fails, every sealed commit is queued again in front of what is
-    /// pending (a commit tried again sends every object again).
+    /// pending (a commit tried again sends every object again). An interrupted wait
+    /// leaves them sealed: they are still on their way, and waiting again goes on.
     fn unsealing<T>(&mut self, f: impl FnOnce(&Self) -> Result<T>) -> Result<T> {
         let result = f(self);
-        if result.is_err() && !self.sealed.is_empty() {
+        let failed = matches!(&result, Err(e) if !matches!(e, Error::Interrupted(_)));
+        if failed && !self.sealed.is_empty() {
             let mut queued: Vec<Outgoing> = self.sealed.drain(..).flat_map(|c| c.objects).collect();
             queued.append(&mut self.pending);
             // A key put again replaces the object put before it.
@@ -505,7 +508,7 @@ impl StoreReceiver {
                 drop(st);
                 return Err(Error::InvalidState(format!("every sender closed before the store got {}", what())));
             }
-            if self.shared.changed.wait_until(&mut st, deadline).timed_out() && !done(&st) {
+            if Instant::now() >= deadline {
                 drop(st);
                 return Err(Error::Timeout(format!(
                     "the store did not get {} within {:.1}s",
@@ -513,7 +516,26 @@ impl StoreReceiver {
                     timeout.as_secs_f64()
                 )));
             }
+            let slice_end = deadline.min(Instant::now() + interrupt::SLICE);
+            if self.shared.changed.wait_until(&mut st, slice_end).timed_out() {
+                // Unlocked: the check may run the caller's code, which may look at the store.
+                drop(st);
+                interrupt::check()?;
+                st = self.shared.state.lock();
+            }
         }
+    }
+}
+
+impl StoreReceiver {
+    /// Stops taking objects in, before the store is dropped (another thread may still
+    /// hold it): waits there fail, and the senders are told once the worker sees it.
+    /// Objects held stay readable.
+    pub fn close(&self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Release);
+        let mut st = self.shared.state.lock();
+        st.failure.get_or_insert_with(|| Error::InvalidState("the store receiver is closed".into()));
+        self.shared.changed.notify_all();
     }
 }
 
@@ -533,8 +555,8 @@ fn take_in(mut channel: ChannelReceiver, shared: &Shared, stop: &std::sync::atom
         if stop.load(std::sync::atomic::Ordering::Acquire) {
             return;
         }
-        match channel.recv(Some(WORKER_SLICE)) {
-            Ok(Some(batch)) => {
+        match channel.next_within(WORKER_SLICE) {
+            Ok(Next::Item(batch)) => {
                 let n = batch.len();
                 let started = Instant::now();
                 // Objects not filed are still held while the senders hear why, so a
@@ -548,8 +570,8 @@ fn take_in(mut channel: ChannelReceiver, shared: &Shared, stop: &std::sync::atom
                 }
                 tracing::debug!(objects = n, ms = started.elapsed().as_secs_f64() * 1e3, "stored a batch");
             }
-            Ok(None) => break Ok(()),
-            Err(Error::Timeout(_)) => continue,
+            Ok(Next::End) => break Ok(()),
+            Ok(Next::NotYet) => continue,
             Err(e) => {
                 channel.abort(&e.to_string());
                 break Err(e);
@@ -571,9 +593,14 @@ fn take_in(mut channel: ChannelReceiver, shared: &Shared, stop: &std::sync::atom
 fn room_for(shared: &Shared, batch: &[Received]) -> Result<()> {
     let Some(capacity) = shared.capacity else { return Ok(()) };
     let st = shared.state.lock();
+    // A key twice in one batch (only a faulty sender does that) replaces itself.
+    let mut in_batch: HashMap<&str, u64> = HashMap::new();
     let mut after = st.bytes;
     for object in batch {
-        after = after - st.objects.get(&object.key).map_or(0, |o| o.len()) + object.len();
+        let replaced = in_batch
+            .insert(&object.key, object.len())
+            .unwrap_or_else(|| st.objects.get(&object.key).map_or(0, |o| o.len()));
+        after = after - replaced + object.len();
     }
     if after > capacity {
         let first = batch.first().map_or("", |o| o.key.as_str());

@@ -32,7 +32,8 @@ pub struct Slot {
 
 impl Slot {
     pub fn end(&self) -> u64 {
-        self.start + self.len
+        // Saturating: a slot from the wire may be nonsense, and is refused, not a panic.
+        self.start.saturating_add(self.len)
     }
 
     /// Byte offset of the message in a buffer of `capacity` bytes.
@@ -169,8 +170,11 @@ pub struct RecvWindow {
     head: u64,
     /// Messages accepted and not released: start -> end.
     held: BTreeMap<u64, u64>,
-    /// The last credit given to the sender.
+    /// The last credit given to the sender (sent, or on its way).
     credited: u64,
+    /// The last credit known to have been sent: a credit that could not be sent is
+    /// owed again from here.
+    delivered: u64,
     /// Credits are sent once at least this many bytes are free again (or when nothing
     /// is held), so that a stream of small messages is not answered message by message.
     batch: u64,
@@ -191,6 +195,7 @@ impl RecvWindow {
             head: 0,
             held: BTreeMap::new(),
             credited: 0,
+            delivered: 0,
             batch: batch.clamp(1, capacity),
             wanted: BTreeSet::new(),
         })
@@ -262,6 +267,17 @@ impl RecvWindow {
             return None;
         }
         self.flush()
+    }
+
+    /// A credit returned here was sent.
+    pub fn credit_sent(&mut self, upto: u64) {
+        self.delivered = self.delivered.max(upto);
+    }
+
+    /// A credit returned here could not be sent: the next release, flush or want
+    /// owes everything since the last one sent, whatever the batch.
+    pub fn credit_lost(&mut self) {
+        self.credited = self.delivered;
     }
 
     /// The credit not sent yet, if any (for a receiver about to wait, or closing).
@@ -362,6 +378,23 @@ mod tests {
         assert_eq!(r.want(320), None, "credited when nothing was held");
         r.accept(Slot { seq: 4, start: 350, len: 50 }).unwrap();
         assert_eq!(r.want(350), None, "freed up to 350 and credited already");
+    }
+
+    #[test]
+    fn a_credit_that_could_not_be_sent_is_owed_again() {
+        let mut r = RecvWindow::new(1000, 500).unwrap();
+        r.accept(Slot { seq: 0, start: 0, len: 100 }).unwrap();
+        assert_eq!(r.release(0).unwrap(), Some(100), "nothing held");
+        r.credit_sent(100);
+        r.accept(Slot { seq: 1, start: 100, len: 100 }).unwrap();
+        assert_eq!(r.release(100).unwrap(), Some(200));
+        r.credit_lost();
+        assert_eq!(r.flush(), Some(200), "the lost credit goes again");
+        r.credit_lost();
+        assert_eq!(r.want(150), Some(200), "asked for: the lost credit goes again");
+        r.credit_sent(200);
+        r.credit_lost();
+        assert_eq!(r.flush(), None, "nothing lost since the last credit sent");
     }
 
     #[test]

@@ -244,3 +244,86 @@ fn other_notifications_come_back_to_the_agent_when_the_pipes_go() {
     let got = rx_agent.wait_notifs(Duration::from_secs(2));
     assert_eq!(got.iter().map(|n| n.msg.as_slice()).collect::<Vec<_>>(), [b"not a pipe's".as_slice()]);
 }
+
+#[test]
+fn an_interrupted_wait_for_room_leaves_the_pipe_whole() {
+    let Ends { rx: _rx_agent, tx: tx_agent, addr, listener } = ends("rx-int", "tx-int", None);
+    let (held_tx, held_rx) = std::sync::mpsc::channel::<()>();
+    let receiver = thread::spawn(move || {
+        let pipe = listener.accept(Buffer::Host { capacity: 4096 }, &config(10_000)).unwrap();
+        // Hold the first two (the buffer is full) until the sender was interrupted.
+        let held = (pipe.recv(None).unwrap().unwrap(), pipe.recv(None).unwrap().unwrap());
+        held_rx.recv().unwrap();
+        drop(held);
+        let mut got = 2;
+        while let Some(m) = pipe.recv(None).unwrap() {
+            assert_eq!(m.seq(), got);
+            got += 1;
+        }
+        got
+    });
+    let pipe = PipeSender::connect(&tx_agent, &addr, &config(10_000)).unwrap();
+    let (_seg, list) = source(&tx_agent, 2048);
+    pipe.send(&list, vec![]).unwrap();
+    pipe.send(&list, vec![]).unwrap();
+    let started = std::time::Instant::now();
+    let stop_after = started + Duration::from_millis(300);
+    let e = freight_core::interrupt::interruptible(
+        move || std::time::Instant::now() > stop_after,
+        || pipe.send(&list, vec![]).unwrap_err(),
+    );
+    assert!(matches!(e, Error::Interrupted(_)), "{e}");
+    assert!(started.elapsed() < Duration::from_secs(5), "the interrupt was not seen within the wait");
+    // Nothing was taken or broken: once the receiver frees room the same send goes.
+    held_tx.send(()).unwrap();
+    pipe.send(&list, vec![]).unwrap();
+    pipe.close().unwrap();
+    assert_eq!(receiver.join().unwrap(), 3);
+}
+
+#[test]
+fn an_interrupted_recv_leaves_the_pipe_whole() {
+    let Ends { rx: _rx_agent, tx: tx_agent, addr, listener } = ends("rx-irecv", "tx-irecv", None);
+    let sender = thread::spawn(move || {
+        let pipe = PipeSender::connect(&tx_agent, &addr, &config(10_000)).unwrap();
+        let (_seg, list) = source(&tx_agent, 512);
+        thread::sleep(Duration::from_millis(600));
+        pipe.send(&list, b"late".to_vec()).unwrap();
+        pipe.close().unwrap();
+    });
+    let pipe = listener.accept(Buffer::Host { capacity: 4096 }, &config(10_000)).unwrap();
+    let e = freight_core::interrupt::interruptible(|| true, || pipe.recv(None).err());
+    assert!(matches!(e, Some(Error::Interrupted(_))), "{e:?}");
+    let m = pipe.recv(None).unwrap().unwrap();
+    assert_eq!(m.tag(), b"late");
+    drop(m);
+    assert!(pipe.recv(None).unwrap().is_none());
+    sender.join().unwrap();
+}
+
+#[test]
+fn closing_a_receiver_ends_a_recv_waiting_on_another_thread() {
+    let Ends { rx: _rx_agent, tx: tx_agent, addr, listener } = ends("rx-close", "tx-close", None);
+    let sender = thread::spawn(move || {
+        let pipe = PipeSender::connect(&tx_agent, &addr, &config(2_000)).unwrap();
+        (tx_agent, pipe)
+    });
+    let pipe = Arc::new(listener.accept(Buffer::Host { capacity: 4096 }, &config(10_000)).unwrap());
+    let (tx_agent, tx_pipe) = sender.join().unwrap();
+    let waiting = {
+        let pipe = pipe.clone();
+        thread::spawn(move || {
+            let started = std::time::Instant::now();
+            (pipe.recv(Some(Duration::from_secs(30))).err(), started.elapsed())
+        })
+    };
+    thread::sleep(Duration::from_millis(200));
+    pipe.close();
+    let (e, waited) = waiting.join().unwrap();
+    assert!(matches!(e, Some(Error::InvalidState(_))), "{e:?}");
+    assert!(waited < Duration::from_secs(5), "the wait went on after close: {waited:?}");
+    // The sender hears that the receiver went away.
+    let (_seg, list) = source(&tx_agent, 512);
+    let e = tx_pipe.send(&list, vec![]).and_then(|_| tx_pipe.drain()).unwrap_err();
+    assert!(e.to_string().contains("the receiver closed the pipe"), "{e}");
+}

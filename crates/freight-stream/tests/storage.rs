@@ -301,3 +301,45 @@ fn a_sender_dropped_before_its_commit_does_not_end_the_stream_cleanly() {
     assert!(e.to_string().contains("not committed"), "{e}");
     assert!(store.contains("d0"), "what was committed stays");
 }
+
+#[test]
+fn closing_a_store_ends_a_wait_on_another_thread_and_keeps_what_it_holds() {
+    let (rx, tx) = (agent("st-close-rx", None), agent("st-close-tx", None));
+    let (store, mut sender) = connect(&rx, &tx, 64 << 10, None, 8);
+    let (_seg, objs) = objects(&tx, "c", &[1_000]);
+    sender.put(objs[0].clone()).unwrap();
+    sender.commit().unwrap();
+    let store = Arc::new(store);
+    let waiting = {
+        let store = store.clone();
+        thread::spawn(move || {
+            let started = std::time::Instant::now();
+            (store.wait_for(&["never"], Duration::from_secs(60)).unwrap_err(), started.elapsed())
+        })
+    };
+    thread::sleep(Duration::from_millis(200));
+    store.close();
+    let (e, waited) = waiting.join().unwrap();
+    assert!(matches!(e, Error::InvalidState(_)), "{e}");
+    assert!(waited < Duration::from_secs(5), "the wait went on after close: {waited:?}");
+    assert!(store.contains("c0"), "what was committed stays");
+}
+
+#[test]
+fn an_interrupted_commit_stays_sealed_and_a_later_wait_sees_it_held() {
+    let (rx, tx) = (agent("st-int-rx", None), agent("st-int-tx", None));
+    // A bare channel: nothing is released until this test receives it.
+    let (mut channel, mut sender) = connect_bare(&rx, &tx, 100);
+    let (_seg, objs) = objects(&tx, "i", &[1_000, 2_000]);
+    for o in &objs {
+        sender.queue(o.clone()).unwrap();
+    }
+    assert!(sender.seal().unwrap());
+    let e = freight_core::interrupt::interruptible(|| true, || sender.commit().unwrap_err());
+    assert!(matches!(e, Error::Interrupted(_)), "{e}");
+    assert_eq!((sender.sealed(), sender.pending()), (1, 2), "an interrupted wait queued the commit again");
+    let got = channel.recv(None).unwrap().unwrap();
+    assert_eq!(got.iter().map(|r| r.key.as_str()).collect::<Vec<_>>(), ["i0", "i1"]);
+    drop(got);
+    assert!(sender.commit().unwrap().is_some_and(|s| s.objects == 2), "the commit went once, and is held");
+}

@@ -2,21 +2,22 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use freight_core::{Desc, Error, SharedSegment};
 use freight_stream::owned::Owned;
-use freight_stream::{ChannelReceiver, ChannelSender, Outgoing, Received};
+use freight_stream::{ChannelReceiver, ChannelSender, Next, Outgoing, Received};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use super::{
-    accept_pipes, check_room, close_sender, connect_channel, drop_detached, drop_taken, lock, segment_of, sliced,
-    wait_arg, with_sender, Place, Region,
+    accept_pipes, check_room, close_sender, connect_channel, drop_detached, drop_taken, lock, segment_of, wait_arg,
+    with_sender, Place, Region,
 };
 use crate::agent::PyAgent;
 use crate::descs::parse_kind;
-use crate::errors::OrRaise;
+use crate::errors::{to_py_err, OrRaise};
+use crate::request::SIGNAL_SLICE;
 
 /// An object to send: (key, kind, addr, length, device, meta).
 type PyOutgoing = (String, String, u64, u64, u64, Vec<u8>);
@@ -128,11 +129,26 @@ impl PyChannelReceiver {
         let py = slf.py();
         let this = slf.get();
         let timeout = wait_arg(timeout, this.timeout)?;
-        let none = "no object arrived";
-        let got = sliced(py, timeout, none, none, |slice| match lock(&this.inner).as_mut() {
-            Some(rx) => rx.recv(Some(slice)),
-            None => Err(Error::InvalidState("the channel receiver is closed".into())),
-        })?;
+        // In slices, so that `close` from another thread gets the receiver between two.
+        let deadline = Instant::now() + timeout;
+        let got = loop {
+            let slice = deadline.saturating_duration_since(Instant::now()).min(SIGNAL_SLICE);
+            let next = py
+                .detach(|| match lock(&this.inner).as_mut() {
+                    Some(rx) => rx.next_within(slice),
+                    None => Err(Error::InvalidState("the channel receiver is closed".into())),
+                })
+                .or_raise()?;
+            match next {
+                Next::Item(objects) => break Some(objects),
+                Next::End => break None,
+                Next::NotYet if Instant::now() < deadline => py.check_signals()?,
+                Next::NotYet => {
+                    let e = Error::Timeout(format!("no object arrived within {:.1}s", timeout.as_secs_f64()));
+                    return Err(to_py_err(e));
+                }
+            }
+        };
         let buffer = || this._keep.as_ref().map(|k| k.clone_ref(py));
         Ok(got.map(|objects| objects.into_iter().map(|r| PyReceived::new(py, r, buffer())).collect()))
     }
@@ -197,16 +213,19 @@ impl PyReceived {
         }
     }
 
-    fn is_live(&self) -> bool {
-        lock(&self.inner).is_some()
+    // `inner` is locked with the GIL released: a `copy_to` may hold it for long.
+    fn is_live(&self, py: Python<'_>) -> bool {
+        py.detach(|| lock(&self.inner).is_some())
     }
 
-    fn lend(&self) -> bool {
-        let inner = lock(&self.inner);
-        if inner.is_some() {
-            self.viewed.store(true, Ordering::Relaxed);
-        }
-        inner.is_some()
+    fn lend(&self, py: Python<'_>) -> bool {
+        py.detach(|| {
+            let inner = lock(&self.inner);
+            if inner.is_some() {
+                self.viewed.store(true, Ordering::Relaxed);
+            }
+            inner.is_some()
+        })
     }
 }
 
@@ -253,10 +272,7 @@ placed_pymethods! {
     /// this object lives, but after the release a view of a pipe buffer may see its
     /// bytes overwritten by later messages. Releasing twice is harmless.
     fn release(&self, py: Python<'_>) {
-        let taken = {
-            let mut inner = lock(&self.inner);
-            inner.take().map(|r| (r, self.viewed.load(Ordering::Relaxed)))
-        };
+        let taken = py.detach(|| lock(&self.inner).take().map(|r| (r, self.viewed.load(Ordering::Relaxed))));
         let Some((mut r, viewed)) = taken else { return };
         if viewed && !r.is_view() {
             // Reassembled memory is moved out, which cannot fail.

@@ -1,7 +1,7 @@
 //! Pipe and channel bindings (`freight_stream`), wrapped by `freight.stream`.
 //!
-//! Blocking calls release the GIL; the long waits (`accept`, `recv`) run in slices so
-//! that Ctrl-C interrupts them. Mutexes that a blocking call holds are only ever locked
+//! Blocking calls release the GIL, and Ctrl-C interrupts their waits (see
+//! [`crate::interrupt`]). Mutexes that a blocking call holds are only ever locked
 //! with the GIL released, so that a thread waiting for one never holds up the thread
 //! that owns it. Messages and received objects expose their bytes zero-copy, through
 //! `__array_interface__` (host memory) or `__cuda_array_interface__` (GPU memory): the
@@ -11,7 +11,7 @@
 //! kept past `release()` sees stale bytes, never unmapped memory.
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use freight_core::{Error, MemKind, SharedSegment};
 use freight_stream::{Buffer, BufferInfo, ChannelSender, PipeConfig, PipeListener, PipeReceiver, PipeSender};
@@ -21,8 +21,8 @@ use pyo3::types::PyDict;
 
 use crate::agent::PyAgent;
 use crate::descs::parse_kind;
-use crate::errors::{invalid, to_py_err, OrRaise};
-use crate::request::SIGNAL_SLICE;
+use crate::errors::{invalid, to_py_err};
+use crate::interrupt;
 use crate::util::{seconds, timeout_arg};
 
 /// The `#[pymethods]` block of a pyclass whose bytes lie at `self.place` (a [`Place`]):
@@ -31,8 +31,8 @@ use crate::util::{seconds, timeout_arg};
 ///
 /// The macro writes the whole block because pyo3 reads one `#[pymethods]` block per
 /// class (a second needs its `multiple-pymethods` feature) and does not expand macros
-/// inside one. The class has an `is_live()` (false once its bytes may no longer be
-/// used) and a `lend()` (the same, noting that a view of the bytes is being made);
+/// inside one. The class has an `is_live(py)` (false once its bytes may no longer be
+/// used) and a `lend(py)` (the same, noting that a view of the bytes is being made);
 /// `what` names it in error messages and docs, `live` documents `live`.
 macro_rules! placed_pymethods {
     ($ty:ty, what = $what:literal, live = $live_doc:literal; $($methods:tt)*) => {
@@ -70,8 +70,8 @@ macro_rules! placed_pymethods {
 
             #[doc = $live_doc]
             #[getter]
-            fn live(&self) -> bool {
-                self.is_live()
+            fn live(&self, py: ::pyo3::Python<'_>) -> bool {
+                self.is_live(py)
             }
 
             #[getter]
@@ -79,7 +79,7 @@ macro_rules! placed_pymethods {
                 &self,
                 py: ::pyo3::Python<'py>,
             ) -> ::pyo3::PyResult<::pyo3::Bound<'py, ::pyo3::types::PyDict>> {
-                self.place.host_interface(py, self.lend(), $what)
+                self.place.host_interface(py, self.lend(py), $what)
             }
 
             #[getter]
@@ -87,7 +87,7 @@ macro_rules! placed_pymethods {
                 &self,
                 py: ::pyo3::Python<'py>,
             ) -> ::pyo3::PyResult<::pyo3::Bound<'py, ::pyo3::types::PyDict>> {
-                self.place.cuda_interface(py, self.lend(), $what)
+                self.place.cuda_interface(py, self.lend(py), $what)
             }
         }
     };
@@ -141,7 +141,7 @@ fn connect_pipe<T: Send>(
     a.router();
     let config = pipe_config(timeout, None, max_in_flight)?;
     let inner = Arc::clone(&a.inner);
-    py.detach(|| PipeSender::connect(&inner, addr, &config).and_then(then)).or_raise()
+    interrupt::detach(py, || PipeSender::connect(&inner, addr, &config).and_then(then))
 }
 
 /// [`connect_pipe`], sending objects in batches of `batch_size` over the pipe.
@@ -209,16 +209,9 @@ fn accept_pipes(
 }
 
 /// Waits up to `config.timeout` for a sender to open a pipe on `listener`, and sets it
-/// up with `buffer`. The wait runs in slices, so that Ctrl-C interrupts it: a slice that
-/// ends with no sender has changed nothing. The pipe keeps a slice as its own timeout,
-/// which only a `recv` without one would use, and these bindings always give one.
+/// up with `buffer`.
 fn accept_pipe(py: Python<'_>, listener: &PipeListener, buffer: Buffer, config: &PipeConfig) -> PyResult<PipeReceiver> {
-    let what = || "no sender opened a pipe".to_string();
-    sliced_with(py, config.timeout, what, "no sender opened a pipe", |slice| {
-        // A pipe's timeout must be positive; the last slice may round down to nothing.
-        let slice = PipeConfig { timeout: slice.max(Duration::from_millis(1)), ..config.clone() };
-        listener.accept(buffer.clone(), &slice)
-    })
+    interrupt::detach(py, || listener.accept(buffer, config))
 }
 
 /// A `recv` timeout: None is the end's own, +inf practically forever.
@@ -231,46 +224,6 @@ fn wait_arg(timeout: Option<f64>, default: Duration) -> PyResult<Duration> {
 
 /// "No limit", short enough to add to an `Instant`.
 const FOREVER: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
-
-/// Runs `f` with the GIL released in slices of at most `SIGNAL_SLICE` until it returns
-/// something other than the timeout of a slice, or `timeout` passes; Ctrl-C interrupts
-/// between slices. `own` is how that timeout's message starts (see [`sliced_with`]).
-fn sliced<T: Send>(
-    py: Python<'_>,
-    timeout: Duration,
-    what: &str,
-    own: &str,
-    f: impl FnMut(Duration) -> freight_core::Result<T> + Send,
-) -> PyResult<T> {
-    sliced_with(py, timeout, || what.to_string(), own, f)
-}
-
-/// [`sliced`], saying what did not happen in time with `what()`, asked only then.
-///
-/// Only a timeout whose message starts with `own` is a slice that ran out with nothing
-/// done. Another one happened inside `f` (a credit that a stuck peer did not take within
-/// the peer timeout, say): waiting on would hide it, and what it failed to do (the
-/// credit) would not be done again, so it is raised as it is.
-fn sliced_with<T: Send>(
-    py: Python<'_>,
-    timeout: Duration,
-    what: impl FnOnce() -> String,
-    own: &str,
-    mut f: impl FnMut(Duration) -> freight_core::Result<T> + Send,
-) -> PyResult<T> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        let slice = deadline.saturating_duration_since(Instant::now()).min(SIGNAL_SLICE);
-        match py.detach(|| f(slice)) {
-            Err(Error::Timeout(m)) if m.starts_with(own) && Instant::now() < deadline => {}
-            Err(Error::Timeout(m)) if m.starts_with(own) => {
-                return Err(to_py_err(Error::Timeout(format!("{} within {:.1}s", what(), timeout.as_secs_f64()))))
-            }
-            other => return other.or_raise(),
-        }
-        py.check_signals()?;
-    }
-}
 
 /// `__array_interface__` (host) or `__cuda_array_interface__` (GPU) of `len` bytes at
 /// `addr`, as a flat uint8 array.
@@ -342,7 +295,7 @@ fn close_sender<S: Send>(
     close: impl FnOnce(S) -> freight_core::Result<()> + Send,
 ) -> PyResult<()> {
     match py.detach(|| lock(cell).take()) {
-        Some(s) => py.detach(move || close(s)).or_raise(),
+        Some(s) => interrupt::detach(py, move || close(s)),
         None => Ok(()),
     }
 }
@@ -353,9 +306,8 @@ fn with_sender<T: Send, S: Send>(
     cell: &Mutex<Option<S>>,
     f: impl FnOnce(&S) -> freight_core::Result<T> + Send,
 ) -> PyResult<T> {
-    py.detach(|| match lock(cell).as_ref() {
+    interrupt::detach(py, || match lock(cell).as_ref() {
         Some(s) => f(s),
         None => Err(Error::InvalidState("the sender is closed".into())),
     })
-    .or_raise()
 }

@@ -10,11 +10,12 @@ use pyo3::types::PyBytes;
 
 use super::{
     accept_pipe, buffer_arg, close_sender, connect_pipe, drop_detached, drop_taken, lock, pipe_config, segment_of,
-    sliced, wait_arg, with_sender, Place, Region,
+    wait_arg, with_sender, Place, Region,
 };
 use crate::agent::PyAgent;
 use crate::descs::PyDescList;
 use crate::errors::{to_py_err, OrRaise};
+use crate::interrupt;
 
 /// Accepts pipes that senders open to an agent (use `freight.PipeListener`).
 #[pyclass(frozen, name = "PipeListener", module = "freight._native")]
@@ -83,8 +84,7 @@ impl PyPipeReceiver {
         let this = slf.get();
         let rx = this.get()?;
         let timeout = wait_arg(timeout, this.timeout)?;
-        let what = format!("no message from '{}'", this.peer);
-        let got = sliced(py, timeout, &what, "no message ", |slice| rx.recv(Some(slice)))?;
+        let got = interrupt::detach(py, || rx.recv(Some(timeout)))?;
         Ok(got.map(|m| PyMessage::new(py, m, slf.clone().unbind())))
     }
 
@@ -93,7 +93,13 @@ impl PyPipeReceiver {
     /// they exist.
     fn close(&self, py: Python<'_>) {
         let rx = lock(&self.inner).take();
-        py.detach(move || drop(rx));
+        py.detach(move || {
+            // A `recv` on another thread holds the end too: it must end now.
+            if let Some(rx) = &rx {
+                rx.close();
+            }
+            drop(rx)
+        });
     }
 
     /// The sending agent's name.
@@ -161,12 +167,12 @@ impl PyMessage {
         PyMessage { seq: m.seq(), tag, place, segment: segment_of(&place), inner: Mutex::new(Some(m)), _pipe: pipe }
     }
 
-    fn is_live(&self) -> bool {
-        lock(&self.inner).is_some()
+    fn is_live(&self, py: Python<'_>) -> bool {
+        py.detach(|| lock(&self.inner).is_some())
     }
 
-    fn lend(&self) -> bool {
-        self.is_live()
+    fn lend(&self, py: Python<'_>) -> bool {
+        self.is_live(py)
     }
 }
 

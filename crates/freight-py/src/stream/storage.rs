@@ -12,10 +12,11 @@ use freight_stream::{ChannelReceiver, CommitStats, Outgoing, StoreReceiver, Stor
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use super::{accept_pipes, check_room, connect_channel, drop_detached, lock, sliced_with, wait_arg, Place, Region};
+use super::{accept_pipes, check_room, connect_channel, drop_detached, lock, wait_arg, Place, Region};
 use crate::agent::PyAgent;
 use crate::descs::parse_kind;
 use crate::errors::{invalid, OrRaise};
+use crate::interrupt;
 
 /// A commit's figures: (objects, bytes, transfer seconds, wait-for-receiver seconds).
 type PyCommitStats = (usize, u64, f64, f64);
@@ -75,9 +76,10 @@ pub struct PyStoreSender {
 }
 
 impl PyStoreSender {
-    /// Runs `f` on the live sender with the GIL released (the lock is taken there too).
+    /// Runs `f` on the live sender with the GIL released (the lock is taken there too);
+    /// Ctrl-C interrupts its waits.
     fn with<T: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut StoreSender) -> Result<T> + Send) -> PyResult<T> {
-        py.detach(|| lock(&self.inner).live(SENDER).and_then(f)).or_raise()
+        interrupt::detach(py, || lock(&self.inner).live(SENDER).and_then(f))
     }
 
     /// Fails unless the sender is live (it can be handed over).
@@ -163,7 +165,7 @@ impl PyStoreSender {
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         let tx = py.detach(|| lock(&self.inner).take(Slot::Closed, SENDER).ok());
         match tx {
-            Some(tx) => py.detach(move || tx.close()).or_raise(),
+            Some(tx) => interrupt::detach(py, move || tx.close()),
             None => Ok(()),
         }
     }
@@ -228,18 +230,17 @@ impl PyStoreReceiver {
         .or_raise()
     }
 
-    /// Waits in slices (Ctrl-C interrupts) until `f` succeeds or fails for good.
+    /// Runs the wait `f` on the store for up to `timeout` (None: the store's own);
+    /// Ctrl-C interrupts it.
     fn wait(
         &self,
         py: Python<'_>,
         timeout: Option<f64>,
-        what: impl FnOnce(&StoreReceiver) -> String,
-        f: impl Fn(&StoreReceiver, Duration) -> Result<()> + Send + Sync,
+        f: impl FnOnce(&StoreReceiver, Duration) -> Result<()> + Send,
     ) -> PyResult<()> {
         let timeout = wait_arg(timeout, self.timeout)?;
         let store = py.detach(|| lock(&self.inner).live(RECEIVER).cloned()).or_raise()?;
-        let missing = || format!("the store did not get {}", what(&store));
-        let out = sliced_with(py, timeout, missing, "the store did not get", |slice| f(&store, slice));
+        let out = interrupt::detach(py, || f(&store, timeout));
         drop_detached(store);
         out
     }
@@ -339,29 +340,19 @@ impl PyStoreReceiver {
     #[pyo3(signature = (keys, timeout = None))]
     fn wait_for(&self, py: Python<'_>, keys: Vec<String>, timeout: Option<f64>) -> PyResult<()> {
         let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-        self.wait(
-            py,
-            timeout,
-            |s| format!("{} of {} keys", refs.iter().filter(|k| !s.contains(k)).count(), refs.len()),
-            |s, slice| s.wait_for(&refs, slice),
-        )
+        self.wait(py, timeout, |s, timeout| s.wait_for(&refs, timeout))
     }
 
     /// Waits until `count` objects were taken in since the start.
     #[pyo3(signature = (count, timeout = None))]
     fn wait_received(&self, py: Python<'_>, count: u64, timeout: Option<f64>) -> PyResult<()> {
-        self.wait(
-            py,
-            timeout,
-            |s| format!("{count} objects (got {})", s.received()),
-            |s, slice| s.wait_received(count, slice),
-        )
+        self.wait(py, timeout, |s, timeout| s.wait_received(count, timeout))
     }
 
     /// Waits until every sender closed its stream.
     #[pyo3(signature = (timeout = None))]
     fn wait_closed(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
-        self.wait(py, timeout, |_| "the end of every sender's stream".into(), |s, slice| s.wait_closed(slice))
+        self.wait(py, timeout, |s, timeout| s.wait_closed(timeout))
     }
 
     /// Stops taking objects in (senders still putting are told). Objects got stay valid.
@@ -369,6 +360,10 @@ impl PyStoreReceiver {
     fn close(&self, py: Python<'_>) {
         py.detach(|| {
             let store = lock(&self.inner).take(Slot::Closed, RECEIVER).ok();
+            // A wait on another thread holds the store too: it must end now.
+            if let Some(store) = &store {
+                store.close();
+            }
             drop(store)
         });
     }
@@ -432,11 +427,11 @@ impl PyStoredObject {
     }
 
     /// Always: the object holds its memory.
-    fn is_live(&self) -> bool {
+    fn is_live(&self, _py: Python<'_>) -> bool {
         true
     }
 
-    fn lend(&self) -> bool {
+    fn lend(&self, _py: Python<'_>) -> bool {
         true
     }
 }

@@ -19,7 +19,7 @@ mod sender;
 
 use std::time::{Duration, Instant};
 
-use freight_core::{Agent, Error, MemKind, Result};
+use freight_core::{interrupt, Agent, Error, MemKind, Result};
 
 pub use receiver::{Message, PipeListener, PipeReceiver};
 pub use sender::{PipeSender, Progress};
@@ -33,8 +33,8 @@ pub const ALIGN: u64 = 256;
 /// Default size of a pipe's buffer.
 pub const DEFAULT_CAPACITY: u64 = 4 << 30;
 
-/// How long a waiting end looks at the other end's health between messages.
-const HEALTH_CHECK: Duration = Duration::from_millis(100);
+/// How long a sender waits for the receiver's word on why a write failed.
+const REASON_WAIT: Duration = Duration::from_millis(100);
 
 #[derive(Debug, Clone)]
 pub struct PipeConfig {
@@ -91,26 +91,21 @@ fn window_error(peer: &str, e: WindowError) -> Error {
 }
 
 /// Waits on `inbox` until `deadline` in slices, checking between slices that `peer` is
-/// still connected. `Ok(None)` at the deadline.
+/// still connected and that the caller did not interrupt the wait. `Ok(None)` at the
+/// deadline.
 fn wait_message<T>(
     agent: &Agent,
     peer: &str,
     inbox: &crossbeam_channel::Receiver<T>,
     deadline: Instant,
 ) -> Result<Option<T>> {
-    loop {
-        let now = Instant::now();
-        if now >= deadline {
-            return Ok(None);
+    interrupt::until(deadline, |slice| match inbox.recv_timeout(slice) {
+        Ok(m) => Ok(Some(m)),
+        Err(crossbeam_channel::RecvTimeoutError::Timeout) => agent.check_peer(peer).map(|()| None),
+        Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
+            Err(Error::InvalidState("the pipe's message route closed".into()))
         }
-        match inbox.recv_timeout((deadline - now).min(HEALTH_CHECK)) {
-            Ok(m) => return Ok(Some(m)),
-            Err(crossbeam_channel::RecvTimeoutError::Timeout) => agent.check_peer(peer)?,
-            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
-                return Err(Error::InvalidState("the pipe's message route closed".into()))
-            }
-        }
-    }
+    })
 }
 
 fn check_buffer(info: &BufferInfo) -> Result<()> {

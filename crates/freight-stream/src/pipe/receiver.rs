@@ -4,11 +4,12 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::Receiver;
-use freight_core::{Agent, Desc, DescList, Error, MemKind, Result, SharedSegment};
+use crossbeam_channel::{Receiver, RecvTimeoutError};
+use freight_core::{interrupt, Agent, Desc, DescList, Error, MemKind, Result, SharedSegment};
 use parking_lot::Mutex;
 
-use super::{check_buffer, wait_message, window_error, Buffer, BufferInfo, PipeConfig};
+use super::{check_buffer, wait_message, window_error, Buffer, BufferInfo, PipeConfig, ALIGN};
+use crate::next::Next;
 use crate::proto::Msg;
 use crate::router::Router;
 use crate::window::{RecvWindow, Slot};
@@ -29,7 +30,14 @@ impl PipeListener {
         config.validate()?;
         let deadline = Instant::now() + config.timeout;
         let (peer, pipe, addresses) = loop {
-            let (peer, msg) = self.router.opens().recv_deadline(deadline).map_err(|_| {
+            let opened = interrupt::until(deadline, |slice| match self.router.opens().recv_timeout(slice) {
+                Ok(open) => Ok(Some(open)),
+                Err(RecvTimeoutError::Timeout) => Ok(None),
+                Err(RecvTimeoutError::Disconnected) => {
+                    Err(Error::InvalidState("the agent's pipe router closed".into()))
+                }
+            })?;
+            let (peer, msg) = opened.ok_or_else(|| {
                 Error::Timeout(format!("no sender opened a pipe within {:.1}s", config.timeout.as_secs_f64()))
             })?;
             let Msg::Open { pipe, addresses } = msg else {
@@ -45,6 +53,8 @@ impl PipeListener {
             .map(|end| PipeReceiver { end: Arc::new(end) })
             .inspect_err(|e| {
                 let _ = self.router.send(&peer, &Msg::Refuse { pipe, reason: e.to_string() });
+                // What the sender sent before it heard is for no one.
+                self.router.unsubscribe(&peer, pipe);
             })
     }
 }
@@ -146,20 +156,40 @@ impl RecvEnd {
         match msg {
             Msg::Data { slot, len, tag, .. } => {
                 let slot = Slot::from(slot);
+                // Every message takes at least ALIGN bytes of the buffer: a sender
+                // that follows credits has no more than this many on the way.
+                let most_ahead = self.buffer.len.div_ceil(ALIGN);
                 if slot.seq < st.window.next_seq() || st.pending.contains_key(&slot.seq) || len > slot.len {
-                    st.broken = Some(Error::Protocol(format!(
+                    let e = Error::Protocol(format!(
                         "pipe from '{}': message {} announced twice or with {len} bytes in a {}-byte slot",
                         self.peer, slot.seq, slot.len
-                    )));
+                    ));
+                    self.fail(&mut st, e);
+                } else if slot.seq - st.window.next_seq() >= most_ahead {
+                    let e = Error::Protocol(format!(
+                        "pipe from '{}': message {} announced while {} is due; no more than {most_ahead} fit the buffer",
+                        self.peer,
+                        slot.seq,
+                        st.window.next_seq()
+                    ));
+                    self.fail(&mut st, e);
                 } else {
                     st.pending.insert(slot.seq, (slot, len, tag));
                 }
+            }
+            Msg::Close { messages, .. } if messages < st.window.next_seq() => {
+                let e = Error::Protocol(format!(
+                    "pipe from '{}': closed after {messages} messages, but {} arrived",
+                    self.peer,
+                    st.window.next_seq()
+                ));
+                self.fail(&mut st, e);
             }
             Msg::Close { messages, .. } => st.end = Some(messages),
             Msg::Sync { upto, .. } => {
                 if let Some(credit) = st.window.want(upto) {
                     drop(st);
-                    let _ = self.send_credit(credit);
+                    self.offer_credit(credit);
                 }
             }
             Msg::Abort { reason, .. } => {
@@ -174,15 +204,16 @@ impl RecvEnd {
         }
     }
 
+    /// Marks the pipe broken and tells the sender why.
     fn fail(&self, st: &mut RecvState, e: Error) -> Error {
         st.broken = Some(e.clone());
         let _ = self.router.send(&self.peer, &Msg::Abort { pipe: self.pipe, reason: e.to_string() });
         e
     }
 
-    fn recv(self: &Arc<Self>, timeout: Option<Duration>) -> Result<Option<Message>> {
+    fn next(self: &Arc<Self>, wait: Duration) -> Result<Next<Message>> {
         let _reader = self.reading.lock();
-        let deadline = Instant::now() + timeout.unwrap_or(self.timeout);
+        let deadline = Instant::now() + wait;
         loop {
             // File what already arrived first: a Close among it tells `send_credit` that
             // a sender which has since gone needs no credit.
@@ -201,7 +232,7 @@ impl RecvEnd {
                         return Err(self.fail(&mut st, e));
                     }
                     let offset = slot.offset(self.buffer.len);
-                    return Ok(Some(Message {
+                    return Ok(Next::Item(Message {
                         end: self.clone(),
                         seq: slot.seq,
                         start: slot.start,
@@ -212,27 +243,26 @@ impl RecvEnd {
                     }));
                 }
                 if st.end == Some(next) {
-                    return Ok(None);
+                    return Ok(Next::End);
                 }
                 // About to wait: space freed but not yet credited must not stay hidden
                 // from a sender that may be waiting for it.
                 st.window.flush()
             };
+            // A sender that takes no credit is stuck: say so rather than wait it out
+            // (the credit stays owed, for a later call).
             if let Some(upto) = credit {
                 self.send_credit(upto)?;
             }
-            let waited = wait_message(self.agent(), &self.peer, &self.inbox, deadline);
+            // In slices, so that an abort from another thread ends the wait.
+            let slice_end = deadline.min(Instant::now() + interrupt::SLICE);
+            let waited = wait_message(self.agent(), &self.peer, &self.inbox, slice_end);
             match waited {
                 Ok(Some(msg)) => self.take(msg),
-                Ok(None) => {
-                    let st = self.state.lock();
-                    return Err(Error::Timeout(format!(
-                        "no message {} from '{}' within {:.1}s",
-                        st.window.next_seq(),
-                        self.peer,
-                        timeout.unwrap_or(self.timeout).as_secs_f64()
-                    )));
-                }
+                Ok(None) if Instant::now() < deadline => interrupt::check()?,
+                Ok(None) => return Ok(Next::NotYet),
+                // An interrupted wait took nothing: the next call goes on.
+                Err(e @ Error::Interrupted(_)) => return Err(e),
                 Err(e) => {
                     let mut st = self.state.lock();
                     st.broken = Some(e.clone());
@@ -242,24 +272,44 @@ impl RecvEnd {
         }
     }
 
+    /// Frees a message's space. A credit that cannot be sent now is owed, and goes
+    /// with the next one: whether the sender is still there is for the waits to find
+    /// out (a sender that closed the stream may have exited, and needs no credit).
     fn release(&self, start: u64) -> Result<()> {
         let credit = self.state.lock().window.release(start).map_err(|e| window_error(&self.peer, e))?;
-        match credit {
-            Some(upto) => self.send_credit(upto),
-            None => Ok(()),
+        if let Some(upto) = credit {
+            self.offer_credit(upto);
+        }
+        Ok(())
+    }
+
+    /// Sends a credit; one not delivered is owed, and goes with the next.
+    fn offer_credit(&self, upto: u64) {
+        if let Err(e) = self.send_credit(upto) {
+            tracing::debug!(peer = %self.peer, pipe = self.pipe, error = %e, "a credit was not delivered; it is owed");
         }
     }
 
-    /// Tells the sender that space up to `upto` is free. Once it closed the stream it
-    /// needs no more space and may be gone (a sender process exits after `close`): a
-    /// credit that cannot be delivered then is no error.
+    /// Tells the sender that space up to `upto` is free. A credit not delivered is
+    /// owed again (see [`RecvWindow::credit_lost`]). Once the sender closed the stream
+    /// it needs no more space and may be gone (a sender process exits after `close`):
+    /// a credit that cannot be delivered then is no error.
     fn send_credit(&self, upto: u64) -> Result<()> {
-        match self.router.send(&self.peer, &Msg::Credit { pipe: self.pipe, upto }) {
-            Err(e) if self.state.lock().end.is_some() => {
+        let sent = self.router.send(&self.peer, &Msg::Credit { pipe: self.pipe, upto });
+        let mut st = self.state.lock();
+        match sent {
+            Ok(()) => {
+                st.window.credit_sent(upto);
+                Ok(())
+            }
+            Err(e) if st.end.is_some() => {
                 tracing::debug!(peer = %self.peer, pipe = self.pipe, error = %e, "credit after the end of the stream not delivered");
                 Ok(())
             }
-            other => other,
+            Err(e) => {
+                st.window.credit_lost();
+                Err(e)
+            }
         }
     }
 }
@@ -295,7 +345,21 @@ impl PipeReceiver {
     /// The next message in order; `Ok(None)` once the sender closed the stream and
     /// every message was handed out. Waits up to `timeout` (the pipe's, by default).
     pub fn recv(&self, timeout: Option<Duration>) -> Result<Option<Message>> {
-        self.end.recv(timeout)
+        let timeout = timeout.unwrap_or(self.end.timeout);
+        self.end.next(timeout)?.or_timeout(|| {
+            Error::Timeout(format!(
+                "no message {} from '{}' within {:.1}s",
+                self.end.state.lock().window.next_seq(),
+                self.end.peer,
+                timeout.as_secs_f64()
+            ))
+        })
+    }
+
+    /// [`PipeReceiver::recv`] for a caller that waits in slices: `NotYet` when `wait`
+    /// passed with no message, and nothing changed.
+    pub fn next_within(&self, wait: Duration) -> Result<Next<Message>> {
+        self.end.next(wait)
     }
 
     pub fn peer(&self) -> &str {
@@ -311,15 +375,18 @@ impl PipeReceiver {
         self.end.state.lock().window.held()
     }
 
-    /// Ends the stream from this side: the sender's next call fails with `reason`.
-    /// Messages already handed out stay valid. Aborting twice is harmless.
+    /// Ends the stream from this side: the sender's next call fails with `reason`,
+    /// and so does a `recv` waiting on another thread. Messages already handed out
+    /// stay valid. Aborting twice is harmless.
     pub fn abort(&self, reason: &str) {
-        let mut st = self.end.state.lock();
-        if st.broken.is_none() {
-            st.broken = Some(Error::InvalidState(format!("the pipe was aborted here: {reason}")));
-            let abort = Msg::Abort { pipe: self.end.pipe, reason: reason.to_string() };
-            let _ = self.end.router.send(&self.end.peer, &abort);
-        }
+        self.end.stop(Error::InvalidState(format!("the pipe was aborted here: {reason}")), reason, true);
+    }
+
+    /// Ends this side before the end is dropped (another thread may still hold it): a
+    /// `recv` waiting there fails, and a sender still sending is told, as on drop.
+    pub fn close(&self) {
+        let reason = "the receiver closed the pipe before the end of the stream";
+        self.end.stop(Error::InvalidState("the pipe receiver is closed".into()), reason, false);
     }
 
     /// True once the sender closed the stream and every message was handed out.
@@ -331,13 +398,23 @@ impl PipeReceiver {
 
 impl Drop for PipeReceiver {
     fn drop(&mut self) {
-        let unfinished = {
-            let st = self.end.state.lock();
-            st.broken.is_none() && st.end != Some(st.window.next_seq())
-        };
-        if unfinished {
-            let reason = "the receiver closed the pipe before the end of the stream".to_string();
-            let _ = self.end.router.send(&self.end.peer, &Msg::Abort { pipe: self.end.pipe, reason });
+        self.close();
+    }
+}
+
+impl RecvEnd {
+    /// Breaks the pipe with `e` (what later calls here fail with) unless it is broken
+    /// already, and tells the sender `reason`: always when `always`, else only when
+    /// the stream had not ended.
+    fn stop(&self, e: Error, reason: &str, always: bool) {
+        let mut st = self.state.lock();
+        if st.broken.is_some() {
+            return;
+        }
+        let unfinished = st.end != Some(st.window.next_seq());
+        st.broken = Some(e);
+        if always || unfinished {
+            let _ = self.router.send(&self.peer, &Msg::Abort { pipe: self.pipe, reason: reason.to_string() });
         }
     }
 }

@@ -6,10 +6,10 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::Receiver;
 use freight_core::wire::MAX_NOTIF;
-use freight_core::{Agent, Desc, DescList, Error, OpKind, PreparedList, Request, Result, Status};
+use freight_core::{interrupt, Agent, Desc, DescList, Error, OpKind, PreparedList, Request, Result, Status};
 use parking_lot::Mutex;
 
-use super::{align_up, wait_message, window_error, BufferInfo, PipeConfig, HEALTH_CHECK};
+use super::{align_up, wait_message, window_error, BufferInfo, PipeConfig, REASON_WAIT};
 use crate::proto::Msg;
 use crate::router::Router;
 use crate::window::{SendWindow, Slot, WindowError};
@@ -200,7 +200,7 @@ impl PipeSender {
     /// A write the engine refused (the buffer's region gone, say) is usually the trace
     /// of a receiver that closed its end: its own word on why, when it comes, is clearer.
     fn explain(&self, e: Error) -> Error {
-        match self.inbox.recv_timeout(HEALTH_CHECK) {
+        match self.inbox.recv_timeout(REASON_WAIT) {
             Ok(Msg::Abort { reason, .. }) => Error::PeerDisconnected {
                 peer: self.peer.clone(),
                 reason: format!("the receiver aborted the pipe: {reason}"),
@@ -240,6 +240,10 @@ impl PipeSender {
             let waiting = Instant::now();
             let outcome = wait_message(self.agent(), &self.peer, &self.inbox, deadline);
             st.credit_wait += waiting.elapsed();
+            if !matches!(outcome, Ok(Some(_))) {
+                // A send tried again asks again, whatever it needs then.
+                st.asked = 0;
+            }
             match outcome {
                 Ok(Some(msg)) => self.handle(st, msg)?,
                 Ok(None) => {
@@ -303,8 +307,15 @@ impl PipeSender {
     fn reap_while(&self, st: &mut SendState, deadline: Instant, must_wait: impl Fn(usize, u64) -> bool) -> Result<()> {
         while let Some((req, start)) = st.in_flight.front() {
             let wait = must_wait(st.in_flight.len(), *start);
-            let status =
-                if wait { req.wait(Some(deadline.saturating_duration_since(Instant::now()))) } else { req.status() };
+            let status = if wait {
+                let finished = interrupt::until(deadline, |slice| {
+                    let status = req.wait(Some(slice));
+                    Ok(status.is_final().then_some(status))
+                });
+                finished.map_err(|e| self.fail(st, e))?.unwrap_or(Status::Pending)
+            } else {
+                req.status()
+            };
             match status {
                 Status::Done => {
                     st.in_flight.pop_front();
@@ -324,9 +335,10 @@ impl PipeSender {
         Ok(())
     }
 
-    /// Marks the pipe broken and tells the receiver.
+    /// Marks the pipe broken and tells the receiver; an interrupted wait changed
+    /// nothing, and the pipe goes on.
     fn fail(&self, st: &mut SendState, e: Error) -> Error {
-        if st.broken.is_none() {
+        if st.broken.is_none() && !matches!(e, Error::Interrupted(_)) {
             st.broken = Some(e.clone());
             let _ = self.router.send(&self.peer, &Msg::Abort { pipe: self.pipe, reason: e.to_string() });
         }
