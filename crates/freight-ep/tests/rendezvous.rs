@@ -342,6 +342,27 @@ fn a_collective_times_out_naming_the_missing_rank() {
 }
 
 #[test]
+fn an_interrupted_join_or_collective_ends_at_once_and_the_group_stays_in_step() {
+    let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let started = Instant::now();
+    let res = freight_core::interrupt::interruptible(|| true, || ServerGroup::join(addr, 0, 1, LONG));
+    assert!(matches!(res, Err(Error::Interrupted(_))), "{:?}", res.err());
+    assert!(started.elapsed() < Duration::from_secs(2));
+
+    let server = RankServer::start(loopback(), 2).unwrap();
+    let r0 = ServerGroup::join(server.addr(), 0, 2, JOIN).unwrap();
+    let started = Instant::now();
+    let res = freight_core::interrupt::interruptible(|| true, || r0.barrier(LONG));
+    assert!(matches!(res, Err(Error::Interrupted(_))), "{res:?}");
+    assert!(started.elapsed() < Duration::from_secs(2));
+    // As after a timeout, the interrupted collective is spent and the numbering holds.
+    let r1 = ServerGroup::join(server.addr(), 1, 2, JOIN).unwrap();
+    r1.barrier(COLLECTIVE).unwrap();
+    let got = on_each(&[&r0, &r1], |g| g.all_gather(&[g.rank() as u8], COLLECTIVE).unwrap());
+    assert!(got.iter().all(|blobs| blobs == &vec![vec![0], vec![1]]));
+}
+
+#[test]
 fn a_join_times_out_when_no_server_appears() {
     let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
     let started = Instant::now();

@@ -10,6 +10,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use crate::errors::{invalid, OrRaise};
+use crate::interrupt;
 use crate::util::seconds;
 
 fn socket_address(address: &str) -> PyResult<std::net::SocketAddr> {
@@ -65,7 +66,7 @@ impl PyGroup {
     fn join_server(py: Python<'_>, address: &str, rank: usize, world: usize, timeout: f64) -> PyResult<Self> {
         let at = socket_address(address)?;
         let timeout = seconds(timeout, "timeout")?;
-        let group = py.detach(|| ServerGroup::join(at, rank, world, timeout)).or_raise()?;
+        let group = interrupt::detach(py, || ServerGroup::join(at, rank, world, timeout))?;
         Ok(PyGroup { inner: Arc::new(group) })
     }
 
@@ -80,7 +81,7 @@ impl PyGroup {
         timeout: f64,
     ) -> PyResult<Self> {
         let timeout = seconds(timeout, "timeout")?;
-        let joined = py.detach(|| EtcdGroup::join(&endpoints, group, rank, world, timeout)).or_raise()?;
+        let joined = interrupt::detach(py, || EtcdGroup::join(&endpoints, group, rank, world, timeout))?;
         Ok(PyGroup { inner: Arc::new(joined) })
     }
 
@@ -98,14 +99,14 @@ impl PyGroup {
     fn all_gather<'py>(&self, py: Python<'py>, blob: Vec<u8>, timeout: f64) -> PyResult<Vec<Bound<'py, PyBytes>>> {
         let timeout = seconds(timeout, "timeout")?;
         let group = self.inner.clone();
-        let blobs = py.detach(move || group.all_gather(&blob, timeout)).or_raise()?;
+        let blobs = interrupt::detach(py, move || group.all_gather(&blob, timeout))?;
         Ok(blobs.iter().map(|b| PyBytes::new(py, b)).collect())
     }
 
     fn barrier(&self, py: Python<'_>, timeout: f64) -> PyResult<()> {
         let timeout = seconds(timeout, "timeout")?;
         let group = self.inner.clone();
-        py.detach(move || group.barrier(timeout)).or_raise()
+        interrupt::detach(py, move || group.barrier(timeout))
     }
 
     /// `(rank, reason)` of the first rank known dead, or None.
@@ -192,7 +193,7 @@ impl PyBuffer {
         };
         let config = Config { ranks: 0, rank: 0, max_tokens, hidden, topk, local_experts: experts_per_rank };
         let group = group.inner.clone();
-        let buffer = py.detach(move || Buffer::new(group, device, config, &options)).or_raise()?;
+        let buffer = interrupt::detach(py, move || Buffer::new(group, device, config, &options))?;
         Ok(PyBuffer { inner: Arc::new(buffer) })
     }
 

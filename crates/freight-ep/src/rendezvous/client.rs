@@ -9,7 +9,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender};
-use freight_core::{Error, Result};
+use freight_core::{interrupt, Error, Result};
 use parking_lot::Mutex;
 
 use super::wire::{decode, encode, read_line, ToRank, ToServer, PROTOCOL};
@@ -160,9 +160,22 @@ impl Group for ServerGroup {
             }
             (seq, rx)
         };
-        match rx.recv_timeout(timeout) {
-            Ok(outcome) => outcome,
-            Err(RecvTimeoutError::Timeout) => {
+        let deadline = Instant::now() + timeout;
+        let waited = interrupt::until(deadline, |slice| match rx.recv_timeout(slice) {
+            Ok(outcome) => Ok(Some(outcome)),
+            Err(RecvTimeoutError::Timeout) => Ok(None),
+            Err(RecvTimeoutError::Disconnected) => Err(self.shared.failure()),
+        });
+        match waited {
+            Ok(Some(outcome)) => outcome,
+            // Like a timeout: the collective is spent (this rank's part counts for
+            // the others), and its result, when it comes, is for no one.
+            Err(e @ Error::Interrupted(_)) => {
+                self.shared.state.lock().pending.remove(&seq);
+                Err(e)
+            }
+            Err(e) => Err(e),
+            Ok(None) => {
                 // The reader sends while holding the state lock, so a result that raced the
                 // deadline is either still pending (removed here) or already in the channel.
                 if self.shared.state.lock().pending.remove(&seq).is_none() {
@@ -172,7 +185,6 @@ impl Group for ServerGroup {
                 }
                 Err(self.timeout_error(seq, timeout))
             }
-            Err(RecvTimeoutError::Disconnected) => Err(self.shared.failure()),
         }
     }
 
@@ -304,6 +316,7 @@ fn connect(server: SocketAddr, deadline: Instant, timeout: Duration) -> Result<T
                 }
                 tracing::trace!(%server, error = %e, "rank server not reachable yet; retrying");
                 std::thread::sleep(backoff.min(left));
+                interrupt::check()?;
                 backoff = (backoff * 2).min(Duration::from_millis(200));
             }
         }

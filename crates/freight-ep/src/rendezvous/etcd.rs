@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender};
 use freight_core::exchange::etcd::EtcdDirectory;
-use freight_core::{Error, Result};
+use freight_core::{interrupt, Error, Result};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
@@ -237,6 +237,7 @@ impl Group for EtcdGroup {
             let key = blob_key(seq, r);
             blobs[r] = loop {
                 inner.check()?;
+                interrupt::check()?;
                 let left = deadline.saturating_duration_since(Instant::now());
                 if left.is_zero() {
                     return Err(inner.timeout_error(seq, timeout));
@@ -440,6 +441,7 @@ fn connect(endpoints: &[String], prefix: &str, options: &EtcdOptions, timeout: D
                 }
                 tracing::debug!(error = %e, "etcd not reachable yet; retrying");
                 std::thread::sleep(backoff.min(left));
+                interrupt::check()?;
                 backoff = (backoff * 2).min(Duration::from_secs(1));
             }
         }
