@@ -1,5 +1,6 @@
 """The cache engine from Python: KV caches stored in chunks and retrieved through
-contiguous and paged numpy KV memory, shared prefixes found, LRU eviction, bad input
+contiguous and paged numpy KV memory, shared prefixes found, LRU eviction that keeps
+prefixes, namespaces and dtypes kept apart, store ends handed over whole, bad input
 refused; and a prefill process that stores with a remote sink for a decode process (this
 one) that retrieves through its remote source, every byte checked.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +26,7 @@ L, H, D = MODEL["layers"], MODEL["heads"], MODEL["head_dim"]
 
 
 def engine(a: freight.Agent, host_chunks: int = 64, **kw) -> freight.CacheEngine:
-    return freight.CacheEngine(a, chunk_tokens=CHUNK, host_bytes=host_chunks * CHUNK_BYTES, **MODEL, **kw)
+    return freight.CacheEngine(a, chunk_tokens=CHUNK, host_bytes=host_chunks * CHUNK_BYTES, **{**MODEL, **kw})
 
 
 def zeros(tokens: int) -> np.ndarray:
@@ -99,11 +101,74 @@ def test_a_full_host_tier_evicts_the_least_recently_used_chunks():
         out = zeros(32)
         e.retrieve(p, out)  # p is now the most recently used
         e.store(r, kv_for(16, seed=30))
-        assert e.lookup(q) == 0, "q's first chunk was the least recently used"
         assert e.lookup(p) == 32 and e.lookup(r) == 16
+        assert e.lookup(q) == 16, "q's last chunk was the least recently used; its first is still found"
         assert e.occupancy() == {"host": 4}
         out = zeros(32)
         assert e.retrieve(p, out) == 32 and same(out, kv_for(32, seed=10))
+
+
+@pytest.mark.timeout(30)
+def test_a_prompt_longer_than_the_tier_keeps_its_prefix():
+    with agent("ce-prefix") as a, engine(a, host_chunks=4) as e:
+        tokens, kv = prompt(96, 40), kv_for(96, seed=40)
+        assert e.store(tokens, kv)["new_chunks"] == 6
+        assert e.lookup(tokens) == 64, "the first four chunks stayed, not the last four"
+        out = zeros(96)
+        assert e.retrieve(tokens, out) == 64 and same(out[:, :, :64], kv[:, :, :64])
+
+
+def found_across(prefill: dict, decode: dict) -> int:
+    """Tokens a decode engine made with ``decode`` finds of a prompt that a prefill
+    engine made with ``prefill`` put into its store."""
+    with agent("ns-pre") as pa, agent("ns-dec") as da:
+        store, sender = connected(da, pa, receiver={"buffer": 3 * CHUNK_BYTES}, sender={"commit_size": 4})
+        p = engine(pa, remote_sink=sender, **prefill)
+        d = engine(da, remote_source=store, **decode)
+        try:
+            tokens = prompt(40, 60)
+            assert p.store(tokens, kv_for(40, seed=60))["new_chunks"] == 3
+            return d.lookup(tokens)
+        finally:
+            p.close()  # before the receiver's end goes
+            d.close()
+
+
+@pytest.mark.timeout(60)
+def test_engines_of_other_namespaces_or_dtypes_never_take_each_others_chunks():
+    assert found_across({"namespace": "llama/tp0"}, {"namespace": b"llama/tp0"}) == 40
+    assert found_across({"namespace": "llama/tp0"}, {"namespace": "llama/tp1"}) == 0, "another TP rank's KV"
+    assert found_across({}, {"namespace": "adapter-7"}) == 0
+    # float16 and bfloat16 take as many bytes: only the dtype's name tells them apart.
+    assert found_across({}, {"dtype": "bfloat16"}) == 0
+    with agent("ns-bad") as a:
+        with pytest.raises(TypeError, match="namespace"):
+            engine(a, namespace=5)
+        with engine(a, namespace="tp0") as e:
+            assert e.namespace == b"tp0"
+
+
+@pytest.mark.timeout(60)
+def test_a_sender_closed_while_the_engine_is_built_takes_nothing_with_it():
+    """The constructor builds the tiers with the GIL released; a sender closed meanwhile
+    fails it before the receiver is taken, which stays its owner's."""
+    with agent("ho-pre") as pa, agent("ho-dec") as da:
+        for _ in range(5):
+            store, sender = connected(da, pa)
+            closer = threading.Timer(0.01, sender.close)
+            closer.start()
+            try:
+                # 128 MiB of host tier take about 0.1 s to build.
+                built = engine(pa, host_chunks=(128 << 20) // CHUNK_BYTES, remote_sink=sender, remote_source=store)
+            except freight.InvalidStateError as e:
+                assert "closed" in str(e)
+                assert store.get("anything") is None, "the receiver is still its owner's"
+                store.close()
+                return
+            finally:
+                closer.join()
+            built.close()  # the close came too late to race the build: again
+        pytest.skip("the sender's close never came while the engine was built")
 
 
 def test_bad_input_is_refused_clearly():

@@ -3,11 +3,15 @@ prefix, and gives back the longest stored prefix of another request.
 
 A prompt is cut into chunks of ``chunk_tokens`` tokens; each chunk's key hashes the
 whole prefix it ends, so a prompt that shares a prefix with a stored one finds that
-prefix's chunks (and nothing after the prompts part). Chunks live in tiers, searched in
-this order: the local GPU (``gpu_bytes``), local host memory (``host_bytes``; pinned
-for ``gpu`` when one is given), each evicting its least recently used chunks (the GPU
-tier's go down to the host tier), and a remote peer through the keyed store
-(:mod:`freight.storage`).
+prefix's chunks (and nothing after the prompts part). Keys also hash the model's KV
+shape and dtype, the chunk size and the engine's ``namespace``, so engines that differ
+in any of them never take each other's chunks, also through one store. Chunks live in
+tiers, searched in this order: the local GPU (``gpu_bytes``), local host memory
+(``host_bytes``; pinned for ``gpu`` when one is given), each evicting its least
+recently used chunks (the GPU tier's go down to the host tier), and a remote peer
+through the keyed store (:mod:`freight.storage`). A chunk is used when ``store`` finds
+or copies it and when ``lookup`` or ``retrieve`` finds it, a prompt's prefix last, so a
+full tier lets go of the ends of prompts before their starts.
 
 The caller's KV memory is a numpy array or a torch tensor (CPU or CUDA), C-contiguous,
 of the model's dtype, laid out either contiguously, ``(layers, 2, tokens, heads,
@@ -36,7 +40,7 @@ that touches it (``torch.cuda.synchronize()``) before :meth:`CacheEngine.store` 
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, Union
 
 import numpy as np
 
@@ -112,8 +116,14 @@ class CacheEngine:
     ``agent`` (whose memory the tiers are).
 
     ``chunk_tokens``: tokens per chunk. ``gpu``: the CUDA device of the GPU tier and of
-    CUDA KV memory (host memory is then pinned for it); ``gpu_bytes`` / ``host_bytes``:
-    the tiers' sizes (0: no such tier; at least one). ``remote_sink``: a
+    CUDA KV memory (host memory is then pinned for it). With ``gpu=None``, CUDA KV memory
+    still works, on any device, but there is no GPU tier and the host tier is plain,
+    unpinned memory: copies between it and the GPU are staged by the driver and run
+    slower; give ``gpu`` whenever the KV memory is on a GPU. ``gpu_bytes`` /
+    ``host_bytes``: the tiers' sizes (0: no such tier; at least one). ``namespace`` (str
+    or bytes, empty by default): what else the KV depends on beside the tokens, shape and
+    dtype, such as the model, adapter or TP rank; engines in different namespaces never
+    share a chunk. ``remote_sink``: a
     :class:`freight.StoreSender` every new chunk is also put to (committed before
     ``store`` returns); ``remote_source``: a :class:`freight.StoreReceiver` whose chunks
     are found too. Both are handed over to the engine (their own queued puts are
@@ -136,8 +146,16 @@ class CacheEngine:
         host_bytes: int = 1 << 30,
         remote_sink: Optional[StoreSender] = None,
         remote_source: Optional[StoreReceiver] = None,
+        namespace: Union[str, bytes] = b"",
     ) -> None:
         self._dtype, elem_bytes = dtype_info(dtype)
+        if isinstance(namespace, str):
+            namespace = namespace.encode()
+        elif isinstance(namespace, (bytes, bytearray, memoryview)):
+            namespace = bytes(namespace)
+        else:
+            raise TypeError(f"namespace must be str or bytes, got {type(namespace).__name__}")
+        self._namespace = namespace
         self._layers = _count(layers, "layers")
         self._heads = _count(heads, "heads")
         self._head_dim = _count(head_dim, "head_dim")
@@ -165,6 +183,9 @@ class CacheEngine:
             host_bytes=host_bytes,
             remote_sink=None if remote_sink is None else remote_sink._raw,
             remote_source=None if remote_source is None else remote_source._raw,
+            # The engine keys by element size; the dtype's name parts float16 from
+            # bfloat16 (no name holds a NUL).
+            namespace=self._dtype.encode() + b"\0" + namespace,
         )
         self._source = remote_source
 
@@ -227,13 +248,16 @@ class CacheEngine:
         """Copies the longest stored prefix of ``tokens`` into ``kv`` (token ``i`` at
         position ``i``; paged with ``block_table``) and returns its length in tokens
         (a multiple of ``chunk_tokens``, or all of ``tokens``); positions after it are
-        left as they were."""
+        left as they were. A remote chunk that cannot be copied (bytes that do not fit its
+        key, or on another GPU than ``kv``, or than ``gpu`` for host KV memory) ends the
+        prefix there, as in :meth:`lookup`."""
         args = self._kv(kv, block_table, block_size, writable=True)
         return self._raw.retrieve(_tokens(tokens), **args)
 
     def lookup(self, tokens: Any) -> int:
         """Tokens of the longest prefix of ``tokens`` whose chunks are stored (in any
-        tier), without copying anything."""
+        tier) and usable: what :meth:`retrieve` would copy, without copying anything.
+        Those chunks count as used."""
         return self._raw.lookup(_tokens(tokens))
 
     def occupancy(self) -> Dict[str, int]:
@@ -280,6 +304,11 @@ class CacheEngine:
     def dtype(self) -> str:
         """The KV dtype's name."""
         return self._dtype
+
+    @property
+    def namespace(self) -> bytes:
+        """The namespace chunks are keyed in (as given, encoded)."""
+        return self._namespace
 
     @property
     def gpu(self) -> Optional[int]:

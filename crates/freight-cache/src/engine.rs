@@ -3,9 +3,15 @@
 //!
 //! Tiers, searched in this order: the local GPU, local host memory (pinned when a GPU is
 //! used), and a remote peer. Each local tier evicts its least recently used chunks; the
-//! GPU tier's go down to the host tier, the host tier's are dropped. With a remote sink
-//! (the prefill side), every new chunk is also put to the peer's store, committed in
-//! batches; with a remote source (the decode side), chunks the peer put are found there.
+//! GPU tier's go down to the host tier, the host tier's are dropped. A chunk is used
+//! when a store finds or puts it, and when a lookup or a retrieve finds it; a prompt's
+//! chunks are used last to first, so that its prefix is the most recent part of it: a
+//! chunk is found only after every chunk before it, and a full tier evicts the tails of
+//! prompts before their starts.
+//!
+//! With a remote sink (the prefill side), every new chunk is also put to the peer's
+//! store, committed in batches; with a remote source (the decode side), chunks the peer
+//! put are found there, where they are usable (see [`CacheEngine::lookup`]).
 //!
 //! A chunk's slot stays pinned until the peer holds the commit that carries it. Commits
 //! are sealed (sent whole) without waiting for the peer, and waited for only when a
@@ -14,15 +20,15 @@
 //! full tier never waits for a commit still being filled, a commit takes at most the
 //! first tier's slots shared among the commits allowed in flight and the one filling.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use freight_core::{Agent, Error, MemKind, Result};
 use freight_stream::{Outgoing, StoreReceiver, StoreSender, StoredObject};
 
-use crate::key::{chunk_keys, ChunkKey};
-use crate::layout::{runs, KvLayout, KvShape};
-use crate::memory::{copy, move_runs, Direction, Place};
+use crate::key::{self, chunk_keys, ChunkKey};
+use crate::layout::{runs_of_valid, KvLayout, KvShape, Run};
+use crate::memory::{copy, move_runs, staged_on, Direction, Place};
 use crate::staging;
 use crate::tier::Tier;
 
@@ -62,15 +68,22 @@ pub struct StoreReport {
 
 pub struct CacheEngine {
     config: CacheConfig,
+    /// The key every prompt's chunk chain starts from ([`key::root`]).
+    root: u128,
     /// Dropped before the tiers (fields drop in order): its writes read their slots.
     remote_out: Option<StoreSender>,
     tiers: Vec<Tier>,
+    /// GPUs this engine queued moves on that it has not waited for yet.
+    queued_on: Vec<usize>,
+    /// Chunks of the first tier whose gather is among those moves: their slots hold
+    /// their bytes only once the moves are done.
+    landing: Vec<u128>,
     /// Chunks put to the remote peer (so that they are not sent twice).
-    sent: HashSet<u64>,
+    sent: HashSet<u128>,
     /// Chunks whose slot a put still reads, as (tier, key): those not sealed into a
     /// commit yet, then those of each sealed commit, oldest first.
-    unsealed: Vec<(usize, u64)>,
-    sealed: VecDeque<Vec<(usize, u64)>>,
+    unsealed: Vec<(usize, u128)>,
+    sealed: VecDeque<Vec<(usize, u128)>>,
     /// Sealed commits that may await the peer while the engine goes on.
     commits_in_flight: usize,
     remote_in: Option<StoreReceiver>,
@@ -78,6 +91,13 @@ pub struct CacheEngine {
 
 /// Sealed commits allowed to await the peer, unless told otherwise.
 pub const DEFAULT_COMMITS_IN_FLIGHT: usize = 1;
+
+/// Where a chunk that can be copied into KV memory is.
+enum Found {
+    Local(Place),
+    /// Held by the remote source's store (kept alive while a move reads it).
+    Remote(Arc<StoredObject>, Place),
+}
 
 impl CacheEngine {
     /// An engine whose tiers are memory of `agent` (registered, so that chunks can be
@@ -106,8 +126,11 @@ impl CacheEngine {
             "cache engine ready"
         );
         Ok(CacheEngine {
+            root: key::root(&[], &config.shape, config.chunk_tokens),
             config,
             tiers,
+            queued_on: Vec::new(),
+            landing: Vec::new(),
             remote_out: None,
             sent: HashSet::new(),
             unsealed: Vec::new(),
@@ -117,9 +140,19 @@ impl CacheEngine {
         })
     }
 
+    /// Keys chunks in `namespace` as well as by their tokens, KV shape and chunk size:
+    /// what else the KV of a prompt depends on (model, adapter, TP rank, dtype...), so
+    /// that engines that differ in it never take each other's chunks, also through one
+    /// store. Empty unless set. Set it before the first store: chunks stored before are
+    /// not found after.
+    pub fn with_namespace(mut self, namespace: &[u8]) -> CacheEngine {
+        self.root = key::root(namespace, &self.config.shape, self.config.chunk_tokens);
+        self
+    }
+
     /// Also puts every new chunk to a remote store (the prefill side).
     /// Chunks count as sent once this sink's peer holds them; a chunk the peer dropped
-    /// since is not put again (the engine remembers the chunks it sent, 8 bytes each).
+    /// since is not put again (the engine remembers the chunks it sent, 16 bytes each).
     pub fn with_remote_sink(mut self, sink: StoreSender) -> CacheEngine {
         self.remote_out = Some(sink);
         self.sent.clear();
@@ -145,7 +178,7 @@ impl CacheEngine {
 
     /// The chunk keys of `tokens`.
     pub fn keys(&self, tokens: &[u32]) -> Vec<ChunkKey> {
-        chunk_keys(tokens, self.config.chunk_tokens as usize)
+        chunk_keys(self.root, tokens, self.config.chunk_tokens as usize)
     }
 
     /// Chunks held in each local tier, by name.
@@ -158,17 +191,19 @@ impl CacheEngine {
         self.remote_in.as_ref()
     }
 
+    /// Checks `kv` for `tokens` once per call: its chunks' runs are then computed
+    /// without checking the layout again ([`runs_of_valid`]).
     fn check_kv(&self, tokens: &[u32], kv: &KvMemory) -> Result<()> {
         kv.layout.validate()?;
         let need = kv.layout.checked_bytes(&self.config.shape)?;
         if kv.len < need {
             return Err(Error::InvalidArgument(format!("the KV memory has {} bytes; its layout needs {need}", kv.len)));
         }
-        if tokens.len() as u64 > kv.layout.capacity() {
+        let capacity = kv.layout.capacity()?;
+        if tokens.len() as u64 > capacity {
             return Err(Error::InvalidArgument(format!(
-                "{} tokens do not fit KV memory that holds {}",
-                tokens.len(),
-                kv.layout.capacity()
+                "{} tokens do not fit KV memory that holds {capacity}",
+                tokens.len()
             )));
         }
         if let (Some(gpu), MemKind::Vram) = (self.config.gpu, kv.place.kind) {
@@ -184,46 +219,101 @@ impl CacheEngine {
 
     /// Stores the KV cache of `tokens` (token `i` at position `i` of `kv`). Chunks
     /// stored already are skipped. Returns once any remote peer holds every new chunk.
+    /// On failure nothing stays queued for the remote peer or pinned: chunks it may
+    /// lack are put again by a later store.
     pub fn store(&mut self, tokens: &[u32], kv: &KvMemory) -> Result<StoreReport> {
         let stored = self.store_queued(tokens, kv);
-        settled(stored)
+        let stored = self.settled(stored);
+        self.or_forget(stored)
     }
 
     /// [`CacheEngine::store`], but moves into host memory may still be in flight.
     fn store_queued(&mut self, tokens: &[u32], kv: &KvMemory) -> Result<StoreReport> {
         self.check_kv(tokens, kv)?;
-        let mut report = StoreReport::default();
-        for key in self.keys(tokens) {
-            report.chunks += 1;
-            let local = self.tiers.iter().any(|t| t.contains(key.hash));
+        let keys = self.keys(tokens);
+        let mut report = StoreReport { chunks: keys.len(), ..StoreReport::default() };
+        // Last to first: the prefix is used last, so a tier too small for the prompt
+        // keeps its start (see the module's doc).
+        let position: HashMap<u128, usize> = keys.iter().enumerate().map(|(i, k)| (k.hash, i)).collect();
+        for (i, key) in keys.iter().enumerate().rev() {
+            let local = self.tiers.iter_mut().any(|t| t.touch(key.hash));
             let remote = self.remote_out.is_none() || self.sent.contains(&key.hash);
             if local && remote {
+                continue;
+            }
+            // With no tier below to take it, the chunk would push out one before it in
+            // the prompt, which the next step gathers again, pushing out the one before
+            // that: a prompt longer than the tier would be gathered whole at every store.
+            let pushes_out_prefix = || self.tiers[0].victim().and_then(|v| position.get(&v)).is_some_and(|&at| at < i);
+            if !local && remote && self.tiers.len() == 1 && pushes_out_prefix() {
                 continue;
             }
             if !local {
                 self.release_held()?;
                 let len = self.config.shape.chunk_bytes(key.tokens as u64);
+                let r = runs_of_valid(&self.config.shape, &kv.layout, key.start as u64, key.tokens as u64)?;
                 let place = self.make_room(key.hash, len)?;
-                let r = runs(&self.config.shape, &kv.layout, key.start as u64, key.tokens as u64)?;
-                if let Err(e) = move_runs(kv.place, place, &r, Direction::Gather) {
-                    self.tiers[0].remove(key.hash);
-                    return Err(e);
+                match self.move_chunk(kv.place, place, &r, Direction::Gather) {
+                    Ok(true) => self.landing.push(key.hash),
+                    Ok(false) => {}
+                    Err(e) => {
+                        self.tiers[0].remove(key.hash);
+                        return Err(e);
+                    }
                 }
                 report.new_chunks += 1;
                 report.bytes += len;
             }
             if !remote {
                 // The put reads the chunk: it must have landed.
-                staging::wait_all()?;
-                self.put_remote(&key)?;
+                self.wait_moves()?;
+                self.put_remote(key)?;
             }
         }
         self.commit_remote()?;
         Ok(report)
     }
 
+    /// [`move_runs`], remembering the GPU of a move still in flight when it returns
+    /// (true then).
+    fn move_chunk(&mut self, kv: Place, chunk: Place, runs: &[Run], direction: Direction) -> Result<bool> {
+        let staged = staged_on(kv, chunk);
+        if let Some(gpu) = staged.filter(|g| !self.queued_on.contains(g)) {
+            self.queued_on.push(gpu);
+        }
+        move_runs(kv, chunk, runs, direction)?;
+        Ok(staged.is_some())
+    }
+
+    /// Waits for the moves this engine queued. When one failed, the chunks they were
+    /// gathering are forgotten: their slots may hold other bytes.
+    fn wait_moves(&mut self) -> Result<()> {
+        let mut waited = Ok(());
+        for gpu in std::mem::take(&mut self.queued_on) {
+            let r = staging::wait(gpu);
+            waited = waited.and(r);
+        }
+        let landing = std::mem::take(&mut self.landing);
+        if let Err(e) = &waited {
+            tracing::warn!(error = %e, chunks = landing.len(), "moves into the cache failed; their chunks are dropped");
+            for key in landing {
+                self.tiers[0].remove(key);
+            }
+        }
+        waited
+    }
+
+    /// `result`, once every move it queued has landed (also when it failed: nothing may
+    /// be in flight after a public method returns).
+    fn settled<T>(&mut self, result: Result<T>) -> Result<T> {
+        let waited = self.wait_moves();
+        let value = result?;
+        waited?;
+        Ok(value)
+    }
+
     /// A slot in the first tier for a new chunk, moving what it evicts down a tier.
-    fn make_room(&mut self, key: u64, len: u64) -> Result<Place> {
+    fn make_room(&mut self, key: u128, len: u64) -> Result<Place> {
         let (place, evicted) = loop {
             match self.tiers[0].insert(key, len) {
                 // Every slot waits for a put: the oldest commit frees some once held.
@@ -254,16 +344,16 @@ impl CacheEngine {
     }
 
     /// Moves an evicted chunk into tier `to` (dropped when there is no such tier).
-    fn demote(&mut self, to: usize, key: u64, from: Place, len: u64) -> Result<()> {
-        let Some(tier) = self.tiers.get_mut(to) else { return Ok(()) };
-        if tier.contains(key) {
+    fn demote(&mut self, to: usize, key: u128, from: Place, len: u64) -> Result<()> {
+        if self.tiers.get(to).is_none_or(|t| t.contains(key)) {
             return Ok(());
         }
         // The slot it gets may be one that a move still in flight writes to.
-        staging::wait_all()?;
+        self.wait_moves()?;
+        let tier = &mut self.tiers[to];
         let (place, evicted) = tier.insert(key, len)?;
         if let Some((gone, _)) = evicted {
-            tracing::debug!(tier = tier.name, chunk = gone.key, "evicted");
+            tracing::debug!(tier = tier.name, chunk = %format_args!("{:032x}", gone.key), "evicted");
         }
         let copied = copy(from, place, &[(from.addr, place.addr, len)]);
         if copied.is_err() {
@@ -279,12 +369,7 @@ impl CacheEngine {
             .enumerate()
             .find_map(|(i, t)| t.desc(key.hash).map(|d| (i, d)))
             .expect("a chunk is stored locally before it is sent");
-        let object = Outgoing {
-            key: key.name(),
-            kind: self.tiers[tier].kind(),
-            local: desc,
-            meta: (key.tokens as u64).to_le_bytes().to_vec(),
-        };
+        let object = Outgoing { key: key.name(), kind: self.tiers[tier].kind(), local: desc, meta: key.meta() };
         // A commit's objects share one memory kind: a chunk put from another tier
         // (one demoted since a failed commit) starts a commit of its own.
         if self.unsealed.first().is_some_and(|&(t, _)| self.tiers[t].kind() != object.kind) {
@@ -363,22 +448,25 @@ impl CacheEngine {
     }
 
     /// `result`; when it is a failure, the chunks not known to be held are forgotten
-    /// first. What the peer may lack is not "sent", so a later store gathers and puts
-    /// it again. The sink forgets those puts, whose slots are reused from here on: a
-    /// retried commit must not send their new contents.
+    /// first. What the peer may lack is not "sent", so a later store puts it again (from
+    /// its slot where it is still held locally, else from a new gather). The sink
+    /// forgets those puts, whose slots are reused from here on: a retried commit must
+    /// not send their new contents.
     fn or_forget<T>(&mut self, result: Result<T>) -> Result<T> {
         let e = match result {
             Ok(value) => return Ok(value),
             Err(e) => e,
         };
-        for (_, key) in self.sealed.iter().flatten().chain(&self.unsealed) {
-            self.sent.remove(key);
+        if !self.sealed.is_empty() || !self.unsealed.is_empty() {
+            for (_, key) in self.sealed.iter().flatten().chain(&self.unsealed) {
+                self.sent.remove(key);
+            }
+            if let Some(sink) = self.remote_out.as_mut() {
+                let dropped = sink.discard_pending();
+                tracing::warn!(error = %e, chunks = dropped.len(), "the remote store may lack chunks put since its last commit; they will be put again");
+            }
+            self.unpin_all();
         }
-        if let Some(sink) = self.remote_out.as_mut() {
-            let dropped = sink.discard_pending();
-            tracing::warn!(error = %e, chunks = dropped.len(), "a commit to the remote store failed; its chunks will be put again");
-        }
-        self.unpin_all();
         Err(e)
     }
 
@@ -388,25 +476,26 @@ impl CacheEngine {
         }
     }
 
-    /// Tokens of the longest prefix of `tokens` whose chunks are stored (in any tier).
-    pub fn lookup(&self, tokens: &[u32]) -> usize {
-        self.keys(tokens)
-            .iter()
-            .take_while(|k| {
-                self.tiers.iter().any(|t| t.contains(k.hash))
-                    || self.remote_in.as_ref().is_some_and(|r| r.contains(&k.name()))
-            })
-            .last()
-            .map_or(0, |k| k.end())
+    /// Tokens of the longest prefix of `tokens` whose chunks are stored (in any tier)
+    /// and can be retrieved into KV memory on the engine's GPU (or in host memory):
+    /// what [`CacheEngine::retrieve`] would copy. Marks those chunks used.
+    pub fn lookup(&mut self, tokens: &[u32]) -> usize {
+        let keys = self.keys(tokens);
+        let gpu = self.config.gpu.map(|g| g as u64);
+        let found = keys.iter().take_while(|k| self.find(k, gpu).is_some()).count();
+        self.touch(&keys[..found]);
+        keys[..found].last().map_or(0, ChunkKey::end)
     }
 
     /// Copies the longest stored prefix of `tokens` into `kv` (token `i` at position
     /// `i`) and returns its length in tokens; positions after it are left as they were.
+    /// A chunk that cannot be copied (a remote one with the wrong length or meta, or on
+    /// another GPU than `kv`) ends the prefix, as in [`CacheEngine::lookup`].
     pub fn retrieve(&mut self, tokens: &[u32], kv: &KvMemory) -> Result<usize> {
         // Remote chunks read by moves in flight stay alive until those are done.
         let mut reading = Vec::new();
         let found = self.retrieve_queued(tokens, kv, &mut reading);
-        settled(found)
+        self.settled(found)
     }
 
     /// [`CacheEngine::retrieve`], but moves out of host memory may still be in flight;
@@ -418,38 +507,71 @@ impl CacheEngine {
         reading: &mut Vec<Arc<StoredObject>>,
     ) -> Result<usize> {
         self.check_kv(tokens, kv)?;
+        let keys = self.keys(tokens);
+        // KV memory in host memory can take chunks from any GPU, but then lookup could
+        // not tell what retrieve takes: both take the engine's.
+        let gpu = match kv.place.kind {
+            MemKind::Vram => Some(kv.place.dev),
+            _ => self.config.gpu.map(|g| g as u64),
+        };
         let mut found = 0;
-        for key in self.keys(tokens) {
-            let len = self.config.shape.chunk_bytes(key.tokens as u64);
-            let local = self.tiers.iter_mut().find_map(|t| t.get(key.hash));
-            let r = runs(&self.config.shape, &kv.layout, key.start as u64, key.tokens as u64)?;
-            match local {
-                Some((place, stored)) => {
-                    debug_assert_eq!(stored, len);
-                    move_runs(kv.place, place, &r, Direction::Scatter)?;
-                }
-                None => {
-                    let Some(object) = self.remote_in.as_ref().and_then(|s| s.get(&key.name())) else { break };
-                    if object.len() != len {
-                        return Err(Error::Protocol(format!(
-                            "remote chunk {} has {} bytes; {} tokens of this model take {len}",
-                            key.name(),
-                            object.len(),
-                            key.tokens
-                        )));
-                    }
-                    let (kind, addr, dev) = object.data.location();
-                    let place = match kind {
-                        MemKind::Vram => Place::gpu(addr, dev),
-                        _ => Place::host(addr),
-                    };
-                    move_runs(kv.place, place, &r, Direction::Scatter)?;
+        for key in &keys {
+            let place = match self.find(key, gpu) {
+                None => break,
+                Some(Found::Local(place)) => place,
+                Some(Found::Remote(object, place)) => {
                     reading.push(object);
+                    place
                 }
-            }
-            found = key.end();
+            };
+            let r = runs_of_valid(&self.config.shape, &kv.layout, key.start as u64, key.tokens as u64)?;
+            self.move_chunk(kv.place, place, &r, Direction::Scatter)?;
+            found += 1;
         }
-        Ok(found)
+        self.touch(&keys[..found]);
+        Ok(keys[..found].last().map_or(0, ChunkKey::end))
+    }
+
+    /// Where chunk `key` can be copied from into KV memory on GPU `gpu` (None: any GPU
+    /// will do). A chunk whose bytes do not fit its key, or a remote one on another GPU,
+    /// is not found: the prefix ends before it.
+    fn find(&self, key: &ChunkKey, gpu: Option<u64>) -> Option<Found> {
+        let len = self.config.shape.chunk_bytes(key.tokens as u64);
+        if let Some((place, stored)) = self.tiers.iter().find_map(|t| t.peek(key.hash)) {
+            if stored == len {
+                return Some(Found::Local(place));
+            }
+            tracing::warn!(chunk = %key.name(), bytes = stored, want = len, "a local chunk has the wrong length; taken for a miss");
+            return None;
+        }
+        let object = self.remote_in.as_ref()?.get(&key.name())?;
+        let (kind, addr, dev) = object.data.location();
+        let place = match kind {
+            MemKind::Vram => Place::gpu(addr, dev),
+            _ => Place::host(addr),
+        };
+        let unusable = match gpu {
+            _ if object.len() != len => Some(format!("{} bytes where {} tokens take {len}", object.len(), key.tokens)),
+            _ if object.meta != key.meta() => Some("its meta names another chunk".to_string()),
+            Some(g) if kind == MemKind::Vram && g != dev => Some(format!("it is on GPU {dev}, not GPU {g}")),
+            _ => None,
+        };
+        match unusable {
+            None => Some(Found::Remote(object, place)),
+            Some(why) => {
+                tracing::warn!(chunk = %key.name(), why = %why, "a remote chunk cannot be used; taken for a miss");
+                None
+            }
+        }
+    }
+
+    /// Marks `keys` (a prompt's prefix) used, last to first.
+    fn touch(&mut self, keys: &[ChunkKey]) {
+        for key in keys.iter().rev() {
+            for tier in &mut self.tiers {
+                tier.touch(key.hash);
+            }
+        }
     }
 
     /// Ends the stream to the remote peer (after committing what is pending).
@@ -462,11 +584,79 @@ impl CacheEngine {
     }
 }
 
-/// `result`, once every move it queued has landed (also when it failed: nothing may be
-/// in flight after a public method returns).
-fn settled<T>(result: Result<T>) -> Result<T> {
-    let waited = staging::wait_all();
-    let value = result?;
-    waited?;
-    Ok(value)
+#[cfg(test)]
+#[path = "../tests/support/mod.rs"]
+mod support;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SHAPE: KvShape = KvShape { layers: 1, heads: 1, head_dim: 4, elem_bytes: 2 };
+    const CHUNK: u64 = 4;
+
+    fn engine(agent: &Arc<Agent>) -> CacheEngine {
+        let config = CacheConfig {
+            chunk_tokens: CHUNK,
+            shape: SHAPE,
+            gpu: None,
+            gpu_bytes: 0,
+            host_bytes: 8 * SHAPE.chunk_bytes(CHUNK),
+        };
+        CacheEngine::new(agent, config).unwrap()
+    }
+
+    /// Host KV memory for 16 tokens.
+    fn host_kv(bytes: &mut [u8]) -> KvMemory {
+        KvMemory {
+            place: Place::host(bytes.as_mut_ptr() as u64),
+            len: bytes.len() as u64,
+            layout: KvLayout::Contiguous { tokens: 16 },
+        }
+    }
+
+    #[test]
+    fn a_local_chunk_of_the_wrong_length_is_a_miss() {
+        let a = support::agent("ce-unit-len", None);
+        let mut engine = engine(&a);
+        let mut bytes = vec![7u8; SHAPE.chunk_bytes(16) as usize];
+        let kv = host_kv(&mut bytes);
+        let tokens: Vec<u32> = (0..12).collect();
+        engine.store(&tokens, &kv).unwrap();
+        // What a key that named both a partial and a full chunk would leave behind.
+        let second = engine.keys(&tokens)[1].hash;
+        engine.tiers[0].remove(second);
+        engine.tiers[0].insert(second, SHAPE.chunk_bytes(1)).unwrap();
+        assert_eq!(engine.lookup(&tokens), 4);
+        assert_eq!(engine.retrieve(&tokens, &kv).unwrap(), 4);
+    }
+
+    #[test]
+    fn a_store_that_fails_part_way_leaves_nothing_queued_or_pinned() {
+        let (pa, da) = (support::agent("ce-unit-fail-tx", None), support::agent("ce-unit-fail-rx", None));
+        let (sink, store) = support::store_pair(&pa, &da, 4 * SHAPE.chunk_bytes(CHUNK));
+        let mut bytes = vec![7u8; SHAPE.chunk_bytes(16) as usize];
+        let kv = host_kv(&mut bytes);
+        let tokens: Vec<u32> = (0..12).collect();
+        let mut engine = engine(&pa);
+        engine.store(&tokens, &kv).unwrap();
+        // Stored before the sink came: none of its chunks is sent yet. Two are put, as a
+        // store does before it gathers the chunks in front of them ...
+        let mut engine = engine.with_remote_sink(sink);
+        let keys = engine.keys(&tokens);
+        engine.put_remote(&keys[2]).unwrap();
+        engine.put_remote(&keys[1]).unwrap();
+        // ... and then a gather fails: this KV memory is on a GPU there is none of.
+        let longer: Vec<u32> = (0..16).collect();
+        let nowhere = KvMemory { place: Place::gpu(0x1000, 999), ..kv.clone() };
+        assert!(engine.store(&longer, &nowhere).is_err());
+        assert!(engine.unsealed.is_empty() && engine.sealed.is_empty(), "nothing is left pinned");
+        assert_eq!(engine.sink().pending(), 0, "nothing is left queued");
+        assert!(engine.sent.is_empty(), "what the peer may lack is not taken for sent");
+        // The next store puts every chunk again.
+        engine.store(&tokens, &kv).unwrap();
+        let names: Vec<String> = keys.iter().map(ChunkKey::name).collect();
+        store.wait_for(&names.iter().map(String::as_str).collect::<Vec<_>>(), support::WAIT).unwrap();
+        engine.close().unwrap();
+    }
 }

@@ -10,6 +10,8 @@
 //! [`runs`] lists the contiguous byte runs that move a chunk between the two: pure
 //! arithmetic, checked against the layout's bounds, and merged where runs touch.
 
+use std::collections::HashSet;
+
 use freight_core::{Error, Result};
 
 /// The model's KV geometry.
@@ -81,39 +83,57 @@ impl KvLayout {
         shape.checked_chunk_bytes(tokens)
     }
 
-    /// Tokens of the request the memory can hold.
-    pub fn capacity(&self) -> u64 {
+    /// Tokens of the request the memory can hold, or an error where they overflow.
+    pub fn capacity(&self) -> Result<u64> {
         match self {
-            KvLayout::Contiguous { tokens } => *tokens,
-            KvLayout::Paged { block_size, block_table, .. } => block_size * block_table.len() as u64,
+            KvLayout::Contiguous { tokens } => Ok(*tokens),
+            KvLayout::Paged { block_size, block_table, .. } => block_size
+                .checked_mul(block_table.len() as u64)
+                .ok_or_else(|| Error::InvalidArgument("the paged layout's sizes exceed 2^64".into())),
         }
     }
 
+    /// Refuses a paged layout whose block size is 0, or whose block table names a block
+    /// that is not there or one block twice (two token ranges in one block: a retrieve
+    /// would write both into it at once).
     pub fn validate(&self) -> Result<()> {
         if let KvLayout::Paged { block_size, num_blocks, block_table } = self {
             if *block_size == 0 {
                 return Err(Error::InvalidArgument("the block size must be at least 1 token".into()));
             }
-            if let Some(b) = block_table.iter().find(|&&b| b >= *num_blocks) {
-                return Err(Error::InvalidArgument(format!(
-                    "the block table names block {b}, but the KV memory has {num_blocks} blocks"
-                )));
+            let mut seen = HashSet::with_capacity(block_table.len());
+            for (i, &b) in block_table.iter().enumerate() {
+                if b >= *num_blocks {
+                    return Err(Error::InvalidArgument(format!(
+                        "the block table names block {b}, but the KV memory has {num_blocks} blocks"
+                    )));
+                }
+                if !seen.insert(b) {
+                    return Err(Error::InvalidArgument(format!(
+                        "the block table names block {b} twice (entry {i} and an earlier one)"
+                    )));
+                }
             }
         }
         Ok(())
     }
 
-    /// Byte offset of token `t`'s row in layer `layer`, `kv` 0 for keys and 1 for values.
-    fn offset(&self, shape: &KvShape, layer: u64, kv: u64, t: u64) -> u64 {
-        let plane = layer * 2 + kv;
+    /// Byte offset of token `t`'s row in layer `layer`, `kv` 0 for keys and 1 for values;
+    /// `None` where it does not fit 64 bits or `t` is past the block table.
+    fn offset(&self, shape: &KvShape, layer: u64, kv: u64, t: u64) -> Option<u64> {
+        let plane = layer.checked_mul(2)?.checked_add(kv)?;
         let row = match self {
-            KvLayout::Contiguous { tokens } => plane * tokens + t,
+            KvLayout::Contiguous { tokens } => plane.checked_mul(*tokens)?.checked_add(t)?,
             KvLayout::Paged { block_size, num_blocks, block_table } => {
-                let block = block_table[(t / block_size) as usize];
-                (plane * num_blocks + block) * block_size + t % block_size
+                let block = *block_table.get(usize::try_from(t / block_size).ok()?)?;
+                plane
+                    .checked_mul(*num_blocks)?
+                    .checked_add(block)?
+                    .checked_mul(*block_size)?
+                    .checked_add(t % block_size)?
             }
         };
-        row * shape.row_bytes()
+        row.checked_mul(shape.row_bytes())
     }
 
     /// Tokens from `t` on that lie next to each other in memory (to the end of `t`'s block).
@@ -138,11 +158,19 @@ pub struct Run {
 pub fn runs(shape: &KvShape, layout: &KvLayout, start: u64, tokens: u64) -> Result<Vec<Run>> {
     shape.validate()?;
     layout.validate()?;
-    let end = start.checked_add(tokens).filter(|&e| e <= layout.capacity()).ok_or_else(|| {
+    layout.checked_bytes(shape)?;
+    runs_of_valid(shape, layout, start, tokens)
+}
+
+/// [`runs`] for a shape and layout checked already ([`KvShape::validate`],
+/// [`KvLayout::validate`] and [`KvLayout::checked_bytes`]): the engine checks them once
+/// per call, not once per chunk (a block table holds thousands of blocks).
+pub(crate) fn runs_of_valid(shape: &KvShape, layout: &KvLayout, start: u64, tokens: u64) -> Result<Vec<Run>> {
+    let capacity = layout.capacity()?;
+    let end = start.checked_add(tokens).filter(|&e| e <= capacity).ok_or_else(|| {
         Error::InvalidArgument(format!(
-            "tokens {start}..{} do not fit KV memory that holds {} tokens",
+            "tokens {start}..{} do not fit KV memory that holds {capacity} tokens",
             start.saturating_add(tokens),
-            layout.capacity()
         ))
     })?;
     let row = shape.row_bytes();
@@ -153,7 +181,10 @@ pub fn runs(shape: &KvShape, layout: &KvLayout, start: u64, tokens: u64) -> Resu
             let mut t = start;
             while t < end {
                 let n = layout.run_tokens(t, end);
-                let run = Run { kv: layout.offset(shape, layer, kv, t), chunk, len: n * row };
+                let at = layout.offset(shape, layer, kv, t).ok_or_else(|| {
+                    Error::InvalidArgument(format!("token {t} of layer {layer} lies past 2^64 bytes of KV memory"))
+                })?;
+                let run = Run { kv: at, chunk, len: n * row };
                 match out.last_mut() {
                     Some(last) if last.kv + last.len == run.kv && last.chunk + last.len == run.chunk => {
                         last.len += run.len
@@ -205,6 +236,26 @@ mod tests {
         assert!(runs(&KvShape { heads: 0, ..SHAPE }, &layout, 0, 1).is_err());
     }
 
+    #[test]
+    fn a_block_named_twice_is_refused() {
+        let twice = KvLayout::Paged { block_size: 4, num_blocks: 8, block_table: vec![5, 2, 5] };
+        let e = twice.validate().unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("block 5 twice"), "{e}");
+        assert!(runs(&SHAPE, &twice, 0, 4).is_err(), "also where the chunk does not reach the second one");
+    }
+
+    #[test]
+    fn sizes_past_64_bits_are_errors_not_wrapped_offsets() {
+        let wide = KvLayout::Paged { block_size: 1 << 62, num_blocks: 8, block_table: vec![0, 1, 2, 3, 4] };
+        assert!(matches!(wide.capacity(), Err(Error::InvalidArgument(_))));
+        // Capacity fits, bytes do not: every run of the memory would be past 2^64.
+        let deep = KvLayout::Paged { block_size: 1 << 40, num_blocks: 1 << 20, block_table: vec![(1 << 20) - 1] };
+        assert_eq!(deep.capacity().unwrap(), 1 << 40);
+        let e = runs(&SHAPE, &deep, (1 << 40) - 1, 1).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("2^64"), "{e}");
+        assert_eq!(deep.offset(&SHAPE, 1, 1, (1 << 40) - 1), None);
+    }
+
     proptest! {
         /// Every byte of the chunk comes from the byte the layout's own formula names,
         /// and no two runs overlap in the KV memory.
@@ -217,8 +268,9 @@ mod tests {
             let block_table = blocks[..used].to_vec();
             let layout = KvLayout::Paged { block_size, num_blocks: 12, block_table };
             let shape = KvShape { layers: 2, heads: 1, head_dim: 1, elem_bytes: 1 };
-            let start = a % layout.capacity();
-            let tokens = 1 + b % (layout.capacity() - start);
+            let capacity = layout.capacity().unwrap();
+            let start = a % capacity;
+            let tokens = 1 + b % (capacity - start);
             let r = runs(&shape, &layout, start, tokens).unwrap();
             let mut covered = 0;
             let mut kv_bytes = std::collections::BTreeSet::new();
@@ -236,7 +288,7 @@ mod tests {
                     let c = run.chunk + i;
                     let (plane, t) = (c / tokens, start + c % tokens);
                     let want = layout.offset(&shape, plane / 2, plane % 2, t);
-                    prop_assert_eq!(run.kv + i, want);
+                    prop_assert_eq!(Some(run.kv + i), want);
                 }
             }
         }

@@ -59,9 +59,16 @@ pub enum Direction {
     Scatter,
 }
 
-/// Moves a chunk's `runs` between `kv` memory and `chunk` memory.
+/// The GPU a move between `kv` and `chunk` memory is queued on, when [`move_runs`]
+/// returns before it is done ([`staging::wait`] for that GPU waits for it).
+pub fn staged_on(kv: Place, chunk: Place) -> Option<usize> {
+    (kv.on_gpu() && !chunk.on_gpu()).then_some(kv.dev as usize)
+}
+
+/// Moves a chunk's `runs` between `kv` memory and `chunk` memory; see [`staged_on`] for
+/// the moves still in flight when it returns.
 pub fn move_runs(kv: Place, chunk: Place, runs: &[Run], direction: Direction) -> Result<()> {
-    if kv.on_gpu() && !chunk.on_gpu() {
+    if staged_on(kv, chunk).is_some() {
         return staging::staged(kv, chunk, runs, direction);
     }
     direct(kv, chunk, runs, direction)
@@ -134,7 +141,7 @@ fn kernel_copy(device: &'static Device, copies: &[(u64, u64, u64)]) -> Result<()
     static LAUNCHERS: PerGpu<Launcher> = PerGpu::new();
     // The wait stays inside: the table is not another caller's until the kernel is done.
     LAUNCHERS.with(
-        device,
+        device.ordinal,
         || Ok(Launcher { table: Grown::default(), stream: Stream::new(device)?, done: Event::new(device)? }),
         |l| {
             let table = l.table.reserve(device, bytes as u64)?.addr();

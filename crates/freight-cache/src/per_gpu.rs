@@ -1,9 +1,8 @@
 //! Device memory and streams kept per GPU between calls: making them per chunk would
 //! cost more than the chunk's copy.
 
-use std::collections::hash_map::Entry;
 use std::collections::HashMap;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 
@@ -11,40 +10,44 @@ use freight_core::cuda::driver::DeviceBuffer;
 use freight_core::cuda::Device;
 use freight_core::{Error, Result};
 
-/// One `T` per GPU, made on first use. Users of one GPU's value take turns.
-pub(crate) struct PerGpu<T>(OnceLock<Mutex<HashMap<usize, T>>>);
+/// One `T` per GPU, made on first use. Users of one GPU's value take turns; users of
+/// different GPUs do not wait for each other (the map's own lock is held only to find
+/// or add a GPU's entry, never while a value is in use).
+pub(crate) struct PerGpu<T>(OnceLock<Mutex<HashMap<usize, Entry<T>>>>);
+
+/// A GPU's value, `None` until made.
+type Entry<T> = Arc<Mutex<Option<T>>>;
 
 impl<T> PerGpu<T> {
     pub(crate) const fn new() -> PerGpu<T> {
         PerGpu(OnceLock::new())
     }
 
-    /// Runs `f` with `device`'s value, made by `make` if there is none yet.
+    fn entry(&self, gpu: usize) -> Entry<T> {
+        self.0.get_or_init(Default::default).lock().entry(gpu).or_default().clone()
+    }
+
+    /// Runs `f` with GPU `gpu`'s value, made by `make` if there is none yet (or the last
+    /// `make` failed).
     pub(crate) fn with<R>(
         &self,
-        device: &'static Device,
+        gpu: usize,
         make: impl FnOnce() -> Result<T>,
         f: impl FnOnce(&mut T) -> Result<R>,
     ) -> Result<R> {
-        let mut all = self.0.get_or_init(Default::default).lock();
-        let value = match all.entry(device.ordinal) {
-            Entry::Occupied(e) => e.into_mut(),
-            Entry::Vacant(e) => e.insert(make()?),
-        };
-        f(value)
+        let entry = self.entry(gpu);
+        let mut value = entry.lock();
+        if value.is_none() {
+            *value = Some(make()?);
+        }
+        f(value.as_mut().expect("made above"))
     }
 
-    /// Runs `f` with every GPU's value; returns the first error, after running all.
-    pub(crate) fn for_each(&self, mut f: impl FnMut(&mut T) -> Result<()>) -> Result<()> {
-        let Some(all) = self.0.get() else { return Ok(()) };
-        let mut first = Ok(());
-        for value in all.lock().values_mut() {
-            let r = f(value);
-            if first.is_ok() {
-                first = r;
-            }
-        }
-        first
+    /// Runs `f` with GPU `gpu`'s value, if it has one.
+    pub(crate) fn with_existing(&self, gpu: usize, f: impl FnOnce(&mut T) -> Result<()>) -> Result<()> {
+        let Some(entry) = self.0.get().and_then(|all| all.lock().get(&gpu).cloned()) else { return Ok(()) };
+        let mut value = entry.lock();
+        value.as_mut().map_or(Ok(()), f)
     }
 }
 
@@ -67,5 +70,54 @@ impl Grown {
             self.0 = Some(DeviceBuffer::alloc(device, n.next_power_of_two())?);
         }
         Ok(self.0.as_ref().expect("just made"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    #[test]
+    fn a_gpu_in_use_does_not_hold_up_another() {
+        static VALUES: PerGpu<u32> = PerGpu::new();
+        let (entered, in_use) = mpsc::channel();
+        let (release, released) = mpsc::channel::<()>();
+        let holder = std::thread::spawn(move || {
+            VALUES.with(
+                0,
+                || Ok(0),
+                |v| {
+                    entered.send(()).unwrap();
+                    released.recv().unwrap();
+                    *v += 1;
+                    Ok(())
+                },
+            )
+        });
+        in_use.recv().unwrap();
+        let (done, finished) = mpsc::channel();
+        let other = std::thread::spawn(move || {
+            let r = VALUES.with(1, || Ok(10), |v| Ok(*v));
+            done.send(r.unwrap()).unwrap();
+        });
+        let seen = finished.recv_timeout(Duration::from_secs(10));
+        release.send(()).unwrap();
+        holder.join().unwrap().unwrap();
+        other.join().unwrap();
+        assert_eq!(seen, Ok(10), "GPU 1's value waited for GPU 0's user");
+        // A failed make leaves no value; the next use makes one.
+        assert!(VALUES.with(2, || Err(Error::InvalidState("no".into())), |_| Ok(())).is_err());
+        assert_eq!(VALUES.with(2, || Ok(7), |v| Ok(*v)).unwrap(), 7);
+        let mut seen = 0;
+        VALUES
+            .with_existing(0, |v| {
+                seen = *v;
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(seen, 1);
+        VALUES.with_existing(5, |_| panic!("GPU 5 has no value")).unwrap();
     }
 }

@@ -18,14 +18,14 @@ pub struct Entry {
 /// A chunk pushed out to make room.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Evicted {
-    pub key: u64,
+    pub key: u128,
     pub slot: u32,
     pub len: u64,
 }
 
 pub struct Slots {
     free: Vec<u32>,
-    chunks: LruCache<u64, Entry>,
+    chunks: LruCache<u128, Entry>,
 }
 
 impl Slots {
@@ -34,17 +34,22 @@ impl Slots {
     }
 
     /// The chunk's place, marking it used just now.
-    pub fn get(&mut self, key: u64) -> Option<Entry> {
+    pub fn get(&mut self, key: u128) -> Option<Entry> {
         self.chunks.get(&key).copied()
     }
 
+    /// Marks the chunk used just now; false when it is not here.
+    pub fn touch(&mut self, key: u128) -> bool {
+        self.chunks.promote(&key)
+    }
+
     /// The chunk's place, without marking it used.
-    pub fn peek(&self, key: u64) -> Option<Entry> {
+    pub fn peek(&self, key: u128) -> Option<Entry> {
         self.chunks.peek(&key).copied()
     }
 
     /// Whether the chunk is here (without marking it used).
-    pub fn contains(&self, key: u64) -> bool {
+    pub fn contains(&self, key: u128) -> bool {
         self.chunks.contains(&key)
     }
 
@@ -56,15 +61,23 @@ impl Slots {
         self.chunks.is_empty()
     }
 
+    /// The chunk [`Slots::insert`] would push out now, if any.
+    pub fn victim(&self) -> Option<u128> {
+        if !self.free.is_empty() {
+            return None;
+        }
+        self.chunks.iter().rev().find(|(_, e)| e.pins == 0).map(|(k, _)| *k)
+    }
+
     /// A slot for a new chunk: a free one, or the least recently used unpinned chunk's,
     /// which is then returned so that its bytes can move elsewhere before they are
     /// overwritten. The key must not be here yet.
-    pub fn insert(&mut self, key: u64, len: u64) -> Result<(u32, Option<Evicted>)> {
+    pub fn insert(&mut self, key: u128, len: u64) -> Result<(u32, Option<Evicted>)> {
         debug_assert!(!self.chunks.contains(&key), "inserting a chunk twice");
         let (slot, evicted) = match self.free.pop() {
             Some(slot) => (slot, None),
             None => {
-                let victim = self.chunks.iter().rev().find(|(_, e)| e.pins == 0).map(|(k, _)| *k).ok_or_else(|| {
+                let victim = self.victim().ok_or_else(|| {
                     Error::NoSpace(format!(
                         "every one of the tier's {} chunks is in use by a transfer",
                         self.chunks.len()
@@ -79,20 +92,20 @@ impl Slots {
     }
 
     /// Forgets a chunk and frees its slot (pinned or not: the caller knows why).
-    pub fn remove(&mut self, key: u64) -> Option<Entry> {
+    pub fn remove(&mut self, key: u128) -> Option<Entry> {
         let e = self.chunks.pop(&key)?;
         self.free.push(e.slot);
         Some(e)
     }
 
     /// Keeps the chunk from eviction until as many `unpin`s.
-    pub fn pin(&mut self, key: u64) {
+    pub fn pin(&mut self, key: u128) {
         if let Some(e) = self.chunks.peek_mut(&key) {
             e.pins += 1;
         }
     }
 
-    pub fn unpin(&mut self, key: u64) {
+    pub fn unpin(&mut self, key: u128) {
         if let Some(e) = self.chunks.peek_mut(&key) {
             e.pins = e.pins.saturating_sub(1);
         }
@@ -110,6 +123,7 @@ mod tests {
             assert_eq!(s.insert(k, 10).unwrap().1, None);
         }
         s.get(1); // 2 is now the least recently used
+        assert_eq!(s.victim(), Some(2));
         let (slot, evicted) = s.insert(4, 5).unwrap();
         assert_eq!(evicted, Some(Evicted { key: 2, slot, len: 10 }));
         assert!(!s.contains(2) && s.contains(4));
@@ -122,5 +136,9 @@ mod tests {
         let e = s.remove(3).unwrap();
         assert_eq!(s.insert(6, 1).unwrap(), (e.slot, None), "a removed chunk's slot is free");
         assert_eq!(s.len(), 3);
+        // 4 is the least recently used of 4, 5, 6 until touched.
+        s.unpin(4);
+        assert!(s.touch(4) && !s.touch(99));
+        assert_eq!(s.insert(7, 1).unwrap().1.unwrap().key, 5);
     }
 }

@@ -9,7 +9,7 @@
 //! engine moves one segment, the kernel gathers the next (or scatters the one before).
 //! Moves do not wait for themselves: two scratch chunks take turns, so the host queues
 //! the next chunk while this one crosses PCIe, and the caller waits once, at the end
-//! ([`wait_all`]).
+//! ([`wait`]).
 
 use freight_core::cuda::bounce::PinnedBuffer;
 use freight_core::cuda::driver::{Event, Stream};
@@ -54,7 +54,7 @@ pub fn segments(runs: &[Run], len: u64, segment: u64) -> Vec<Vec<Run>> {
 /// through one of the GPU's scratch chunks, and returns before it is done: the next
 /// chunk's work is queued while this one crosses PCIe, so that the copy engine never
 /// waits for the host. Nothing may read the destination, or write the source, before
-/// [`wait_all`] returns.
+/// [`wait`] for the KV memory's GPU returns.
 pub fn staged(kv: Place, chunk: Place, runs: &[Run], direction: Direction) -> Result<()> {
     let len = runs.iter().map(|r| r.chunk + r.len).max().unwrap_or(0);
     if len == 0 {
@@ -64,7 +64,7 @@ pub fn staged(kv: Place, chunk: Place, runs: &[Run], direction: Direction) -> Re
     let kernel = Kernel::on(device)?;
     let _ctx = device.bind()?;
     STAGERS.with(
-        device,
+        device.ordinal,
         || Stager::new(device),
         |stager| {
             let queued = stager.queue(&kernel, kv.addr, chunk.addr, runs, len, direction);
@@ -77,9 +77,11 @@ pub fn staged(kv: Place, chunk: Place, runs: &[Run], direction: Direction) -> Re
     )
 }
 
-/// Waits until every move queued by [`staged`], on any GPU, is done.
-pub fn wait_all() -> Result<()> {
-    STAGERS.for_each(|stager| stager.device.bind().and_then(|_ctx| stager.finish()))
+/// Waits until every move queued by [`staged`] on GPU `gpu` is done. Moves of one GPU
+/// share its streams, so this also waits for other callers' moves on it, and reports
+/// their failure; moves on other GPUs are not waited for.
+pub fn wait(gpu: usize) -> Result<()> {
+    STAGERS.with_existing(gpu, |stager| stager.device.bind().and_then(|_ctx| stager.finish()))
 }
 
 static STAGERS: PerGpu<Stager> = PerGpu::new();

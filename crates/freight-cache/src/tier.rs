@@ -50,38 +50,48 @@ impl Tier {
         self.arena.place().at(slot as u64 * self.slot_bytes)
     }
 
-    pub fn contains(&self, key: u64) -> bool {
+    pub fn contains(&self, key: u128) -> bool {
         self.slots.contains(key)
     }
 
-    /// Where the chunk is and its length, marking it used.
-    pub fn get(&mut self, key: u64) -> Option<(Place, u64)> {
-        self.slots.get(key).map(|e| (self.place_of(e.slot), e.len))
+    /// Where the chunk is and its length, without marking it used.
+    pub fn peek(&self, key: u128) -> Option<(Place, u64)> {
+        self.slots.peek(key).map(|e| (self.place_of(e.slot), e.len))
+    }
+
+    /// Marks the chunk used just now; false when it is not here.
+    pub fn touch(&mut self, key: u128) -> bool {
+        self.slots.touch(key)
+    }
+
+    /// The chunk a new one would push out now, if any.
+    pub fn victim(&self) -> Option<u128> {
+        self.slots.victim()
     }
 
     /// A slot for a new chunk of `len` bytes, and the chunk that had to leave it (whose
     /// bytes are still there until the new chunk is written).
-    pub fn insert(&mut self, key: u64, len: u64) -> Result<(Place, Option<(Evicted, Place)>)> {
+    pub fn insert(&mut self, key: u128, len: u64) -> Result<(Place, Option<(Evicted, Place)>)> {
         debug_assert!(len <= self.slot_bytes);
         let (slot, evicted) = self.slots.insert(key, len)?;
         Ok((self.place_of(slot), evicted.map(|e| (e, self.place_of(e.slot)))))
     }
 
-    pub fn remove(&mut self, key: u64) {
+    pub fn remove(&mut self, key: u128) {
         self.slots.remove(key);
     }
 
     /// The chunk's bytes as a descriptor of the engine's agent (for sending).
-    pub fn desc(&self, key: u64) -> Option<Desc> {
+    pub fn desc(&self, key: u128) -> Option<Desc> {
         let e = self.slots.peek(key)?;
         Some(self.arena.desc(e.slot as u64 * self.slot_bytes, e.len))
     }
 
-    pub fn pin(&mut self, key: u64) {
+    pub fn pin(&mut self, key: u128) {
         self.slots.pin(key)
     }
 
-    pub fn unpin(&mut self, key: u64) {
+    pub fn unpin(&mut self, key: u128) {
         self.slots.unpin(key)
     }
 

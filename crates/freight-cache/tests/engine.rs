@@ -1,23 +1,20 @@
 //! The cache engine in host memory: chunks stored and retrieved through contiguous and
-//! paged KV memory, shared prefixes found, LRU eviction, a remote peer over real
-//! sockets (shm and tcp), and bad input refused.
+//! paged KV memory, shared prefixes found, LRU eviction that keeps prefixes, a remote
+//! peer over real sockets (shm and tcp), namespaces and unusable remote chunks, and bad
+//! input refused.
 
 use std::sync::Arc;
-use std::thread;
 use std::time::Duration;
 
 use freight_cache::{CacheConfig, CacheEngine, KvLayout, KvMemory, KvShape, Place};
-use freight_core::{Agent, AgentConfig, Error, TransportKind};
-use freight_stream::{
-    Buffer, ChannelReceiver, ChannelSender, PipeConfig, PipeListener, PipeSender, StoreReceiver, StoreSender,
-};
+use freight_core::{Agent, Desc, Error, MemKind, TransportKind};
+use freight_stream::{Outgoing, StoreReceiver, StoreSender};
+
+mod support;
+use support::agent;
 
 const SHAPE: KvShape = KvShape { layers: 3, heads: 2, head_dim: 8, elem_bytes: 2 };
 const CHUNK: u64 = 16;
-
-fn agent(name: &str, require: Option<TransportKind>) -> Arc<Agent> {
-    Arc::new(Agent::new(name, AgentConfig { require, ..AgentConfig::default() }).unwrap())
-}
 
 fn engine(agent: &Arc<Agent>, host_chunks: u64) -> CacheEngine {
     let config = CacheConfig {
@@ -171,27 +168,67 @@ fn a_full_host_tier_evicts_the_least_recently_used_chunks() {
     engine.retrieve(&p, &out.memory()).unwrap(); // p is now the most recently used
     let r = prompt(16, 30);
     engine.store(&r, &kv.memory()).unwrap();
-    assert_eq!(engine.lookup(&q), 0, "q's first chunk was the least recently used");
     assert_eq!(engine.lookup(&p), 32);
+    assert_eq!(engine.lookup(&q), 16, "q's last chunk was the least recently used; its first is still found");
     assert_eq!(engine.occupancy(), vec![("host", 4)]);
+}
+
+#[test]
+fn a_prompt_longer_than_the_tier_keeps_its_prefix() {
+    let a = agent("ce-prefix", None);
+    let mut engine = engine(&a, 4);
+    // Six chunks into four slots: the two that go must be the last two, or the four
+    // left behind are never found.
+    let tokens = prompt(96, 40);
+    let mut kv = Kv::contiguous(96);
+    kv.fill(&tokens);
+    assert_eq!(engine.store(&tokens, &kv.memory()).unwrap().new_chunks, 6);
+    assert_eq!(engine.occupancy(), vec![("host", 4)]);
+    assert_eq!(engine.lookup(&tokens), 64);
+    let mut out = Kv::contiguous(96);
+    assert_eq!(engine.retrieve(&tokens, &out.memory()).unwrap(), 64);
+    assert_eq!(out.matching_prefix(&tokens), 64);
+    // Stored again, the chunks that went would only push out its prefix: none is
+    // gathered.
+    assert_eq!(engine.store(&tokens, &kv.memory()).unwrap().new_chunks, 0);
+    assert_eq!(engine.lookup(&tokens), 64);
+}
+
+#[test]
+fn lookups_and_skipped_stores_keep_a_prompt_in_use() {
+    let a = agent("ce-touch", None);
+    let mut engine = engine(&a, 4);
+    let (p, q, r, s) = (prompt(32, 50), prompt(32, 51), prompt(16, 52), prompt(16, 53));
+    let mut kv = Kv::contiguous(32);
+    kv.fill(&p);
+    engine.store(&p, &kv.memory()).unwrap();
+    kv.fill(&q);
+    engine.store(&q, &kv.memory()).unwrap();
+    // p was stored first: storing it again (every chunk skipped) makes it the most recent.
+    kv.fill(&p);
+    assert_eq!(engine.store(&p, &kv.memory()).unwrap().new_chunks, 0);
+    engine.store(&r, &kv.memory()).unwrap();
+    assert_eq!(engine.lookup(&p), 32, "q's last chunk went, not p's");
+    // Left: q's first chunk, then r, then p. A lookup of q makes its chunk the most
+    // recent, so s takes r's slot.
+    assert_eq!(engine.lookup(&q), 16);
+    engine.store(&s, &kv.memory()).unwrap();
+    assert_eq!(engine.lookup(&r), 0);
+    assert_eq!((engine.lookup(&q), engine.lookup(&p), engine.lookup(&s)), (16, 32, 16));
+}
+
+/// A store sender on `tx`, and the store it feeds on `rx` (a pipe buffer of three
+/// chunks).
+fn store_pair(tx: &Arc<Agent>, rx: &Arc<Agent>) -> (StoreSender, StoreReceiver) {
+    support::store_pair(tx, rx, 3 * SHAPE.chunk_bytes(CHUNK))
 }
 
 /// A prefill engine that puts into a decode engine's store, over `require`, with
 /// `in_flight` commits allowed to await the decode side.
 fn prefill_to_decode(require: TransportKind, host_chunks: u64, in_flight: usize) {
     let (pa, da) = (agent("ce-prefill", Some(require)), agent("ce-decode", Some(require)));
-    let config = PipeConfig { timeout: Duration::from_secs(10), ..PipeConfig::default() };
-    let listener = PipeListener::new(&da);
-    let addr = da.addresses()[0].clone();
-    let (pa2, config2) = (pa.clone(), config.clone());
-    let opener = thread::spawn(move || {
-        let pipe = PipeSender::connect(&pa2, &addr, &config2).unwrap();
-        StoreSender::new(ChannelSender::new(pipe, 8, None).unwrap(), 4).unwrap()
-    });
-    let pipe = listener.accept(Buffer::Host { capacity: 3 * SHAPE.chunk_bytes(CHUNK) }, &config).unwrap();
-    let store = StoreReceiver::new(ChannelReceiver::new(vec![pipe], Duration::from_secs(10)), None);
-    let mut prefill =
-        engine(&pa, host_chunks).with_remote_sink(opener.join().unwrap()).with_commits_in_flight(in_flight);
+    let (sink, store) = store_pair(&pa, &da);
+    let mut prefill = engine(&pa, host_chunks).with_remote_sink(sink).with_commits_in_flight(in_flight);
     let mut decode = engine(&da, 2).with_remote_source(store);
 
     let tokens = prompt(150, 5);
@@ -248,9 +285,14 @@ fn bad_input_is_refused() {
     assert!(engine.store(&tokens, &short).unwrap_err().to_string().contains("needs"));
     let mut bad_table = Kv::paged(4, 4, vec![0, 1, 2, 3, 4, 5, 6, 7, 8, 9]);
     assert!(engine.retrieve(&tokens, &bad_table.memory()).unwrap_err().to_string().contains("names block"));
+    // One block for two token ranges: a retrieve would write both into it.
+    let mut twice = Kv::paged(4, 12, vec![0, 1, 2, 3, 4, 5, 6, 7, 8, 3]);
+    let e = engine.retrieve(&tokens, &twice.memory()).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("block 3 twice"), "{e}");
+    assert!(engine.store(&tokens, &twice.memory()).is_err());
     // Sizes whose bytes overflow 64 bits are refused, not wrapped into a small size
     // that would pass the bounds check.
-    let mut huge = Kv::paged(4, 4, vec![0, 1, 2, 3, 0, 1, 2, 3, 0, 1]);
+    let mut huge = Kv::paged(4, 10, (0..10).collect());
     let mut memory = huge.memory();
     memory.layout = KvLayout::Paged { block_size: 1 << 62, num_blocks: 8, block_table: vec![0] };
     let e = engine.store(&tokens, &memory).unwrap_err();
@@ -266,4 +308,64 @@ fn bad_input_is_refused() {
     for c in [no_tier, gpu_without_gpu, zero_chunk, tiny, no_heads, overflowing] {
         assert!(matches!(CacheEngine::new(&a, c.clone()), Err(Error::InvalidArgument(_))), "{c:?}");
     }
+}
+
+/// A prefill engine in `prefill_ns` stores a prompt into the store of a decode engine
+/// in `decode_ns`; returns the tokens the decode engine finds and retrieves.
+fn found_across(prefill_ns: &[u8], decode_ns: &[u8]) -> (usize, usize) {
+    let (pa, da) = (agent("ce-ns-prefill", None), agent("ce-ns-decode", None));
+    let (sink, store) = store_pair(&pa, &da);
+    let mut prefill = engine(&pa, 8).with_namespace(prefill_ns).with_remote_sink(sink);
+    let mut decode = engine(&da, 2).with_namespace(decode_ns).with_remote_source(store);
+    let tokens = prompt(40, 60);
+    let mut kv = Kv::contiguous(48);
+    kv.fill(&tokens);
+    prefill.store(&tokens, &kv.memory()).unwrap();
+    assert_eq!(decode.remote_source().unwrap().len(), 3, "every chunk reached the store");
+    let mut out = Kv::contiguous(48);
+    let found = (decode.lookup(&tokens), decode.retrieve(&tokens, &out.memory()).unwrap());
+    assert_eq!(out.matching_prefix(&tokens), found.1);
+    prefill.close().unwrap();
+    found
+}
+
+#[test]
+fn engines_in_other_namespaces_never_take_each_others_chunks() {
+    assert_eq!(found_across(b"llama-8b/tp0", b"llama-8b/tp0"), (40, 40));
+    assert_eq!(found_across(b"llama-8b/tp0", b"llama-8b/tp1"), (0, 0), "another TP rank's KV under the same tokens");
+    assert_eq!(found_across(b"", b"adapter-7"), (0, 0));
+}
+
+#[test]
+fn a_remote_chunk_that_does_not_fit_its_key_ends_the_prefix_for_lookup_and_retrieve() {
+    let (pa, da) = (agent("ce-bad-remote-tx", None), agent("ce-bad-remote-rx", None));
+    let (mut sink, store) = store_pair(&pa, &da);
+    let mut decode = engine(&da, 2).with_remote_source(store);
+    let tokens = prompt(40, 70);
+    let keys = decode.keys(&tokens);
+    // Objects put by hand under the chunks' names: bytes of the right length and the
+    // right meta for the first two, then a last chunk as long as a full one.
+    let full = SHAPE.chunk_bytes(CHUNK);
+    let seg = pa.alloc(4 * full as usize).unwrap();
+    pa.register(MemKind::Dram, seg.addr(), 4 * full, 0).unwrap();
+    let put = |sink: &mut StoreSender, i: usize, len: u64, meta: Vec<u8>| {
+        let local = Desc { addr: seg.addr() + i as u64 * full, len, dev: 0 };
+        sink.put(Outgoing { key: keys[i].name(), kind: MemKind::Dram, local, meta }).unwrap();
+        sink.commit().unwrap();
+    };
+    put(&mut sink, 0, full, keys[0].meta());
+    put(&mut sink, 1, full, keys[1].meta());
+    put(&mut sink, 2, full, keys[2].meta());
+    let mut out = Kv::contiguous(48);
+    assert_eq!(decode.lookup(&tokens), 32, "the last chunk holds 8 tokens, not 16");
+    assert_eq!(decode.retrieve(&tokens, &out.memory()).unwrap(), 32);
+    // The second chunk's meta claims it is the first.
+    put(&mut sink, 1, full, keys[0].meta());
+    assert_eq!(decode.lookup(&tokens), 16);
+    assert_eq!(decode.retrieve(&tokens, &out.memory()).unwrap(), 16);
+    put(&mut sink, 1, full, keys[1].meta());
+    let last = SHAPE.chunk_bytes(8);
+    put(&mut sink, 2, last, keys[2].meta());
+    assert_eq!((decode.lookup(&tokens), decode.retrieve(&tokens, &out.memory()).unwrap()), (40, 40));
+    sink.close().unwrap();
 }

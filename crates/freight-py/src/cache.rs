@@ -15,6 +15,7 @@ use pyo3::prelude::*;
 use crate::agent::PyAgent;
 use crate::descs::parse_kind;
 use crate::errors::{invalid, OrRaise};
+use crate::interrupt;
 use crate::stream::{PyStoreReceiver, PyStoreSender};
 
 /// Native cache engine (use `freight.CacheEngine`).
@@ -65,22 +66,22 @@ fn kv_arg(
 }
 
 impl PyCacheEngine {
-    /// Runs `f` on the engine with the GIL released (the lock is taken there too).
+    /// Runs `f` on the engine with the GIL released (the lock is taken there too);
+    /// Ctrl-C interrupts its waits.
     fn with<T: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut CacheEngine) -> Result<T> + Send) -> PyResult<T> {
-        py.detach(|| match lock(&self.inner).as_mut() {
+        interrupt::detach(py, || match lock(&self.inner).as_mut() {
             Some(e) => f(e),
             None => Err(Error::InvalidState("the cache engine is closed".into())),
         })
-        .or_raise()
     }
 }
 
 #[pymethods]
 impl PyCacheEngine {
-    /// An engine whose tiers are memory of `agent`; `remote_sink` / `remote_source` are
-    /// handed over to it.
+    /// An engine whose tiers are memory of `agent`, keying chunks in `namespace`;
+    /// `remote_sink` / `remote_source` are handed over to it.
     #[new]
-    #[pyo3(signature = (agent, layers, heads, head_dim, elem_bytes, chunk_tokens = 256, gpu = None, gpu_bytes = 0, host_bytes = 1 << 30, remote_sink = None, remote_source = None))]
+    #[pyo3(signature = (agent, layers, heads, head_dim, elem_bytes, chunk_tokens = 256, gpu = None, gpu_bytes = 0, host_bytes = 1 << 30, remote_sink = None, remote_source = None, namespace = Vec::new()))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -95,11 +96,11 @@ impl PyCacheEngine {
         host_bytes: u64,
         remote_sink: Option<Bound<'_, PyStoreSender>>,
         remote_source: Option<Bound<'_, PyStoreReceiver>>,
+        namespace: Vec<u8>,
     ) -> PyResult<Self> {
+        let check_sink = || remote_sink.as_ref().map_or(Ok(()), |s| s.get().check_live(py));
         // Both ends must be free to hand over before anything is built.
-        if let Some(s) = &remote_sink {
-            s.get().check_live(py)?;
-        }
+        check_sink()?;
         if let Some(s) = &remote_source {
             s.get().check_live(py)?;
         }
@@ -112,8 +113,12 @@ impl PyCacheEngine {
         };
         let a = Arc::clone(&agent.get().inner);
         let cfg = config.clone();
-        let mut engine = py.detach(move || CacheEngine::new(&a, cfg)).or_raise()?;
-        // The store first: it is refused while another thread waits on it.
+        let mut engine = py.detach(move || CacheEngine::new(&a, cfg)).or_raise()?.with_namespace(&namespace);
+        // An end taken over is not given back: the source goes first, since it is the
+        // one that may refuse (a wait on another thread uses it) and then stays with its
+        // owner; the sender, checked again after the build (which releases the GIL for a
+        // while), can then only be lost to a close racing this call.
+        check_sink()?;
         if let Some(s) = &remote_source {
             engine = engine.with_remote_source(s.get().hand_over(py)?);
         }
@@ -173,7 +178,8 @@ impl PyCacheEngine {
         self.with(py, |e| e.retrieve(&tokens, &kv))
     }
 
-    /// Tokens of the longest stored prefix of `tokens`.
+    /// Tokens of the longest stored prefix of `tokens` that `retrieve` would copy (its
+    /// chunks count as used).
     fn lookup(&self, py: Python<'_>, tokens: PyReadonlyArray1<'_, u32>) -> PyResult<usize> {
         let tokens = tokens_arg(&tokens)?;
         self.with(py, |e| Ok(e.lookup(&tokens)))
@@ -187,11 +193,10 @@ impl PyCacheEngine {
     /// Commits what a remote sink still has queued, ends its stream and frees the
     /// tiers. Harmless when called again.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| match lock(&self.inner).take() {
+        interrupt::detach(py, || match lock(&self.inner).take() {
             Some(e) => e.close(),
             None => Ok(()),
         })
-        .or_raise()
     }
 
     /// False once closed.
