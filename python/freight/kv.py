@@ -261,8 +261,11 @@ class Client:
 
     ``buffer_size``: bytes of the client's receive buffer (shared memory), the largest
     value it can get or put, and the most one :meth:`put_many` request carries.
-    ``name``: shown in the server's logs. ``timeout``: seconds any call waits for the
-    server before raising :class:`freight.TimeoutError` (connecting included).
+    ``name``: shown in the server's logs. ``timeout``: the seconds one call (connecting
+    too) may take to get the server's answer, a new session after the server went away
+    included, before it raises :class:`freight.TimeoutError`; only handing a request to
+    the engine is bounded by the engine's own timeouts instead (its first connection to
+    the server; a same-host server that leaves its notification queue full).
     ``transport``: ``"auto"`` (shared memory on the same host, else TCP), ``"shm"`` or
     ``"tcp"``: the only transport this client offers the server, which moves the
     values.
@@ -273,9 +276,11 @@ class Client:
     A call that moves values (``put``, ``get``, ``get_into``, ``put_many``,
     ``get_many``) and times out closes the client: the server may still carry that
     request out later, writing into the receive buffer or reading from it, and so
-    corrupt whatever the next request put there. Connect a new client after a
-    :class:`freight.TimeoutError` (later calls on this one raise
-    :class:`freight.InvalidStateError` saying so).
+    corrupt whatever the next request put there. So does one whose connection breaks
+    while the same server lives on (:class:`freight.PeerDisconnectedError`); after a
+    server restart, the request is sent again to the new server instead. Connect a new
+    client then (later calls on this one raise :class:`freight.InvalidStateError`
+    saying so).
     """
 
     def __init__(
@@ -314,7 +319,8 @@ class Client:
 
     @property
     def live(self) -> bool:
-        """False once closed, or once a call timed out (see above)."""
+        """False once closed, or once a call timed out or lost a server that lives on
+        (see above)."""
         return self._raw.live
 
     # -- writes

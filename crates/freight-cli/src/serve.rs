@@ -43,6 +43,12 @@ pub struct ServeArgs {
     #[arg(long, value_name = "PREFIX", default_value = freight_kv::cluster::DEFAULT_PREFIX)]
     pub etcd_prefix: String,
 
+    /// The address clients of the cluster reach this server at, published in etcd:
+    /// HOST (with the port listened on) or HOST:PORT. Needed where --listen is every
+    /// interface (0.0.0.0 or [::]); by default the listen address is published.
+    #[arg(long, value_name = "HOST[:PORT]", requires = "etcd_endpoints")]
+    pub advertise: Option<String>,
+
     /// Seconds a server that died stays listed in etcd (its lease's time to live).
     #[arg(long, value_name = "SECONDS", default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub etcd_ttl: u64,
@@ -85,6 +91,7 @@ pub fn run(a: &ServeArgs) -> CliResult<()> {
             prefix: a.etcd_prefix.clone(),
             ttl: std::time::Duration::from_secs(a.etcd_ttl),
         }),
+        advertise: a.advertise.clone(),
         tls: tls_identity(a)?,
         ..Default::default()
     };

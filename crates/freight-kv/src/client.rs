@@ -6,12 +6,19 @@
 //! the bytes, so the value is there to read when [`Client::get_with`] returns it. A PUT
 //! copies the value into the buffer and asks the server to read it from there. One
 //! request at a time per client; threads use a client each.
+//!
+//! A call lasts [`ClientConfig::timeout`] at most: one deadline covers its wait for the
+//! answer and any new session it opens. Only handing the request to the engine is
+//! bounded by the engine's own timeouts instead: dialling the server's agent the first
+//! time ([`AgentConfig::connect_timeout`]), and, for a server on the same host that does
+//! not take its notifications, waiting for room in their queue
+//! ([`AgentConfig::peer_timeout`]).
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use freight_core::{cuda, Agent, AgentConfig, Error, MemKind, Result, SharedSegment};
+use freight_core::{cuda, interrupt, Agent, AgentConfig, Error, MemKind, Result, SharedSegment};
 use tonic::transport::Channel;
 
 use tonic::service::interceptor::InterceptedService;
@@ -33,10 +40,12 @@ pub struct ClientConfig {
     /// suffix, so that many clients of one server stay distinct.
     pub name: String,
     pub engine: AgentConfig,
-    /// Longest wait for any answer from the server.
+    /// The longest one call takes to get its answer, reconnecting to a server that went
+    /// away included (see [`Client`] for what else may add to it). Connecting takes at
+    /// most the longer of this and `connect_for`.
     pub timeout: Duration,
     /// How long to keep trying when the server does not accept connections yet (one
-    /// starting up), or again after it went away (one restarting).
+    /// starting up), or again after it went away (one restarting), within `timeout`.
     pub connect_for: Duration,
     /// The server's shared secret, if it was started with one.
     pub token: Option<String>,
@@ -90,6 +99,12 @@ pub struct Client {
     url: String,
     name: String,
     client_id: u64,
+    /// The session's secret, for Goodbye.
+    session_token: Vec<u8>,
+    /// The server agent that may still carry out a request of this client whose answer
+    /// never came (the connection broke while it waited): a new session with that same
+    /// agent must not go on (see `call`).
+    unsettled: Option<String>,
     /// Pins the buffer for GPU copies once one is asked for; unpins it before the buffer
     /// goes (fields drop in order).
     pinned: Option<PinnedBuffer>,
@@ -120,6 +135,8 @@ impl Client {
             .map_err(|_| Error::InvalidArgument(format!("a buffer of {} bytes is too large", config.buffer_bytes)))?;
         let buffer = agent.alloc(len)?;
         agent.register(MemKind::Dram, buffer.addr(), config.buffer_bytes, 0)?;
+        // One deadline for reaching the server and for its answer to the hello.
+        let deadline = Instant::now() + config.timeout.max(config.connect_for);
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -138,12 +155,11 @@ impl Client {
                 .tls_config(tls)
                 .map_err(|e| Error::InvalidArgument(format!("TLS settings for {}: {e}", config.server)))?;
         }
-        let channel = runtime.block_on(connect(endpoint, config.connect_for)).map_err(|e| {
+        let until = (Instant::now() + config.connect_for).min(deadline);
+        let channel = runtime.block_on(connect(endpoint, until)).map_err(|e| {
             Error::Io(format!(
-                "cannot reach the KV server at {} (tried for {:?}): {}",
-                config.server,
-                config.connect_for,
-                with_causes(&e)
+                "cannot reach the KV server at {} (tried for {:?}): {e}",
+                config.server, config.connect_for
             ))
         })?;
         let rpc = KvControlClient::with_interceptor(channel, TokenSend::new(config.token.as_deref())?);
@@ -155,6 +171,8 @@ impl Client {
             url: config.server.clone(),
             name: config.name.clone(),
             client_id: 0,
+            session_token: Vec::new(),
+            unsettled: None,
             pinned: None,
             gpu_streams: Vec::new(),
             buffer,
@@ -164,15 +182,37 @@ impl Client {
             broken: None,
             early: HashMap::new(),
         };
-        client.hello()?;
+        client.hello(deadline)?;
         Ok(client)
     }
 
     /// Opens a session: the server learns this client's agent, and this client the
     /// server's.
-    fn hello(&mut self) -> Result<()> {
-        let hello = HelloRequest { agent_metadata: self.agent.metadata(), client_name: self.name.clone() };
-        let reply = self.runtime.block_on(self.rpc.hello(hello)).map_err(|e| rpc_error(&self.url, e))?.into_inner();
+    fn hello(&mut self, deadline: Instant) -> Result<()> {
+        let hello = HelloRequest {
+            agent_metadata: self.agent.metadata(),
+            client_name: self.name.clone(),
+            wire_version: wire::VERSION.into(),
+        };
+        let left = deadline.saturating_duration_since(Instant::now());
+        let call = self.rpc.hello(hello);
+        // Made inside the runtime: a timer needs its clock.
+        let answer = self.runtime.block_on(async { tokio::time::timeout(left, call).await });
+        let reply = match answer {
+            Ok(answer) => answer.map_err(|e| rpc_error(&self.url, e))?.into_inner(),
+            Err(_) => {
+                return Err(Error::Timeout(format!("the KV server at {} did not answer within {left:?}", self.url)))
+            }
+        };
+        if reply.wire_version != u32::from(wire::VERSION) {
+            return Err(Error::Protocol(format!(
+                "the KV server at {} speaks data-plane protocol version {} (0: older than this client, which speaks \
+                 version {}): use the same freight release on both sides",
+                self.url,
+                reply.wire_version,
+                wire::VERSION
+            )));
+        }
         let server = self.agent.add_peer(&reply.server_metadata)?;
         if server != reply.server_agent {
             return Err(Error::Protocol(format!(
@@ -186,22 +226,44 @@ impl Client {
         }
         self.server = server;
         self.client_id = reply.client_id;
+        self.session_token = reply.session_token;
         tracing::debug!(client_id = reply.client_id, server = %self.url, "KV session opened");
+        if self.unsettled.as_deref() == Some(self.server.as_str()) {
+            let why = format!(
+                "the connection to the KV server at {} broke while a request was under way, and the same server \
+                 answered again: it may still carry that request out in this client's buffer; connect a new client",
+                self.url
+            );
+            self.broken = Some(why.clone());
+            return Err(Error::PeerDisconnected { peer: self.url.clone(), reason: why });
+        }
+        self.unsettled = None;
         Ok(())
     }
 
     /// After the server's agent went away: a new session with whatever server answers
-    /// at the same address now (a restarted one starts empty), tried for a while.
-    fn reconnect(&mut self) -> Result<()> {
-        let until = Instant::now() + self.reconnect_for;
+    /// at the same address now (a restarted one starts empty), tried for a while but
+    /// not past `deadline`.
+    fn reconnect(&mut self, deadline: Instant) -> Result<()> {
+        let until = (Instant::now() + self.reconnect_for).min(deadline);
         loop {
-            match self.hello() {
+            match self.hello(deadline) {
                 Ok(()) => {
                     tracing::info!(server = %self.url, "reconnected to the KV server");
                     return Ok(());
                 }
-                Err(e) if Instant::now() >= until => return Err(e),
-                Err(_) => std::thread::sleep(Duration::from_millis(50)),
+                // The same server: trying again would not change that.
+                Err(e) if self.broken.is_some() => return Err(e),
+                Err(e @ (Error::InvalidArgument(_) | Error::Auth(_) | Error::Protocol(_))) => return Err(e),
+                Err(e) if Instant::now() >= until => {
+                    return Err(Error::PeerDisconnected {
+                        peer: self.url.clone(),
+                        reason: format!("lost the KV server and found none to open a new session with: {e}"),
+                    })
+                }
+                Err(_) => {
+                    std::thread::sleep(until.saturating_duration_since(Instant::now()).min(Duration::from_millis(50)))
+                }
             }
         }
     }
@@ -213,7 +275,8 @@ impl Client {
     /// Stores `value` under `key`, expiring after `ttl` (zero: never). Returns the
     /// value's version.
     pub fn put(&mut self, key: &[u8], value: &[u8], ttl: Duration) -> Result<u64> {
-        self.put_batch(&[(key, value)], ttl)?.remove(0)
+        let mut results = self.put_batch(&[(key, value)], ttl)?.into_iter();
+        results.next().unwrap_or_else(|| Err(Error::Protocol("the KV server answered a PUT with no outcome".into())))
     }
 
     /// Stores a value of `len` bytes that `fill` writes straight into the client's
@@ -278,7 +341,7 @@ impl Client {
         let whole = self.region(0, self.buffer_bytes());
         let reply = self.call(|first_id| wire::Request::Get { first_id, items: vec![(key.to_vec(), whole)] })?;
         match reply.outcomes.into_iter().next() {
-            Some(Outcome::Found { len, .. }) => Ok(Some(f(self.view(0, len)))),
+            Some(Outcome::Found { len, .. }) => Ok(Some(f(self.view(0, len, self.buffer_bytes())?))),
             Some(Outcome::Missing) => Ok(None),
             Some(other) => Err(self.unexpected(other)),
             None => Err(Error::Protocol("the server answered a GET with no outcome".into())),
@@ -337,16 +400,16 @@ impl Client {
         let items: Vec<_> =
             keys.iter().enumerate().map(|(i, k)| (k.to_vec(), self.region(i as u64 * share, share))).collect();
         let reply = self.call(|first_id| wire::Request::Get { first_id, items })?;
-        Ok(reply
-            .outcomes
-            .into_iter()
-            .enumerate()
-            .map(|(i, o)| match o {
-                Outcome::Found { len, .. } => Ok(Some(self.view(i as u64 * share, len).to_vec())),
+        let mut values = Vec::with_capacity(keys.len());
+        for (i, outcome) in reply.outcomes.into_iter().enumerate() {
+            values.push(match outcome {
+                // A value past its share would be another key's bytes: the whole reply is suspect.
+                Outcome::Found { len, .. } => Ok(Some(self.view(i as u64 * share, len, share)?.to_vec())),
                 Outcome::Missing => Ok(None),
                 other => Err(self.unexpected(other)),
-            })
-            .collect())
+            });
+        }
+        Ok(values)
     }
 
     pub fn exists(&mut self, keys: &[&[u8]]) -> Result<Vec<bool>> {
@@ -373,7 +436,7 @@ impl Client {
     /// Ends the session (dropping the client without it works too: the server notices
     /// the lost connection).
     pub fn close(mut self) -> Result<()> {
-        let request = GoodbyeRequest { client_id: self.client_id };
+        let request = GoodbyeRequest { client_id: self.client_id, session_token: self.session_token.clone() };
         self.runtime.block_on(self.rpc.goodbye(request)).map_err(|e| rpc_error(&self.url, e))?;
         self.agent.close();
         Ok(())
@@ -383,11 +446,20 @@ impl Client {
         Buffer { kind: MemKind::Dram, addr: self.buffer.addr() + offset, len, dev: 0 }
     }
 
-    fn view(&self, offset: u64, len: u64) -> &[u8] {
-        assert!(offset + len <= self.buffer_bytes(), "the server reported a value beyond the buffer");
-        // SAFETY: within the buffer (asserted); the server wrote it before its reply
+    /// The `len` bytes at `offset` of the buffer, where the server says it put a value
+    /// into the `room` bytes there.
+    fn view(&self, offset: u64, len: u64, room: u64) -> Result<&[u8]> {
+        match offset.checked_add(len) {
+            Some(end) if len <= room && end <= self.buffer_bytes() => {}
+            _ => {
+                return Err(Error::Protocol(format!(
+                    "the KV server reported a value of {len} bytes where it had room for {room}"
+                )))
+            }
+        }
+        // SAFETY: within the buffer (checked); the server wrote it before its reply
         // arrived, and nothing writes it while this client is borrowed.
-        unsafe { std::slice::from_raw_parts(self.buffer.as_ptr().add(offset as usize), len as usize) }
+        Ok(unsafe { std::slice::from_raw_parts(self.buffer.as_ptr().add(offset as usize), len as usize) })
     }
 
     /// Whether requests can still be made: not after one timed out (see
@@ -403,30 +475,53 @@ impl Client {
         }
     }
 
-    /// Sends a request made with its first id, and waits for its reply.
+    /// Sends a request made with its first id, and waits for its reply: one outcome per
+    /// item.
     fn call(&mut self, make: impl FnOnce(u64) -> wire::Request) -> Result<Reply> {
         self.check_usable()?;
+        let deadline = Instant::now() + self.timeout;
         let request = make(self.next_id);
         let first_id = request.first_id();
-        self.next_id += request.len().max(1) as u64;
-        let sent = self.agent.notify(&self.server, request.encode()).and_then(|()| self.wait_reply(first_id));
-        match sent {
-            // The server's agent is gone (stopped, restarted): once more with a new
-            // session. A request runs at most once per server.
+        let items = request.len();
+        self.next_id += items.max(1) as u64;
+        // A connection known broken before anything goes out, or an earlier request left
+        // unsettled: a new session first (`hello` refuses to go on where that request
+        // may still run).
+        if self.unsettled.is_some() || self.agent.check_peer(&self.server).is_err() {
+            self.reconnect(deadline)?;
+        }
+        let sent = self.agent.notify(&self.server, request.encode()).and_then(|()| self.wait_reply(first_id, deadline));
+        let reply = match sent {
+            // The request may have reached the server: only another server (a restarted
+            // one, which has none of this client's requests) gets it again, so that it
+            // runs at most once per server. The same server may still be carrying it out:
+            // a PUT reading the buffer that the caller refills next, a GET writing into
+            // it.
             Err(Error::PeerDisconnected { .. } | Error::UnknownPeer(_)) => {
-                self.reconnect()?;
+                self.unsettled = Some(self.server.clone());
+                self.reconnect(deadline)?;
                 self.agent.notify(&self.server, request.encode())?;
-                self.wait_reply(first_id)
+                self.wait_reply(first_id, deadline)?
             }
-            other => other,
+            other => other?,
+        };
+        if reply.outcomes.len() == items {
+            return Ok(reply);
+        }
+        match reply.outcomes.as_slice() {
+            // The server could not read the request (FailCode::Protocol): no item ran.
+            [Outcome::Failed { code, error }] => Err(code.error(&self.server, error.clone())),
+            _ => Err(Error::Protocol(format!(
+                "the KV server answered a request of {items} items with {} outcomes",
+                reply.outcomes.len()
+            ))),
         }
     }
 
-    fn wait_reply(&mut self, first_id: u64) -> Result<Reply> {
+    fn wait_reply(&mut self, first_id: u64, deadline: Instant) -> Result<Reply> {
         if let Some(r) = self.early.remove(&first_id) {
             return Ok(r);
         }
-        let deadline = Instant::now() + self.timeout;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
@@ -452,10 +547,19 @@ impl Client {
                         }
                     }
                     Some(Err(e)) => tracing::warn!(error = %e, "dropped a malformed reply"),
+                    None if n.msg == wire::WELCOME => {}
                     None => tracing::debug!(from = %n.from, "ignored a notification that is no KV reply"),
                 }
             }
             self.agent.check_peer(&self.server)?;
+            if let Err(e) = interrupt::check() {
+                // As after a timeout: the server may still carry the request out.
+                self.broken = Some(format!(
+                    "a request to the KV server at {} was interrupted and may still write into this client's buffer; connect a new client",
+                    self.url
+                ));
+                return Err(e);
+            }
         }
     }
 
@@ -484,22 +588,21 @@ fn with_causes(e: &dyn std::error::Error) -> String {
     text
 }
 
-/// Connects, trying again until `patience` has passed.
-async fn connect(
-    endpoint: tonic::transport::Endpoint,
-    patience: Duration,
-) -> std::result::Result<Channel, tonic::transport::Error> {
-    let until = Instant::now() + patience;
+/// Connects, trying again until `until`; the error says why the last try failed.
+async fn connect(endpoint: tonic::transport::Endpoint, until: Instant) -> std::result::Result<Channel, String> {
     let mut pause = Duration::from_millis(20);
     loop {
-        match endpoint.connect().await {
-            Ok(c) => return Ok(c),
-            Err(e) if Instant::now() + pause >= until => return Err(e),
-            Err(_) => {
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(Duration::from_millis(500));
-            }
+        let left = until.saturating_duration_since(Instant::now());
+        let why = match tokio::time::timeout(left, endpoint.connect()).await {
+            Ok(Ok(c)) => return Ok(c),
+            Ok(Err(e)) => with_causes(&e),
+            Err(_) => "no connection in time".to_string(),
+        };
+        if Instant::now() + pause >= until {
+            return Err(why);
         }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_millis(500));
     }
 }
 
@@ -513,10 +616,156 @@ fn rpc_error(server: &str, e: tonic::Status) -> Error {
         tonic::Code::InvalidArgument => Error::InvalidArgument(e.message().to_string()),
         tonic::Code::ResourceExhausted => Error::NoSpace(e.message().to_string()),
         tonic::Code::Unauthenticated => Error::Auth(e.message().to_string()),
+        tonic::Code::FailedPrecondition => Error::Protocol(e.message().to_string()),
         // A call that ran out of time is cancelled by the client's own deadline.
         tonic::Code::DeadlineExceeded | tonic::Code::Cancelled => {
             Error::Timeout(format!("the KV server at {server}: {}", e.message()))
         }
         _ => Error::PeerDisconnected { peer: server.to_string(), reason: format!("{}: {}", e.code(), e.message()) },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::server::{Server, ServerConfig};
+
+    fn server() -> Server {
+        Server::start(ServerConfig { listen: "127.0.0.1:0".into(), memory_bytes: 1 << 20, ..Default::default() })
+            .unwrap()
+    }
+
+    fn client(server: &Server) -> Client {
+        Client::connect(ClientConfig {
+            server: server.url(),
+            buffer_bytes: 1 << 16,
+            timeout: Duration::from_secs(10),
+            ..Default::default()
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn a_connection_lost_mid_request_to_a_server_that_answers_again_ends_the_call_and_the_client() {
+        let s = server();
+        let mut c = client(&s);
+        c.put(b"k", b"first", Duration::ZERO).unwrap();
+        // The server's worker stalls (as on a long transfer) while the request is out...
+        let shared = s.shared().clone();
+        let (stalled, is_stalled) = std::sync::mpsc::channel();
+        let stall = std::thread::spawn(move || {
+            let _index = shared.index.lock();
+            stalled.send(()).unwrap();
+            std::thread::sleep(Duration::from_millis(1500));
+        });
+        is_stalled.recv().unwrap();
+        // ...and the client's connection to it breaks, though the server lives on.
+        let (agent, server) = (c.agent.clone(), c.server.clone());
+        let cut = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            agent.remove_peer(&server).unwrap();
+        });
+        let started = Instant::now();
+        let e = c.put(b"k", b"second", Duration::ZERO).unwrap_err();
+        assert!(started.elapsed() < Duration::from_millis(1500), "it did not wait for the stalled server");
+        assert!(matches!(&e, Error::PeerDisconnected { reason, .. } if reason.contains("same server")), "{e}");
+        assert!(!c.usable(), "the server may still read this client's buffer: the client is done");
+        let e = c.get(b"k").unwrap_err();
+        assert!(matches!(&e, Error::InvalidState(m) if m.contains("new client")), "{e}");
+        cut.join().unwrap();
+        stall.join().unwrap();
+        // The request ran once, once the server went on.
+        let mut other = client(&s);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while other.get(b"k").unwrap().as_deref() != Some(&b"second"[..]) {
+            assert!(Instant::now() < deadline, "the PUT in flight did not finish");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(s.stats().keys, 1);
+        c.close().unwrap();
+    }
+
+    #[test]
+    fn an_interrupted_call_ends_at_once_and_leaves_the_client_unusable() {
+        let s = server();
+        let mut c = client(&s);
+        // The server's worker stalls, so the answer does not come before the interrupt.
+        let shared = s.shared().clone();
+        let (stalled, is_stalled) = std::sync::mpsc::channel();
+        let stall = std::thread::spawn(move || {
+            let _index = shared.index.lock();
+            stalled.send(()).unwrap();
+            std::thread::sleep(Duration::from_millis(1000));
+        });
+        is_stalled.recv().unwrap();
+        let started = Instant::now();
+        let e = interrupt::interruptible(|| true, || c.put(b"k", b"v", Duration::ZERO).unwrap_err());
+        assert!(matches!(e, Error::Interrupted(_)), "{e}");
+        assert!(started.elapsed() < Duration::from_millis(900), "it waited for the stalled server");
+        assert!(!c.usable(), "the server may still read this client's buffer: the client is done");
+        stall.join().unwrap();
+    }
+
+    #[test]
+    fn a_connection_found_lost_before_sending_is_made_again_and_the_request_goes_once() {
+        let s = server();
+        let mut c = client(&s);
+        c.put(b"k", b"before", Duration::ZERO).unwrap();
+        c.agent.remove_peer(&c.server).unwrap();
+        c.put(b"k", b"after", Duration::ZERO).unwrap();
+        assert!(c.usable());
+        assert_eq!(c.get(b"k").unwrap().as_deref(), Some(&b"after"[..]));
+    }
+
+    /// Sends this client a reply for its next request, as a misbehaving server would.
+    fn forge(s: &Server, c: &Client, outcomes: Vec<Outcome>) {
+        let reply = Reply { first_id: c.next_id, outcomes };
+        s.shared().agent.notify(c.agent.name(), reply.encode()).unwrap();
+    }
+
+    #[test]
+    fn a_reply_that_makes_no_sense_is_a_protocol_error_not_a_panic() {
+        let s = server();
+        let mut c = client(&s);
+        c.put(b"k", b"v", Duration::ZERO).unwrap();
+        let beyond = c.buffer_bytes() + 1;
+        forge(&s, &c, vec![Outcome::Found { len: beyond, version: 1 }]);
+        assert!(matches!(c.get(b"k"), Err(Error::Protocol(_))), "a value past the buffer");
+        forge(&s, &c, vec![]);
+        assert!(matches!(c.put(b"k", b"v", Duration::ZERO), Err(Error::Protocol(_))), "no outcome");
+        forge(&s, &c, vec![Outcome::Missing]);
+        assert!(matches!(c.get_batch(&[b"a", b"b"]), Err(Error::Protocol(_))), "one outcome for two keys");
+        forge(&s, &c, vec![Outcome::Found { len: c.buffer_bytes() / 2 + 64, version: 1 }, Outcome::Missing]);
+        assert!(matches!(c.get_batch(&[b"a", b"b"]), Err(Error::Protocol(_))), "a value past its share");
+        // One failure for a whole request: the server could not read it.
+        forge(&s, &c, vec![Outcome::Failed { code: wire::FailCode::Protocol, error: "cut short".into() }]);
+        let e = c.get_batch(&[b"a", b"b"]).unwrap_err();
+        assert!(matches!(&e, Error::Protocol(m) if m.contains("cut short")), "{e}");
+        assert!(c.usable());
+        assert_eq!(c.get(b"k").unwrap().as_deref(), Some(&b"v"[..]), "real replies still come through");
+    }
+
+    #[test]
+    fn a_server_of_another_protocol_version_is_refused_by_name() {
+        let s = server();
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let agent = Agent::new(&format!("old-client-{}", rand::random::<u32>()), AgentConfig::default()).unwrap();
+        for version in [0, u32::from(wire::VERSION) + 1] {
+            let status = runtime
+                .block_on(async {
+                    let mut rpc = KvControlClient::connect(s.url()).await.unwrap();
+                    let hello = HelloRequest {
+                        agent_metadata: agent.metadata(),
+                        client_name: "old".into(),
+                        wire_version: version,
+                    };
+                    rpc.hello(hello).await
+                })
+                .unwrap_err();
+            assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{status:?}");
+            let e = rpc_error(&s.url(), status);
+            assert!(matches!(&e, Error::Protocol(m) if m.contains("protocol version")), "{e}");
+        }
+        assert_eq!(s.stats().keys, 0);
     }
 }

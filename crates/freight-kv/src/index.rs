@@ -32,7 +32,7 @@ use serde::{Deserialize, Serialize};
 
 use freight_core::{Error, Result};
 
-use crate::pool::{Pool, Slot};
+use crate::pool::{Pool, Slot, ALIGN};
 
 /// How the index behaves when the pool is full.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -220,8 +220,9 @@ impl Index {
     /// slot is never the current value's.
     ///
     /// When the pool has no room, expired values are swept first; then, with eviction
-    /// on, unpinned values are evicted least recently used first until the slot fits.
-    /// Values evicted for a write that still does not fit stay evicted.
+    /// on, unpinned values are evicted least recently used first until the slot fits. A
+    /// value that would not fit even with every unpinned value evicted (pinned and
+    /// pending slots split the pool too finely) fails before anything is evicted.
     ///
     /// # Errors
     ///
@@ -397,6 +398,14 @@ impl Index {
         if !self.config.evict {
             return Err(self.no_space(key, len, "eviction is off"));
         }
+        if !self.room_by_evicting(len) {
+            return Err(self.no_space(
+                key,
+                len,
+                "pinned and pending slots split the pool so that even evicting every other value leaves no stretch \
+                 that large",
+            ));
+        }
         // Pins cannot change during this loop, so values skipped as pinned stay skipped
         // and the scan resumes after the last victim instead of from the coldest.
         let mut from = 0;
@@ -418,6 +427,38 @@ impl Index {
                 return Ok(slot);
             }
         }
+    }
+
+    /// Whether evicting every unpinned value would leave a free extent that holds `len`
+    /// bytes. Only pinned and pending slots stay, so the stretches between them are
+    /// what the pool would have free; they are few (one per request in flight), unlike
+    /// the values.
+    fn room_by_evicting(&self, len: u64) -> bool {
+        let capacity = self.pool.capacity();
+        // Rounded as the pool rounds (`len <= capacity` is checked, so no overflow).
+        let rounded = |len: u64| len.div_ceil(ALIGN) * ALIGN;
+        let need = rounded(len);
+        let mut kept: Vec<(u64, u64)> = self
+            .pending
+            .values()
+            .map(|put| put.slot)
+            .chain(self.pinned.values().map(|pinned| pinned.slot))
+            .map(|slot| (slot.offset, (slot.offset + rounded(slot.len)).min(capacity)))
+            .collect();
+        kept.sort_unstable();
+        // The pool's tail extent may hold a value up to its own size, unrounded.
+        let fits = |start: u64, end: u64| {
+            let room = end.saturating_sub(start);
+            room >= need || (end == capacity && room >= len)
+        };
+        let mut start = 0;
+        for (offset, end) in kept {
+            if fits(start, offset) {
+                return true;
+            }
+            start = start.max(end);
+        }
+        fits(start, capacity)
     }
 
     fn no_space(&self, key: &[u8], len: u64, why: &str) -> Error {
@@ -450,10 +491,15 @@ impl Index {
         Some((key, value))
     }
 
-    /// Committed values no reader pins: what eviction could still take.
+    /// Whether `len` bytes could be allocated once every value no reader pins were
+    /// evicted, found by freeing them in a copy of the pool.
     #[cfg(test)]
-    fn evictable(&self) -> usize {
-        self.values.values().filter(|value| !self.pinned.contains_key(&value.slot.offset)).count()
+    fn fits_after_evicting_all(&self, len: u64) -> bool {
+        let mut pool = self.pool.clone();
+        for value in self.values.values().filter(|value| !self.pinned.contains_key(&value.slot.offset)) {
+            pool.free(value.slot);
+        }
+        pool.alloc(len).is_some()
     }
 
     /// Panics unless every invariant of the module docs holds.
@@ -513,7 +559,6 @@ fn show(key: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pool::ALIGN;
     use proptest::prelude::*;
 
     fn index(capacity: u64, evict: bool) -> Index {
@@ -774,6 +819,43 @@ mod tests {
     }
 
     #[test]
+    fn a_value_that_cannot_fit_between_pinned_slots_evicts_nothing() {
+        let mut ix = index(4 * ALIGN, true);
+        for key in [b"a", b"b", b"c", b"d"] {
+            put(&mut ix, key, 64, 0);
+        }
+        // b and d pinned: the stretches left are a's and c's, one slot each.
+        let b = ix.begin_get(b"b", 0).unwrap();
+        let d = ix.begin_get(b"d", 0).unwrap();
+        match ix.begin_put(b"big", 128, 0, 0) {
+            Err(Error::NoSpace(msg)) => assert!(msg.contains("out of memory") && msg.contains("pinned"), "{msg}"),
+            other => panic!("expected NoSpace, got {other:?}"),
+        }
+        assert!(ix.exists(b"a", 0) && ix.exists(b"c", 0), "nothing was evicted for a write that cannot fit");
+        assert_eq!(ix.stats().evictions, 0);
+        // One that fits a stretch evicts only as much as it needs.
+        put(&mut ix, b"small", 64, 0);
+        assert_eq!(ix.stats().evictions, 1);
+        ix.end_get(b);
+        ix.end_get(d);
+        // Unpinned, b's and c's slots (or a's) make a stretch of 128 again.
+        put(&mut ix, b"big", 128, 0);
+        ix.check_invariants();
+    }
+
+    #[test]
+    fn the_pools_unaligned_tail_counts_as_room_by_evicting() {
+        let mut ix = index(ALIGN + 100, true);
+        put(&mut ix, b"head", 64, 0);
+        put(&mut ix, b"tail", 100, 0);
+        let pin = ix.begin_get(b"head", 0).unwrap();
+        put(&mut ix, b"new-tail", 100, 0);
+        assert!(!ix.exists(b"tail", 0));
+        ix.end_get(pin);
+        ix.check_invariants();
+    }
+
+    #[test]
     fn no_eviction_error_names_the_pool_size() {
         let mut ix = index(1024, false);
         put(&mut ix, b"a", 1000, 0);
@@ -951,8 +1033,14 @@ mod tests {
 
         fn step(&mut self, op: Op) {
             let now = self.now;
+            let evictions = self.ix.stats().evictions;
             match op {
                 Op::Put { client, key, len, ttl } => match self.ix.begin_put(&[key], len, ttl, now) {
+                    Err(Error::NoSpace(msg)) if !self.exact => {
+                        assert!(msg.contains("out of memory"), "{msg}");
+                        assert!(!self.ix.fits_after_evicting_all(len), "NoSpace where evicting would make room: {msg}");
+                        assert_eq!(self.ix.stats().evictions, evictions, "a write that cannot fit evicts nothing");
+                    }
                     Ok(grant) => {
                         assert!(grant.id > self.last_grant, "grant ids increase");
                         self.last_grant = grant.id;
@@ -960,10 +1048,6 @@ mod tests {
                         let (start, end) = (grant.slot.offset as usize, grant.slot.end() as usize);
                         self.mem[start..end].fill(grant.id);
                         self.pending.push((grant, client, key, ttl));
-                    }
-                    Err(Error::NoSpace(msg)) if !self.exact => {
-                        assert!(msg.contains("out of memory"), "{msg}");
-                        assert_eq!(self.ix.evictable(), 0, "NoSpace with unpinned values left: {msg}");
                     }
                     Err(e) => panic!("begin_put failed: {e}"),
                 },

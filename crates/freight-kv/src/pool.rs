@@ -52,7 +52,7 @@ struct Live {
 }
 
 /// Best-fit allocator of aligned byte ranges. See the module docs for its invariants.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Pool {
     capacity: u64,
     used: u64,

@@ -78,7 +78,7 @@ impl Interceptor for TokenSend {
 
 /// Compares in time independent of where the inputs differ, so a token cannot be
 /// guessed byte by byte.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
@@ -94,7 +94,36 @@ fn status(e: freight_core::Error) -> Status {
         E::Auth(m) => Status::unauthenticated(m),
         E::NoSpace(m) => Status::resource_exhausted(m),
         E::Timeout(m) => Status::deadline_exceeded(m),
+        E::Protocol(m) => Status::failed_precondition(m),
         other => Status::unavailable(other.to_string()),
+    }
+}
+
+/// Runs session work that may block (connecting to the client's agent, closing its
+/// connections) off the runtime's few threads.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> freight_core::Result<T> + Send + 'static,
+) -> Result<T, Status> {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(result) => result.map_err(status),
+        Err(e) => Err(Status::internal(format!("the session's task failed: {e}"))),
+    }
+}
+
+/// Refuses a client of another data-plane protocol before it sends a request the server
+/// would misread, or that would misread the server's replies.
+fn check_version(client: u32) -> Result<(), Status> {
+    let server = u32::from(crate::wire::VERSION);
+    match client {
+        v if v == server => Ok(()),
+        0 => Err(Status::failed_precondition(format!(
+            "the client states no KV data-plane protocol version (it is older than this server, which speaks \
+             version {server}): use the same freight release on both sides"
+        ))),
+        v => Err(Status::failed_precondition(format!(
+            "the client speaks KV data-plane protocol version {v} and this server version {server}: use the same \
+             freight release on both sides"
+        ))),
     }
 }
 
@@ -102,24 +131,35 @@ fn status(e: freight_core::Error) -> Status {
 impl KvControl for Control {
     async fn hello(&self, request: Request<HelloRequest>) -> Result<Response<HelloReply>, Status> {
         let r = request.into_inner();
-        let (client_id, agent) = self.shared.hello(&r.agent_metadata).map_err(status)?;
-        tracing::debug!(client_id, %agent, name = %r.client_name, "hello");
+        check_version(r.wire_version)?;
+        let shared = self.shared.clone();
+        let opened = blocking(move || shared.hello(&r.agent_metadata)).await?;
+        tracing::debug!(client_id = opened.id, agent = %opened.agent, name = %r.client_name, "hello");
         Ok(Response::new(HelloReply {
-            client_id,
+            client_id: opened.id,
             server_metadata: self.shared.agent.metadata(),
             server_agent: self.shared.agent.name().to_string(),
             pool_bytes: self.shared.pool_bytes(),
+            session_token: opened.token.to_vec(),
+            wire_version: crate::wire::VERSION.into(),
         }))
     }
 
     async fn refresh(&self, request: Request<RefreshRequest>) -> Result<Response<RefreshReply>, Status> {
         let r = request.into_inner();
-        self.shared.refresh(r.client_id, &r.agent_metadata).map_err(status)?;
+        let shared = self.shared.clone();
+        blocking(move || shared.refresh(r.client_id, &r.session_token, &r.agent_metadata)).await?;
         Ok(Response::new(RefreshReply {}))
     }
 
     async fn goodbye(&self, request: Request<GoodbyeRequest>) -> Result<Response<GoodbyeReply>, Status> {
-        self.shared.goodbye(request.into_inner().client_id);
+        let r = request.into_inner();
+        let shared = self.shared.clone();
+        blocking(move || {
+            shared.goodbye(r.client_id, &r.session_token);
+            Ok(())
+        })
+        .await?;
         Ok(Response::new(GoodbyeReply {}))
     }
 

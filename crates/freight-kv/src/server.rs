@@ -53,6 +53,10 @@ pub struct ServerConfig {
     pub metrics_listen: Option<String>,
     /// Join a cluster: publish this server in etcd (see [`crate::cluster`]).
     pub etcd: Option<EtcdConfig>,
+    /// The address clients reach the control plane at, as published in etcd: "HOST" (the
+    /// port is the one listened on) or "HOST:PORT". Unset, the listen address is
+    /// published, which then must name one interface (not 0.0.0.0 or ::).
+    pub advertise: Option<String>,
     /// TLS on the control plane: the server's certificate chain and private key (PEM).
     /// Clients then use an `https://` URL.
     pub tls: Option<TlsIdentity>,
@@ -76,36 +80,60 @@ impl Default for ServerConfig {
             token: None,
             metrics_listen: None,
             etcd: None,
+            advertise: None,
             tls: None,
         }
     }
 }
 
+/// A client's session.
+struct Session {
+    /// Numbers sessions in the logs.
+    id: u64,
+    /// What Refresh and Goodbye must present: ids are sequential, so anyone could name
+    /// another client's.
+    token: [u8; 16],
+    /// The client's agent instance: another agent of the same name is another client.
+    agent_id: u64,
+}
+
 /// Clients that said hello, by their agent's name.
 #[derive(Default)]
 pub(crate) struct Clients {
-    by_name: HashMap<String, u64>,
+    by_name: HashMap<String, Session>,
     next_id: u64,
 }
 
 impl Clients {
-    pub(crate) fn id_of(&self, name: &str) -> Option<u64> {
-        self.by_name.get(name).copied()
+    pub(crate) fn has(&self, name: &str) -> bool {
+        self.by_name.contains_key(name)
     }
 
     pub(crate) fn len(&self) -> usize {
         self.by_name.len()
     }
 
-    fn add(&mut self, name: String) -> u64 {
+    fn add(&mut self, name: String, agent_id: u64) -> (u64, [u8; 16]) {
         self.next_id += 1;
-        self.by_name.insert(name, self.next_id);
-        self.next_id
+        let token = rand::random();
+        self.by_name.insert(name, Session { id: self.next_id, token, agent_id });
+        (self.next_id, token)
     }
 
-    fn remove(&mut self, name: &str) -> Option<u64> {
-        self.by_name.remove(name)
+    /// The name of the session with this id and token.
+    fn find(&self, id: u64, token: &[u8]) -> Option<String> {
+        self.by_name
+            .iter()
+            .find(|(_, s)| s.id == id && crate::rpc::constant_time_eq(&s.token, token))
+            .map(|(name, _)| name.clone())
     }
+}
+
+/// A session that [`Shared::hello`] opened.
+pub(crate) struct Opened {
+    pub(crate) id: u64,
+    pub(crate) token: [u8; 16],
+    pub(crate) agent: String,
 }
 
 /// What the control plane and the worker share.
@@ -127,66 +155,112 @@ impl Shared {
         self.pool.len() as u64
     }
 
-    /// Opens a session for the agent whose metadata this is; returns its client id.
-    pub(crate) fn hello(&self, metadata: &[u8]) -> Result<(u64, String)> {
-        let name = self.agent.add_peer(metadata)?;
-        let mut clients = self.clients.lock();
-        // The same agent saying hello again (a reconnect): its old session ends. Its
-        // reservations stay with the transfers that fill them: the worker commits or
-        // aborts each when its transfer settles (freeing one sooner could let another
-        // value take the slot while the old copy still writes into it).
-        clients.remove(&name);
-        let id = clients.add(name.clone());
+    /// Opens a session for the agent whose metadata this is, and connects to it. Blocks
+    /// for as long as connecting takes (the engine's connect timeout at most).
+    pub(crate) fn hello(&self, metadata: &[u8]) -> Result<Opened> {
+        let md = freight_core::metadata::AgentMetadata::decode(metadata)?;
+        let name = md.name;
+        let (id, token) = {
+            // Peers change only under this lock, so that a sweep of dead clients cannot
+            // remove the peer that this session is about to take (see
+            // `drop_dead_clients`).
+            let mut clients = self.clients.lock();
+            if let Some(live) = clients.by_name.get(&name) {
+                if live.agent_id != md.agent_id && self.agent.check_peer(&name).is_ok() {
+                    return Err(Error::InvalidArgument(format!(
+                        "agent {name} already has a live session with this server, as another instance of that \
+                         name: each client's agent needs a name of its own"
+                    )));
+                }
+            }
+            self.agent.add_peer(metadata)?;
+            // The same agent saying hello again (a reconnect): its old session ends. Its
+            // reservations stay with the transfers that fill them: the worker commits or
+            // aborts each when its transfer settles (freeing one sooner could let another
+            // value take the slot while the old copy still writes into it).
+            clients.add(name.clone(), md.agent_id)
+        };
+        // Connected here rather than by the data-plane worker at its first reply, which
+        // would hold up every other client meanwhile; a client the server cannot reach
+        // learns it now instead of at its first request's timeout.
+        if let Err(e) = self.agent.notify(&name, wire::WELCOME.to_vec()) {
+            self.end_session(&name, id, "unreachable");
+            return Err(Error::PeerDisconnected {
+                peer: name,
+                reason: format!(
+                    "the KV server cannot reach this client's engine agent at {}: {e}",
+                    md.addresses.join(", ")
+                ),
+            });
+        }
         tracing::info!(client = id, agent = %name, "client connected");
-        Ok((id, name))
+        Ok(Opened { id, token, agent: name })
     }
 
     /// Takes a client's new metadata (it registered more memory).
-    pub(crate) fn refresh(&self, client: u64, metadata: &[u8]) -> Result<()> {
+    pub(crate) fn refresh(&self, client: u64, token: &[u8], metadata: &[u8]) -> Result<()> {
+        let md = freight_core::metadata::AgentMetadata::decode(metadata)?;
+        let clients = self.clients.lock();
         // The session first: metadata of an agent without one is not taken as a peer.
-        let name = freight_core::metadata::AgentMetadata::decode(metadata)?.name;
-        match self.clients.lock().id_of(&name) {
-            Some(id) if id == client => {}
-            _ => return Err(Error::InvalidArgument(format!("client {client} has no session with this server"))),
+        let owner = clients.find(client, token);
+        let same_agent = clients.by_name.get(&md.name).is_some_and(|s| s.agent_id == md.agent_id);
+        if owner.as_deref() != Some(md.name.as_str()) || !same_agent {
+            return Err(Error::InvalidArgument(format!(
+                "client {client} has no session with this server for agent {} and this token",
+                md.name
+            )));
         }
         self.agent.add_peer(metadata).map(|_| ())
     }
 
-    /// Ends the session of the client with this id (no error if there is none).
-    pub(crate) fn goodbye(&self, client: u64) {
-        let name = {
-            let mut clients = self.clients.lock();
-            let name = clients.by_name.iter().find(|(_, &id)| id == client).map(|(n, _)| n.clone());
-            if let Some(n) = &name {
-                clients.remove(n);
-            }
-            name
-        };
-        if let Some(name) = name {
-            self.drop_client(&name, client, "said goodbye");
+    /// Ends the session with this id and token (nothing happens if there is none).
+    pub(crate) fn goodbye(&self, client: u64, token: &[u8]) {
+        let name = self.clients.lock().find(client, token);
+        match name {
+            Some(name) => self.end_session(&name, client, "said goodbye"),
+            None => tracing::debug!(client, "a goodbye for no session of this id and token"),
         }
     }
 
-    /// Ends a session. Its PUTs still in flight end with their transfers (see `hello`).
-    fn drop_client(&self, name: &str, id: u64, why: &str) {
-        let _ = self.agent.remove_peer(name);
-        tracing::info!(client = id, agent = %name, why, "client gone");
+    /// Ends session `id` of `name`'s agent, unless another has replaced it. Its PUTs
+    /// still in flight end with their transfers (see `hello`).
+    fn end_session(&self, name: &str, id: u64, why: &str) {
+        let mut clients = self.clients.lock();
+        if clients.by_name.get(name).is_some_and(|s| s.id == id) {
+            clients.by_name.remove(name);
+            let _ = self.agent.remove_peer(name);
+            tracing::info!(client = id, agent = %name, why, "client gone");
+        }
     }
 
     /// Drops clients whose agent stopped answering.
     fn drop_dead_clients(&self) {
-        let dead: Vec<(String, u64)> = {
-            let clients = self.clients.lock();
-            clients
-                .by_name
-                .iter()
-                .filter(|(name, _)| self.agent.check_peer(name).is_err())
-                .map(|(n, &id)| (n.clone(), id))
-                .collect()
-        };
+        let dead = self.dead_sessions();
+        self.drop_if_still_dead(&dead);
+    }
+
+    /// Sessions whose agent's connection broke: `(agent, session id)`.
+    fn dead_sessions(&self) -> Vec<(String, u64)> {
+        let clients = self.clients.lock();
+        clients
+            .by_name
+            .iter()
+            .filter(|(name, _)| self.agent.check_peer(name).is_err())
+            .map(|(name, s)| (name.clone(), s.id))
+            .collect()
+    }
+
+    /// Ends each of `dead` that still is: a client that said hello again since has a new
+    /// session and a new peer, both of which stay.
+    fn drop_if_still_dead(&self, dead: &[(String, u64)]) {
+        let mut clients = self.clients.lock();
         for (name, id) in dead {
-            self.clients.lock().remove(&name);
-            self.drop_client(&name, id, "connection lost");
+            let same = clients.by_name.get(name).is_some_and(|s| s.id == *id);
+            if same && self.agent.check_peer(name).is_err() {
+                clients.by_name.remove(name);
+                let _ = self.agent.remove_peer(name);
+                tracing::info!(client = id, agent = %name, why = "connection lost", "client gone");
+            }
         }
     }
 
@@ -230,6 +304,10 @@ impl Server {
                 config.listen
             ))
         })?;
+        if config.etcd.is_some() {
+            // Checked before anything starts: what clients of the cluster will dial.
+            published_authority(config.advertise.as_deref(), listen)?;
+        }
         // Distinct servers of one process (tests start several) need distinct agent names.
         let name = format!("freight-kv-server-{}-{:08x}", std::process::id(), rand::random::<u32>());
         // Clients the control plane serves on other hosts must reach the data plane too.
@@ -320,8 +398,10 @@ impl Server {
         };
         if let Some(etcd) = &config.etcd {
             // Published last: clients find the server only once it serves.
+            let url = format!("{scheme}://{}", published_authority(config.advertise.as_deref(), addr)?);
             let directory = etcd.directory()?;
-            directory.publish(server.shared.agent.name(), server.url().as_bytes())?;
+            directory.publish(server.shared.agent.name(), url.as_bytes())?;
+            tracing::info!(%url, "published in etcd");
             server.membership = Some(directory);
         }
         tracing::info!(%addr, agent = %server.shared.agent.name(), pool_bytes = config.memory_bytes, evict = config.evict, cluster = config.etcd.is_some(), "KV server started");
@@ -345,6 +425,12 @@ impl Server {
 
     pub fn stats(&self) -> crate::index::Stats {
         self.shared.index.lock().stats()
+    }
+
+    /// What the control plane and the worker share, for tests that reach past the API.
+    #[cfg(test)]
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.shared
     }
 
     /// Stops taking requests, lets those in flight finish, and releases everything.
@@ -372,6 +458,46 @@ impl Drop for Server {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// "HOST:PORT" of the control plane as clients of a cluster reach it: `advertise` (with
+/// `bound`'s port where it names none), or `bound` itself when it is one interface's.
+fn published_authority(advertise: Option<&str>, bound: SocketAddr) -> Result<String> {
+    let Some(given) = advertise.map(str::trim) else {
+        if bound.ip().is_unspecified() {
+            return Err(Error::InvalidArgument(format!(
+                "the control plane listens on {bound}, every interface, so there is no one address to publish in \
+                 etcd: give the address clients reach it at (ServerConfig::advertise, --advertise HOST[:PORT])"
+            )));
+        }
+        return Ok(bound.to_string());
+    };
+    let bad = |why: &str| Error::InvalidArgument(format!("advertised address {given:?}: {why} (HOST or HOST:PORT)"));
+    let unspecified = |ip: std::net::IpAddr| {
+        if ip.is_unspecified() {
+            Err(bad("an unspecified address reaches no one"))
+        } else {
+            Ok(())
+        }
+    };
+    if let Ok(a) = given.parse::<SocketAddr>() {
+        unspecified(a.ip())?;
+        return Ok(a.to_string());
+    }
+    let bare = given.strip_prefix('[').and_then(|g| g.strip_suffix(']')).unwrap_or(given);
+    if let Ok(ip) = bare.parse::<std::net::IpAddr>() {
+        unspecified(ip)?;
+        return Ok(SocketAddr::new(ip, bound.port()).to_string());
+    }
+    let (host, port) = match given.rsplit_once(':') {
+        Some((host, port)) => (host, port.parse::<u16>().map_err(|_| bad("the port is not a number"))?),
+        None => (given, bound.port()),
+    };
+    let name_char = |c: char| c.is_ascii_alphanumeric() || c == '-' || c == '.' || c == '_';
+    if host.is_empty() || !host.chars().all(name_char) {
+        return Err(bad("not a host name or IP address"));
+    }
+    Ok(format!("{host}:{port}"))
 }
 
 /// How long the worker sleeps in the notification queue when nothing is in flight;
@@ -446,7 +572,14 @@ impl Worker {
                 return;
             }
             Some(Err(e)) => {
-                tracing::warn!(from = %n.from, error = %e, "dropped a malformed request");
+                match wire::Request::recover_id(&n.msg) {
+                    Some(first_id) => {
+                        tracing::warn!(from = %n.from, first_id, error = %e, "refused a request that does not decode");
+                        let outcomes = vec![Outcome::Failed { code: FailCode::Protocol, error: e.to_string() }];
+                        self.reply(&n.from, Reply { first_id, outcomes });
+                    }
+                    None => tracing::warn!(from = %n.from, error = %e, "dropped a request that does not decode"),
+                }
                 return;
             }
             Some(Ok(r)) => r,
@@ -459,7 +592,7 @@ impl Worker {
         if stopping {
             return refuse("the server is shutting down");
         }
-        if self.shared.clients.lock().id_of(&n.from).is_none() {
+        if !self.shared.clients.lock().has(&n.from) {
             return refuse("no session: say hello on the control plane first");
         }
         let (items, kind) = match &request {
@@ -560,6 +693,144 @@ impl Worker {
     fn reply(&self, client: &str, reply: Reply) {
         if let Err(e) = self.shared.agent.notify(client, reply.encode()) {
             tracing::debug!(client, error = %e, "could not answer a client");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn server() -> Server {
+        Server::start(ServerConfig { listen: "127.0.0.1:0".into(), memory_bytes: 1 << 20, ..Default::default() })
+            .unwrap()
+    }
+
+    /// An engine agent standing in for a client.
+    fn agent(name: &str) -> Agent {
+        Agent::new(name, AgentConfig::default()).unwrap()
+    }
+
+    fn sessions(s: &Server) -> usize {
+        s.shared.clients.lock().len()
+    }
+
+    #[test]
+    fn a_request_that_does_not_decode_is_answered_at_once_when_its_id_can_be_read() {
+        let s = server();
+        let client = agent(&format!("raw-{}", rand::random::<u32>()));
+        s.shared.hello(&client.metadata()).unwrap();
+        let server_agent = client.add_peer(&s.shared.agent.metadata()).unwrap();
+        let good = wire::Request::Put {
+            first_id: 41,
+            ttl_ms: 0,
+            items: vec![(b"k".to_vec(), wire::Buffer { kind: MemKind::Dram, addr: 1, len: 1, dev: 0 })],
+        }
+        .encode();
+        client.notify(&server_agent, good[..good.len() - 3].to_vec()).unwrap();
+        let until = Instant::now() + Duration::from_secs(5);
+        let reply = loop {
+            assert!(Instant::now() < until, "no answer to a request that does not decode");
+            let got = client.wait_notifs(Duration::from_millis(100));
+            if let Some(r) = got.iter().find_map(|n| wire::Reply::decode(&n.msg)) {
+                break r.unwrap();
+            }
+        };
+        assert_eq!(reply.first_id, 41);
+        assert!(
+            matches!(&reply.outcomes[..], [Outcome::Failed { code: FailCode::Protocol, error }] if error.contains("malformed")),
+            "{reply:?}"
+        );
+    }
+
+    #[test]
+    fn a_sweep_keeps_a_client_that_said_hello_again_meanwhile() {
+        let s = server();
+        let client = agent(&format!("sweep-{}", rand::random::<u32>()));
+        let first = s.shared.hello(&client.metadata()).unwrap();
+        // Its connection breaks: the sweep finds it dead...
+        s.shared.agent.remove_peer(&first.agent).unwrap();
+        let dead = s.shared.dead_sessions();
+        assert_eq!(dead, vec![(first.agent.clone(), first.id)]);
+        // ...but before it ends the session, the client says hello again.
+        let second = s.shared.hello(&client.metadata()).unwrap();
+        s.shared.drop_if_still_dead(&dead);
+        assert_eq!(sessions(&s), 1, "the new session stays");
+        assert!(s.shared.agent.check_peer(&second.agent).is_ok(), "and so does its peer");
+        assert!(s.shared.clients.lock().find(second.id, &second.token).is_some());
+        // A session that is still dead when the sweep ends it goes.
+        s.shared.agent.remove_peer(&second.agent).unwrap();
+        s.shared.drop_dead_clients();
+        assert_eq!(sessions(&s), 0);
+    }
+
+    #[test]
+    fn only_the_session_token_ends_or_refreshes_a_session() {
+        let s = server();
+        let client = agent(&format!("token-{}", rand::random::<u32>()));
+        let opened = s.shared.hello(&client.metadata()).unwrap();
+        let wrong = [0u8; 16];
+        s.shared.goodbye(opened.id, &wrong);
+        assert_eq!(sessions(&s), 1, "a goodbye with another token ends nothing");
+        let e = s.shared.refresh(opened.id, &wrong, &client.metadata()).unwrap_err();
+        assert!(matches!(&e, Error::InvalidArgument(m) if m.contains("no session")), "{e}");
+        s.shared.refresh(opened.id, &opened.token, &client.metadata()).unwrap();
+        s.shared.goodbye(opened.id, &opened.token);
+        assert_eq!(sessions(&s), 0);
+        assert!(s.shared.agent.check_peer(&opened.agent).is_err(), "its peer is gone too");
+    }
+
+    #[test]
+    fn another_agent_of_a_live_sessions_name_is_refused() {
+        let s = server();
+        let name = format!("twin-{}", rand::random::<u32>());
+        let (one, other) = (agent(&name), agent(&name));
+        let first = s.shared.hello(&one.metadata()).unwrap();
+        let e = s.shared.hello(&other.metadata()).err().unwrap();
+        assert!(matches!(&e, Error::InvalidArgument(m) if m.contains("already has a live session")), "{e}");
+        assert!(s.shared.clients.lock().find(first.id, &first.token).is_some(), "the live session stays");
+        // The same agent again is a reconnect; and once the first is gone, the name is free.
+        let again = s.shared.hello(&one.metadata()).unwrap();
+        s.shared.agent.remove_peer(&again.agent).unwrap();
+        s.shared.hello(&other.metadata()).unwrap();
+        assert_eq!(sessions(&s), 1);
+    }
+
+    #[test]
+    fn a_client_the_server_cannot_reach_is_told_at_hello() {
+        let s = server();
+        let gone = agent(&format!("gone-{}", rand::random::<u32>()));
+        let metadata = gone.metadata();
+        gone.close();
+        let started = Instant::now();
+        let e = s.shared.hello(&metadata).err().unwrap();
+        assert!(matches!(&e, Error::PeerDisconnected { reason, .. } if reason.contains("cannot reach")), "{e}");
+        assert!(started.elapsed() < Duration::from_secs(10));
+        assert_eq!(sessions(&s), 0, "no session is left behind");
+    }
+
+    #[test]
+    fn the_published_address_is_one_clients_can_dial() {
+        let bound: SocketAddr = "0.0.0.0:7000".parse().unwrap();
+        let e = published_authority(None, bound).unwrap_err();
+        assert!(matches!(&e, Error::InvalidArgument(m) if m.contains("advertise")), "{e}");
+        let e = published_authority(None, "[::]:7000".parse().unwrap()).unwrap_err();
+        assert!(matches!(&e, Error::InvalidArgument(m) if m.contains("advertise")), "{e}");
+        assert_eq!(published_authority(None, "10.0.0.2:7000".parse().unwrap()).unwrap(), "10.0.0.2:7000");
+        for (given, want) in [
+            ("10.0.0.5", "10.0.0.5:7000"),
+            ("10.0.0.5:8000", "10.0.0.5:8000"),
+            ("::1", "[::1]:7000"),
+            ("[fd00::1]", "[fd00::1]:7000"),
+            ("[fd00::1]:8000", "[fd00::1]:8000"),
+            ("kv-1.example.com", "kv-1.example.com:7000"),
+            ("kv-1:8000", "kv-1:8000"),
+        ] {
+            assert_eq!(published_authority(Some(given), bound).unwrap(), want, "{given}");
+        }
+        for bad in ["0.0.0.0", "[::]:9", "", "kv host", "kv:port", "http://kv:1"] {
+            let e = published_authority(Some(bad), bound).unwrap_err();
+            assert!(matches!(e, Error::InvalidArgument(_)), "{bad}: {e}");
         }
     }
 }

@@ -8,7 +8,12 @@
 //! from `first_id`, and the reply carries one outcome per item in the same order.
 //! Every message starts with [`MAGIC`] and a version byte, so that a server can tell its
 //! clients' messages from anything else an engine peer might send, and refuse a
-//! message of another version by name instead of misreading it.
+//! message of another version by name instead of misreading it. Versions are agreed on
+//! before any of these messages: a client states its [`VERSION`] in its Hello, and the
+//! server refuses a session of another one. A request that still does not decode is
+//! answered with a [`FailCode::Protocol`] failure where its `first_id` can be read (see
+//! [`Request::recover_id`]), so that its client fails at once instead of waiting out its
+//! timeout; the server can only log one whose id is lost too.
 
 use freight_core::{Desc, Error, MemKind, Result};
 use serde::{Deserialize, Serialize};
@@ -17,6 +22,11 @@ use serde::{Deserialize, Serialize};
 pub const MAGIC: [u8; 3] = *b"fkv";
 /// This protocol's version, the byte after [`MAGIC`].
 pub const VERSION: u8 = 1;
+
+/// A notification the server sends a client as its session opens, so that its agent
+/// connects to the client's then, on the control plane's thread, rather than on the
+/// data-plane worker at the first reply. Not a data-plane message: clients drop it.
+pub const WELCOME: &[u8] = b"freight-kv welcome";
 
 /// Client memory registered with the client's agent: where a GET puts a value, or where
 /// a PUT's value is read from.
@@ -93,6 +103,9 @@ pub enum FailCode {
     Transfer,
     /// The client never said hello, or the server is shutting down.
     Refused,
+    /// The request did not decode: the reply has this one outcome, whatever the number
+    /// of items the request had.
+    Protocol,
 }
 
 impl FailCode {
@@ -103,6 +116,7 @@ impl FailCode {
             FailCode::Invalid => Error::InvalidArgument(message),
             FailCode::Transfer => Error::Io(format!("the KV server could not move the value: {message}")),
             FailCode::Refused => Error::RemoteRejected { peer: server.into(), reason: message },
+            FailCode::Protocol => Error::Protocol(format!("the KV server could not read the request: {message}")),
         }
     }
 }
@@ -140,6 +154,22 @@ impl Request {
 
     pub fn decode(bytes: &[u8]) -> Option<Result<Request>> {
         decode(bytes, "request")
+    }
+
+    /// The `first_id` of a request of this version whose body does not decode as a
+    /// whole (cut short, an unknown item...): both kinds start with it, right after
+    /// their tag.
+    pub fn recover_id(bytes: &[u8]) -> Option<u64> {
+        /// The leading fields of [`Request`]'s variants, in its order.
+        #[derive(Deserialize)]
+        enum Head {
+            Get { first_id: u64 },
+            Put { first_id: u64 },
+        }
+        let body = bytes.strip_prefix(&MAGIC[..])?.strip_prefix(&[VERSION])?;
+        match postcard::take_from_bytes::<Head>(body).ok()?.0 {
+            Head::Get { first_id } | Head::Put { first_id } => Some(first_id),
+        }
     }
 }
 
@@ -237,9 +267,31 @@ mod tests {
     }
 
     #[test]
+    fn the_id_of_a_request_that_does_not_decode_is_recovered_where_it_can_be() {
+        let put = Request::Put { first_id: 300, ttl_ms: 5, items: vec![(b"k".to_vec(), buf(1, 1))] }.encode();
+        let cut = &put[..put.len() - 3];
+        assert!(matches!(Request::decode(cut), Some(Err(_))));
+        assert_eq!(Request::recover_id(cut), Some(300));
+        let get = Request::Get { first_id: 7, items: vec![] }.encode();
+        let mut bad = get.clone();
+        bad.push(0xff);
+        bad.push(0xff);
+        assert_eq!(Request::recover_id(&get), Some(7));
+        assert_eq!(Request::recover_id(&bad), Some(7));
+        // Another version may lay its fields out otherwise; a cut tag leaves nothing.
+        let mut other = get.clone();
+        other[MAGIC.len()] = VERSION + 1;
+        assert_eq!(Request::recover_id(&other), None);
+        assert_eq!(Request::recover_id(&get[..MAGIC.len() + 1]), None);
+        assert_eq!(Request::recover_id(b"hello"), None);
+        assert!(Reply::decode(WELCOME).is_none(), "the welcome is no reply");
+    }
+
+    #[test]
     fn fail_codes_map_to_the_engine_errors() {
         assert!(matches!(FailCode::NoSpace.error("s", "x".into()), Error::NoSpace(_)));
         assert!(matches!(FailCode::Invalid.error("s", "x".into()), Error::InvalidArgument(_)));
         assert!(matches!(FailCode::Refused.error("s", "x".into()), Error::RemoteRejected { peer, .. } if peer == "s"));
+        assert!(matches!(FailCode::Protocol.error("s", "x".into()), Error::Protocol(_)));
     }
 }

@@ -204,6 +204,29 @@ fn no_server_and_bad_settings_are_clear_errors() {
 }
 
 #[test]
+fn a_cluster_member_on_every_interface_must_say_where_clients_reach_it() {
+    for listen in ["0.0.0.0:0", "[::]:0"] {
+        let e = Server::start(ServerConfig {
+            listen: listen.into(),
+            etcd: Some(freight_kv::EtcdConfig::new(vec!["http://127.0.0.1:1".into()])),
+            ..Default::default()
+        })
+        .err()
+        .unwrap();
+        assert!(matches!(&e, Error::InvalidArgument(m) if m.contains("advertise")), "{listen}: {e}");
+    }
+    let e = Server::start(ServerConfig {
+        listen: "0.0.0.0:0".into(),
+        etcd: Some(freight_kv::EtcdConfig::new(vec!["http://127.0.0.1:1".into()])),
+        advertise: Some("0.0.0.0".into()),
+        ..Default::default()
+    })
+    .err()
+    .unwrap();
+    assert!(matches!(&e, Error::InvalidArgument(m) if m.contains("unspecified")), "{e}");
+}
+
+#[test]
 fn a_client_waits_for_a_server_that_is_starting() {
     // Take a free port, start the client first, then the server on that port.
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();

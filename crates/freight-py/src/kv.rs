@@ -18,6 +18,7 @@ use pyo3::types::{PyBytes, PyDict};
 use pyo3::IntoPyObjectExt;
 
 use crate::errors::{invalid, to_py_err, OrRaise};
+use crate::interrupt;
 use crate::util::seconds;
 
 /// `get_many` asks for at most this many keys at once per this many bytes of the
@@ -193,13 +194,13 @@ pub struct PyKvClient {
 }
 
 impl PyKvClient {
-    /// Runs `f` on the client with the GIL released (the lock is taken there too).
+    /// Runs `f` on the client with the GIL released (the lock is taken there too);
+    /// Ctrl-C interrupts its wait, and leaves the client unusable (see `Client`).
     fn with<T: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut Client) -> Result<T> + Send) -> PyResult<T> {
-        py.detach(|| match lock(&self.inner).as_mut() {
+        interrupt::detach(py, || match lock(&self.inner).as_mut() {
             Some(c) => f(c),
             None => Err(self.closed()),
         })
-        .or_raise()
     }
 
     fn closed(&self) -> Error {
@@ -257,7 +258,8 @@ fn put_many(c: &mut Client, items: &[(&[u8], &[u8])], ttl: Duration) -> Result<V
 #[pymethods]
 impl PyKvClient {
     /// Connects to the server at `server` (its control plane's URL) with a receive buffer
-    /// of `buffer_bytes`; `timeout` (seconds) bounds every wait for the server.
+    /// of `buffer_bytes`; `timeout` (seconds) bounds each call's wait for the server,
+    /// a new session after it went away included (see `ClientConfig::timeout`).
     #[new]
     #[pyo3(signature = (server, buffer_bytes, name = "freight-kv-client".to_string(), timeout = 30.0, transport = "auto"))]
     fn new(
@@ -286,7 +288,8 @@ impl PyKvClient {
         Ok(PyKvClient { buffer_bytes: client.buffer_bytes(), inner: Mutex::new(Some(client)), server, name, timeout })
     }
 
-    /// False once closed, or once a request timed out (the client cannot be used again).
+    /// False once closed, or once a request timed out or lost its connection to a server
+    /// that lives on (the client cannot be used again).
     #[getter]
     fn live(&self, py: Python<'_>) -> bool {
         py.detach(|| lock(&self.inner).as_ref().is_some_and(Client::usable))
