@@ -645,20 +645,27 @@ mod tests {
         .unwrap()
     }
 
+    /// Holds the server's index for `how_long` (its worker waits, as on a long
+    /// transfer); returns once it is held.
+    fn stall_worker(s: &Server, how_long: Duration) -> std::thread::JoinHandle<()> {
+        let shared = s.shared().clone();
+        let (stalled, is_stalled) = std::sync::mpsc::channel();
+        let stall = std::thread::spawn(move || {
+            let _index = shared.index.lock();
+            stalled.send(()).unwrap();
+            std::thread::sleep(how_long);
+        });
+        is_stalled.recv().unwrap();
+        stall
+    }
+
     #[test]
     fn a_connection_lost_mid_request_to_a_server_that_answers_again_ends_the_call_and_the_client() {
         let s = server();
         let mut c = client(&s);
         c.put(b"k", b"first", Duration::ZERO).unwrap();
         // The server's worker stalls (as on a long transfer) while the request is out...
-        let shared = s.shared().clone();
-        let (stalled, is_stalled) = std::sync::mpsc::channel();
-        let stall = std::thread::spawn(move || {
-            let _index = shared.index.lock();
-            stalled.send(()).unwrap();
-            std::thread::sleep(Duration::from_millis(1500));
-        });
-        is_stalled.recv().unwrap();
+        let stall = stall_worker(&s, Duration::from_millis(1500));
         // ...and the client's connection to it breaks, though the server lives on.
         let (agent, server) = (c.agent.clone(), c.server.clone());
         let cut = std::thread::spawn(move || {
@@ -690,14 +697,7 @@ mod tests {
         let s = server();
         let mut c = client(&s);
         // The server's worker stalls, so the answer does not come before the interrupt.
-        let shared = s.shared().clone();
-        let (stalled, is_stalled) = std::sync::mpsc::channel();
-        let stall = std::thread::spawn(move || {
-            let _index = shared.index.lock();
-            stalled.send(()).unwrap();
-            std::thread::sleep(Duration::from_millis(1000));
-        });
-        is_stalled.recv().unwrap();
+        let stall = stall_worker(&s, Duration::from_millis(1000));
         let started = Instant::now();
         let e = interrupt::interruptible(|| true, || c.put(b"k", b"v", Duration::ZERO).unwrap_err());
         assert!(matches!(e, Error::Interrupted(_)), "{e}");
