@@ -628,12 +628,7 @@ fn rpc_error(server: &str, e: tonic::Status) -> Error {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::server::{Server, ServerConfig};
-
-    fn server() -> Server {
-        Server::start(ServerConfig { listen: "127.0.0.1:0".into(), memory_bytes: 1 << 20, ..Default::default() })
-            .unwrap()
-    }
+    use crate::server::{test_server as server, Server};
 
     fn client(server: &Server) -> Client {
         Client::connect(ClientConfig {

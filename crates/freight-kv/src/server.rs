@@ -697,14 +697,17 @@ impl Worker {
     }
 }
 
+/// A server on a free loopback port with 1 MiB of memory, for unit tests.
+#[cfg(test)]
+pub(crate) fn test_server() -> Server {
+    Server::start(ServerConfig { listen: "127.0.0.1:0".into(), memory_bytes: 1 << 20, ..Default::default() }).unwrap()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn server() -> Server {
-        Server::start(ServerConfig { listen: "127.0.0.1:0".into(), memory_bytes: 1 << 20, ..Default::default() })
-            .unwrap()
-    }
+    use super::test_server as server;
 
     /// An engine agent standing in for a client.
     fn agent(name: &str) -> Agent {
