@@ -327,3 +327,38 @@ fn closing_a_receiver_ends_a_recv_waiting_on_another_thread() {
     let e = tx_pipe.send(&list, vec![]).and_then(|_| tx_pipe.drain()).unwrap_err();
     assert!(e.to_string().contains("the receiver closed the pipe"), "{e}");
 }
+
+#[test]
+fn aborting_a_sender_ends_a_send_waiting_for_room_on_another_thread() {
+    let Ends { rx: _rx_agent, tx: tx_agent, addr, listener } = ends("rx-abort", "tx-abort", None);
+    let receiver = thread::spawn(move || {
+        let pipe = listener.accept(Buffer::Host { capacity: 4096 }, &config(10_000)).unwrap();
+        // Holds both messages: the buffer stays full.
+        let held = (pipe.recv(None).unwrap().unwrap(), pipe.recv(None).unwrap().unwrap());
+        let e = pipe.recv(Some(Duration::from_secs(10))).err();
+        drop(held);
+        e.expect("the receiver hears of the abort")
+    });
+    let pipe = Arc::new(PipeSender::connect(&tx_agent, &addr, &config(30_000)).unwrap());
+    let (_seg, list) = source(&tx_agent, 2048);
+    pipe.send(&list, vec![]).unwrap();
+    pipe.send(&list, vec![]).unwrap();
+    let waiting = {
+        let (pipe, list) = (pipe.clone(), list.clone());
+        thread::spawn(move || {
+            let started = std::time::Instant::now();
+            (pipe.send(&list, vec![]).unwrap_err(), started.elapsed())
+        })
+    };
+    thread::sleep(Duration::from_millis(300));
+    let started = std::time::Instant::now();
+    pipe.abort("the caller gave up");
+    assert!(started.elapsed() < Duration::from_secs(1), "abort waited for the send");
+    let (e, waited) = waiting.join().unwrap();
+    assert!(matches!(e, Error::InvalidState(_)) && e.to_string().contains("the caller gave up"), "{e}");
+    assert!(waited < Duration::from_secs(5), "the send went on after the abort: {waited:?}");
+    // The receiver hears why, and later sends fail the same way.
+    let e = receiver.join().unwrap();
+    assert!(e.to_string().contains("the caller gave up"), "{e}");
+    assert!(pipe.send(&list, vec![]).unwrap_err().to_string().contains("the caller gave up"));
+}

@@ -32,6 +32,9 @@ pub struct PipeSender {
     buffer: BufferInfo,
     config: PipeConfig,
     state: Mutex<SendState>,
+    /// Set by [`PipeSender::abort`] without taking `state`, which a send waiting for
+    /// room holds: the waits look at it between slices.
+    aborted: Mutex<Option<Error>>,
 }
 
 struct SendState {
@@ -76,7 +79,16 @@ impl PipeSender {
             credit_wait: Duration::ZERO,
             asked: 0,
         };
-        Ok(PipeSender { router, peer, pipe, inbox, buffer, config: config.clone(), state: Mutex::new(state) })
+        Ok(PipeSender {
+            router,
+            peer,
+            pipe,
+            inbox,
+            buffer,
+            config: config.clone(),
+            state: Mutex::new(state),
+            aborted: Mutex::new(None),
+        })
     }
 
     fn open(
@@ -238,7 +250,7 @@ impl PipeSender {
                 self.router.send(&self.peer, &Msg::Sync { pipe: self.pipe, upto: needed })?;
             }
             let waiting = Instant::now();
-            let outcome = wait_message(self.agent(), &self.peer, &self.inbox, deadline);
+            let outcome = self.next_message(deadline);
             st.credit_wait += waiting.elapsed();
             if !matches!(outcome, Ok(Some(_))) {
                 // A send tried again asks again, whatever it needs then.
@@ -260,8 +272,27 @@ impl PipeSender {
         }
     }
 
+    /// The receiver's next word, waiting until `deadline` (`None` then) in slices that
+    /// an abort from another thread also ends.
+    fn next_message(&self, deadline: Instant) -> Result<Option<Msg>> {
+        interrupt::until(deadline, |slice| {
+            self.check_aborted()?;
+            wait_message(self.agent(), &self.peer, &self.inbox, Instant::now() + slice)
+        })
+    }
+
+    fn check_aborted(&self) -> Result<()> {
+        match &*self.aborted.lock() {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
+        }
+    }
+
     /// Applies whatever the receiver said since last time.
     fn absorb(&self, st: &mut SendState) -> Result<()> {
+        if let Err(e) = self.check_aborted() {
+            st.broken.get_or_insert(e);
+        }
         if let Some(e) = &st.broken {
             return Err(e.clone());
         }
@@ -309,6 +340,7 @@ impl PipeSender {
             let wait = must_wait(st.in_flight.len(), *start);
             let status = if wait {
                 let finished = interrupt::until(deadline, |slice| {
+                    self.check_aborted()?;
                     let status = req.wait(Some(slice));
                     Ok(status.is_final().then_some(status))
                 });
@@ -335,12 +367,14 @@ impl PipeSender {
         Ok(())
     }
 
-    /// Marks the pipe broken and tells the receiver; an interrupted wait changed
-    /// nothing, and the pipe goes on.
+    /// Marks the pipe broken and tells the receiver (unless an abort told it already);
+    /// an interrupted wait changed nothing, and the pipe goes on.
     fn fail(&self, st: &mut SendState, e: Error) -> Error {
         if st.broken.is_none() && !matches!(e, Error::Interrupted(_)) {
             st.broken = Some(e.clone());
-            let _ = self.router.send(&self.peer, &Msg::Abort { pipe: self.pipe, reason: e.to_string() });
+            if self.aborted.lock().is_none() {
+                let _ = self.router.send(&self.peer, &Msg::Abort { pipe: self.pipe, reason: e.to_string() });
+            }
         }
         e
     }
@@ -425,7 +459,7 @@ impl PipeSender {
         let deadline = Instant::now() + self.config.timeout;
         self.absorb(&mut st)?;
         while st.window.credited() < upto.min(st.window.head()) {
-            match wait_message(self.agent(), &self.peer, &self.inbox, deadline) {
+            match self.next_message(deadline) {
                 Ok(Some(msg)) => self.handle(&mut st, msg)?,
                 Ok(None) => {
                     return Err(Error::Timeout(format!(
@@ -454,10 +488,28 @@ impl PipeSender {
     }
 
     /// Breaks the pipe and tells the receiver `reason`: its next call fails with it,
-    /// instead of seeing the stream end as if it were whole. Later sends fail.
+    /// instead of seeing the stream end as if it were whole. Later sends fail, and so
+    /// does a send or wait in progress on another thread (within a slice of its wait).
     pub fn abort(&self, reason: &str) {
-        let mut st = self.state.lock();
-        self.fail(&mut st, Error::InvalidState(format!("the pipe was aborted: {reason}")));
+        let e = Error::InvalidState(format!("the pipe was aborted: {reason}"));
+        let mut aborted = self.aborted.lock();
+        if aborted.is_some() {
+            return;
+        }
+        // Whoever holds the state may be waiting (for room, for writes): it sees the
+        // abort between slices. A pipe that broke already told the receiver why.
+        let broken_already = match self.state.try_lock() {
+            Some(mut st) => {
+                let was = st.broken.is_some();
+                st.broken.get_or_insert_with(|| e.clone());
+                was
+            }
+            None => false,
+        };
+        if !broken_already {
+            let _ = self.router.send(&self.peer, &Msg::Abort { pipe: self.pipe, reason: e.to_string() });
+        }
+        *aborted = Some(e);
     }
 
     /// Messages sent so far.
@@ -478,7 +530,7 @@ impl PipeSender {
 
 impl Drop for PipeSender {
     fn drop(&mut self) {
-        let healthy = self.state.lock().broken.is_none();
+        let healthy = self.state.lock().broken.is_none() && self.aborted.lock().is_none();
         if healthy {
             if let Err(e) = self.close() {
                 tracing::warn!(peer = %self.peer, error = %e, "closing a pipe on drop failed");
