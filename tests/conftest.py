@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -255,3 +256,23 @@ def pytest_report_header(config):
         f"freight: CUDA GPU: {_gpu_status()}",
         f"freight: etcd: {etcd or 'not found: tests using etcd_endpoint will be skipped'}",
     ]
+
+
+class Interrupted(Exception):
+    """What `ctrl_c_soon`'s SIGINT handler raises."""
+
+
+def _interrupted(*_) -> None:
+    raise Interrupted()
+
+
+@pytest.fixture
+def ctrl_c_soon():
+    """Sends this process SIGINT in 0.3 s; its handler raises Interrupted (not
+    KeyboardInterrupt, which would end the whole test session)."""
+    previous = signal.signal(signal.SIGINT, _interrupted)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    yield
+    timer.cancel()
+    signal.signal(signal.SIGINT, previous)

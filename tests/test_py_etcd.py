@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import numpy as np
 import pytest
 
 import freight
-from conftest import free_port
+from conftest import Interrupted, free_port
 from test_py_transfer import TIMEOUT, Inbox, Target, pattern
 
 def prefix() -> str:
@@ -91,3 +92,16 @@ def test_unreachable_etcd_and_bad_arguments():
         freight.EtcdDirectory("http://127.0.0.1:1", ttl=0.5)
     with pytest.raises(freight.InvalidArgumentError):
         freight.EtcdDirectory("http://127.0.0.1:1", timeout=-1)
+
+
+@pytest.mark.etcd
+@pytest.mark.timeout(30)
+def test_ctrl_c_interrupts_a_wait_for_a_name(etcd_endpoint, ctrl_c_soon):
+    with freight.EtcdDirectory(etcd_endpoint, prefix=prefix()) as d:
+        start = time.monotonic()
+        with pytest.raises(Interrupted):
+            d.wait_for("never", 20.0)
+        assert time.monotonic() - start < 5
+        # The directory goes on.
+        d.publish("late", b"x")
+        assert d.wait_for("late", 1.0) == b"x"

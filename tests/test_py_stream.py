@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import freight
+from conftest import Interrupted
 from stream_peer import notifs_until, objects, pattern, sha
 from test_py_transfer import readline
 
@@ -484,26 +485,6 @@ def test_a_viewed_reassembled_object_is_not_reused_before_the_object_goes():
         np.testing.assert_array_equal(view, first)
         t.join(timeout=15)
         ch.close()
-
-
-class Interrupted(Exception):
-    pass
-
-
-def _interrupted(*_) -> None:
-    raise Interrupted()
-
-
-@pytest.fixture
-def ctrl_c_soon():
-    """Sends this process SIGINT in 0.3 s; its handler raises Interrupted (not
-    KeyboardInterrupt, which would end the whole test session)."""
-    previous = signal.signal(signal.SIGINT, _interrupted)
-    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
-    yield
-    timer.cancel()
-    signal.signal(signal.SIGINT, previous)
 
 
 @pytest.mark.timeout(30)

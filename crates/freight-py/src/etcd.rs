@@ -8,6 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyString};
 
 use crate::errors::{invalid, to_py_err, OrRaise};
+use crate::interrupt;
 use crate::util::seconds;
 
 /// A directory of agents' metadata in etcd. `endpoints` is one URL
@@ -90,7 +91,7 @@ impl PyEtcdDirectory {
     fn wait_for<'py>(&self, py: Python<'py>, name: &str, timeout: f64) -> PyResult<Bound<'py, PyBytes>> {
         let dir = self.get()?;
         let timeout = seconds(timeout, "timeout")?;
-        let v = py.detach(move || dir.wait_for(name, timeout)).or_raise()?;
+        let v = interrupt::detach(py, move || dir.wait_for(name, timeout))?;
         Ok(PyBytes::new(py, &v))
     }
 

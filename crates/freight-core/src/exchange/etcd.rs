@@ -21,6 +21,7 @@ use tokio::sync::{oneshot, Mutex as AsyncMutex};
 use tokio::task::JoinHandle;
 
 use crate::error::{Error, Result};
+use crate::interrupt;
 
 /// Longest accepted agent name, in characters.
 pub const MAX_NAME_LEN: usize = 256;
@@ -156,16 +157,30 @@ impl EtcdDirectory {
         self.driver.block_on(self.ctx.get(name))?
     }
 
-    /// Waits until `prefix + name` exists and returns its value; `Error::Timeout` after `timeout`.
+    /// Waits until `prefix + name` exists and returns its value; `Error::Timeout` after
+    /// `timeout`. The caller's interrupt check (see [`crate::interrupt`]) runs between
+    /// slices of the wait, which keeps its watch across them.
     pub fn wait_for(&self, name: &str, timeout: Duration) -> Result<Vec<u8>> {
         validate_name(name)?;
-        match self.driver.block_on(async { tokio::time::timeout(timeout, self.ctx.wait(name)).await })? {
-            Ok(value) => Ok(value),
-            Err(_) => Err(Error::Timeout(format!(
-                "'{name}' did not appear under etcd prefix {} within {timeout:?}",
-                self.ctx.prefix
-            ))),
-        }
+        let deadline = tokio::time::Instant::now() + timeout;
+        // Polled on this thread (the driver's `block_on`), where the check is installed.
+        self.driver.block_on(async {
+            let wait = self.ctx.wait(name);
+            tokio::pin!(wait);
+            loop {
+                let slice_end = deadline.min(tokio::time::Instant::now() + interrupt::SLICE);
+                match tokio::time::timeout_at(slice_end, &mut wait).await {
+                    Ok(value) => return Ok(value),
+                    Err(_) if tokio::time::Instant::now() >= deadline => {
+                        return Err(Error::Timeout(format!(
+                            "'{name}' did not appear under etcd prefix {} within {timeout:?}",
+                            self.ctx.prefix
+                        )))
+                    }
+                    Err(_) => interrupt::check()?,
+                }
+            }
+        })?
     }
 
     /// Deletes `prefix + name` (no error if absent) and stops re-publishing it.
