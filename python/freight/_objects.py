@@ -164,7 +164,7 @@ def to_bytes(msg: Any, what: str = "message") -> bytes:
         return msg.encode()
     if isinstance(msg, (bytearray, memoryview)):
         return bytes(msg)
-    raise TypeError(f"{what} must be bytes (or str), got {type(msg).__name__}")
+    raise TypeError(f"{what} must be str or bytes, got {type(msg).__name__} {msg!r:.60}")
 
 
 def indices(idx: Any) -> Optional[np.ndarray]:

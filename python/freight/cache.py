@@ -45,7 +45,7 @@ from typing import Any, Dict, Optional, Tuple, Union
 import numpy as np
 
 from . import _native
-from ._objects import describe, indices, is_tensor
+from ._objects import describe, indices, is_tensor, to_bytes
 from .agent import Agent
 from .errors import InvalidArgumentError
 from .storage import StoreReceiver, StoreSender
@@ -149,12 +149,7 @@ class CacheEngine:
         namespace: Union[str, bytes] = b"",
     ) -> None:
         self._dtype, elem_bytes = dtype_info(dtype)
-        if isinstance(namespace, str):
-            namespace = namespace.encode()
-        elif isinstance(namespace, (bytes, bytearray, memoryview)):
-            namespace = bytes(namespace)
-        else:
-            raise TypeError(f"namespace must be str or bytes, got {type(namespace).__name__}")
+        namespace = to_bytes(namespace, "namespace")
         self._namespace = namespace
         self._layers = _count(layers, "layers")
         self._heads = _count(heads, "heads")

@@ -46,7 +46,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _native
-from ._objects import is_tensor
+from ._objects import is_tensor, to_bytes
 from .errors import FreightError, InvalidArgumentError, InvalidStateError, PeerDisconnectedError
 
 __all__ = ["AsyncClient", "Client", "Server", "Key"]
@@ -60,12 +60,7 @@ log = logging.getLogger("freight.kv")
 
 
 def _key(key: Any) -> bytes:
-    if isinstance(key, str):
-        raw = key.encode()
-    elif isinstance(key, (bytes, bytearray, memoryview)):
-        raw = bytes(key)
-    else:
-        raise TypeError(f"KV keys must be str or bytes, got {type(key).__name__} {key!r}")
+    raw = to_bytes(key, "a KV key")
     if not raw:
         raise InvalidArgumentError("KV keys must not be empty")
     return raw
