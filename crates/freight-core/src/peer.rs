@@ -1,5 +1,6 @@
 //! What an agent knows about one peer, and its connections to it (opened lazily).
 
+use std::collections::HashSet;
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -35,6 +36,9 @@ pub struct Peer {
     pub md: AgentMetadata,
     pub same_host: bool,
     pub regions: RwLock<RemoteRegions>,
+    /// Regions the peer revoked (keys are never reused by an agent): metadata read
+    /// before a revocation must not bring its region back. Locked inside `regions`.
+    revoked: Mutex<HashSet<u64>>,
     pub shm: ShmPeer,
     pub cuda: CudaPeer,
     links: Mutex<Links>,
@@ -241,6 +245,7 @@ impl Peer {
         Peer {
             name: md.name.clone(),
             regions: RwLock::new(RemoteRegions::new(&md.regions)),
+            revoked: Mutex::default(),
             shm: ShmPeer::new(md.host.pid),
             cuda: CudaPeer::default(),
             md,
@@ -324,10 +329,15 @@ impl Peer {
         Ok(link)
     }
 
-    /// Takes the regions of the peer's refreshed metadata.
+    /// Takes the regions of the peer's refreshed metadata, less those it revoked since:
+    /// the metadata may be older than the revocation (read before it, or kept by the
+    /// application).
     pub fn replace_regions(&self, regions: &[crate::memory::RegionInfo]) {
         let mut known = self.regions.write();
-        *known = RemoteRegions::new(regions);
+        let revoked = self.revoked.lock();
+        let live: Vec<_> = regions.iter().filter(|r| !revoked.contains(&r.key)).cloned().collect();
+        drop(revoked);
+        *known = RemoteRegions::new(&live);
         self.close_unused_imports(&known);
     }
 
@@ -349,6 +359,7 @@ impl Peer {
                 Ok(Some(Frame::Revoke { region })) => {
                     tracing::debug!(peer = %self.name, region, "peer revoked a region");
                     let mut regions = self.regions.write();
+                    self.revoked.lock().insert(region);
                     regions.remove(region);
                     self.close_unused_imports(&regions);
                     drop(regions);

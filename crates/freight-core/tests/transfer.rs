@@ -347,3 +347,30 @@ fn pinning_to_no_cores_is_refused() {
     let e = Agent::new("pinned", cfg).err().expect("refused");
     assert!(matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("at least one core"), "{e}");
 }
+
+/// Metadata read before a revocation (kept by the application, or fetched while the
+/// region went away) must not bring the revoked region back when it is added again.
+#[test]
+fn metadata_older_than_a_revocation_does_not_bring_the_region_back() {
+    let (a, b) = agents(AgentConfig::default());
+    let dst = b.alloc(4096).unwrap();
+    let key = b.register(MemKind::Dram, dst.addr(), 4096, 0).unwrap();
+    let old = b.metadata();
+    a.add_peer(&old).unwrap();
+    // Opens the control link, which carries revocations.
+    a.notify("target", b"hello".to_vec()).unwrap();
+    a.prepare_remote("target", &list(dst.addr(), 4096)).unwrap();
+    b.deregister(key).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while a.prepare_remote("target", &list(dst.addr(), 4096)).is_ok() {
+        assert!(std::time::Instant::now() < deadline, "the revocation never arrived");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    a.add_peer(&old).unwrap();
+    let e = a.prepare_remote("target", &list(dst.addr(), 4096)).unwrap_err();
+    assert!(matches!(e, Error::NotRegistered { .. }), "{e}");
+    // Registered again (a new key), the memory is reachable through fresh metadata.
+    b.register(MemKind::Dram, dst.addr(), 4096, 0).unwrap();
+    a.add_peer(&b.metadata()).unwrap();
+    a.prepare_remote("target", &list(dst.addr(), 4096)).unwrap();
+}
