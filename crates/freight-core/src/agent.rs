@@ -322,8 +322,11 @@ impl Agent {
         let md = AgentMetadata::decode(metadata)?;
         let name = md.name.clone();
         // The same live agent again (a refresh): take its new regions and keep the
-        // connections, so that transfers in flight to it carry on.
-        if let Some(known) = self.inner.peers.read().get(&name) {
+        // connections, so that transfers in flight to it carry on. Checked outside the
+        // peers' lock: the check waits while a connection to that peer is being dialled,
+        // and every other peer's lookup would wait behind it.
+        let known = self.inner.peers.read().get(&name).cloned();
+        if let Some(known) = known {
             if known.md.agent_id == md.agent_id && known.check_alive().is_ok() {
                 known.replace_regions(&md.regions);
                 tracing::debug!(agent = %self.inner.name, peer = %name, regions = md.regions.len(), "refreshed peer");

@@ -374,3 +374,37 @@ fn metadata_older_than_a_revocation_does_not_bring_the_region_back() {
     a.add_peer(&b.metadata()).unwrap();
     a.prepare_remote("target", &list(dst.addr(), 4096)).unwrap();
 }
+
+/// A peer whose connection is slow to set up (its listener accepts and never answers)
+/// holds up that peer's users only: adding and using other peers goes on meanwhile,
+/// also while that peer's metadata is being added again.
+#[test]
+fn a_slow_dial_to_one_peer_holds_up_no_other() {
+    let cfg = AgentConfig { connect_timeout: Duration::from_secs(3), ..Default::default() };
+    let a = Agent::new("initiator", cfg.clone()).unwrap();
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let ghost = Agent::new("ghost", cfg.clone()).unwrap();
+    let mut md = freight_core::metadata::AgentMetadata::decode(&ghost.metadata()).unwrap();
+    md.addresses = vec![silent.local_addr().unwrap().to_string()];
+    let md = md.encode();
+    a.add_peer(&md).unwrap();
+    let other = Agent::new("other", cfg).unwrap();
+    let dst = other.alloc(4096).unwrap();
+    other.register(MemKind::Dram, dst.addr(), 4096, 0).unwrap();
+    std::thread::scope(|s| {
+        // Dials the ghost's control link: waits out the handshake.
+        let dialing = s.spawn(|| a.notify("ghost", b"hello".to_vec()));
+        std::thread::sleep(Duration::from_millis(200));
+        // Refreshing the ghost waits for its dial too...
+        let refreshing = s.spawn(|| a.add_peer(&md));
+        std::thread::sleep(Duration::from_millis(200));
+        // ...but nobody else does.
+        let started = std::time::Instant::now();
+        a.add_peer(&other.metadata()).unwrap();
+        a.prepare_remote("other", &list(dst.addr(), 4096)).unwrap();
+        let took = started.elapsed();
+        assert!(took < Duration::from_secs(1), "another peer waited {took:?} for the ghost's dial");
+        assert!(dialing.join().unwrap().is_err(), "the ghost never answered");
+        refreshing.join().unwrap().unwrap();
+    });
+}
