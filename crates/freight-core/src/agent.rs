@@ -923,7 +923,7 @@ impl Request {
             &link,
             &self.plan.ops,
             self.op,
-            |k| self.agent.registry.get(k).map(|r| r.info.clone()),
+            |k| self.agent.registry.get(k).map(|r| (r.info.clone(), r.is_private())),
             |k| self.peer.regions.read().get(k).cloned(),
         )?;
         Ok(self.fabric.get_or_init(|| Arc::new(program)).clone())

@@ -345,3 +345,43 @@ fn a_peer_dying_mid_transfer_fails_it_without_hanging() {
         drop(buffers);
     }
 }
+
+/// A private region works as the local side of its owner's transfers over fabric (its
+/// registration grants local access only), and no peer reaches it: a peer that forged
+/// metadata naming it gets no key for it.
+#[test]
+fn private_memory_is_a_local_side_only() {
+    if !libfabric() {
+        return;
+    }
+    let a = Agent::new("initiator", config("tcp", &["lo"], 1 << 20)).unwrap();
+    let b = Agent::new("target", config("tcp", &["lo"], 1 << 20)).unwrap();
+    let len = 1u64 << 16;
+    let (pool, open, src) = (Buffer::new(len as usize, 1), Buffer::new(len as usize, 2), Buffer::new(len as usize, 3));
+    let pool_key = a.register_private(MemKind::Dram, pool.addr(), len, 0).unwrap();
+    b.register(MemKind::Dram, open.addr(), len, 0).unwrap();
+    a.register(MemKind::Dram, src.addr(), len, 0).unwrap();
+    a.add_peer(&b.metadata()).unwrap();
+    let write = a.transfer(OpKind::Write, &list(&[(pool.addr(), len)]), "target", &list(&[(open.addr(), len)]), None);
+    assert_eq!(write.unwrap().wait(T), Status::Done);
+    assert_eq!(open.0, pool.0, "the private pool's bytes did not arrive");
+    // The peer's view, forged to list the private pool as if it were public.
+    let mut md = freight_core::metadata::AgentMetadata::decode(&a.metadata()).unwrap();
+    let mut forged = md.regions[0].clone();
+    forged.key = pool_key;
+    forged.addr = pool.addr();
+    forged.len = len;
+    forged.shared = None;
+    md.regions.push(forged);
+    let b_src = Buffer::new(len as usize, 4);
+    b.register(MemKind::Dram, b_src.addr(), len, 0).unwrap();
+    b.add_peer(&md.encode()).unwrap();
+    let before = pool.0.clone();
+    let attempt =
+        b.transfer(OpKind::Write, &list(&[(b_src.addr(), len)]), "initiator", &list(&[(pool.addr(), len)]), None);
+    match attempt.map(|r| r.wait(T)) {
+        Err(Error::RemoteRejected { .. }) | Ok(Status::Error(Error::RemoteRejected { .. })) => {}
+        other => panic!("a write into a private region gave {other:?}"),
+    }
+    assert_eq!(pool.0, before, "the private pool changed");
+}

@@ -43,6 +43,8 @@ pub struct FabricLink {
     stream: Mutex<TcpStream>,
     /// Per local rail: the paired remote rail and its address-vector handle.
     routes: Vec<(u64, usize)>,
+    /// How many rails the peer has: each of its regions has a key per rail.
+    peer_rails: usize,
     virt_addr: bool,
     /// Region -> its key on each of the peer's rails.
     keys: RwLock<HashMap<u64, Vec<u64>>>,
@@ -60,12 +62,21 @@ impl FabricLink {
     /// Runs step 1 on a connection the peer welcomed; `dial` opens the relay later.
     pub fn connect(mut stream: TcpStream, fabric: &Arc<Fabric>, peer: &str, dial: Dial) -> Result<FabricLink> {
         wire::write_frame(&mut stream, &Frame::FabricHello { provider: fabric.provider.clone() }, &[])?;
-        let (rails, virt_addr) = match wire::read_frame(&mut stream)? {
+        let (rails, virt_addr): (Vec<Vec<u8>>, bool) = match wire::read_frame(&mut stream)? {
             Some(Frame::FabricWelcome { provider, rails, virt_addr }) => {
                 if provider != fabric.provider || rails.is_empty() {
                     return Err(Error::Protocol(format!(
                         "fabric: peer '{peer}' answered with provider '{provider}' and {} rails",
                         rails.len()
+                    )));
+                }
+                // The provider reads an address of its own length from what we pass it:
+                // a peer's must be as long as ours.
+                let ours = fabric.workers[0].rail.address.len();
+                if let Some(bad) = rails.iter().find(|a| a.len() != ours) {
+                    return Err(Error::Protocol(format!(
+                        "fabric: peer '{peer}' sent a rail address of {} bytes where {provider} uses {ours}",
+                        bad.len()
                     )));
                 }
                 (rails, virt_addr)
@@ -86,6 +97,7 @@ impl FabricLink {
             peer: peer.into(),
             stream: Mutex::new(stream),
             routes,
+            peer_rails: rails.len(),
             virt_addr,
             keys: RwLock::default(),
             dead: Arc::default(),
@@ -151,16 +163,36 @@ impl FabricLink {
             regions.iter().copied().filter(|r| !known.contains_key(r)).collect()
         };
         if !missing.is_empty() {
+            if let Some(reason) = self.dead_reason() {
+                return Err(Error::PeerDisconnected { peer: self.peer.to_string(), reason });
+            }
             let mut stream = self.stream.lock();
-            wire::write_frame(&mut *stream, &Frame::FabricKeys { regions: missing.clone() }, &[])?;
-            match wire::read_frame(&mut *stream)? {
-                Some(Frame::FabricKeysReply { keys, error: None }) if keys.len() == missing.len() => {
+            let asked = wire::write_frame(&mut *stream, &Frame::FabricKeys { regions: missing.clone() }, &[])
+                .and_then(|()| wire::read_frame(&mut *stream));
+            let peer_rails = self.peer_rails;
+            match asked {
+                Ok(Some(Frame::FabricKeysReply { keys, error: None }))
+                    if keys.len() == missing.len() && keys.iter().all(|k| k.len() == peer_rails) =>
+                {
                     self.keys.write().extend(missing.into_iter().zip(keys));
                 }
-                Some(Frame::FabricKeysReply { error: Some(reason), .. }) => {
+                Ok(Some(Frame::FabricKeysReply { error: Some(reason), .. })) => {
                     return Err(Error::RemoteRejected { peer: self.peer.to_string(), reason });
                 }
-                other => return Err(Error::Protocol(format!("fabric: expected keys, got {other:?}"))),
+                // A question without its answer (a timeout, say) leaves the exchange out
+                // of step: a later answer would be taken for the next question's. The
+                // link is dead from here.
+                other => {
+                    let e = match other {
+                        Err(e) => e,
+                        Ok(frame) => Error::Protocol(format!(
+                            "fabric: expected the keys of {} regions on {peer_rails} rails, got {frame:?}",
+                            missing.len()
+                        )),
+                    };
+                    self.dead.lock().get_or_insert_with(|| format!("the key exchange failed: {e}"));
+                    return Err(e);
+                }
             }
         }
         let known = self.keys.read();
@@ -190,7 +222,12 @@ impl FabricLink {
         }
         let opened = Arc::new(Relay::open((self.dial)()?, fabric, self.routes.clone(), self.peer.clone())?);
         tracing::info!(peer = %self.peer, docks = super::relay::DOCKS, "fabric relay up: the peer stages its memory");
-        Ok(relay.insert(opened).clone())
+        let closed = relay.replace(opened.clone());
+        drop(relay);
+        // Dropping a closed relay waits for its last wire reports, whose requests' hooks
+        // may post again through this link: not under the lock.
+        drop(closed);
+        Ok(opened)
     }
 
     /// The peer revoked a region: its keys are dead.
@@ -477,5 +514,53 @@ mod tests {
         let e = link.relay(&fabric).err().expect("no relay after a shutdown");
         assert!(matches!(e, Error::PeerDisconnected { .. }), "{e}");
         assert_eq!(dials.load(Ordering::Relaxed), 2);
+    }
+
+    /// A fake target on loopback: answers the hello with `welcome`, then each key
+    /// request with the next of `replies` (none left: it hangs up).
+    fn fake_target(welcome: Frame, replies: Vec<Frame>) -> std::net::SocketAddr {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().unwrap();
+            let _hello = wire::read_frame(&mut stream).unwrap();
+            wire::write_frame(&mut stream, &welcome, &[]).unwrap();
+            for reply in replies {
+                if wire::read_frame(&mut stream).ok().flatten().is_none() {
+                    return;
+                }
+                wire::write_frame(&mut stream, &reply, &[]).unwrap();
+            }
+        });
+        addr
+    }
+
+    fn no_dial() -> Dial {
+        Box::new(|| Err(Error::TransportUnavailable("no relay in this test".into())))
+    }
+
+    /// What a peer sends goes to the provider and into indexing only once checked: a
+    /// rail address of the wrong length, keys for fewer rails than it has.
+    #[test]
+    fn a_peer_s_addresses_and_keys_are_checked_before_use() {
+        let Some(fabric) = loopback_fabric() else { return };
+        let fabric = Arc::new(fabric);
+        let provider = fabric.provider.clone();
+        let short = Frame::FabricWelcome { provider: provider.clone(), rails: vec![vec![7]], virt_addr: false };
+        let addr = fake_target(short, vec![]);
+        let e = FabricLink::connect(TcpStream::connect(addr).unwrap(), &fabric, "target", no_dial()).err().unwrap();
+        assert!(matches!(&e, Error::Protocol(m) if m.contains("rail address of 1 bytes")), "{e}");
+
+        let welcome = Frame::FabricWelcome { provider, rails: fabric.addresses(), virt_addr: false };
+        let no_keys = Frame::FabricKeysReply { keys: vec![vec![]], error: None };
+        let good = Frame::FabricKeysReply { keys: vec![vec![5]], error: None };
+        let addr = fake_target(welcome, vec![no_keys, good]);
+        let link = FabricLink::connect(TcpStream::connect(addr).unwrap(), &fabric, "target", no_dial()).unwrap();
+        let e = link.keys(&[1]).unwrap_err();
+        assert!(matches!(&e, Error::Protocol(m) if m.contains("on 1 rails")), "{e}");
+        // The exchange is out of step now: no later answer is taken for another question's.
+        let e = link.keys(&[2]).unwrap_err();
+        assert!(matches!(&e, Error::PeerDisconnected { reason, .. } if reason.contains("key exchange")), "{e}");
+        assert!(link.dead_reason().is_some());
     }
 }

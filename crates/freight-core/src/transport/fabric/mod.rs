@@ -180,7 +180,7 @@ impl Fabric {
 
     /// Registers a region with every rail (cached): its keys, one per rail.
     pub fn keys(&self, region: &RegionInfo) -> Result<Vec<u64>> {
-        self.workers.iter().map(|w| w.rail.registration(region).map(|m| m.key)).collect()
+        self.workers.iter().map(|w| w.rail.registration(region, false).map(|m| m.key)).collect()
     }
 
     /// Drops a region's registrations; whether it had any.
@@ -196,14 +196,15 @@ impl Fabric {
     }
 
     /// Resolves a request's copies into operations, dealt to the rails in turn.
-    /// `local` and `remote` describe the regions the copies name. Operations on the
+    /// `local` and `remote` describe the regions the copies name (`local` also says
+    /// whether the region is private: no peer may reach it). Operations on the
     /// peer's GPU memory go through its docks (the relay is opened on first need).
     pub fn compile(
         self: &Arc<Self>,
         link: &Arc<FabricLink>,
         ops: &[Op],
         op: OpKind,
-        local: impl Fn(u64) -> Option<RegionInfo>,
+        local: impl Fn(u64) -> Option<(RegionInfo, bool)>,
         remote: impl Fn(u64) -> Option<RegionInfo>,
     ) -> Result<FabricProgram> {
         let read = op == OpKind::Read;
@@ -218,7 +219,7 @@ impl Fabric {
         for (i, chunk) in chunk_ops(ops, self.chunk_size, 1).into_iter().enumerate() {
             let o = chunk.segs[0];
             let rail = i % self.workers.len();
-            let lr = local(o.local_region).ok_or(Error::UnknownRegion(o.local_region))?;
+            let (lr, private) = local(o.local_region).ok_or(Error::UnknownRegion(o.local_region))?;
             let rr = remote(o.remote_region).ok_or_else(|| Error::RemoteRejected {
                 peer: link.peer().to_string(),
                 reason: format!("region {} was deregistered by its owner", o.remote_region),
@@ -228,7 +229,7 @@ impl Fabric {
             let (gpu, desc) = if lr.kind == MemKind::Vram {
                 (Some(staged::gpu_of(&lr)?), 0)
             } else {
-                (None, self.workers[rail].rail.registration(&lr)?.desc as usize)
+                (None, self.workers[rail].rail.registration(&lr, private)?.desc as usize)
             };
             if through_docks(&rr) {
                 let seg = Seg { region: o.remote_region, addr: o.remote_addr, len: o.len };

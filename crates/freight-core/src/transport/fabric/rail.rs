@@ -143,6 +143,10 @@ impl Drop for Mr {
 const FULL_ACCESS: u64 = FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE;
 /// Memory peers may only read; locally it is only ever a source (of a write).
 const READ_ONLY_ACCESS: u64 = FI_WRITE | FI_REMOTE_READ;
+/// Memory no peer may reach (a private region): the local side of this agent's own
+/// operations only. Refusing its key in the exchange is not enough: with keys the
+/// provider hands out in sequence, a peer could guess it.
+const LOCAL_ACCESS: u64 = FI_READ | FI_WRITE;
 
 pub struct Rail {
     lib: &'static Lib,
@@ -244,8 +248,9 @@ impl Rail {
     }
 
     /// The registration of `region`, made on first use. A read-only region's lets no
-    /// peer write it (the provider refuses the access).
-    pub fn registration(&self, region: &RegionInfo) -> Result<std::sync::Arc<Mr>> {
+    /// peer write it, a private region's lets no peer reach it at all (the provider
+    /// refuses the access).
+    pub fn registration(&self, region: &RegionInfo, private: bool) -> Result<std::sync::Arc<Mr>> {
         let (key, addr, len) = (region.key, region.addr, region.len);
         if let Some(mr) = self.mrs.read().get(&key) {
             return Ok(mr.clone());
@@ -256,7 +261,11 @@ impl Rail {
         }
         // SAFETY: the region is registered memory that stays mapped until `forget`
         // (called before the registry lets it go).
-        let access = if region.read_only { READ_ONLY_ACCESS } else { FULL_ACCESS };
+        let access = match (private, region.read_only) {
+            (true, _) => LOCAL_ACCESS,
+            (false, true) => READ_ONLY_ACCESS,
+            (false, false) => FULL_ACCESS,
+        };
         let mr = std::sync::Arc::new(unsafe { self.register_with(addr, len, key, access) }?);
         mrs.insert(key, mr.clone());
         Ok(mr)
