@@ -102,7 +102,7 @@ impl SharedSegment {
         }
         static NEXT: AtomicU64 = AtomicU64::new(1);
         let id = NEXT.fetch_add(1, Ordering::Relaxed);
-        let name = std::ffi::CString::new(format!("freight-seg-{id}")).expect("no NUL");
+        let name = std::ffi::CString::new(SharedSegment::memfd_name(id)).expect("no NUL");
         // SAFETY: plain syscalls on a fresh descriptor; every failure is checked.
         unsafe {
             let fd = libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC);
@@ -130,6 +130,15 @@ impl SharedSegment {
     pub fn id(&self) -> u64 {
         self.id
     }
+
+    /// The name of segment `id`'s memfd. Ids are never reused within a process, so in
+    /// the owner's `/proc/<pid>/fd/` it names exactly one segment: a peer checks it before
+    /// mapping a descriptor (see `transport::shm`), whose number the owner may have given
+    /// to another segment since.
+    pub fn memfd_name(id: u64) -> String {
+        format!("freight-seg-{id}")
+    }
+
     pub fn addr(&self) -> u64 {
         self.ptr as u64
     }

@@ -345,6 +345,7 @@ impl Peer {
     fn close_unused_imports(&self, regions: &RemoteRegions) {
         let live: Vec<u64> = regions.iter().filter_map(|r| r.gpu.as_ref().map(|g| g.alloc_base)).collect();
         self.cuda.imports.retain(|base| live.contains(&base));
+        self.shm.forget_unused(regions.iter());
     }
 
     fn intro(&self, ctx: &DialContext) -> Introduction {

@@ -2,7 +2,7 @@
 //! once, and a transfer is plain memcpy between local memory and those mappings, on the
 //! caller's thread for small requests and split over a pool of copy threads for large ones.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{fence, Ordering};
 use std::sync::Arc;
 use std::thread;
@@ -10,7 +10,7 @@ use std::thread;
 use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
-use crate::memory::{RegionInfo, SharedLocation};
+use crate::memory::{RegionInfo, SharedLocation, SharedSegment};
 use crate::plan::{split_by_bytes, Op};
 use crate::request::{Finisher, Tracker};
 use crate::transport::pool::{CopyPool, Task};
@@ -74,41 +74,85 @@ impl Mapping {
         self.ptr
     }
 
-    /// Opens the peer's memfd through /proc and maps it.
+    /// Opens the peer's segment through /proc and maps it, once the descriptor it opened
+    /// is checked to be exactly that segment's memfd, of exactly its length: the owner
+    /// may have freed the segment since its metadata was read and given the descriptor
+    /// number to another segment (or file), and a mapping of that would take writes meant
+    /// for the old region into unrelated memory. The check is on the file opened, not on
+    /// the number, so the owner cannot swap it in between.
     fn open(pid: u32, loc: &SharedLocation) -> Result<Mapping> {
-        Mapping::open_fd(pid, loc.fd, loc.segment_len)
+        Mapping::map(pid, loc.fd, loc.segment_len, Some(loc.segment))
     }
 
     /// Maps the first `len` bytes of the shared segment that process `pid` (of this pid
-    /// namespace) holds open as descriptor `fd`, read/write.
+    /// namespace) holds open as descriptor `fd`, read/write. Whatever file the number
+    /// names now is mapped, if it is long enough: callers that know which segment they
+    /// expect go through [`ShmPeer`], which checks.
     pub fn open_fd(pid: u32, fd: i32, len: u64) -> Result<Mapping> {
+        Mapping::map(pid, fd, len, None)
+    }
+
+    /// [`Mapping::open_fd`], refusing a file other than the memfd of `segment` (then of
+    /// exactly `len` bytes) where one is given.
+    fn map(pid: u32, fd: i32, len: u64, segment: Option<u64>) -> Result<Mapping> {
+        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
         let path = format!("/proc/{pid}/fd/{fd}");
         let unavailable = |why: String| Error::TransportUnavailable(format!("cannot map {path}: {why}"));
         if len == 0 || usize::try_from(len).is_err() {
             return Err(unavailable(format!("{len} bytes cannot be mapped")));
         }
         let cpath = std::ffi::CString::new(path.clone()).expect("no NUL");
-        // SAFETY: plain syscalls; results checked; the fd is closed before returning.
-        unsafe {
-            let fd = libc::open(cpath.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC);
-            if fd < 0 {
+        // SAFETY: a plain syscall; the result is checked, and owned (closed) from here.
+        let file = unsafe {
+            let raw = libc::open(cpath.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC);
+            if raw < 0 {
                 return Err(unavailable(std::io::Error::last_os_error().to_string()));
             }
-            let mut st: libc::stat = std::mem::zeroed();
-            let size_ok = libc::fstat(fd, &mut st) == 0 && st.st_size as u64 >= len;
-            if !size_ok {
-                libc::close(fd);
-                return Err(unavailable(format!("file is smaller than the advertised {len} bytes")));
+            OwnedFd::from_raw_fd(raw)
+        };
+        if let Some(id) = segment {
+            // What this process now holds open, whatever the peer does with its number.
+            let ours = format!("/proc/self/fd/{}", file.as_raw_fd());
+            let target = std::fs::read_link(&ours).map_err(|e| unavailable(format!("{ours}: {e}")))?;
+            let expected = format!("/memfd:{} (deleted)", SharedSegment::memfd_name(id));
+            if target.as_os_str() != expected.as_str() {
+                return Err(unavailable(format!(
+                    "it is '{}', not shared segment {id} ('{expected}'): the peer freed that segment and \
+                     its descriptor now names another file, so the metadata naming it is stale",
+                    target.display()
+                )));
             }
-            let len = len as usize;
-            let ptr =
-                libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0);
-            libc::close(fd);
-            if ptr == libc::MAP_FAILED {
-                return Err(unavailable(std::io::Error::last_os_error().to_string()));
-            }
-            Ok(Mapping { ptr: ptr as *mut u8, len })
         }
+        // SAFETY: fstat into a zeroed struct, on a descriptor we own.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        if unsafe { libc::fstat(file.as_raw_fd(), &mut st) } != 0 {
+            return Err(unavailable(std::io::Error::last_os_error().to_string()));
+        }
+        let size = st.st_size as u64;
+        if size < len {
+            return Err(unavailable(format!("file is smaller than the advertised {len} bytes")));
+        }
+        if segment.is_some() && size != len {
+            // A segment never changes size: another length is another file.
+            return Err(unavailable(format!("the segment is {size} bytes, not the advertised {len}")));
+        }
+        let len = len as usize;
+        // SAFETY: maps a file we hold open; the result is checked. The mapping outlives
+        // the descriptor, which is closed when `file` drops.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(unavailable(std::io::Error::last_os_error().to_string()));
+        }
+        Ok(Mapping { ptr: ptr as *mut u8, len })
     }
 }
 
@@ -146,6 +190,34 @@ impl ShmPeer {
         tracing::debug!(pid = self.pid, segment = loc.segment, len = loc.segment_len, "mapped peer segment");
         maps.insert(loc.segment, m.clone());
         Ok(m)
+    }
+
+    /// Lets go of the mappings of the peer's segments that none of `live` (the peer's
+    /// regions still registered) lies in: the peer freed them, or will. Called when the
+    /// peer revokes regions or its metadata is refreshed. Programs built earlier hold
+    /// their mappings (`Arc`), so a copy in flight, or a request made before, keeps its
+    /// mapping until it is dropped; only the cache forgets it. Returns how many
+    /// mappings the cache dropped.
+    pub fn forget_unused<'a>(&self, live: impl IntoIterator<Item = &'a RegionInfo>) -> usize {
+        let live: HashSet<u64> = live.into_iter().filter_map(|r| r.shared.map(|l| l.segment)).collect();
+        let mut gone = Vec::new();
+        self.maps.lock().retain(|segment, m| {
+            let keep = live.contains(segment);
+            if !keep {
+                gone.push((*segment, m.clone()));
+            }
+            keep
+        });
+        for (segment, m) in &gone {
+            tracing::debug!(pid = self.pid, segment, len = m.len(), "forgot the mapping of a revoked peer segment");
+        }
+        // Unmapped (where nothing else holds them) outside the lock.
+        gone.len()
+    }
+
+    /// How many of the peer's segments are mapped (cached) now.
+    pub fn mapped_segments(&self) -> usize {
+        self.maps.lock().len()
     }
 
     /// Checks that the peer's shared memory can be mapped at all (used for path reports).
