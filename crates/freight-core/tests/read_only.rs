@@ -4,27 +4,14 @@
 use std::time::Duration;
 
 use freight_core::metadata::AgentMetadata;
-use freight_core::{Agent, AgentConfig, Desc, DescList, Error, MemKind, OpKind, SharedSegment, Status, TransportKind};
+use freight_core::{Agent, AgentConfig, Error, MemKind, OpKind, SharedSegment, Status, TransportKind};
+
+#[path = "support/memory.rs"]
+mod memory;
+use memory::{bytes, fill, list};
 
 const T: Option<Duration> = Some(Duration::from_secs(20));
 const SIZE: usize = 64 << 10;
-
-fn list(addr: u64, len: u64) -> DescList {
-    DescList::from_descs(MemKind::Dram, [Desc { addr, len, dev: 0 }]).unwrap()
-}
-
-fn bytes(seg: &SharedSegment) -> &[u8] {
-    // SAFETY: test buffers we own; no transfer touches them while a test looks.
-    unsafe { std::slice::from_raw_parts(seg.as_ptr(), seg.len()) }
-}
-
-fn fill(seg: &SharedSegment, seed: usize) {
-    // SAFETY: as in `bytes`, for writing.
-    let b = unsafe { std::slice::from_raw_parts_mut(seg.as_ptr(), seg.len()) };
-    for (i, x) in b.iter_mut().enumerate() {
-        *x = ((i + seed) * 7 % 251) as u8;
-    }
-}
 
 /// An owner with a read-only and a writable region, and a peer that knows them.
 struct Pair {

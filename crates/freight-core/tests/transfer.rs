@@ -2,7 +2,11 @@
 
 use std::time::Duration;
 
-use freight_core::{Agent, AgentConfig, Desc, DescList, Error, MemKind, OpKind, Status, TransportKind};
+use freight_core::{Agent, AgentConfig, Error, MemKind, OpKind, Status, TransportKind};
+
+#[path = "support/memory.rs"]
+mod memory;
+use memory::list;
 
 const T: Option<Duration> = Some(Duration::from_secs(20));
 
@@ -10,10 +14,6 @@ fn agents(cfg: AgentConfig) -> (Agent, Agent) {
     let a = Agent::new("initiator", cfg.clone()).unwrap();
     let b = Agent::new("target", cfg).unwrap();
     (a, b)
-}
-
-fn list(addr: u64, len: u64) -> DescList {
-    DescList::from_descs(MemKind::Dram, [Desc { addr, len, dev: 0 }]).unwrap()
 }
 
 /// Writes a pattern from `a` to `b` and reads it back, over whatever path is chosen.
