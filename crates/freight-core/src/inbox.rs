@@ -22,7 +22,7 @@ use crate::doorbell::Doorbell;
 use crate::error::{Error, Result};
 use crate::metadata::HostIdentity;
 use crate::notify::{NotifQueue, Notification};
-use crate::wire::{self, Frame};
+use crate::wire::{self, Frame, FrameBuf};
 
 /// The writing half of a control connection, locked for a whole frame.
 pub type ControlWriter = Arc<Mutex<TcpStream>>;
@@ -43,7 +43,8 @@ pub struct Inbox {
 
 struct Reader {
     stream: TcpStream,
-    pending: Vec<u8>,
+    /// At most one frame's start, once what came with it was handled.
+    pending: FrameBuf,
 }
 
 impl Inbox {
@@ -51,7 +52,7 @@ impl Inbox {
         Inbox {
             from: from.to_string(),
             fd: stream.as_raw_fd(),
-            reader: Mutex::new(Reader { stream, pending: Vec::new() }),
+            reader: Mutex::new(Reader { stream, pending: FrameBuf::new(wire::MAX_CONTROL_HEADER) }),
             doorbell: OnceLock::new(),
             writer,
             host,
@@ -67,6 +68,8 @@ impl Inbox {
 
     fn pump_locked(&self, r: &mut Reader, queue: &NotifQueue) -> Result<bool> {
         let mut open = true;
+        // Frames left by an earlier pump that stopped at an error come first.
+        let mut woken = self.handle_frames(&mut r.pending, queue)?;
         let mut chunk = [0u8; 16 << 10];
         loop {
             // SAFETY: recv into a local buffer; MSG_DONTWAIT leaves the socket's own
@@ -74,7 +77,9 @@ impl Inbox {
             let n =
                 unsafe { libc::recv(r.stream.as_raw_fd(), chunk.as_mut_ptr().cast(), chunk.len(), libc::MSG_DONTWAIT) };
             if n > 0 {
-                r.pending.extend_from_slice(&chunk[..n as usize]);
+                // Handled as they complete: what stays buffered is at most one frame.
+                r.pending.extend(&chunk[..n as usize]);
+                woken |= self.handle_frames(&mut r.pending, queue)?;
                 continue;
             }
             if n == 0 {
@@ -89,15 +94,7 @@ impl Inbox {
             }
         }
         // A sender that closes may have written records it did not ring for.
-        let mut woken = !open;
-        while let Some(frame) = wire::take_frame(&mut r.pending)? {
-            match frame {
-                Frame::Notify { msg } => queue.push(Notification { from: self.from.clone(), msg }),
-                Frame::Outbox { host, fd, len } => self.accept_outbox(&host, fd, len)?,
-                Frame::Wake if self.doorbell.get().is_some() => woken = true,
-                other => return Err(Error::Protocol(format!("unexpected message on a control connection: {other:?}"))),
-            }
-        }
+        woken |= !open;
         if let (true, Some(d)) = (woken, self.doorbell.get()) {
             d.drain(queue)?;
         }
@@ -105,6 +102,20 @@ impl Inbox {
             return Err(Error::Io("connection closed inside a frame".into()));
         }
         Ok(open)
+    }
+
+    /// Handles every complete frame in `pending`, in order. `Ok(true)`: the sender rang.
+    fn handle_frames(&self, pending: &mut FrameBuf, queue: &NotifQueue) -> Result<bool> {
+        let mut woken = false;
+        while let Some(frame) = pending.take()? {
+            match frame {
+                Frame::Notify { msg } => queue.push(Notification { from: self.from.clone(), msg }),
+                Frame::Outbox { host, fd, len } => self.accept_outbox(&host, fd, len)?,
+                Frame::Wake if self.doorbell.get().is_some() => woken = true,
+                other => return Err(Error::Protocol(format!("unexpected message on a control connection: {other:?}"))),
+            }
+        }
+        Ok(woken)
     }
 
     /// Maps the sender's outbox, or refuses it (the sender then stays on tcp), and
@@ -139,12 +150,18 @@ impl Inbox {
         }
     }
 
-    fn deliver_after_outbox(&self, msg: Vec<u8>, queue: &NotifQueue) {
+    /// Queues `msg` after what the outbox holds. A corrupt outbox loses what it held,
+    /// so `msg` cannot come after it: it is not queued, and the error says so.
+    fn deliver_after_outbox(&self, msg: Vec<u8>, queue: &NotifQueue) -> Result<()> {
         let d = self.doorbell.get().expect("an inbox with an outbox");
-        if d.drain_then(queue, msg).is_err() {
+        d.drain_then(queue, msg).map_err(|e| {
             // As in `poll_outbox`: the connection's thread reports it, and the connection ends.
             let _ = self.writer.lock().shutdown(Shutdown::Both);
-        }
+            Error::Protocol(format!(
+                "the notification sent with this write was not delivered: the notifications \
+                 before it in the sender's outbox were lost ({e})"
+            ))
+        })
     }
 
     pub fn fd(&self) -> RawFd {
@@ -210,11 +227,27 @@ impl Inboxes {
     /// after every notification its sender put in its outbox before sending it. (A
     /// sender lets notifications ride on data only while it notifies through an outbox;
     /// see `ControlLink::rides_on_data`.)
-    pub fn deliver_after(&self, from: &str, msg: Vec<u8>, queue: &NotifQueue) {
+    ///
+    /// An error means that it was not queued: the sender's outbox is corrupt (the
+    /// notifications before it are lost, so it cannot follow them; the control
+    /// connection is shut down). The write it came with must then be answered with the
+    /// error, so that the initiator does not report a notification delivered.
+    pub fn try_deliver_after(&self, from: &str, msg: Vec<u8>, queue: &NotifQueue) -> Result<()> {
         let inbox = self.open.lock().iter().find(|i| i.from == from && i.doorbell.get().is_some()).cloned();
         match inbox {
             Some(inbox) => inbox.deliver_after_outbox(msg, queue),
-            None => queue.push(Notification { from: from.to_string(), msg }),
+            None => {
+                queue.push(Notification { from: from.to_string(), msg });
+                Ok(())
+            }
+        }
+    }
+
+    /// [`Inboxes::try_deliver_after`] for a caller that cannot report the failure: it is
+    /// logged as an error. Prefer `try_deliver_after`, and answer the write with it.
+    pub fn deliver_after(&self, from: &str, msg: Vec<u8>, queue: &NotifQueue) {
+        if let Err(e) = self.try_deliver_after(from, msg, queue) {
+            tracing::error!(%from, error = %e, "lost a notification that came with a write");
         }
     }
 
@@ -345,6 +378,72 @@ mod tests {
         std::thread::sleep(Duration::from_millis(20));
         assert!(!inbox.pump(&q).unwrap());
         assert_eq!(q.drain()[0].msg, b"last");
+    }
+
+    #[test]
+    fn a_burst_of_notifications_is_taken_by_offset() {
+        let (inbox, mut tx) = connection();
+        let q = NotifQueue::default();
+        let n = 100_000u32;
+        let bytes: Vec<u8> =
+            (0..n).flat_map(|i| wire::encode(&Frame::Notify { msg: i.to_le_bytes().to_vec() })).collect();
+        let total = bytes.len() as u64;
+        let sender = std::thread::spawn(move || tx.write_all(&bytes).map(|_| tx));
+        let got = pump_until(&inbox, &q, n as usize);
+        let expected: Vec<Vec<u8>> = (0..n).map(|i| i.to_le_bytes().to_vec()).collect();
+        assert!(got == expected, "{} of {n} notifications, in order: {}", got.len(), got == expected);
+        let r = inbox.reader.lock();
+        assert!(r.pending.is_empty());
+        // Parsed by offset: a drain per frame would have moved each byte once per frame
+        // before it in the same read.
+        assert!(r.pending.moved() <= total, "moved {} of {total} bytes", r.pending.moved());
+        drop(sender.join().unwrap().unwrap());
+    }
+
+    /// Makes the sender's ring unreadable: a producer position no writer leaves.
+    fn corrupt(out: &Outbox) {
+        let Frame::Outbox { fd, len, .. } = out.announcement(&HostIdentity::current()) else { unreachable!() };
+        // SAFETY: a fresh shared mapping of the outbox's memfd, unmapped below.
+        unsafe {
+            let p = libc::mmap(std::ptr::null_mut(), len as usize, libc::PROT_WRITE, libc::MAP_SHARED, fd, 0);
+            assert_ne!(p, libc::MAP_FAILED);
+            (p as *mut u64).write_volatile(3);
+            libc::munmap(p, len as usize);
+        }
+    }
+
+    #[test]
+    fn a_notification_riding_on_data_is_refused_not_lost_when_the_outbox_is_corrupt() {
+        let (inbox, mut tx) = connection();
+        let inboxes = Inboxes::default();
+        let inbox = Arc::new(inbox);
+        inboxes.add(inbox.clone());
+        let q = NotifQueue::default();
+        let mut out = Outbox::create().unwrap();
+        tx.write_all(&wire::encode(&out.announcement(&HostIdentity::current()))).unwrap();
+        pump_until(&inbox, &q, 0);
+        assert_eq!(wire::read_frame(&mut tx).unwrap().unwrap(), Frame::OutboxReply { error: None });
+
+        // Riding on data, a notification comes after those in the outbox before it.
+        out.send("p", b"first", Duration::from_secs(1), || Ok(()), || Ok(())).unwrap();
+        inboxes.try_deliver_after("peer", b"rider".to_vec(), &q).unwrap();
+        let msgs = |q: &NotifQueue| q.drain().into_iter().map(|n| n.msg).collect::<Vec<_>>();
+        assert_eq!(msgs(&q), vec![b"first".to_vec(), b"rider".to_vec()]);
+
+        // A corrupt outbox lost what came before it: it is refused, every time, and the
+        // control connection ends.
+        corrupt(&out);
+        for _ in 0..2 {
+            let e = inboxes.try_deliver_after("peer", b"lost".to_vec(), &q).unwrap_err();
+            assert!(matches!(&e, Error::Protocol(m) if m.contains("not delivered")), "{e}");
+            assert!(msgs(&q).is_empty());
+        }
+        tx.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        assert!(matches!(wire::read_frame(&mut tx), Ok(None) | Err(Error::Io(_))), "the connection was shut down");
+
+        // From a sender without an outbox, it is queued as it comes.
+        inboxes.try_deliver_after("another", b"plain".to_vec(), &q).unwrap();
+        assert_eq!(msgs(&q), vec![b"plain".to_vec()]);
     }
 
     #[test]
