@@ -243,14 +243,6 @@ impl Inboxes {
         }
     }
 
-    /// [`Inboxes::try_deliver_after`] for a caller that cannot report the failure: it is
-    /// logged as an error. Prefer `try_deliver_after`, and answer the write with it.
-    pub fn deliver_after(&self, from: &str, msg: Vec<u8>, queue: &NotifQueue) {
-        if let Err(e) = self.try_deliver_after(from, msg, queue) {
-            tracing::error!(%from, error = %e, "lost a notification that came with a write");
-        }
-    }
-
     /// Pulls what has arrived on every connection nobody else is reading right now:
     /// outboxes first (no syscall), then the sockets of senders without one (a sender
     /// with an outbox sends nothing else but wake-ups, which its thread handles).

@@ -19,11 +19,11 @@ use crate::transport::tcp::serve_data_stream;
 use crate::wire::{self, Frame, Role, PROTOCOL_VERSION};
 
 /// Listening sockets and live inbound connections, so that shutdown can close them.
-#[derive(Default)]
 pub struct Server {
     listeners: Mutex<Vec<(SocketAddr, TcpListener)>>,
-    /// Live inbound connections by id (removed when they end).
-    inbound: Mutex<HashMap<u64, TcpStream>>,
+    /// Live inbound connections by id (removed when they end); `None` once shut down,
+    /// so that a connection accepted as the agent closes is refused, not missed.
+    inbound: Mutex<Option<HashMap<u64, TcpStream>>>,
     /// Control connections from peers: revocations are sent back on them (each writer
     /// is locked for a whole frame: its inbox answers on it too).
     controls: Mutex<HashMap<u64, (String, ControlWriter)>>,
@@ -55,10 +55,56 @@ impl Server {
             // SAFETY: shutting down our own listening socket wakes its accept() call.
             unsafe { libc::shutdown(l.as_raw_fd(), libc::SHUT_RDWR) };
         }
-        for (_, s) in self.inbound.lock().drain() {
+        // Under the lock `admit` records connections under: none is recorded after this.
+        for (_, s) in self.inbound.lock().take().into_iter().flatten() {
             let _ = s.shutdown(Shutdown::Both);
         }
         self.controls.lock().clear();
+    }
+
+    /// Records an accepted connection, so that shutdown closes it; its id. `None`: the
+    /// server is shut down (or out of descriptors), and the connection is shut at once.
+    /// Checking and recording under one lock is what makes a connection accepted while
+    /// the agent closes either closed by `shutdown` or refused here, never served.
+    fn admit(&self, stream: &TcpStream) -> Option<u64> {
+        let clone = match stream.try_clone() {
+            Ok(c) => c,
+            Err(e) => {
+                // A connection `shutdown` could not reach must not be served.
+                tracing::warn!(error = %e, "cannot keep track of an inbound connection; dropping it");
+                let _ = stream.shutdown(Shutdown::Both);
+                return None;
+            }
+        };
+        let mut inbound = self.inbound.lock();
+        let Some(open) = inbound.as_mut() else {
+            drop(inbound);
+            let _ = stream.shutdown(Shutdown::Both);
+            return None;
+        };
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        open.insert(id, clone);
+        Some(id)
+    }
+
+    /// Forgets a connection that ended.
+    fn forget(&self, id: u64) {
+        if let Some(open) = self.inbound.lock().as_mut() {
+            open.remove(&id);
+        }
+        self.controls.lock().remove(&id);
+    }
+}
+
+impl Default for Server {
+    fn default() -> Self {
+        Server {
+            listeners: Mutex::default(),
+            inbound: Mutex::new(Some(HashMap::new())),
+            controls: Mutex::default(),
+            inboxes: Inboxes::default(),
+            next_id: AtomicU64::default(),
+        }
     }
 }
 
@@ -94,26 +140,37 @@ fn accept_loop(listener: TcpListener, agent: Weak<AgentInner>) {
         if a.is_closed() {
             return;
         }
-        let id = a.server.next_id.fetch_add(1, Ordering::Relaxed);
-        if let Ok(clone) = stream.try_clone() {
-            a.server.inbound.lock().insert(id, clone);
-        }
+        // The agent may close between the check above and here: `admit` then refuses.
+        let Some(id) = a.server.admit(&stream) else {
+            if a.is_closed() {
+                return;
+            }
+            continue;
+        };
         let weak = agent.clone();
-        let _ = thread::Builder::new().name("freight-conn".into()).spawn(move || {
+        let spawned = thread::Builder::new().name("freight-conn".into()).spawn(move || {
             if let Err(e) = serve_connection(stream, &weak, id) {
                 tracing::debug!(error = %e, "inbound connection ended");
             }
             if let Some(a) = weak.upgrade() {
-                a.server.inbound.lock().remove(&id);
-                a.server.controls.lock().remove(&id);
+                a.server.forget(id);
             }
         });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "no thread to serve an inbound connection; dropping it");
+            a.server.forget(id);
+        }
     }
+}
+
+/// The agent, while it serves; an error once it closed (or went away).
+fn serving(agent: &Weak<AgentInner>) -> Result<Arc<AgentInner>> {
+    agent.upgrade().filter(|a| !a.is_closed()).ok_or_else(|| Error::Io("agent closed".into()))
 }
 
 fn serve_connection(mut stream: TcpStream, agent: &Weak<AgentInner>, id: u64) -> Result<()> {
     let (timeout, peer_timeout, metadata_token, secret, my_id) = {
-        let a = agent.upgrade().ok_or_else(|| Error::Io("agent closed".into()))?;
+        let a = serving(agent)?;
         (a.config.connect_timeout, a.config.peer_timeout, a.config.metadata_token.clone(), a.secret, a.id)
     };
     tune(&stream)?;
@@ -136,7 +193,7 @@ fn serve_connection(mut stream: TcpStream, agent: &Weak<AgentInner>, id: u64) ->
                 return refuse(&mut stream, "wrong metadata token");
             }
         }
-        let a = agent.upgrade().ok_or_else(|| Error::Io("agent closed".into()))?;
+        let a = serving(agent)?;
         let bytes = a.metadata_bytes();
         drop(a);
         return wire::write_frame(&mut stream, &Frame::Metadata { bytes }, &[]);
@@ -148,18 +205,23 @@ fn serve_connection(mut stream: TcpStream, agent: &Weak<AgentInner>, id: u64) ->
     if target_id != my_id {
         return refuse(&mut stream, "stale metadata: this agent was restarted; fetch its metadata again");
     }
+    if serving(agent).is_err() {
+        return refuse(&mut stream, "the agent is closed");
+    }
     wire::write_frame(&mut stream, &Frame::Welcome { agent_id: my_id }, &[])?;
     stream.set_read_timeout(None)?;
     match role {
         Role::Control => serve_control(stream, agent, &from_name, id),
         Role::Data { index } => {
-            let a = agent.upgrade().ok_or_else(|| Error::Io("agent closed".into()))?;
+            let a = serving(agent)?;
             crate::nic::pin_stream_thread(&a.config.tcp.pin, index as usize, stream.local_addr().ok(), None);
-            let deliver = |msg| a.server.inboxes.deliver_after(&from_name, msg, &a.notifs);
-            serve_data_stream(stream, &a.registry, &a.config.tcp, &from_name, deliver)
+            let deliver = |msg| a.server.inboxes.try_deliver_after(&from_name, msg, &a.notifs);
+            // Idle between messages without a deadline; within one, `peer_timeout`.
+            let open = || !a.is_closed();
+            serve_data_stream(stream, &a.registry, &a.config.tcp, &from_name, peer_timeout, open, deliver)
         }
         Role::Fabric => {
-            let a = agent.upgrade().ok_or_else(|| Error::Io("agent closed".into()))?;
+            let a = serving(agent)?;
             serve_fabric(stream, &a.registry, a.fabric.as_deref(), &from_name)
         }
         Role::Metadata => unreachable!("handled above"),
@@ -174,7 +236,7 @@ fn refuse(stream: &mut TcpStream, reason: &str) -> Result<()> {
 /// Delivers notifications in the order they arrive on this (ordered) connection.
 fn serve_control(stream: TcpStream, agent: &Weak<AgentInner>, from: &str, id: u64) -> Result<()> {
     let writer = Arc::new(Mutex::new(stream.try_clone()?));
-    let host = match agent.upgrade() {
+    let host = match agent.upgrade().filter(|a| !a.is_closed()) {
         Some(a) => {
             a.server.controls.lock().insert(id, (from.to_string(), writer.clone()));
             a.host.clone()
@@ -192,7 +254,7 @@ fn serve_control(stream: TcpStream, agent: &Weak<AgentInner>, from: &str, id: u6
 /// Sleeps until bytes arrive, then reads them (unless an application thread polling for
 /// notifications got there first), until the peer closes the connection.
 fn read_notifications(inbox: &Arc<Inbox>, agent: &Weak<AgentInner>) -> Result<()> {
-    match agent.upgrade() {
+    match agent.upgrade().filter(|a| !a.is_closed()) {
         Some(a) => a.server.inboxes.add(inbox.clone()),
         None => return Ok(()),
     }
@@ -203,5 +265,60 @@ fn read_notifications(inbox: &Arc<Inbox>, agent: &Weak<AgentInner>) -> Result<()
         if !inbox.pump(&a.notifs)? {
             return Ok(());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Read;
+    use std::time::Duration;
+
+    /// A connected pair: the peer's end, and the end `accept` returned.
+    fn pair(listener: &TcpListener) -> (TcpStream, TcpStream) {
+        let peer = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        peer.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        (peer, listener.accept().unwrap().0)
+    }
+
+    /// The end of the stream (or a reset), not a timeout: the listener let it go.
+    fn closed_by_server(peer: &mut TcpStream) -> bool {
+        let mut byte = [0u8; 1];
+        match peer.read(&mut byte) {
+            Ok(0) => true,
+            Ok(_) => false,
+            Err(e) => !matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut),
+        }
+    }
+
+    /// The accept thread checks that the agent is open, then the agent closes and drains
+    /// its connections, then the accept thread records the new one: that connection must
+    /// be refused and shut, not served into a closed agent's memory. Here the steps run
+    /// in that order on one thread; a connection recorded before the close is shut by it.
+    #[test]
+    fn a_connection_accepted_as_the_agent_closes_is_shut_not_served() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let server = Server::default();
+        let (mut before, accepted) = pair(&listener);
+        let id = server.admit(&accepted).expect("admitted while open");
+        let (mut during, late) = pair(&listener);
+        server.shutdown();
+        assert_eq!(server.admit(&late), None, "recorded after the shutdown drained");
+        assert!(closed_by_server(&mut during), "the late connection is shut at once");
+        assert!(closed_by_server(&mut before), "shutdown shuts what was recorded before it");
+        // Ending connections after the shutdown finds nothing to forget, and no table.
+        server.forget(id);
+        assert!(server.inbound.lock().is_none());
+    }
+
+    #[test]
+    fn connections_are_forgotten_when_they_end() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let server = Server::default();
+        let (_peer, accepted) = pair(&listener);
+        let id = server.admit(&accepted).unwrap();
+        assert_eq!(server.inbound.lock().as_ref().map(HashMap::len), Some(1));
+        server.forget(id);
+        assert_eq!(server.inbound.lock().as_ref().map(HashMap::len), Some(0));
     }
 }

@@ -6,10 +6,17 @@
 //! the GPU, the server takes the next READ if it has arrived already and starts its
 //! copies too, so the copy engines work while the socket sends (the initiator's sending
 //! threads do the same for WRITEs).
+//!
+//! A stream may idle between messages for as long as its initiator likes, but once a
+//! message has begun, every read and write of it is bounded by the peer timeout: an
+//! initiator that stalls inside a WRITE (stopped, or its host gone) would otherwise keep
+//! this thread in `readv`, and the regions it names guarded, until TCP keepalive gave up.
 
 use std::io::{IoSlice, IoSliceMut};
 use std::net::TcpStream;
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
+use std::time::Duration;
 
 use super::TcpConfig;
 use crate::cuda::bounce::Bounce;
@@ -21,14 +28,41 @@ use crate::wire::{self, Frame, Seg};
 
 /// A notification that rides on a write goes to `deliver` once the payload is in place,
 /// and not at all if the write was refused.
+///
+/// Serves messages until the peer closes the stream, or `open` says that the agent no
+/// longer serves. Waiting for a message has no deadline; each read and write inside one
+/// must make progress within `stall` (the agent's peer timeout), else the stream is
+/// dropped, with the guards of the message it was in.
 pub fn serve_data_stream(
     mut sock: TcpStream,
     registry: &Registry,
     cfg: &TcpConfig,
     peer: &str,
-    deliver: impl Fn(Vec<u8>),
+    stall: Duration,
+    open: impl Fn() -> bool,
+    deliver: impl Fn(Vec<u8>) -> Result<()>,
 ) -> Result<()> {
-    let mut zc = ZeroCopySocket::new(&sock, cfg.zerocopy);
+    // Bounds every read from here on; the wait for the next message is a poll, which
+    // the timeout does not touch. (Writes are bounded by the listener already.)
+    sock.set_read_timeout(Some(stall))?;
+    let served = serve_messages(&mut sock, registry, cfg, peer, open, deliver);
+    if let Err(Error::Timeout(e)) = &served {
+        // A timed-out read (EAGAIN) or write is a dead stream, never retried: the peer
+        // cannot be resynchronised in the middle of a message.
+        tracing::warn!(peer, timeout = ?stall, error = %e, "the peer stalled inside a message; dropped its data stream");
+    }
+    served
+}
+
+fn serve_messages(
+    sock: &mut TcpStream,
+    registry: &Registry,
+    cfg: &TcpConfig,
+    peer: &str,
+    open: impl Fn() -> bool,
+    deliver: impl Fn(Vec<u8>) -> Result<()>,
+) -> Result<()> {
+    let mut zc = ZeroCopySocket::new(sock, cfg.zerocopy);
     let mut incoming: Option<Bounce> = None;
     let mut outgoing = Alternating::default();
     // A frame read early, while a READ's copies ran.
@@ -36,26 +70,40 @@ pub fn serve_data_stream(
     loop {
         let frame = match ahead.take() {
             Some(f) => f,
-            None => match wire::read_frame(&mut sock)? {
-                Some(f) => f,
-                None => return Ok(()),
-            },
+            None => {
+                // Idle: sleep until the next message (or the end of the stream) begins,
+                // however long that takes. From its first byte on, reads time out.
+                crate::inbox::wait_readable(sock.as_raw_fd())?;
+                match wire::read_frame(sock)? {
+                    Some(f) => f,
+                    None => return Ok(()),
+                }
+            }
         };
+        if !open() {
+            // The agent closed while this stream was connected: nothing more goes into
+            // or out of its memory.
+            return Ok(());
+        }
         match frame {
             Frame::Write { tag, segs, notif } => {
-                let outcome = receive_write(&mut sock, registry, &segs, &mut incoming)?;
-                match (&outcome, notif) {
+                let outcome = receive_write(sock, registry, &segs, &mut incoming)?;
+                // The payload is in place; a notification that cannot be queued fails
+                // the write, so that the initiator does not report it delivered.
+                let outcome = match (outcome, notif) {
                     (Ok(()), Some(msg)) => deliver(msg),
-                    (Err(e), _) => tracing::warn!(peer, error = %e, "refused a remote write"),
-                    (Ok(()), None) => {}
+                    (outcome, _) => outcome,
+                };
+                if let Err(e) = &outcome {
+                    tracing::warn!(peer, error = %e, "refused a remote write");
                 }
                 let error = outcome.err().map(|e| e.to_string());
-                wire::write_frame(&mut sock, &Frame::WriteAck { tag, error }, &[])?;
+                wire::write_frame(sock, &Frame::WriteAck { tag, error }, &[])?;
             }
             Frame::Read { tag, segs } => {
                 let mut answer = Answer::start(registry, tag, segs, &mut outgoing)?;
                 loop {
-                    let following = match answer.is_staged().then(|| wire::try_read_frame(&mut sock)).transpose()? {
+                    let following = match answer.is_staged().then(|| wire::try_read_frame(sock)).transpose()? {
                         Some(Some(Frame::Read { tag, segs })) => {
                             Some(Answer::start(registry, tag, segs, &mut outgoing)?)
                         }
@@ -64,7 +112,7 @@ pub fn serve_data_stream(
                             None
                         }
                     };
-                    answer.send(&mut sock, &mut zc, &mut outgoing, peer)?;
+                    answer.send(sock, &mut zc, &mut outgoing, peer)?;
                     match following {
                         Some(next) => answer = next,
                         None => break,
