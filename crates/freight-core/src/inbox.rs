@@ -277,6 +277,23 @@ mod tests {
         (Inbox::new("peer", rx, writer, Arc::new(HostIdentity::current())), tx)
     }
 
+    /// A connection among an agent's inboxes, and an outbox (not announced yet) on the
+    /// sending side.
+    struct Watched {
+        inbox: Arc<Inbox>,
+        tx: TcpStream,
+        inboxes: Inboxes,
+        q: NotifQueue,
+        out: Outbox,
+    }
+
+    fn watched_with_an_outbox() -> Watched {
+        let (inbox, tx) = connection();
+        let (inboxes, inbox) = (Inboxes::default(), Arc::new(inbox));
+        inboxes.add(inbox.clone());
+        Watched { inbox, tx, inboxes, q: NotifQueue::default(), out: Outbox::create().unwrap() }
+    }
+
     /// Pumps until `n` notifications are queued (the bytes may take a moment).
     fn pump_until(inbox: &Inbox, q: &NotifQueue, n: usize) -> Vec<Vec<u8>> {
         let mut got = Vec::new();
@@ -331,12 +348,7 @@ mod tests {
 
     #[test]
     fn an_outbox_is_answered_and_read_after_what_came_before_it() {
-        let (inbox, mut tx) = connection();
-        let inboxes = Inboxes::default();
-        let inbox = Arc::new(inbox);
-        inboxes.add(inbox.clone());
-        let q = NotifQueue::default();
-        let mut out = Outbox::create().unwrap();
+        let Watched { inbox, mut tx, inboxes, q, mut out } = watched_with_an_outbox();
         tx.write_all(&wire::encode(&Frame::Notify { msg: b"tcp".to_vec() })).unwrap();
         tx.write_all(&wire::encode(&out.announcement(&HostIdentity::current()))).unwrap();
         assert_eq!(pump_until(&inbox, &q, 1), vec![b"tcp".to_vec()]);
@@ -406,12 +418,7 @@ mod tests {
 
     #[test]
     fn a_notification_riding_on_data_is_refused_not_lost_when_the_outbox_is_corrupt() {
-        let (inbox, mut tx) = connection();
-        let inboxes = Inboxes::default();
-        let inbox = Arc::new(inbox);
-        inboxes.add(inbox.clone());
-        let q = NotifQueue::default();
-        let mut out = Outbox::create().unwrap();
+        let Watched { inbox, mut tx, inboxes, q, mut out } = watched_with_an_outbox();
         tx.write_all(&wire::encode(&out.announcement(&HostIdentity::current()))).unwrap();
         pump_until(&inbox, &q, 0);
         assert_eq!(wire::read_frame(&mut tx).unwrap().unwrap(), Frame::OutboxReply { error: None });
