@@ -24,6 +24,14 @@ fn target() -> Agent {
     Agent::new("target", AgentConfig { peer_timeout: PEER_TIMEOUT, ..Default::default() }).unwrap()
 }
 
+/// A target with `len` bytes of registered memory: the agent, the memory, its key.
+fn target_with_region(len: usize) -> (Agent, std::sync::Arc<freight_core::SharedSegment>, u64) {
+    let target = target();
+    let dst = target.alloc(len).unwrap();
+    let key = target.register(MemKind::Dram, dst.addr(), len as u64, 0).unwrap();
+    (target, dst, key)
+}
+
 /// Opens a data stream to `target` as an initiator would, up to its welcome.
 fn data_stream(target: &Agent) -> TcpStream {
     let md = AgentMetadata::decode(&target.metadata()).unwrap();
@@ -85,9 +93,7 @@ fn deregister_when_free(target: &Agent, key: u64, within: Duration) -> Duration 
 
 #[test]
 fn a_write_stalled_inside_its_payload_lets_the_region_go_after_the_peer_timeout() {
-    let target = target();
-    let dst = target.alloc(LEN).unwrap();
-    let key = target.register(MemKind::Dram, dst.addr(), LEN as u64, 0).unwrap();
+    let (target, dst, key) = target_with_region(LEN);
     let mut raw = data_stream(&target);
     // The stream is served: a whole write lands.
     write_whole(&mut raw, 1, key, dst.addr(), &[0xab; 4096]);
@@ -117,9 +123,7 @@ fn a_write_stalled_inside_its_payload_lets_the_region_go_after_the_peer_timeout(
 /// goes on serving new streams.
 #[test]
 fn a_message_stalled_inside_its_header_ends_the_stream() {
-    let target = target();
-    let dst = target.alloc(4096).unwrap();
-    let key = target.register(MemKind::Dram, dst.addr(), 4096, 0).unwrap();
+    let (target, dst, key) = target_with_region(4096);
     let mut raw = data_stream(&target);
     let header = write_header(1, key, dst.addr(), 4096);
     raw.write_all(&header[..header.len() - 2]).unwrap();
@@ -134,9 +138,7 @@ fn a_message_stalled_inside_its_header_ends_the_stream() {
 /// The peer timeout bounds a message, not the time between messages.
 #[test]
 fn an_idle_data_stream_outlives_the_peer_timeout() {
-    let target = target();
-    let dst = target.alloc(4096).unwrap();
-    let key = target.register(MemKind::Dram, dst.addr(), 4096, 0).unwrap();
+    let (target, dst, key) = target_with_region(4096);
     let mut raw = data_stream(&target);
     write_whole(&mut raw, 1, key, dst.addr(), &[1; 4096]);
     sleep(PEER_TIMEOUT * 5 / 2);
