@@ -357,8 +357,13 @@ fn metadata_older_than_a_revocation_does_not_bring_the_region_back() {
     let key = b.register(MemKind::Dram, dst.addr(), 4096, 0).unwrap();
     let old = b.metadata();
     a.add_peer(&old).unwrap();
-    // Opens the control link, which carries revocations.
+    // Opens the control link, which carries revocations; once the owner has heard on
+    // it, it serves it (a link it has not taken up yet would miss the revocation).
     a.notify("target", b"hello".to_vec()).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while b.wait_notifs(Duration::from_millis(100)).is_empty() {
+        assert!(std::time::Instant::now() < deadline, "the owner never heard from this agent");
+    }
     a.prepare_remote("target", &list(dst.addr(), 4096)).unwrap();
     b.deregister(key).unwrap();
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
