@@ -463,6 +463,11 @@ impl Registry {
         (inner.generation, regions)
     }
 
+    /// The keys of the public regions: those peers may know of.
+    pub fn public_keys(&self) -> Vec<u64> {
+        self.inner.read().by_key.values().filter(|r| !r.private).map(|r| r.info.key).collect()
+    }
+
     /// Every region, private ones included, sorted by key: for local decisions (which
     /// memory this agent's transfers may start from), never for peers.
     pub fn local_regions(&self) -> Vec<RegionInfo> {

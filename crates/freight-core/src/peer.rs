@@ -102,6 +102,22 @@ fn disconnected(peer: &str, reason: impl Into<String>) -> Error {
     Error::PeerDisconnected { peer: peer.to_string(), reason: reason.into() }
 }
 
+/// The first frame of a control connection: the peer's live region keys.
+fn read_live_regions(stream: &mut TcpStream, timeout: Duration) -> Result<HashSet<u64>> {
+    stream.set_read_timeout(Some(timeout))?;
+    let live = match wire::read_frame(stream) {
+        Ok(Some(Frame::LiveRegions { regions })) => regions.into_iter().collect(),
+        Ok(Some(other)) => return Err(Error::Protocol(format!("expected the live regions, got {other:?}"))),
+        Ok(None) => return Err(Error::Io("the peer closed the control connection as it opened".into())),
+        Err(Error::Timeout(_)) => {
+            return Err(Error::Timeout(format!("the peer did not list its regions within {timeout:?}")))
+        }
+        Err(e) => return Err(e),
+    };
+    stream.set_read_timeout(None)?;
+    Ok(live)
+}
+
 /// The error for a connection that broke (rather than one never made).
 fn broken(peer: &str, reason: &str) -> Error {
     disconnected(peer, format!("{reason}; add the peer again to reconnect"))
@@ -306,7 +322,12 @@ impl Peer {
         // A peer that stops reading fails a notification instead of blocking it (and
         // everything waiting for the writer) for ever.
         stream.set_write_timeout(Some(ctx.peer_timeout))?;
-        let reader = stream.try_clone()?;
+        let mut reader = stream.try_clone()?;
+        // Before any request relies on this link for revocations: what the peer revoked
+        // between our reading its metadata and its taking up the link.
+        let live = read_live_regions(&mut reader, ctx.timeout).map_err(|e| self.disconnected(e.to_string()))?;
+        let gone: Vec<u64> = self.regions.read().iter().map(|r| r.key).filter(|k| !live.contains(k)).collect();
+        self.forget_regions(&gone, links.fabric.as_deref());
         // Closing the link shuts the socket down through the health, never waiting for
         // a writer that holds the lock.
         let health = Arc::new(Health::default());
@@ -341,6 +362,27 @@ impl Peer {
         self.close_unused_imports(&known);
     }
 
+    /// Drops regions the peer revoked, and what this agent holds for them: mappings and
+    /// fabric keys. Metadata read before the revocation will not bring them back.
+    fn forget_regions(&self, keys: &[u64], fabric: Option<&FabricLink>) {
+        if keys.is_empty() {
+            return;
+        }
+        tracing::debug!(peer = %self.name, regions = ?keys, "peer revoked regions");
+        let mut regions = self.regions.write();
+        self.revoked.lock().extend(keys);
+        for &k in keys {
+            regions.remove(k);
+        }
+        self.close_unused_imports(&regions);
+        drop(regions);
+        if let Some(f) = fabric {
+            for &k in keys {
+                f.forget(k);
+            }
+        }
+    }
+
     /// Lets go of the peer's GPU allocations that no registered region lies in any more.
     fn close_unused_imports(&self, regions: &RemoteRegions) {
         let live: Vec<u64> = regions.iter().filter_map(|r| r.gpu.as_ref().map(|g| g.alloc_base)).collect();
@@ -358,15 +400,8 @@ impl Peer {
         loop {
             match wire::read_frame(&mut reader) {
                 Ok(Some(Frame::Revoke { region })) => {
-                    tracing::debug!(peer = %self.name, region, "peer revoked a region");
-                    let mut regions = self.regions.write();
-                    self.revoked.lock().insert(region);
-                    regions.remove(region);
-                    self.close_unused_imports(&regions);
-                    drop(regions);
-                    if let Some(f) = &self.links.lock().fabric {
-                        f.forget(region);
-                    }
+                    let fabric = self.links.lock().fabric.clone();
+                    self.forget_regions(&[region], fabric.as_deref());
                 }
                 Ok(Some(Frame::OutboxReply { error })) => link.answer.post(error.map_or(Ok(()), Err)),
                 Ok(Some(other)) => {

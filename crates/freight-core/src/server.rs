@@ -13,6 +13,7 @@ use parking_lot::Mutex;
 use crate::agent::AgentInner;
 use crate::error::{Error, Result};
 use crate::inbox::{ControlWriter, Inbox, Inboxes};
+use crate::memory::Registry;
 use crate::net::{same_secret, tune};
 use crate::transport::fabric::serve_fabric;
 use crate::transport::tcp::serve_data_stream;
@@ -85,6 +86,19 @@ impl Server {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         open.insert(id, clone);
         Some(id)
+    }
+
+    /// Takes up a peer's control connection: sends it the keys of the regions that are
+    /// live now, then records it for revocations. Both under the lock `broadcast` takes,
+    /// so a region deregistered meanwhile is either missing from the list or revoked on
+    /// the connection after it: a peer that read metadata before the revocation (and
+    /// opened this connection after it) learns of it either way.
+    fn take_up_control(&self, id: u64, peer: &str, writer: &ControlWriter, registry: &Registry) -> Result<()> {
+        let mut controls = self.controls.lock();
+        let live = Frame::LiveRegions { regions: registry.public_keys() };
+        std::io::Write::write_all(&mut *writer.lock(), &wire::encode(&live))?;
+        controls.insert(id, (peer.to_string(), writer.clone()));
+        Ok(())
     }
 
     /// Forgets a connection that ended.
@@ -238,7 +252,7 @@ fn serve_control(stream: TcpStream, agent: &Weak<AgentInner>, from: &str, id: u6
     let writer = Arc::new(Mutex::new(stream.try_clone()?));
     let host = match agent.upgrade().filter(|a| !a.is_closed()) {
         Some(a) => {
-            a.server.controls.lock().insert(id, (from.to_string(), writer.clone()));
+            a.server.take_up_control(id, from, &writer, &a.registry)?;
             a.host.clone()
         }
         None => return Ok(()),

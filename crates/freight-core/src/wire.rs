@@ -18,7 +18,8 @@ use crate::metadata::HostIdentity;
 /// 3: a one-message write carries its notification (`Write::notif`).
 /// 4: the fabric exchange (`Role::Fabric`, `Fabric*` frames).
 /// 5: landing buffers lent for staging over the fabric (`FabricDocks`, `FabricLand`...).
-pub const PROTOCOL_VERSION: u16 = 5;
+/// 6: a control connection opens with the target's live regions (`LiveRegions`).
+pub const PROTOCOL_VERSION: u16 = 6;
 /// Headers larger than this are a protocol violation (metadata replies are the largest).
 /// Each kind of frame has a smaller bound of its own (see [`HEADER_LIMITS`]).
 pub const MAX_HEADER: usize = 130 << 20;
@@ -165,6 +166,13 @@ pub enum Frame {
         token: u64,
         error: Option<String>,
     },
+    /// The first frame on a control connection after the welcome: the keys of the
+    /// target's public regions as the connection was taken up. Revocations from then on
+    /// follow on the connection; a region the initiator knows of but not listed here was
+    /// revoked before it.
+    LiveRegions {
+        regions: Vec<u64>,
+    },
 }
 
 /// The longest encoding of a segment list: its length, then three u64 varints a segment.
@@ -175,14 +183,15 @@ const FIELDS: usize = 64;
 const SMALL: usize = 1 << 20;
 /// Fabric frames whose lists grow with the rails and docks of a link (tens of entries).
 const RAIL_LISTS: usize = 64 << 10;
-/// Fabric frames whose lists grow with the regions one transfer names.
+/// Frames whose lists grow with the regions one transfer names, or one agent holds
+/// (over a million keys).
 const REGION_LISTS: usize = 16 << 20;
 
 /// Per kind of frame (in the order of [`Frame`]'s variants, whose index starts the
 /// encoding), its name and the largest header an honest peer sends of it. A declared
 /// length is checked against it before anything is allocated, so that what a peer
 /// declares cannot cost more memory than a legal frame of that kind.
-pub const HEADER_LIMITS: [(&str, usize); 22] = [
+pub const HEADER_LIMITS: [(&str, usize); 23] = [
     ("Hello", MAX_HELLO),
     ("Welcome", FIELDS),
     ("Refused", SMALL),
@@ -205,6 +214,7 @@ pub const HEADER_LIMITS: [(&str, usize); 22] = [
     ("FabricLand", FIELDS),
     ("FabricLift", FIELDS),
     ("FabricDocked", SMALL),
+    ("LiveRegions", REGION_LISTS),
 ];
 
 /// The largest header a control connection carries (`Notify`, `Outbox`, `Wake`).
@@ -769,6 +779,7 @@ mod tests {
             Frame::FabricLand { token: n, dock: u32::MAX, seg },
             Frame::FabricLift { token: n, dock: u32::MAX, seg },
             Frame::FabricDocked { token: n, error: reason },
+            Frame::LiveRegions { regions: vec![n; 1_000_000] },
         ];
         // Every variant, named (a new one must be added here and to HEADER_LIMITS).
         frames
@@ -797,6 +808,7 @@ mod tests {
                     Frame::FabricLand { .. } => "FabricLand",
                     Frame::FabricLift { .. } => "FabricLift",
                     Frame::FabricDocked { .. } => "FabricDocked",
+                    Frame::LiveRegions { .. } => "LiveRegions",
                 };
                 (name, f)
             })

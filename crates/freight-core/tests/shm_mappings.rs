@@ -258,14 +258,8 @@ fn an_agent_unmaps_a_segment_its_peer_revoked_and_freed() {
     assert_eq!(req.path().transport, TransportKind::Shm);
     assert_eq!(req.wait(T), Status::Done);
     drop(req); // its program held the mapping too
-               // The control link, which carries revocations, is served by the owner before it
-               // deregisters: one it has not taken up yet would not hear of it.
-    a.notify("target", b"hello".to_vec()).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while b.wait_notifs(Duration::from_millis(100)).is_empty() {
-        assert!(Instant::now() < deadline, "the owner never heard from this agent");
-    }
 
+    // The transfer opened the control link, which carries the revocation.
     b.deregister(key).unwrap();
     let dst_addr = dst.addr();
     drop(dst); // the owner's own mapping goes with it
