@@ -573,6 +573,58 @@ def test_close_ends_a_wait_on_another_thread(product):
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("product", ["pipe", "channel"])
+def test_abort_from_another_thread_ends_a_waiting_send_and_tells_the_receiver(product):
+    with agent("rx") as rx, agent("tx") as tx:
+        # Whole messages held by the receiver fill its 64 KiB buffer (a channel's
+        # objects stay whole up to a quarter of it).
+        fill, src = (2, np.zeros(24 * KIB, dtype=np.uint8)) if product == "pipe" else (4, np.zeros(15 * KIB, np.uint8))
+        tx.register(src)
+        if product == "pipe":
+            end, sender = pipe_pair(rx, tx, buffer=64 * KIB)
+            send = lambda: sender.send(src)  # noqa: E731
+            take = lambda: [end.recv(timeout=10)]  # noqa: E731
+        else:
+            end, sender = channel_pair(rx, tx, buffer=64 * KIB)
+            send = lambda: sender.send(["k"], [src])  # noqa: E731
+            take = lambda: end.recv(timeout=10)  # noqa: E731
+        held = []
+        for _ in range(fill):
+            send()
+            held += take()  # the buffer fills, and stays so
+        outcome = {}
+
+        def sending():
+            start = time.monotonic()
+            try:
+                send()
+            except freight.FreightError as e:
+                outcome["error"] = e
+            outcome["waited"] = time.monotonic() - start
+
+        t = threading.Thread(target=sending)
+        t.start()
+        time.sleep(0.3)
+        sender.abort("the prefill was cancelled")
+        t.join(timeout=10)
+        assert isinstance(outcome.get("error"), freight.InvalidStateError), outcome
+        assert "the prefill was cancelled" in str(outcome["error"])
+        assert outcome["waited"] < 5
+        with pytest.raises(freight.InvalidStateError, match="aborted"):
+            send()
+        for m in held:
+            m.release()
+        # The receiver learns why, instead of seeing the end of a whole stream.
+        with pytest.raises(freight.FreightError, match="the prefill was cancelled"):
+            take()
+        sender.abort("again")  # harmless
+        sender.close()  # the abort ended the stream already
+        sender.abort("after close")
+        with pytest.raises(freight.InvalidStateError, match="closed"):
+            send()
+
+
+@pytest.mark.timeout(30)
 def test_a_zero_accept_timeout_is_refused():
     with agent("rx") as rx:
         with pytest.raises(freight.InvalidArgumentError, match="positive"):

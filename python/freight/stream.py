@@ -505,6 +505,14 @@ class PipeSender(_PeerEnd):
         finally:
             self._release_temp()
 
+    def abort(self, reason: str = "aborted by the sender") -> None:
+        """Breaks the pipe: the receiver's next call raises with ``reason``, instead of
+        seeing the stream end as if it were whole. Callable from any thread: a
+        :meth:`send` or :meth:`flush` another thread is waiting in raises
+        :class:`freight.InvalidStateError` within a fraction of a second, and so does
+        every later call. Harmless once closed or aborted."""
+        self._raw.abort(str(reason))
+
     def _release_temp(self) -> None:
         if self._temp:
             _deregister_all(self._agent, self._temp)
@@ -647,6 +655,12 @@ class ChannelSender(_PeerEnd):
     def close(self) -> None:
         """Flushes and ends the stream. Harmless when called again."""
         self._raw.close()
+
+    def abort(self, reason: str = "aborted by the sender") -> None:
+        """Breaks the channel, as :meth:`PipeSender.abort` does its pipe: the receiver
+        raises with ``reason`` instead of taking a partial batch for a whole stream, and
+        a :meth:`send` waiting on another thread raises. Harmless once closed."""
+        self._raw.abort(str(reason))
 
     def __repr__(self) -> str:
         return f"<freight.ChannelSender to {self.peer!r}: {self.capacity} bytes>"

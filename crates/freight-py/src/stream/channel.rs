@@ -11,8 +11,8 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use super::{
-    accept_pipes, check_room, close_sender, connect_channel, drop_detached, drop_taken, lock, segment_of, wait_arg,
-    with_sender, Place, Region,
+    abort_sender, accept_pipes, check_room, close_sender, connect_channel, drop_detached, drop_taken, lock, segment_of,
+    wait_arg, with_sender, Place, Region, SenderCell,
 };
 use crate::agent::PyAgent;
 use crate::descs::parse_kind;
@@ -25,7 +25,7 @@ type PyOutgoing = (String, String, u64, u64, u64, Vec<u8>);
 /// The sending end of a channel (use `freight.ChannelSender`).
 #[pyclass(frozen, name = "ChannelSender", module = "freight._native")]
 pub struct PyChannelSender {
-    inner: Mutex<Option<ChannelSender>>,
+    inner: SenderCell<ChannelSender>,
     peer: String,
     capacity: u64,
 }
@@ -45,7 +45,7 @@ impl PyChannelSender {
     ) -> PyResult<Self> {
         let tx = connect_channel(py, agent, addr, batch_size, timeout, max_message, max_in_flight)?;
         let (peer, capacity) = (tx.pipe().peer().to_string(), tx.pipe().capacity());
-        Ok(PyChannelSender { inner: Mutex::new(Some(tx)), peer, capacity })
+        Ok(PyChannelSender { inner: Mutex::new(Some(Arc::new(tx))), peer, capacity })
     }
 
     /// Sends objects (key, kind, addr, length, device, meta) in batches; returns the
@@ -70,6 +70,11 @@ impl PyChannelSender {
 
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         close_sender(py, &self.inner, |tx| tx.close())
+    }
+
+    /// Breaks the channel's pipe and tells the receiver `reason`; callable from any thread.
+    fn abort(&self, py: Python<'_>, reason: &str) {
+        abort_sender(py, &self.inner, |tx| tx.pipe().abort(reason))
     }
 
     #[getter]

@@ -287,27 +287,42 @@ fn check_room(room: u64, len: u64) -> PyResult<()> {
     Ok(())
 }
 
+/// A sending end as its binding holds it: `None` once closed. The sender is shared, not
+/// locked, while a call works on it, so that another thread may abort it meanwhile.
+pub(crate) type SenderCell<S> = Mutex<Option<Arc<S>>>;
+
 /// Takes a live sender out of `cell` and ends its stream with `close`, with the GIL
 /// released; harmless when closed already.
-fn close_sender<S: Send>(
+fn close_sender<S: Send + Sync>(
     py: Python<'_>,
-    cell: &Mutex<Option<S>>,
-    close: impl FnOnce(S) -> freight_core::Result<()> + Send,
+    cell: &SenderCell<S>,
+    close: impl FnOnce(&S) -> freight_core::Result<()> + Send,
 ) -> PyResult<()> {
     match py.detach(|| lock(cell).take()) {
-        Some(s) => interrupt::detach(py, move || close(s)),
+        Some(s) => interrupt::detach(py, move || close(&s)),
         None => Ok(()),
     }
 }
 
-/// Runs `f` on a live sender, with the GIL released (the lock is taken there too).
-fn with_sender<T: Send, S: Send>(
+/// Runs `f` on a live sender, with the GIL released and the cell unlocked.
+fn with_sender<T: Send, S: Send + Sync>(
     py: Python<'_>,
-    cell: &Mutex<Option<S>>,
+    cell: &SenderCell<S>,
     f: impl FnOnce(&S) -> freight_core::Result<T> + Send,
 ) -> PyResult<T> {
-    interrupt::detach(py, || match lock(cell).as_ref() {
-        Some(s) => f(s),
-        None => Err(Error::InvalidState("the sender is closed".into())),
+    interrupt::detach(py, || {
+        let sender = lock(cell).clone().ok_or_else(|| Error::InvalidState("the sender is closed".into()))?;
+        f(&sender)
+    })
+}
+
+/// Aborts a live sender with `abort`, with the GIL released: a call another thread is
+/// in on it fails within a slice of its wait. Harmless once closed.
+fn abort_sender<S: Send + Sync>(py: Python<'_>, cell: &SenderCell<S>, abort: impl FnOnce(&S) + Send) {
+    py.detach(|| {
+        let sender = lock(cell).clone();
+        if let Some(s) = sender {
+            abort(&s);
+        }
     })
 }

@@ -9,8 +9,8 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use super::{
-    accept_pipe, buffer_arg, close_sender, connect_pipe, drop_detached, drop_taken, lock, pipe_config, segment_of,
-    wait_arg, with_sender, Place, Region,
+    abort_sender, accept_pipe, buffer_arg, close_sender, connect_pipe, drop_detached, drop_taken, lock, pipe_config,
+    segment_of, wait_arg, with_sender, Place, Region, SenderCell,
 };
 use crate::agent::PyAgent;
 use crate::descs::PyDescList;
@@ -217,7 +217,7 @@ impl Drop for PyMessage {
 /// The sending end of a pipe (use `freight.PipeSender`).
 #[pyclass(frozen, name = "PipeSender", module = "freight._native")]
 pub struct PyPipeSender {
-    inner: Mutex<Option<PipeSender>>,
+    inner: SenderCell<PipeSender>,
     peer: String,
     buffer: BufferInfo,
 }
@@ -235,7 +235,11 @@ impl PyPipeSender {
         max_in_flight: usize,
     ) -> PyResult<Self> {
         let tx = connect_pipe(py, agent, addr, timeout, max_in_flight, Ok)?;
-        Ok(PyPipeSender { peer: tx.peer().to_string(), buffer: tx.buffer().clone(), inner: Mutex::new(Some(tx)) })
+        Ok(PyPipeSender {
+            peer: tx.peer().to_string(),
+            buffer: tx.buffer().clone(),
+            inner: Mutex::new(Some(Arc::new(tx))),
+        })
     }
 
     /// Sends the bytes of `descs` (registered memory, gathered in order) as one message
@@ -268,6 +272,11 @@ impl PyPipeSender {
     /// Flushes and ends the stream; closing twice is harmless.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         close_sender(py, &self.inner, |tx| tx.close())
+    }
+
+    /// Breaks the pipe and tells the receiver `reason`; callable from any thread.
+    fn abort(&self, py: Python<'_>, reason: &str) {
+        abort_sender(py, &self.inner, |tx| tx.abort(reason))
     }
 
     /// The receiving agent's name.

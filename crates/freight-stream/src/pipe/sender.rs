@@ -476,8 +476,12 @@ impl PipeSender {
     }
 
     /// Flushes, then ends the stream: the receiver's `recv` returns `None` after the
-    /// last message. Closing twice is harmless.
+    /// last message. Closing twice is harmless, and so is closing after an abort (which
+    /// ended the stream as its caller wanted).
     pub fn close(&self) -> Result<()> {
+        if self.aborted.lock().is_some() {
+            return Ok(());
+        }
         self.flush()?;
         let mut st = self.state.lock();
         if !st.closed {
