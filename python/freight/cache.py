@@ -126,7 +126,8 @@ class CacheEngine:
     share a chunk. ``remote_sink``: a
     :class:`freight.StoreSender` every new chunk is also put to (committed before
     ``store`` returns); ``remote_source``: a :class:`freight.StoreReceiver` whose chunks
-    are found too. Both are handed over to the engine (their own queued puts are
+    are found too (chunks it holds in GPU memory only where ``gpu`` is given and they are
+    on that GPU: ``lookup`` then counts exactly what ``retrieve`` copies). Both are handed over to the engine (their own queued puts are
     committed first): using them afterwards raises :class:`freight.InvalidStateError`.
     Context manager: :meth:`close` on exit. Not for several threads at once: calls are
     serialized.
@@ -244,8 +245,8 @@ class CacheEngine:
         position ``i``; paged with ``block_table``) and returns its length in tokens
         (a multiple of ``chunk_tokens``, or all of ``tokens``); positions after it are
         left as they were. A remote chunk that cannot be copied (bytes that do not fit its
-        key, or on another GPU than ``kv``, or than ``gpu`` for host KV memory) ends the
-        prefix there, as in :meth:`lookup`."""
+        key, or in GPU memory other than ``gpu``'s, which is all GPU memory where ``gpu``
+        is None) ends the prefix there, as in :meth:`lookup`."""
         args = self._kv(kv, block_table, block_size, writable=True)
         return self._raw.retrieve(_tokens(tokens), **args)
 

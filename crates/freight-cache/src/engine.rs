@@ -15,10 +15,14 @@
 //!
 //! A chunk's slot stays pinned until the peer holds the commit that carries it. Commits
 //! are sealed (sent whole) without waiting for the peer, and waited for only when a
-//! slot is needed or more of them are in flight than allowed: gathering the next
-//! chunks and sending them overlaps the peer taking in the last ones. So that a
-//! full tier never waits for a commit still being filled, a commit takes at most the
-//! first tier's slots shared among the commits allowed in flight and the one filling.
+//! slot is needed (in the first tier, or in the host tier for a chunk the GPU tier
+//! evicts) or more of them are in flight than allowed: gathering the next chunks and
+//! sending them overlaps the peer taking in the last ones. So that a full tier never
+//! waits for a commit still being filled, a commit takes at most the smallest tier's
+//! slots shared among the commits allowed in flight and the one filling (a chunk is put
+//! from whichever tier holds it, so any tier may hold a commit's pins). A chunk leaves
+//! the GPU tier only once its copy is in the host tier: a failure on the way loses it
+//! from neither.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -38,7 +42,8 @@ pub struct CacheConfig {
     /// Tokens per chunk (the seed's engines use 256).
     pub chunk_tokens: u64,
     pub shape: KvShape,
-    /// The GPU of the GPU tier, and the GPU that host memory is pinned for.
+    /// The GPU of the GPU tier, and the GPU that host memory is pinned for. A remote
+    /// chunk in GPU memory is used only when it is on this GPU (never without one).
     pub gpu: Option<usize>,
     /// Bytes of the GPU tier (0: none; needs `gpu`).
     pub gpu_bytes: u64,
@@ -49,6 +54,7 @@ pub struct CacheConfig {
 /// The caller's KV memory for one request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KvMemory {
+    /// Host (DRAM) or GPU (VRAM) memory; other kinds are refused.
     pub place: Place,
     /// Bytes the caller owns at `place` (checked against the layout).
     pub len: u64,
@@ -153,10 +159,21 @@ impl CacheEngine {
     /// Also puts every new chunk to a remote store (the prefill side).
     /// Chunks count as sent once this sink's peer holds them; a chunk the peer dropped
     /// since is not put again (the engine remembers the chunks it sent, 16 bytes each).
-    pub fn with_remote_sink(mut self, sink: StoreSender) -> CacheEngine {
+    ///
+    /// A sink with objects queued or sealed and not yet committed is refused (and
+    /// dropped, which breaks its stream as for any sender dropped so): the engine
+    /// unpins a commit's slots when the sink says its oldest commit is held, so the
+    /// sink's commits must be the engine's own.
+    pub fn with_remote_sink(mut self, sink: StoreSender) -> Result<CacheEngine> {
+        let uncommitted = sink.pending();
+        if uncommitted > 0 {
+            return Err(Error::InvalidArgument(format!(
+                "the remote sink has {uncommitted} objects not committed; commit them before giving it to a cache engine"
+            )));
+        }
         self.remote_out = Some(sink);
         self.sent.clear();
-        self
+        Ok(self)
     }
 
     /// How many sealed commits may await the remote sink's peer while the engine goes
@@ -194,6 +211,14 @@ impl CacheEngine {
     /// Checks `kv` for `tokens` once per call: its chunks' runs are then computed
     /// without checking the layout again ([`runs_of_valid`]).
     fn check_kv(&self, tokens: &[u32], kv: &KvMemory) -> Result<()> {
+        // Anything but GPU memory is copied as host memory: another kind's address
+        // would be taken for a pointer.
+        if !matches!(kv.place.kind, MemKind::Dram | MemKind::Vram) {
+            return Err(Error::InvalidArgument(format!(
+                "KV memory must be host (DRAM) or GPU (VRAM) memory, not {}",
+                kv.place.kind.as_str()
+            )));
+        }
         kv.layout.validate()?;
         let need = kv.layout.checked_bytes(&self.config.shape)?;
         if kv.len < need {
@@ -241,11 +266,12 @@ impl CacheEngine {
             if local && remote {
                 continue;
             }
-            // With no tier below to take it, the chunk would push out one before it in
-            // the prompt, which the next step gathers again, pushing out the one before
-            // that: a prompt longer than the tier would be gathered whole at every store.
-            let pushes_out_prefix = || self.tiers[0].victim().and_then(|v| position.get(&v)).is_some_and(|&at| at < i);
-            if !local && remote && self.tiers.len() == 1 && pushes_out_prefix() {
+            // A chunk that would push one before it in the prompt out of the cache is
+            // not worth gathering: the next step gathers that one again, pushing out
+            // the one before it, and a prompt longer than the tiers together would be
+            // gathered whole at every store.
+            let pushes_out_prefix = || self.leaving().and_then(|v| position.get(&v)).is_some_and(|&at| at < i);
+            if !local && remote && pushes_out_prefix() {
                 continue;
             }
             if !local {
@@ -312,54 +338,92 @@ impl CacheEngine {
         Ok(value)
     }
 
-    /// A slot in the first tier for a new chunk, moving what it evicts down a tier.
-    fn make_room(&mut self, key: u128, len: u64) -> Result<Place> {
-        let (place, evicted) = loop {
-            match self.tiers[0].insert(key, len) {
-                // Every slot waits for a put: the oldest commit frees some once held.
-                Err(Error::NoSpace(_)) if !self.sealed.is_empty() || !self.unsealed.is_empty() => {
-                    if self.sealed.is_empty() {
-                        self.seal_remote()?;
-                    }
-                    // Each pass frees a commit's slots (the sink and the engine seal the
-                    // same commits), so this loop ends; a slip would spin, so it fails.
-                    let before = self.sealed.len();
-                    self.wait_oldest_remote()?;
-                    if self.sealed.len() >= before {
-                        return Err(Error::InvalidState("the remote sink held no commit to free slots with".into()));
-                    }
-                }
-                other => break other?,
+    /// The chunk that a new one in the first tier would push out of the cache, if any:
+    /// each tier's victim moves down to the next tier, and the last tier's is dropped.
+    fn leaving(&self) -> Option<u128> {
+        let mut leaving = self.tiers[0].victim()?;
+        for below in &self.tiers[1..] {
+            if below.contains(leaving) {
+                return None;
             }
-        };
-        if let Some((gone, from)) = evicted {
-            // The slot holds the evicted chunk's bytes until the gather: the new key
-            // must not name them if the move fails.
-            if let Err(e) = self.demote(1, gone.key, from, gone.len) {
-                self.tiers[0].remove(key);
-                return Err(e);
-            }
+            leaving = below.victim()?;
         }
-        Ok(place)
+        Some(leaving)
     }
 
-    /// Moves an evicted chunk into tier `to` (dropped when there is no such tier).
-    fn demote(&mut self, to: usize, key: u128, from: Place, len: u64) -> Result<()> {
-        if self.tiers.get(to).is_none_or(|t| t.contains(key)) {
-            return Ok(());
+    /// A slot in the first tier for a new chunk. The chunk it evicts is copied down a
+    /// tier first, and evicted only once that copy is done: a failure on the way
+    /// leaves it where it was.
+    fn make_room(&mut self, key: u128, len: u64) -> Result<Place> {
+        loop {
+            // Waits on the way may unpin chunks and so change the victim: look again
+            // until the one the insert evicts has a copy below (or no tier below).
+            if let Some(victim) = self.tiers[0].victim() {
+                if self.demote(victim)? {
+                    continue;
+                }
+            }
+            match self.tiers[0].insert(key, len) {
+                Ok((place, evicted)) => {
+                    if let Some((gone, _)) = evicted {
+                        tracing::debug!(tier = self.tiers[0].name, chunk = %format_args!("{:032x}", gone.key), "evicted");
+                    }
+                    return Ok(place);
+                }
+                Err(Error::NoSpace(_)) if self.pinned() > 0 => self.wait_for_room()?,
+                Err(e) => return Err(e),
+            }
         }
+    }
+
+    /// Copies the first tier's chunk `key` into the second tier, unless there is none or
+    /// it holds the chunk already; true when it copied. The chunk stays in the first tier.
+    fn demote(&mut self, key: u128) -> Result<bool> {
+        if self.tiers.get(1).is_none_or(|t| t.contains(key)) {
+            return Ok(false);
+        }
+        let (from, len) = self.tiers[0].peek(key).expect("a victim is held");
         // The slot it gets may be one that a move still in flight writes to.
         self.wait_moves()?;
-        let tier = &mut self.tiers[to];
-        let (place, evicted) = tier.insert(key, len)?;
-        if let Some((gone, _)) = evicted {
-            tracing::debug!(tier = tier.name, chunk = %format_args!("{:032x}", gone.key), "evicted");
-        }
+        let place = loop {
+            match self.tiers[1].insert(key, len) {
+                Ok((place, evicted)) => {
+                    if let Some((gone, _)) = evicted {
+                        tracing::debug!(tier = self.tiers[1].name, chunk = %format_args!("{:032x}", gone.key), "evicted");
+                    }
+                    break place;
+                }
+                // Full of chunks put from it: the oldest commit frees some once held.
+                Err(Error::NoSpace(_)) if self.pinned() > 0 => self.wait_for_room()?,
+                Err(e) => return Err(e),
+            }
+        };
         let copied = copy(from, place, &[(from.addr, place.addr, len)]);
         if copied.is_err() {
-            tier.remove(key);
+            self.tiers[1].remove(key);
         }
-        copied
+        copied.map(|()| true)
+    }
+
+    /// Chunks whose slot a put still reads.
+    fn pinned(&self) -> usize {
+        self.unsealed.len() + self.sealed.iter().map(Vec::len).sum::<usize>()
+    }
+
+    /// Waits until the peer holds the oldest commit (sealing the one filling first when
+    /// none is sealed), which unpins its chunks.
+    fn wait_for_room(&mut self) -> Result<()> {
+        let before = self.pinned();
+        if self.sealed.is_empty() {
+            self.seal_remote()?;
+        }
+        self.wait_oldest_remote()?;
+        // Each call unpins a commit's chunks (the sink and the engine seal the same
+        // commits), so the callers' loops end; a slip would spin, so it fails.
+        if self.pinned() >= before {
+            return Err(Error::InvalidState("the remote sink held no commit to free slots with".into()));
+        }
+        Ok(())
     }
 
     fn put_remote(&mut self, key: &ChunkKey) -> Result<()> {
@@ -391,10 +455,12 @@ impl CacheEngine {
     }
 
     /// Chunks per commit: the sink's commit size, or fewer, so that the commits in
-    /// flight and the one filling fit in the first tier together.
+    /// flight and the one filling fit together in any tier (each may hold all their
+    /// chunks: a chunk is put from the tier that holds it).
     fn seal_every(&self) -> usize {
         let sink = self.remote_out.as_ref().map_or(usize::MAX, |s| s.commit_size());
-        let share = self.tiers[0].slots() / self.commits_in_flight.saturating_add(1);
+        let smallest = self.tiers.iter().map(Tier::slots).min().unwrap_or(0);
+        let share = smallest / self.commits_in_flight.saturating_add(1);
         sink.min(share.max(1))
     }
 
@@ -481,16 +547,16 @@ impl CacheEngine {
     /// what [`CacheEngine::retrieve`] would copy. Marks those chunks used.
     pub fn lookup(&mut self, tokens: &[u32]) -> usize {
         let keys = self.keys(tokens);
-        let gpu = self.config.gpu.map(|g| g as u64);
-        let found = keys.iter().take_while(|k| self.find(k, gpu).is_some()).count();
+        let found = keys.iter().take_while(|k| self.find(k).is_some()).count();
         self.touch(&keys[..found]);
         keys[..found].last().map_or(0, ChunkKey::end)
     }
 
     /// Copies the longest stored prefix of `tokens` into `kv` (token `i` at position
     /// `i`) and returns its length in tokens; positions after it are left as they were.
-    /// A chunk that cannot be copied (a remote one with the wrong length or meta, or on
-    /// another GPU than `kv`) ends the prefix, as in [`CacheEngine::lookup`].
+    /// A chunk that cannot be copied (a remote one with the wrong length or meta, or in
+    /// GPU memory of another GPU than the engine's, or of any GPU when the engine has
+    /// none) ends the prefix, as in [`CacheEngine::lookup`].
     pub fn retrieve(&mut self, tokens: &[u32], kv: &KvMemory) -> Result<usize> {
         // Remote chunks read by moves in flight stay alive until those are done.
         let mut reading = Vec::new();
@@ -508,15 +574,9 @@ impl CacheEngine {
     ) -> Result<usize> {
         self.check_kv(tokens, kv)?;
         let keys = self.keys(tokens);
-        // KV memory in host memory can take chunks from any GPU, but then lookup could
-        // not tell what retrieve takes: both take the engine's.
-        let gpu = match kv.place.kind {
-            MemKind::Vram => Some(kv.place.dev),
-            _ => self.config.gpu.map(|g| g as u64),
-        };
         let mut found = 0;
         for key in &keys {
-            let place = match self.find(key, gpu) {
+            let place = match self.find(key) {
                 None => break,
                 Some(Found::Local(place)) => place,
                 Some(Found::Remote(object, place)) => {
@@ -532,10 +592,10 @@ impl CacheEngine {
         Ok(keys[..found].last().map_or(0, ChunkKey::end))
     }
 
-    /// Where chunk `key` can be copied from into KV memory on GPU `gpu` (None: any GPU
-    /// will do). A chunk whose bytes do not fit its key, or a remote one on another GPU,
-    /// is not found: the prefix ends before it.
-    fn find(&self, key: &ChunkKey, gpu: Option<u64>) -> Option<Found> {
+    /// Where chunk `key` can be copied from into KV memory. A chunk whose bytes do not
+    /// fit its key, or a remote one the engine cannot reach ([`out_of_reach`]), is not
+    /// found: the prefix ends before it.
+    fn find(&self, key: &ChunkKey) -> Option<Found> {
         let len = self.config.shape.chunk_bytes(key.tokens as u64);
         if let Some((place, stored)) = self.tiers.iter().find_map(|t| t.peek(key.hash)) {
             if stored == len {
@@ -550,11 +610,12 @@ impl CacheEngine {
             MemKind::Vram => Place::gpu(addr, dev),
             _ => Place::host(addr),
         };
-        let unusable = match gpu {
-            _ if object.len() != len => Some(format!("{} bytes where {} tokens take {len}", object.len(), key.tokens)),
-            _ if object.meta != key.meta() => Some("its meta names another chunk".to_string()),
-            Some(g) if kind == MemKind::Vram && g != dev => Some(format!("it is on GPU {dev}, not GPU {g}")),
-            _ => None,
+        let unusable = if object.len() != len {
+            Some(format!("{} bytes where {} tokens take {len}", object.len(), key.tokens))
+        } else if object.meta != key.meta() {
+            Some("its meta names another chunk".to_string())
+        } else {
+            out_of_reach(self.config.gpu, kind, dev)
         };
         match unusable {
             None => Some(Found::Remote(object, place)),
@@ -581,6 +642,19 @@ impl CacheEngine {
             Some(sink) => sink.close(),
             None => Ok(()),
         }
+    }
+}
+
+/// Why an engine on GPU `gpu` cannot copy a remote chunk in memory of `kind` (on GPU
+/// `dev`) into KV memory, if it cannot. KV memory is on the engine's GPU or in host
+/// memory; `lookup` has no KV memory to ask, so both it and `retrieve` go by the
+/// engine's GPU alone, and an engine with none takes no chunk in GPU memory: `lookup`
+/// could not tell which GPU the KV memory of the next `retrieve` is on.
+fn out_of_reach(gpu: Option<usize>, kind: MemKind, dev: u64) -> Option<String> {
+    match (kind, gpu) {
+        (MemKind::Vram, None) => Some(format!("it is on GPU {dev} and the cache engine has no GPU")),
+        (MemKind::Vram, Some(g)) if g as u64 != dev => Some(format!("it is on GPU {dev}, not GPU {g}")),
+        _ => None,
     }
 }
 
@@ -611,8 +685,89 @@ mod tests {
         KvMemory {
             place: Place::host(bytes.as_mut_ptr() as u64),
             len: bytes.len() as u64,
-            layout: KvLayout::Contiguous { tokens: 16 },
+            layout: KvLayout::Contiguous { tokens: bytes.len() as u64 / SHAPE.chunk_bytes(1) },
         }
+    }
+
+    /// An engine with two tiers of host memory, of `first` and `second` chunks: the
+    /// first stands in for a GPU tier (the engine moves chunks by tier, not by kind).
+    fn two_tiers(agent: &Arc<Agent>, first: u64, second: u64) -> CacheEngine {
+        let slot = SHAPE.chunk_bytes(CHUNK);
+        let config =
+            CacheConfig { chunk_tokens: CHUNK, shape: SHAPE, gpu: None, gpu_bytes: 0, host_bytes: second * slot };
+        let mut engine = CacheEngine::new(agent, config).unwrap();
+        engine.tiers.insert(0, Tier::new(agent, first * slot, slot, None, None).unwrap());
+        engine
+    }
+
+    fn held(engine: &CacheEngine, tier: usize, keys: &[ChunkKey]) -> Vec<usize> {
+        (0..keys.len()).filter(|&i| engine.tiers[tier].contains(keys[i].hash)).collect()
+    }
+
+    #[test]
+    fn a_chunk_evicted_into_a_full_second_tier_waits_for_a_commit_and_is_never_lost() {
+        let (pa, da) = (support::agent("ce-unit-demote-tx", None), support::agent("ce-unit-demote-rx", None));
+        let (sink, store) = support::store_pair(&pa, &da, 4 * SHAPE.chunk_bytes(CHUNK));
+        let mut bytes = vec![7u8; SHAPE.chunk_bytes(16) as usize];
+        let kv = host_kv(&mut bytes);
+        let tokens: Vec<u32> = (0..12).collect();
+        let mut engine = two_tiers(&pa, 2, 1);
+        engine.store(&tokens, &kv).unwrap();
+        let keys = engine.keys(&tokens);
+        assert_eq!((held(&engine, 0, &keys), held(&engine, 1, &keys)), (vec![0, 1], vec![2]));
+        // A pin no commit will lift: the second tier has no room, and the store fails ...
+        engine.tiers[1].pin(keys[2].hash);
+        let other: Vec<u32> = (100..104).collect();
+        assert!(matches!(engine.store(&other, &kv), Err(Error::NoSpace(_))));
+        // ... with the chunk it would have evicted from the first tier still there.
+        assert_eq!(engine.lookup(&tokens), 12, "no chunk is lost");
+        engine.tiers[1].unpin(keys[2].hash);
+        // The last chunk put to the peer from the second tier pins it, in a commit
+        // sealed and not yet known to be held: room there waits for that commit.
+        let mut engine = engine.with_remote_sink(sink).unwrap();
+        engine.put_remote(&keys[2]).unwrap();
+        assert_eq!((engine.sealed.len(), engine.unsealed.len()), (1, 0));
+        let place = engine.make_room(0xfeed, SHAPE.chunk_bytes(CHUNK)).unwrap();
+        assert!(engine.sealed.is_empty(), "the commit was waited for");
+        assert_eq!((held(&engine, 0, &keys), held(&engine, 1, &keys)), (vec![0], vec![1]));
+        assert_eq!(engine.tiers[0].peek(0xfeed).unwrap().0, place);
+        store.wait_for(&[keys[2].name().as_str()], support::WAIT).unwrap();
+        engine.close().unwrap();
+    }
+
+    #[test]
+    fn commits_fit_the_smallest_tier() {
+        let (pa, da) = (support::agent("ce-unit-seal-tx", None), support::agent("ce-unit-seal-rx", None));
+        let (sink, _store) = support::store_pair(&pa, &da, 4 * SHAPE.chunk_bytes(CHUNK));
+        // Commits of up to 4; one in flight beside the one filling: 2 chunks each fit
+        // the first tier, and only 1 the second.
+        let engine = two_tiers(&pa, 4, 2).with_remote_sink(sink).unwrap().with_commits_in_flight(1);
+        assert_eq!(engine.seal_every(), 1);
+        engine.close().unwrap();
+    }
+
+    #[test]
+    fn a_prompt_longer_than_both_tiers_keeps_its_prefix_and_is_not_gathered_again() {
+        let a = support::agent("ce-unit-two-prefix", None);
+        let mut engine = two_tiers(&a, 2, 2);
+        let mut bytes = vec![7u8; SHAPE.chunk_bytes(24) as usize];
+        let kv = host_kv(&mut bytes);
+        // Six chunks into two tiers of two: the first four stay.
+        let tokens: Vec<u32> = (0..24).collect();
+        assert_eq!(engine.store(&tokens, &kv).unwrap().new_chunks, 6);
+        assert_eq!(engine.lookup(&tokens), 16);
+        assert_eq!(engine.store(&tokens, &kv).unwrap().new_chunks, 0, "the last two would only push out the first");
+        assert_eq!(engine.lookup(&tokens), 16);
+    }
+
+    #[test]
+    fn an_engine_takes_remote_chunks_on_its_own_gpu_or_in_host_memory_only() {
+        assert_eq!(out_of_reach(None, MemKind::Dram, 0), None);
+        assert_eq!(out_of_reach(Some(1), MemKind::Dram, 0), None);
+        assert_eq!(out_of_reach(Some(1), MemKind::Vram, 1), None);
+        assert!(out_of_reach(Some(1), MemKind::Vram, 0).is_some());
+        // With no GPU, lookup cannot know the GPU of the KV memory retrieve will get.
+        assert!(out_of_reach(None, MemKind::Vram, 0).is_some());
     }
 
     #[test]
@@ -642,7 +797,7 @@ mod tests {
         engine.store(&tokens, &kv).unwrap();
         // Stored before the sink came: none of its chunks is sent yet. Two are put, as a
         // store does before it gathers the chunks in front of them ...
-        let mut engine = engine.with_remote_sink(sink);
+        let mut engine = engine.with_remote_sink(sink).unwrap();
         let keys = engine.keys(&tokens);
         engine.put_remote(&keys[2]).unwrap();
         engine.put_remote(&keys[1]).unwrap();

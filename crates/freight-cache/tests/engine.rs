@@ -228,7 +228,7 @@ fn store_pair(tx: &Arc<Agent>, rx: &Arc<Agent>) -> (StoreSender, StoreReceiver) 
 fn prefill_to_decode(require: TransportKind, host_chunks: u64, in_flight: usize) {
     let (pa, da) = (agent("ce-prefill", Some(require)), agent("ce-decode", Some(require)));
     let (sink, store) = store_pair(&pa, &da);
-    let mut prefill = engine(&pa, host_chunks).with_remote_sink(sink).with_commits_in_flight(in_flight);
+    let mut prefill = engine(&pa, host_chunks).with_remote_sink(sink).unwrap().with_commits_in_flight(in_flight);
     let mut decode = engine(&da, 2).with_remote_source(store);
 
     let tokens = prompt(150, 5);
@@ -297,6 +297,11 @@ fn bad_input_is_refused() {
     memory.layout = KvLayout::Paged { block_size: 1 << 62, num_blocks: 8, block_table: vec![0] };
     let e = engine.store(&tokens, &memory).unwrap_err();
     assert!(matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("2^64"), "{e}");
+    // A file's "address" is no pointer to copy from or to.
+    let file = KvMemory { place: Place { kind: MemKind::File, ..kv.memory().place }, ..kv.memory() };
+    for e in [engine.store(&tokens, &file).unwrap_err(), engine.retrieve(&tokens, &file).unwrap_err()] {
+        assert!(matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("FILE"), "{e}");
+    }
     assert_eq!(engine.store(&tokens, &kv.memory()).unwrap().new_chunks, 3, "still usable");
     let base = CacheConfig { chunk_tokens: CHUNK, shape: SHAPE, gpu: None, gpu_bytes: 0, host_bytes: 1 << 20 };
     let no_tier = CacheConfig { host_bytes: 0, ..base.clone() };
@@ -310,12 +315,37 @@ fn bad_input_is_refused() {
     }
 }
 
+#[test]
+fn a_remote_sink_with_objects_not_committed_is_refused() {
+    let (pa, da) = (agent("ce-busy-sink-tx", None), agent("ce-busy-sink-rx", None));
+    let full = SHAPE.chunk_bytes(CHUNK);
+    let seg = pa.alloc(full as usize).unwrap();
+    pa.register(MemKind::Dram, seg.addr(), full, 0).unwrap();
+    let object = || Outgoing {
+        key: "not-the-engines".into(),
+        kind: MemKind::Dram,
+        local: Desc { addr: seg.addr(), len: full, dev: 0 },
+        meta: Vec::new(),
+    };
+    // Its commits would not be the engine's: the engine would unpin its own chunks
+    // when the sink's commit is held.
+    let (mut queued, _store) = store_pair(&pa, &da);
+    queued.queue(object()).unwrap();
+    let (mut sealed, _other) = store_pair(&pa, &da);
+    sealed.queue(object()).unwrap();
+    assert!(sealed.seal().unwrap());
+    for sink in [queued, sealed] {
+        let e = engine(&pa, 8).with_remote_sink(sink).err().expect("refused");
+        assert!(matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("not committed"), "{e}");
+    }
+}
+
 /// A prefill engine in `prefill_ns` stores a prompt into the store of a decode engine
 /// in `decode_ns`; returns the tokens the decode engine finds and retrieves.
 fn found_across(prefill_ns: &[u8], decode_ns: &[u8]) -> (usize, usize) {
     let (pa, da) = (agent("ce-ns-prefill", None), agent("ce-ns-decode", None));
     let (sink, store) = store_pair(&pa, &da);
-    let mut prefill = engine(&pa, 8).with_namespace(prefill_ns).with_remote_sink(sink);
+    let mut prefill = engine(&pa, 8).with_namespace(prefill_ns).with_remote_sink(sink).unwrap();
     let mut decode = engine(&da, 2).with_namespace(decode_ns).with_remote_source(store);
     let tokens = prompt(40, 60);
     let mut kv = Kv::contiguous(48);

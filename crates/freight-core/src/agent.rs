@@ -343,6 +343,16 @@ impl Agent {
         Ok(name)
     }
 
+    /// Removes `name` as a peer, if it is one, and hangs up every connection it opened
+    /// to this agent: it learns at once that it was dropped (its notifications and
+    /// requests to this agent fail, and [`Agent::check_peer`] says so), instead of
+    /// talking on to an agent that no longer answers it.
+    pub fn disconnect_peer(&self, name: &str) {
+        let removed = self.remove_peer(name).is_ok();
+        let hung_up = self.inner.server.hang_up(name);
+        tracing::info!(agent = %self.inner.name, peer = %name, removed, hung_up, "disconnected peer");
+    }
+
     pub fn remove_peer(&self, name: &str) -> Result<()> {
         let peer = self.inner.peers.write().remove(name).ok_or_else(|| Error::UnknownPeer(name.into()))?;
         peer.shutdown("removed");
@@ -411,6 +421,23 @@ impl Agent {
         let gpu = gpu::path_facts(local_end.as_ref(), remote_end.as_ref(), peer.same_host);
         let staging = staged::path_facts(local_end.as_ref(), remote_end.as_ref());
         self.inner.choose_path(&peer, local_kind, remote_kind, shared, gpu, staging)
+    }
+
+    /// Opens now the connections that transfers to `peer` take (on the path
+    /// [`Agent::path_to`] chooses), which are otherwise opened by the first transfer:
+    /// a server that moves every client's data from one thread opens each client's
+    /// where waiting for it holds up no other client. Returns the path.
+    pub fn open_path(&self, peer: &str) -> Result<Path> {
+        let path = self.path_to(peer)?;
+        let peer = self.inner.peer(peer)?;
+        let ctx = self.inner.dial_context();
+        match path.transport {
+            // Mapping transports need the control link: revocations arrive on it.
+            TransportKind::Shm | TransportKind::Cuda => drop(peer.control(&ctx)?),
+            TransportKind::Tcp => drop(peer.tcp(&ctx, &self.inner.config.tcp, None)?),
+            TransportKind::Fabric => drop(peer.fabric(&ctx, self.inner.fabric()?)?),
+        }
+        Ok(path)
     }
 
     // -- descriptors and requests ----------------------------------------------------

@@ -41,7 +41,12 @@ pub struct Peer {
     revoked: Mutex<HashSet<u64>>,
     pub shm: ShmPeer,
     pub cuda: CudaPeer,
+    /// The connections made so far. Held only to look at or swap them, never while one
+    /// is dialled: checking the peer's health, or using a link it has, does not wait
+    /// for a dial (which may take the connect timeout).
     links: Mutex<Links>,
+    /// One dial of each kind of link at a time.
+    dialing: Dialing,
     removed: AtomicBool,
     /// Connections made to this peer so far, and what they cost.
     /// Shared with the fabric link, which dials its relay connection itself.
@@ -89,6 +94,13 @@ impl ConnectionStats {
         self.setup_us += us;
         self.last_setup_us = us;
     }
+}
+
+#[derive(Default)]
+struct Dialing {
+    control: Mutex<()>,
+    tcp: Mutex<()>,
+    fabric: Mutex<()>,
 }
 
 #[derive(Default)]
@@ -267,6 +279,7 @@ impl Peer {
             md,
             same_host,
             links: Mutex::new(Links::default()),
+            dialing: Dialing::default(),
             removed: AtomicBool::new(false),
             dials: Arc::default(),
         }
@@ -281,7 +294,8 @@ impl Peer {
     }
 
     /// The connections, unless the peer was removed: checked under their lock, so that
-    /// a connection dialled while it is removed is never kept (its thread would leak).
+    /// a connection dialled while it is removed is never kept (its thread would leak;
+    /// see [`Peer::link`]).
     fn live_links(&self) -> Result<parking_lot::MutexGuard<'_, Links>> {
         let links = self.links.lock();
         if self.removed.load(Ordering::Acquire) {
@@ -308,13 +322,50 @@ impl Peer {
         }
     }
 
+    /// The link that `slot` picks out of the connections, made by `dial` on first use.
+    /// Dials of one kind wait for each other (`lock`), and nothing waits for a dial
+    /// under the connections' lock. A link dialled while the peer was removed is put
+    /// down with `discard`, never kept.
+    fn link<T: Clone>(
+        &self,
+        lock: &Mutex<()>,
+        slot: impl Fn(&mut Links) -> &mut Option<T>,
+        dial: impl FnOnce() -> Result<T>,
+        discard: impl FnOnce(&T),
+    ) -> Result<T> {
+        self.check_alive()?;
+        if let Some(l) = slot(&mut *self.live_links()?).clone() {
+            return Ok(l);
+        }
+        let _one_dial = lock.lock();
+        // Another thread may have dialled it while this one waited.
+        if let Some(l) = slot(&mut *self.live_links()?).clone() {
+            return Ok(l);
+        }
+        let link = dial()?;
+        match self.live_links() {
+            Ok(mut links) => {
+                *slot(&mut links) = Some(link.clone());
+                Ok(link)
+            }
+            Err(e) => {
+                discard(&link);
+                Err(e)
+            }
+        }
+    }
+
     /// The control link, dialled on first use.
     pub fn control(self: &Arc<Self>, ctx: &DialContext) -> Result<Arc<ControlLink>> {
-        self.check_alive()?;
-        let mut links = self.live_links()?;
-        if let Some(c) = &links.control {
-            return Ok(c.clone());
-        }
+        self.link(
+            &self.dialing.control,
+            |l| &mut l.control,
+            || self.dial_control(ctx),
+            |c| c.health.close("the peer was removed"),
+        )
+    }
+
+    fn dial_control(self: &Arc<Self>, ctx: &DialContext) -> Result<Arc<ControlLink>> {
         let intro = self.intro(ctx);
         let started = Instant::now();
         let stream = net::dial(&self.md.addresses, None, Role::Control, &intro, ctx.timeout)
@@ -327,7 +378,8 @@ impl Peer {
         // between our reading its metadata and its taking up the link.
         let live = read_live_regions(&mut reader, ctx.timeout).map_err(|e| self.disconnected(e.to_string()))?;
         let gone: Vec<u64> = self.regions.read().iter().map(|r| r.key).filter(|k| !live.contains(k)).collect();
-        self.forget_regions(&gone, links.fabric.as_deref());
+        let fabric = self.links.lock().fabric.clone();
+        self.forget_regions(&gone, fabric.as_deref());
         // Closing the link shuts the socket down through the health, never waiting for
         // a writer that holds the lock.
         let health = Arc::new(Health::default());
@@ -346,7 +398,6 @@ impl Peer {
         let (peer, l) = (self.clone(), link.clone());
         thread::Builder::new().name("freight-ctl-rx".into()).spawn(move || peer.watch_control(reader, l))?;
         self.dials.lock().record(Dialled::Control, 1, started.elapsed());
-        links.control = Some(link.clone());
         Ok(link)
     }
 
@@ -433,11 +484,15 @@ impl Peer {
     /// the first request moves sits on the PCI tree, if any: the NICs closest to it come
     /// first, and threads of NICs without a NUMA node go to the GPU's.
     pub fn tcp(&self, ctx: &DialContext, cfg: &TcpConfig, gpu: Option<PciPlace>) -> Result<Arc<TcpConn>> {
-        self.check_alive()?;
-        let mut links = self.live_links()?;
-        if let Some(t) = &links.tcp {
-            return Ok(t.clone());
-        }
+        self.link(
+            &self.dialing.tcp,
+            |l| &mut l.tcp,
+            || self.dial_tcp(ctx, cfg, gpu),
+            |t| t.shutdown("the peer was removed"),
+        )
+    }
+
+    fn dial_tcp(&self, ctx: &DialContext, cfg: &TcpConfig, gpu: Option<PciPlace>) -> Result<Arc<TcpConn>> {
         let intro = self.intro(ctx);
         let started = Instant::now();
         let n = cfg.streams.max(1);
@@ -460,17 +515,20 @@ impl Peer {
         let took = started.elapsed();
         self.dials.lock().record(Dialled::Tcp, n as u64, took);
         tracing::info!(peer = %self.name, streams = n, nics = ?local_addrs, near_gpu = ?gpu_node, chunk_size = cfg.chunk_size, window = cfg.window, setup_us = took.as_micros() as u64, "tcp connection up");
-        links.tcp = Some(conn.clone());
         Ok(conn)
     }
 
     /// The fabric exchange with the peer, set up on first use.
     pub fn fabric(&self, ctx: &DialContext, fabric: &Arc<Fabric>) -> Result<Arc<FabricLink>> {
-        self.check_alive()?;
-        let mut links = self.live_links()?;
-        if let Some(f) = &links.fabric {
-            return Ok(f.clone());
-        }
+        self.link(
+            &self.dialing.fabric,
+            |l| &mut l.fabric,
+            || self.dial_fabric(ctx, fabric),
+            |f| f.shutdown("the peer was removed"),
+        )
+    }
+
+    fn dial_fabric(&self, ctx: &DialContext, fabric: &Arc<Fabric>) -> Result<Arc<FabricLink>> {
         let started = Instant::now();
         let stream = net::dial(&self.md.addresses, None, Role::Fabric, &self.intro(ctx), ctx.timeout)
             .map_err(|e| self.disconnected(format!("cannot open the fabric exchange: {e}")))?;
@@ -494,7 +552,6 @@ impl Peer {
         let took = started.elapsed();
         self.dials.lock().record(Dialled::Fabric, 1, took);
         tracing::info!(peer = %self.name, transport = %fabric.describe(), setup_us = took.as_micros() as u64, "fabric connection up");
-        links.fabric = Some(link.clone());
         Ok(link)
     }
 

@@ -19,12 +19,16 @@ use crate::transport::fabric::serve_fabric;
 use crate::transport::tcp::serve_data_stream;
 use crate::wire::{self, Frame, Role, PROTOCOL_VERSION};
 
+/// An inbound connection, and the agent that opened it once its hello is taken.
+type Inbound = (TcpStream, Option<String>);
+
 /// Listening sockets and live inbound connections, so that shutdown can close them.
 pub struct Server {
     listeners: Mutex<Vec<(SocketAddr, TcpListener)>>,
-    /// Live inbound connections by id (removed when they end); `None` once shut down,
-    /// so that a connection accepted as the agent closes is refused, not missed.
-    inbound: Mutex<Option<HashMap<u64, TcpStream>>>,
+    /// Live inbound connections by id (removed when they end), with the name of the
+    /// agent that opened each once its hello is taken; `None` once shut down, so that a
+    /// connection accepted as the agent closes is refused, not missed.
+    inbound: Mutex<Option<HashMap<u64, Inbound>>>,
     /// Control connections from peers: revocations are sent back on them (each writer
     /// is locked for a whole frame: its inbox answers on it too).
     controls: Mutex<HashMap<u64, (String, ControlWriter)>>,
@@ -57,7 +61,7 @@ impl Server {
             unsafe { libc::shutdown(l.as_raw_fd(), libc::SHUT_RDWR) };
         }
         // Under the lock `admit` records connections under: none is recorded after this.
-        for (_, s) in self.inbound.lock().take().into_iter().flatten() {
+        for (_, (s, _)) in self.inbound.lock().take().into_iter().flatten() {
             let _ = s.shutdown(Shutdown::Both);
         }
         self.controls.lock().clear();
@@ -84,8 +88,27 @@ impl Server {
             return None;
         };
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        open.insert(id, clone);
+        open.insert(id, (clone, None));
         Some(id)
+    }
+
+    /// Notes which agent opened connection `id` (as its accepted hello says).
+    fn name(&self, id: u64, from: &str) {
+        if let Some((_, name)) = self.inbound.lock().as_mut().and_then(|open| open.get_mut(&id)) {
+            *name = Some(from.to_string());
+        }
+    }
+
+    /// Shuts every connection that agent `from` opened to this one; how many.
+    pub fn hang_up(&self, from: &str) -> usize {
+        let mut hung_up = 0;
+        for (s, _) in
+            self.inbound.lock().iter().flat_map(|open| open.values()).filter(|(_, n)| n.as_deref() == Some(from))
+        {
+            let _ = s.shutdown(Shutdown::Both);
+            hung_up += 1;
+        }
+        hung_up
     }
 
     /// Takes up a peer's control connection: sends it the keys of the regions that are
@@ -219,8 +242,9 @@ fn serve_connection(mut stream: TcpStream, agent: &Weak<AgentInner>, id: u64) ->
     if target_id != my_id {
         return refuse(&mut stream, "stale metadata: this agent was restarted; fetch its metadata again");
     }
-    if serving(agent).is_err() {
-        return refuse(&mut stream, "the agent is closed");
+    match serving(agent) {
+        Ok(a) => a.server.name(id, &from_name),
+        Err(_) => return refuse(&mut stream, "the agent is closed"),
     }
     wire::write_frame(&mut stream, &Frame::Welcome { agent_id: my_id }, &[])?;
     stream.set_read_timeout(None)?;

@@ -413,8 +413,9 @@ fn a_region_revoked_before_the_control_link_opened_is_not_written() {
 }
 
 /// A peer whose connection is slow to set up (its listener accepts and never answers)
-/// holds up that peer's users only: adding and using other peers goes on meanwhile,
-/// also while that peer's metadata is being added again.
+/// holds up only what needs that connection: adding and using other peers goes on
+/// meanwhile, and so do adding that peer's metadata again and checking its health (a
+/// server sweeping its clients for dead ones must not wait out one client's dial).
 #[test]
 fn a_slow_dial_to_one_peer_holds_up_no_other() {
     let cfg = AgentConfig { connect_timeout: Duration::from_secs(3), ..Default::default() };
@@ -432,16 +433,61 @@ fn a_slow_dial_to_one_peer_holds_up_no_other() {
         // Dials the ghost's control link: waits out the handshake.
         let dialing = s.spawn(|| a.notify("ghost", b"hello".to_vec()));
         std::thread::sleep(Duration::from_millis(200));
-        // Refreshing the ghost waits for its dial too...
-        let refreshing = s.spawn(|| a.add_peer(&md));
-        std::thread::sleep(Duration::from_millis(200));
-        // ...but nobody else does.
         let started = std::time::Instant::now();
+        a.add_peer(&md).unwrap();
+        a.check_peer("ghost").unwrap();
         a.add_peer(&other.metadata()).unwrap();
         a.prepare_remote("other", &list(dst.addr(), 4096)).unwrap();
         let took = started.elapsed();
-        assert!(took < Duration::from_secs(1), "another peer waited {took:?} for the ghost's dial");
+        assert!(took < Duration::from_secs(1), "waited {took:?} for the ghost's dial");
         assert!(dialing.join().unwrap().is_err(), "the ghost never answered");
-        refreshing.join().unwrap().unwrap();
     });
+}
+
+/// `open_path` makes the connections the first transfer would otherwise make, on the
+/// path `path_to` names; the transfer then dials nothing.
+#[test]
+fn open_path_dials_what_the_first_transfer_would() {
+    for (cfg, expect) in [
+        (AgentConfig { require: Some(TransportKind::Tcp), ..Default::default() }, TransportKind::Tcp),
+        (AgentConfig::default(), TransportKind::Shm),
+    ] {
+        let (a, b) = agents(cfg);
+        let (src, dst) = (a.alloc(4096).unwrap(), b.alloc(4096).unwrap());
+        memory::fill(&src, 3);
+        a.register(MemKind::Dram, src.addr(), 4096, 0).unwrap();
+        b.register(MemKind::Dram, dst.addr(), 4096, 0).unwrap();
+        a.add_peer(&b.metadata()).unwrap();
+        assert_eq!(a.connection_stats("target").unwrap().handshakes, 0);
+        assert_eq!(a.open_path("target").unwrap().transport, expect);
+        let opened = a.connection_stats("target").unwrap();
+        let dialled = if expect == TransportKind::Tcp { opened.tcp_connections } else { opened.control_connections };
+        assert_eq!(dialled, 1, "{expect:?}: {opened:?}");
+        let req = a.transfer(OpKind::Write, &list(src.addr(), 4096), "target", &list(dst.addr(), 4096), None).unwrap();
+        assert_eq!(req.wait(T), Status::Done);
+        assert_eq!(memory::bytes(&dst), memory::bytes(&src));
+        assert_eq!(a.connection_stats("target").unwrap(), opened, "{expect:?}: the transfer dialled again");
+        assert!(matches!(a.open_path("nobody"), Err(Error::UnknownPeer(_))));
+    }
+}
+
+/// An agent that disconnects a peer hangs up the connections that peer opened to it:
+/// the peer learns at once that it was dropped, instead of talking on unanswered.
+#[test]
+fn a_disconnected_peer_learns_it_at_once() {
+    let (a, b) = agents(AgentConfig::default());
+    a.add_peer(&b.metadata()).unwrap();
+    b.add_peer(&a.metadata()).unwrap();
+    a.notify("target", b"hello".to_vec()).unwrap();
+    b.disconnect_peer("initiator");
+    assert!(matches!(b.check_peer("initiator"), Err(Error::UnknownPeer(_))));
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while a.check_peer("target").is_ok() {
+        assert!(std::time::Instant::now() < deadline, "the peer never learnt it was disconnected");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let e = a.notify("target", b"anyone?".to_vec()).unwrap_err();
+    assert!(matches!(e, Error::PeerDisconnected { .. }), "{e}");
+    // Disconnecting an agent that is no peer and opened nothing is harmless.
+    b.disconnect_peer("nobody");
 }

@@ -99,8 +99,8 @@ pub struct Client {
     url: String,
     name: String,
     client_id: u64,
-    /// The session's secret, for Goodbye.
-    session_token: Vec<u8>,
+    /// The session's secret, for Goodbye and in every request.
+    session_token: wire::SessionToken,
     /// The server agent that may still carry out a request of this client whose answer
     /// never came (the connection broke while it waited): a new session with that same
     /// agent must not go on (see `call`).
@@ -171,7 +171,7 @@ impl Client {
             url: config.server.clone(),
             name: config.name.clone(),
             client_id: 0,
-            session_token: Vec::new(),
+            session_token: [0; 16],
             unsettled: None,
             pinned: None,
             gpu_streams: Vec::new(),
@@ -226,7 +226,13 @@ impl Client {
         }
         self.server = server;
         self.client_id = reply.client_id;
-        self.session_token = reply.session_token;
+        self.session_token = reply.session_token.as_slice().try_into().map_err(|_| {
+            Error::Protocol(format!(
+                "the KV server at {} handed out a session token of {} bytes (16 expected)",
+                self.url,
+                reply.session_token.len()
+            ))
+        })?;
         tracing::debug!(client_id = reply.client_id, server = %self.url, "KV session opened");
         if self.unsettled.as_deref() == Some(self.server.as_str()) {
             let why = format!(
@@ -436,7 +442,7 @@ impl Client {
     /// Ends the session (dropping the client without it works too: the server notices
     /// the lost connection).
     pub fn close(mut self) -> Result<()> {
-        let request = GoodbyeRequest { client_id: self.client_id, session_token: self.session_token.clone() };
+        let request = GoodbyeRequest { client_id: self.client_id, session_token: self.session_token.to_vec() };
         self.runtime.block_on(self.rpc.goodbye(request)).map_err(|e| rpc_error(&self.url, e))?;
         self.agent.close();
         Ok(())
@@ -490,7 +496,10 @@ impl Client {
         if self.unsettled.is_some() || self.agent.check_peer(&self.server).is_err() {
             self.reconnect(deadline)?;
         }
-        let sent = self.agent.notify(&self.server, request.encode()).and_then(|()| self.wait_reply(first_id, deadline));
+        let sent = self
+            .agent
+            .notify(&self.server, request.encode(&self.session_token))
+            .and_then(|()| self.wait_reply(first_id, deadline));
         let reply = match sent {
             // The request may have reached the server: only another server (a restarted
             // one, which has none of this client's requests) gets it again, so that it
@@ -500,7 +509,7 @@ impl Client {
             Err(Error::PeerDisconnected { .. } | Error::UnknownPeer(_)) => {
                 self.unsettled = Some(self.server.clone());
                 self.reconnect(deadline)?;
-                self.agent.notify(&self.server, request.encode())?;
+                self.agent.notify(&self.server, request.encode(&self.session_token))?;
                 self.wait_reply(first_id, deadline)?
             }
             other => other?,
@@ -708,6 +717,28 @@ mod tests {
         c.put(b"k", b"before", Duration::ZERO).unwrap();
         c.agent.remove_peer(&c.server).unwrap();
         c.put(b"k", b"after", Duration::ZERO).unwrap();
+        assert!(c.usable());
+        assert_eq!(c.get(b"k").unwrap().as_deref(), Some(&b"after"[..]));
+    }
+
+    /// A server that ends a client's session (its sweep found the server's connection
+    /// to the client broken) hangs up the client's connections too: the client opens a
+    /// new session before its next request, instead of sending it into no session and
+    /// waiting out its timeout.
+    #[test]
+    fn a_session_the_server_ended_is_opened_again_before_the_next_request() {
+        let s = server();
+        let mut c = client(&s);
+        c.put(b"k", b"before", Duration::ZERO).unwrap();
+        s.shared().end_session_of(c.agent.name(), "test");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while c.agent.check_peer(&c.server).is_ok() {
+            assert!(Instant::now() < deadline, "the client never learnt its session ended");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let started = Instant::now();
+        c.put(b"k", b"after", Duration::ZERO).unwrap();
+        assert!(started.elapsed() < Duration::from_secs(5));
         assert!(c.usable());
         assert_eq!(c.get(b"k").unwrap().as_deref(), Some(&b"after"[..]));
     }

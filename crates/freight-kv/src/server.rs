@@ -105,10 +105,6 @@ pub(crate) struct Clients {
 }
 
 impl Clients {
-    pub(crate) fn has(&self, name: &str) -> bool {
-        self.by_name.contains_key(name)
-    }
-
     pub(crate) fn len(&self) -> usize {
         self.by_name.len()
     }
@@ -118,6 +114,12 @@ impl Clients {
         let token = rand::random();
         self.by_name.insert(name, Session { id: self.next_id, token, agent_id });
         (self.next_id, token)
+    }
+
+    /// Whether `token` is that of the session of `name`'s agent: `None` when that agent
+    /// has no session.
+    pub(crate) fn token_matches(&self, name: &str, token: &wire::SessionToken) -> Option<bool> {
+        self.by_name.get(name).map(|s| crate::rpc::constant_time_eq(&s.token, token))
     }
 
     /// The name of the session with this id and token.
@@ -180,10 +182,11 @@ impl Shared {
             // value take the slot while the old copy still writes into it).
             clients.add(name.clone(), md.agent_id)
         };
-        // Connected here rather than by the data-plane worker at its first reply, which
-        // would hold up every other client meanwhile; a client the server cannot reach
-        // learns it now instead of at its first request's timeout.
-        if let Err(e) = self.agent.notify(&name, wire::WELCOME.to_vec()) {
+        // Connected here rather than by the data-plane worker at its first reply or
+        // transfer, which would hold up every other client meanwhile; a client the
+        // server cannot reach learns it now instead of at its first request's timeout.
+        let connected = self.agent.notify(&name, wire::WELCOME.to_vec()).and_then(|()| self.agent.open_path(&name));
+        if let Err(e) = connected {
             self.end_session(&name, id, "unreachable");
             return Err(Error::PeerDisconnected {
                 peer: name,
@@ -222,13 +225,24 @@ impl Shared {
         }
     }
 
+    /// Ends the session of `name`'s agent, whichever it is (tests).
+    #[cfg(test)]
+    pub(crate) fn end_session_of(&self, name: &str, why: &str) {
+        let id = self.clients.lock().by_name.get(name).map(|s| s.id);
+        if let Some(id) = id {
+            self.end_session(name, id, why);
+        }
+    }
+
     /// Ends session `id` of `name`'s agent, unless another has replaced it. Its PUTs
     /// still in flight end with their transfers (see `hello`).
     fn end_session(&self, name: &str, id: u64, why: &str) {
         let mut clients = self.clients.lock();
         if clients.by_name.get(name).is_some_and(|s| s.id == id) {
             clients.by_name.remove(name);
-            let _ = self.agent.remove_peer(name);
+            // Its connections to this server go too: the client learns now that it
+            // needs a new session, instead of when a request goes unanswered.
+            self.agent.disconnect_peer(name);
             tracing::info!(client = id, agent = %name, why, "client gone");
         }
     }
@@ -258,7 +272,7 @@ impl Shared {
             let same = clients.by_name.get(name).is_some_and(|s| s.id == *id);
             if same && self.agent.check_peer(name).is_err() {
                 clients.by_name.remove(name);
-                let _ = self.agent.remove_peer(name);
+                self.agent.disconnect_peer(name);
                 tracing::info!(client = id, agent = %name, why = "connection lost", "client gone");
             }
         }
@@ -584,6 +598,7 @@ impl Worker {
             }
             Some(Ok(r)) => r,
         };
+        let (token, request) = request;
         let first_id = request.first_id();
         let refuse = |why: &str| {
             let outcomes = vec![Outcome::Failed { code: FailCode::Refused, error: why.to_string() }; request.len()];
@@ -592,8 +607,20 @@ impl Worker {
         if stopping {
             return refuse("the server is shutting down");
         }
-        if !self.shared.clients.lock().has(&n.from) {
-            return refuse("no session: say hello on the control plane first");
+        let matches = self.shared.clients.lock().token_matches(&n.from, &token);
+        match matches {
+            None => {
+                refuse("no session: say hello on the control plane first");
+                // With no session there is usually no peer to answer either: hanging up
+                // tells the client to open a new one, instead of leaving it to time out.
+                return self.shared.agent.disconnect_peer(&n.from);
+            }
+            // Not sent by that session's client (see `wire`): answering would tell that
+            // client of a request it never made.
+            Some(false) => {
+                return tracing::warn!(from = %n.from, first_id, "dropped a request without its session's token")
+            }
+            Some(true) => {}
         }
         let (items, kind) = match &request {
             wire::Request::Get { items, .. } | wire::Request::Put { items, .. } => {
@@ -700,7 +727,12 @@ impl Worker {
 /// A server on a free loopback port with 1 MiB of memory, for unit tests.
 #[cfg(test)]
 pub(crate) fn test_server() -> Server {
-    Server::start(ServerConfig { listen: "127.0.0.1:0".into(), memory_bytes: 1 << 20, ..Default::default() }).unwrap()
+    Server::start(test_config()).unwrap()
+}
+
+#[cfg(test)]
+fn test_config() -> ServerConfig {
+    ServerConfig { listen: "127.0.0.1:0".into(), memory_bytes: 1 << 20, ..Default::default() }
 }
 
 #[cfg(test)]
@@ -722,14 +754,14 @@ mod tests {
     fn a_request_that_does_not_decode_is_answered_at_once_when_its_id_can_be_read() {
         let s = server();
         let client = agent(&format!("raw-{}", rand::random::<u32>()));
-        s.shared.hello(&client.metadata()).unwrap();
+        let opened = s.shared.hello(&client.metadata()).unwrap();
         let server_agent = client.add_peer(&s.shared.agent.metadata()).unwrap();
         let good = wire::Request::Put {
             first_id: 41,
             ttl_ms: 0,
             items: vec![(b"k".to_vec(), wire::Buffer { kind: MemKind::Dram, addr: 1, len: 1, dev: 0 })],
         }
-        .encode();
+        .encode(&opened.token);
         client.notify(&server_agent, good[..good.len() - 3].to_vec()).unwrap();
         let until = Instant::now() + Duration::from_secs(5);
         let reply = loop {
@@ -797,6 +829,49 @@ mod tests {
         s.shared.agent.remove_peer(&again.agent).unwrap();
         s.shared.hello(&other.metadata()).unwrap();
         assert_eq!(sessions(&s), 1);
+    }
+
+    /// Every client knows the server agent's secret, so another agent may introduce
+    /// itself under a client's name: its requests, lacking that client's session
+    /// token, must not move that client's memory (here: store it under a key of its
+    /// choosing, to GET later).
+    #[test]
+    fn a_request_without_its_sessions_token_is_not_carried_out() {
+        let s = server();
+        let name = format!("victim-{}", rand::random::<u32>());
+        let victim = agent(&name);
+        let secret = victim.alloc(4096).unwrap();
+        victim.register(MemKind::Dram, secret.addr(), 4096, 0).unwrap();
+        let opened = s.shared.hello(&victim.metadata()).unwrap();
+        let impostor = agent(&name);
+        let server_agent = impostor.add_peer(&s.shared.agent.metadata()).unwrap();
+        let put = |key: &[u8], first_id, token| {
+            let buffer = wire::Buffer { kind: MemKind::Dram, addr: secret.addr(), len: 4096, dev: 0 };
+            wire::Request::Put { first_id, ttl_ms: 0, items: vec![(key.to_vec(), buffer)] }.encode(token)
+        };
+        impostor.notify(&server_agent, put(b"forged", 1, &[0; 16])).unwrap();
+        // The same connection with the session's token: taken, after the forged one.
+        impostor.notify(&server_agent, put(b"genuine", 2, &opened.token)).unwrap();
+        let until = Instant::now() + Duration::from_secs(10);
+        while !s.shared.index.lock().exists(b"genuine", s.shared.now_ms()) {
+            assert!(Instant::now() < until, "the request with the session's token never ran");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(!s.shared.index.lock().exists(b"forged", s.shared.now_ms()), "a forged request ran");
+        assert_eq!(sessions(&s), 1);
+    }
+
+    /// The worker moves every client's data: a dial it made at a client's first
+    /// transfer would hold up every other client while it lasts.
+    #[test]
+    fn hello_opens_the_data_path_so_the_worker_dials_nothing() {
+        let engine = AgentConfig { require: Some(freight_core::TransportKind::Tcp), ..Default::default() };
+        let config = ServerConfig { engine: engine.clone(), ..test_config() };
+        let s = Server::start(config).unwrap();
+        let client = Agent::new(&format!("dialled-{}", rand::random::<u32>()), engine).unwrap();
+        let opened = s.shared.hello(&client.metadata()).unwrap();
+        let stats = s.shared.agent.connection_stats(&opened.agent).unwrap();
+        assert_eq!((stats.control_connections, stats.tcp_connections), (1, 1), "{stats:?}");
     }
 
     #[test]

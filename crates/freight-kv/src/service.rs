@@ -10,7 +10,7 @@
 
 use crate::index::{Grant, Index, ReadPin};
 use crate::pool::Slot;
-use crate::wire::{Buffer, FailCode, Outcome};
+use crate::wire::{Buffer, FailCode, Outcome, MAX_KEY};
 use freight_core::Error;
 
 /// A GET in flight: copy `copies` (pool slot to the client's buffer), then [`finish`].
@@ -28,8 +28,8 @@ impl GetPlan {
     pub fn new(index: &mut Index, items: &[(Vec<u8>, Buffer)], now_ms: u64) -> GetPlan {
         let mut plan = GetPlan { copies: Vec::new(), outcomes: Vec::with_capacity(items.len()), pins: Vec::new() };
         for (key, buffer) in items {
-            if key.is_empty() {
-                plan.outcomes.push(invalid("an empty key"));
+            if let Err(refused) = check_key(key) {
+                plan.outcomes.push(refused);
                 continue;
             }
             let outcome = match index.begin_get(key, now_ms) {
@@ -92,8 +92,8 @@ impl PutPlan {
     pub fn new(index: &mut Index, items: &[(Vec<u8>, Buffer)], ttl_ms: u64, now_ms: u64) -> PutPlan {
         let mut plan = PutPlan { copies: Vec::new(), items: Vec::with_capacity(items.len()) };
         for (key, buffer) in items {
-            let item = if key.is_empty() {
-                Err(invalid("an empty key"))
+            let item = if let Err(refused) = check_key(key) {
+                Err(refused)
             } else if buffer.len == 0 {
                 Err(invalid("a value of 0 bytes"))
             } else {
@@ -124,6 +124,16 @@ impl PutPlan {
                 }
             })
             .collect()
+    }
+}
+
+/// Keys are names, not values: a key longer than [`MAX_KEY`] would cost the server's
+/// index far more memory than the pool bytes its value is counted for.
+fn check_key(key: &[u8]) -> Result<(), Outcome> {
+    match key.len() {
+        0 => Err(invalid("an empty key")),
+        n if n > MAX_KEY => Err(invalid(&format!("a key of {n} bytes (at most {MAX_KEY})"))),
+        _ => Ok(()),
     }
 }
 
@@ -176,6 +186,19 @@ mod tests {
         assert!(plan.finish(&mut ix, Ok(())).is_none());
         assert_eq!(ix.stats().hits, 1);
         assert_eq!(ix.stats().misses, 1);
+    }
+
+    #[test]
+    fn keys_longer_than_the_limit_are_refused_and_take_nothing() {
+        let mut ix = index(1 << 20, true);
+        let long = vec![b'k'; MAX_KEY + 1];
+        let refused = put(&mut ix, &long, 100);
+        assert!(matches!(&refused, Outcome::Failed { code: FailCode::Invalid, error } if error.contains("at most")));
+        assert_eq!(ix.len(), 0);
+        let plan = GetPlan::new(&mut ix, &[(long, buf(0x9000, 4096))], 0);
+        assert!(plan.copies.is_empty());
+        assert!(matches!(&plan.outcomes()[0], Outcome::Failed { code: FailCode::Invalid, .. }));
+        assert!(matches!(put(&mut ix, &vec![b'k'; MAX_KEY], 100), Outcome::Stored { .. }), "the limit itself is fine");
     }
 
     #[test]

@@ -14,14 +14,27 @@
 //! answered with a [`FailCode::Protocol`] failure where its `first_id` can be read (see
 //! [`Request::recover_id`]), so that its client fails at once instead of waiting out its
 //! timeout; the server can only log one whose id is lost too.
+//!
+//! A request also carries its session's token, right after the version byte: the
+//! engine names the agent a notification came from as that agent introduced itself,
+//! and any client knows the server's secret, so the name alone does not show whose
+//! session a request belongs to. The server carries out only requests whose token is
+//! that of the named agent's session.
 
 use freight_core::{Desc, Error, MemKind, Result};
 use serde::{Deserialize, Serialize};
 
 /// The first bytes of every data-plane message.
 pub const MAGIC: [u8; 3] = *b"fkv";
-/// This protocol's version, the byte after [`MAGIC`].
-pub const VERSION: u8 = 1;
+/// This protocol's version, the byte after [`MAGIC`]. 2: requests carry their session's
+/// token.
+pub const VERSION: u8 = 2;
+
+/// The longest key, in bytes (a hash or a path, not a value).
+pub const MAX_KEY: usize = 4096;
+
+/// A session's secret, as the control plane hands it out.
+pub type SessionToken = [u8; 16];
 
 /// A notification the server sends a client as its session opens, so that its agent
 /// connects to the client's then, on the control plane's thread, rather than on the
@@ -128,32 +141,48 @@ pub struct Reply {
     pub outcomes: Vec<Outcome>,
 }
 
-fn encode<T: Serialize>(value: &T) -> Vec<u8> {
+/// [`MAGIC`], the version, `head` (a request's session token), then `value`.
+fn encode<T: Serialize>(head: &[u8], value: &T) -> Vec<u8> {
     let mut out = Vec::with_capacity(64);
     out.extend_from_slice(&MAGIC);
     out.push(VERSION);
+    out.extend_from_slice(head);
     postcard::to_extend(value, out).expect("data-plane messages always serialize")
 }
 
-/// `None` when `bytes` is not a data-plane message at all (another kind of
-/// notification); an error when it is one but cannot be read.
-fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8], what: &str) -> Option<Result<T>> {
+/// What follows the version byte. `None` when `bytes` is not a data-plane message at
+/// all (another kind of notification); an error when it is one of another version.
+fn body<'a>(bytes: &'a [u8], what: &str) -> Option<Result<&'a [u8]>> {
     let rest = bytes.strip_prefix(&MAGIC[..])?;
     Some(match rest.split_first() {
-        Some((&VERSION, body)) => postcard::from_bytes(body)
-            .map_err(|e| Error::Protocol(format!("malformed KV {what} ({} bytes): {e}", bytes.len()))),
+        Some((&VERSION, body)) => Ok(body),
         Some((v, _)) => Err(Error::Protocol(format!("KV {what} of protocol version {v}; this side speaks {VERSION}"))),
         None => Err(Error::Protocol(format!("truncated KV {what}"))),
     })
 }
 
+fn decode<'a, T: Deserialize<'a>>(body: &'a [u8], whole: usize, what: &str) -> Result<T> {
+    postcard::from_bytes(body).map_err(|e| Error::Protocol(format!("malformed KV {what} ({whole} bytes): {e}")))
+}
+
+/// A request's session token, and the rest of its body.
+fn split_token(body: &[u8]) -> Option<(SessionToken, &[u8])> {
+    let token = body.get(..16)?.try_into().ok()?;
+    Some((token, &body[16..]))
+}
+
 impl Request {
-    pub fn encode(&self) -> Vec<u8> {
-        encode(self)
+    /// The request as `session` sends it.
+    pub fn encode(&self, session: &SessionToken) -> Vec<u8> {
+        encode(session, self)
     }
 
-    pub fn decode(bytes: &[u8]) -> Option<Result<Request>> {
-        decode(bytes, "request")
+    /// The session token the request came with, and the request.
+    pub fn decode(bytes: &[u8]) -> Option<Result<(SessionToken, Request)>> {
+        Some(body(bytes, "request")?.and_then(|b| {
+            let (token, rest) = split_token(b).ok_or_else(|| Error::Protocol("truncated KV request".into()))?;
+            Ok((token, decode(rest, bytes.len(), "request")?))
+        }))
     }
 
     /// The `first_id` of a request of this version whose body does not decode as a
@@ -167,6 +196,7 @@ impl Request {
             Put { first_id: u64 },
         }
         let body = bytes.strip_prefix(&MAGIC[..])?.strip_prefix(&[VERSION])?;
+        let (_, body) = split_token(body)?;
         match postcard::take_from_bytes::<Head>(body).ok()?.0 {
             Head::Get { first_id } | Head::Put { first_id } => Some(first_id),
         }
@@ -178,7 +208,7 @@ impl Reply {
     /// reasons would go past it, each keeps only its first bytes, or none (the code
     /// still says what went wrong).
     pub fn encode(&self) -> Vec<u8> {
-        let bytes = encode(self);
+        let bytes = encode(&[], self);
         if bytes.len() <= freight_core::wire::MAX_NOTIF {
             return bytes;
         }
@@ -193,7 +223,7 @@ impl Reply {
                     error.truncate(end);
                 }
             }
-            let bytes = encode(&shorter);
+            let bytes = encode(&[], &shorter);
             if bytes.len() <= freight_core::wire::MAX_NOTIF || keep == 0 {
                 return bytes;
             }
@@ -202,13 +232,15 @@ impl Reply {
     }
 
     pub fn decode(bytes: &[u8]) -> Option<Result<Reply>> {
-        decode(bytes, "reply")
+        Some(body(bytes, "reply")?.and_then(|b| decode(b, bytes.len(), "reply")))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const TOKEN: SessionToken = [7; 16];
 
     fn buf(addr: u64, len: u64) -> Buffer {
         Buffer { kind: MemKind::Dram, addr, len, dev: 0 }
@@ -233,7 +265,7 @@ mod tests {
         let get = Request::Get { first_id: 7, items: vec![(b"a".to_vec(), buf(4096, 10)), (vec![0; 300], buf(1, 2))] };
         let put = Request::Put { first_id: 9, ttl_ms: 300_000, items: vec![(b"k".to_vec(), buf(8192, 1 << 30))] };
         for r in [get, put] {
-            assert_eq!(Request::decode(&r.encode()).unwrap().unwrap(), r);
+            assert_eq!(Request::decode(&r.encode(&TOKEN)).unwrap().unwrap(), (TOKEN, r));
         }
         let reply = Reply {
             first_id: 7,
@@ -255,24 +287,26 @@ mod tests {
 
     #[test]
     fn malformed_or_foreign_version_messages_are_refused_by_name() {
-        let mut bytes = Request::Get { first_id: 1, items: vec![] }.encode();
+        let mut bytes = Request::Get { first_id: 1, items: vec![] }.encode(&TOKEN);
         bytes[MAGIC.len()] = 9;
         let e = Request::decode(&bytes).unwrap().unwrap_err();
         assert!(e.to_string().contains("version 9"), "{e}");
-        let good = Request::Put { first_id: 1, ttl_ms: 0, items: vec![(b"k".to_vec(), buf(1, 1))] }.encode();
+        let good = Request::Put { first_id: 1, ttl_ms: 0, items: vec![(b"k".to_vec(), buf(1, 1))] }.encode(&TOKEN);
         let e = Request::decode(&good[..good.len() - 3]).unwrap().unwrap_err();
         assert!(e.to_string().contains("malformed KV request"), "{e}");
         let e = Request::decode(&MAGIC).unwrap().unwrap_err();
         assert!(e.to_string().contains("truncated"), "{e}");
+        let e = Request::decode(&good[..MAGIC.len() + 10]).unwrap().unwrap_err();
+        assert!(e.to_string().contains("truncated KV request"), "a token cut short: {e}");
     }
 
     #[test]
     fn the_id_of_a_request_that_does_not_decode_is_recovered_where_it_can_be() {
-        let put = Request::Put { first_id: 300, ttl_ms: 5, items: vec![(b"k".to_vec(), buf(1, 1))] }.encode();
+        let put = Request::Put { first_id: 300, ttl_ms: 5, items: vec![(b"k".to_vec(), buf(1, 1))] }.encode(&TOKEN);
         let cut = &put[..put.len() - 3];
         assert!(matches!(Request::decode(cut), Some(Err(_))));
         assert_eq!(Request::recover_id(cut), Some(300));
-        let get = Request::Get { first_id: 7, items: vec![] }.encode();
+        let get = Request::Get { first_id: 7, items: vec![] }.encode(&TOKEN);
         let mut bad = get.clone();
         bad.push(0xff);
         bad.push(0xff);

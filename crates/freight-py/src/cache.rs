@@ -98,7 +98,15 @@ impl PyCacheEngine {
         remote_source: Option<Bound<'_, PyStoreReceiver>>,
         namespace: Vec<u8>,
     ) -> PyResult<Self> {
-        let check_sink = || remote_sink.as_ref().map_or(Ok(()), |s| s.get().check_live(py));
+        // The engine refuses a sink with objects not committed, and would drop it: it
+        // is refused here, before it is handed over, so that its owner keeps it.
+        let check_sink = || match remote_sink.as_ref() {
+            None => Ok(()),
+            Some(s) if s.getattr("pending")?.extract::<usize>()? > 0 => Err(invalid(
+                "the remote sink has objects not committed; commit them before giving it to a cache engine",
+            )),
+            Some(s) => s.get().check_live(py),
+        };
         // Both ends must be free to hand over before anything is built.
         check_sink()?;
         if let Some(s) = &remote_source {
@@ -123,7 +131,7 @@ impl PyCacheEngine {
             engine = engine.with_remote_source(s.get().hand_over(py)?);
         }
         if let Some(s) = &remote_sink {
-            engine = engine.with_remote_sink(s.get().hand_over(py)?);
+            engine = engine.with_remote_sink(s.get().hand_over(py)?).or_raise()?;
         }
         Ok(PyCacheEngine {
             inner: Mutex::new(Some(engine)),

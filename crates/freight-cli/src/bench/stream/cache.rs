@@ -154,7 +154,7 @@ impl Prefill {
         let channel = ChannelSender::new(pipe, shape.batch_size as usize, None)?;
         let sink = StoreSender::new(channel, shape.commit_size as usize)?;
         let engine = CacheEngine::new(agent, config(spec, device, spec.tier_size))?
-            .with_remote_sink(sink)
+            .with_remote_sink(sink)?
             .with_commits_in_flight(spec.commits_in_flight);
         Ok(Prefill { engine })
     }
