@@ -416,6 +416,27 @@ def channel_pair(rx: freight.Agent, tx: freight.Agent, **receiver) -> tuple:
     return ch, box["tx"]
 
 
+def fail_in_thread(wait, then) -> dict:
+    """Runs ``wait`` on a thread, and ``then`` here once it waits: the error the wait
+    ended with ("error") and how long it took ("waited")."""
+    outcome = {}
+
+    def waiting():
+        start = time.monotonic()
+        try:
+            wait()
+        except freight.FreightError as e:
+            outcome["error"] = e
+        outcome["waited"] = time.monotonic() - start
+
+    t = threading.Thread(target=waiting)
+    t.start()
+    time.sleep(0.3)
+    then()
+    t.join(timeout=10)
+    return outcome
+
+
 def in_thread(fn) -> threading.Thread:
     t = threading.Thread(target=fn, daemon=True)
     t.start()
@@ -553,21 +574,7 @@ def test_close_ends_a_wait_on_another_thread(product):
             t.join(timeout=15)
             end = box["rx"]
             wait = lambda: end.wait_for(["never"], timeout=20)  # noqa: E731
-        outcome = {}
-
-        def waiter():
-            start = time.monotonic()
-            try:
-                wait()
-            except freight.FreightError as e:
-                outcome["error"] = e
-            outcome["waited"] = time.monotonic() - start
-
-        t = threading.Thread(target=waiter)
-        t.start()
-        time.sleep(0.3)
-        end.close()
-        t.join(timeout=10)
+        outcome = fail_in_thread(wait, then=end.close)
         assert isinstance(outcome.get("error"), freight.InvalidStateError), outcome
         assert outcome["waited"] < 5
 
@@ -592,21 +599,7 @@ def test_abort_from_another_thread_ends_a_waiting_send_and_tells_the_receiver(pr
         for _ in range(fill):
             send()
             held += take()  # the buffer fills, and stays so
-        outcome = {}
-
-        def sending():
-            start = time.monotonic()
-            try:
-                send()
-            except freight.FreightError as e:
-                outcome["error"] = e
-            outcome["waited"] = time.monotonic() - start
-
-        t = threading.Thread(target=sending)
-        t.start()
-        time.sleep(0.3)
-        sender.abort("the prefill was cancelled")
-        t.join(timeout=10)
+        outcome = fail_in_thread(send, then=lambda: sender.abort("the prefill was cancelled"))
         assert isinstance(outcome.get("error"), freight.InvalidStateError), outcome
         assert "the prefill was cancelled" in str(outcome["error"])
         assert outcome["waited"] < 5
