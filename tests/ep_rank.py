@@ -11,6 +11,8 @@ Scenarios:
                 determinism, bad input
   die           rank 1 exits without a word after the buffer is made; the others
                 dispatch and report the error they get and how long it took
+  fp8_mismatch  rank 0 dispatches fp8 tokens, the others bf16: every rank must refuse
+                the dispatch, and the next one, saying why
 """
 
 from __future__ import annotations
@@ -266,23 +268,45 @@ class Rank:
             torch.zeros((a.max_tokens + 1, a.topk), device=self.device))))
         self.check("host tensors refused", refused(freight.InvalidArgumentError, lambda: self.buffer.dispatch(x, didx, dw)))
         # Rank 0 routes a token to an expert that does not exist: it gets the error once
-        # the dispatch is complete; the others complete normally and everyone goes on.
+        # the dispatch is complete, with the outputs; every rank combines, and the sums
+        # leave the dropped choice out.
         bad = didx.clone()
         if self.rank == 0:
             bad[3, 0] = self.world * a.experts_per_rank
-        if self.rank == 0:
-            self.check("expert out of range refused", refused(freight.InvalidArgumentError, lambda: self.buffer.dispatch(dx, bad, dw)))
-        else:
-            self.check("a peer's bad routing does not fail this rank", lambda: self.buffer.dispatch(dx, bad, dw))
-        # Rank 0 repeats an expert in a token's top-k: refused the same way.
+        self.check("expert out of range refused, then combined", lambda: self.bad_routing_round_trip(dx, bad, dw))
+        # Rank 0 repeats an expert in a token's top-k: refused the same way, the repeat
+        # dropped.
         twice = didx.clone()
         if self.rank == 0:
             twice[5, 1] = twice[5, 0] = 0
-        if self.rank == 0:
-            self.check("an expert chosen twice refused", refused(freight.InvalidArgumentError, lambda: self.buffer.dispatch(dx, twice, dw)))
-        else:
-            self.check("a peer's repeated expert does not fail this rank", lambda: self.buffer.dispatch(dx, twice, dw))
+        self.check("an expert chosen twice refused, then combined", lambda: self.bad_routing_round_trip(dx, twice, dw))
         self.check("the buffer still works after bad input", lambda: self.run_case("random", 16, 7))
+
+    def bad_routing_round_trip(self, x, idx, w) -> None:
+        """Dispatch (rank 0's routing is bad, the others' fine) and combine with identity
+        experts: rank 0 gets InvalidArgumentError carrying the dispatch's outputs, and
+        every rank's sums hold the weights of the choices kept (in range, first of a
+        repeat)."""
+        try:
+            recv, _, _, _, handle = self.buffer.dispatch(x, idx, w)
+            if self.rank == 0:
+                raise AssertionError("rank 0's bad routing was not refused")
+        except freight.InvalidArgumentError as e:
+            if self.rank != 0:
+                raise AssertionError(f"a peer's bad routing failed this rank: {e}") from e
+            recv, _, _, _, handle = e.result
+        out = self.buffer.combine(recv, handle)
+        self.buffer.synchronize()
+        experts = self.world * self.args.experts_per_rank
+        kept = torch.zeros(idx.shape, dtype=torch.float32)
+        for t, choices in enumerate(idx.cpu().tolist()):
+            seen = set()
+            for k, e in enumerate(choices):
+                if 0 <= e < experts and e not in seen:
+                    kept[t, k] = 1.0
+                seen.add(e)
+        ref = x.float().cpu() * (w.cpu() * kept).sum(1, keepdim=True)
+        torch.testing.assert_close(out.float().cpu(), ref, rtol=2e-2, atol=2e-2)
 
     def correctness(self) -> None:
         a = self.args
@@ -310,12 +334,25 @@ class Rank:
             self.passed.append(f"{type(e).__name__} after {time.monotonic() - t0:.1f} s: {e}")
 
 
+    def fp8_mismatch(self) -> None:
+        x, idx, w = (t.to(self.device) for t in self.inputs("random", self.rank, 8, 11))
+        for attempt in ("the dispatch", "the next dispatch"):
+            try:
+                self.buffer.dispatch(x, idx, w, fp8=self.rank == 0)
+                self.failed.append(f"{attempt} succeeded although the ranks disagree on fp8")
+            except freight.InvalidArgumentError as e:
+                if "another format" in str(e):
+                    self.passed.append(f"{attempt} refused: {e}")
+                else:
+                    self.failed.append(f"{attempt} refused for another reason: {e}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--server", required=True)
-    p.add_argument("--scenario", choices=["correctness", "die"], default="correctness")
+    p.add_argument("--scenario", choices=["correctness", "die", "fp8_mismatch"], default="correctness")
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--experts-per-rank", type=int, default=4)

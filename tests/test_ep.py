@@ -153,6 +153,35 @@ def test_ranks_meet_through_etcd(etcd_endpoint):
     assert gathered == {0: [b"from-0", b"from-1"], 1: [b"from-0", b"from-1"]}
 
 
+def test_processes_racing_for_one_rank_through_etcd_let_one_join(etcd_endpoint):
+    """Ranks that all find rank 0 free and join at once: exactly one becomes rank 0, the
+    others are refused as taken."""
+    import threading
+    import uuid
+
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    start = threading.Barrier(6)
+    outcomes = []
+
+    def claim():
+        start.wait()
+        try:
+            outcomes.append(ep.Group.join_etcd(0, 2, [etcd_endpoint], name, timeout=20))
+        except freight.RemoteRejectedError as e:
+            outcomes.append(e)
+
+    threads = [threading.Thread(target=claim) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    joined = [o for o in outcomes if not isinstance(o, Exception)]
+    refused = [o for o in outcomes if isinstance(o, Exception)]
+    assert len(joined) == 1 and len(refused) == 5, outcomes
+    assert all("already taken" in str(e) for e in refused), refused
+    joined[0].leave()
+
+
 def test_a_server_address_that_is_not_one_is_refused():
     with pytest.raises(freight.InvalidArgumentError, match="host:port"):
         ep.RankServer("not an address", 2)
@@ -239,6 +268,16 @@ def test_dispatch_with_a_top_k_wider_than_eight():
 
 
 @needs_gpu
+def test_ranks_that_disagree_on_fp8_refuse_the_dispatch():
+    """A rank that decoded its peers' rows in the wrong format would hand out garbage:
+    every rank refuses the dispatch instead, and the buffer stays refused."""
+    results = _run_ranks(3, "fp8_mismatch", timeout=120)
+    failures = [f for r in results for f in r["failed"]]
+    assert not failures, "\n".join(failures)
+    assert all(len(r["passed"]) == 2 for r in results), results
+
+
+@needs_gpu
 def test_a_rank_that_dies_fails_dispatch_on_the_others():
     results = _run_ranks(3, "die", timeout=120)
     survivors = [r for r in results if r["rank"] in (0, 2)]
@@ -285,7 +324,8 @@ def test_a_dispatch_that_fails_between_its_halves_abandons_the_buffer(monkeypatc
 def test_one_rank_in_process_routing_errors_and_an_abandoned_dispatch():
     """One rank in this process: device "cuda" is the current GPU; a repeated expert is
     dropped in low-latency mode (the expert gets the token once, combine adds it once) and
-    reported by synchronize(), and refused by dispatch(); a dispatch that fails between
+    reported by synchronize(), and refused by dispatch() with its outputs attached, which
+    combine takes; a dispatch that fails between
     its halves leaves the buffer unusable, saying so."""
     address = _free_address()
     server = ep.RankServer(address, 1)
@@ -306,8 +346,13 @@ def test_one_rank_in_process_routing_errors_and_an_abandoned_dispatch():
         kept = torch.tensor([2.0, 1.0, 1.0, 2.0], device=buf.device)[:, None]
         torch.testing.assert_close(out.float(), x.float() * kept, rtol=2e-2, atol=2e-2)
 
-        with pytest.raises(freight.InvalidArgumentError, match="same expert twice"):
+        with pytest.raises(freight.InvalidArgumentError, match="same expert twice") as refused:
             buf.dispatch(x, twice, w)
+        # The error carries the completed dispatch, for the combine the peers expect.
+        recv, _, _, per_expert, handle = refused.value.result
+        assert per_expert == [2, 2, 1, 1]
+        out = buf.combine(recv, handle)
+        torch.testing.assert_close(out.float(), x.float() * kept, rtol=2e-2, atol=2e-2)
         fine = torch.tensor([[0, 1], [2, 3], [3, -1], [1, 0]], dtype=torch.int64, device=buf.device)
         recv, _, _, _, handle = buf.dispatch(x, fine, w)
         out = buf.combine(recv, handle)

@@ -187,6 +187,21 @@ def test_negative_descriptor_fields_are_invalid_arguments():
     assert len(dl.append(0x1000, 4, np.uint64(0)).append_strided(0x2000, 4, 0, 8, 3)) == 4
 
 
+def test_descriptor_messages_say_what_is_wrong_plainly():
+    rows = np.array([[0x1000, 10, 0], [0x2000, -1, 0], [0x3000, 10, 0]], dtype=np.int64)
+    with pytest.raises(freight.InvalidArgumentError) as ei:
+        freight.DescList(rows)
+    assert str(ei.value).endswith("row 1 has a negative length (-1); addresses, lengths and devices are >= 0")
+    with pytest.raises(freight.InvalidArgumentError, match="row 0 has a negative device"):
+        freight.DescList(np.array([[0x1000, 10, -3]], dtype=np.int64))
+    # More descriptors than len() can count: the list works, len() says why it cannot.
+    huge = freight.DescList.strided(0x1000, 1, 0, 1, 2**63)
+    assert huge.nbytes == 2**63 and huge.runs == 1
+    with pytest.raises(OverflowError, match=f"{2**63} descriptors, more than len"):
+        len(huge)
+    assert len(freight.DescList.strided(0x1000, 1, 0, 1, 2**63 - 1)) == 2**63 - 1
+
+
 def test_a_read_into_read_only_memory_is_refused():
     with freight.Agent("a") as a, freight.Agent("b") as b:
         frozen = np.zeros(4096, dtype=np.uint8)

@@ -4,16 +4,17 @@ the same ``freight.cli:main``)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
 
-def run(*args: str) -> subprocess.CompletedProcess:
+def run(*args: str, env: "dict | None" = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "freight", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, timeout=60,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, timeout=60, env=env,
     )
 
 
@@ -56,3 +57,50 @@ def test_stream_benchmarks_verify_and_report_throughput(args):
     assert all(r["gbps"] > 0 and r["seconds"] > 0 for r in rounds)
     assert report["throughput_gbps"]["mean"] > 0
     assert report["num_objs"] == int(args[2])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--log-level", "debug", "bench", "ep"),
+        ("bench", "--log-level", "debug", "ep"),
+        ("bench", "ep", "--log-level", "debug"),
+        ("bench", "ep", "--log-level=debug"),
+    ],
+    ids=["before-bench", "before-ep", "after-ep", "after-ep-equals"],
+)
+def test_bench_ep_takes_the_global_log_level_anywhere(args):
+    """--log-level is global, as `freight help bench ep` lists it: wherever it is written,
+    `bench ep` gets to its own checks (an invalid --num-processes, so that no GPU is needed)."""
+    p = run(*args, "--num-processes", "0")
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip() == "freight bench ep: --num-processes must be positive", p.stderr
+
+
+# Stand-ins for PyTorch, first on the path: one that does not import, one without a GPU.
+NO_TORCH = "raise ImportError('No module named torch (hidden by the test)')\n"
+NO_GPU = """
+__version__ = "0.0-test"
+class version:
+    cuda = None
+class cuda:
+    is_available = staticmethod(lambda: False)
+    device_count = staticmethod(lambda: 0)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "torch_source, message",
+    [(NO_TORCH, "needs PyTorch, which cannot be imported here"), (NO_GPU, "needs a GPU that PyTorch can use")],
+    ids=["no-torch", "no-gpu"],
+)
+def test_bench_ep_without_what_it_needs_says_so_once(tmp_path, torch_source, message):
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(torch_source)
+    path = [str(tmp_path)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    p = run("bench", "ep", "--num-processes", "2", env=dict(os.environ, PYTHONPATH=os.pathsep.join(path)))
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    assert p.stderr.startswith(f"freight bench ep: {message}") and p.stderr.count("\n") == 1, p.stderr
+    assert "ranks passed" not in p.stdout, p.stdout

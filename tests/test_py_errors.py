@@ -326,6 +326,38 @@ def test_closed_agent_and_remote_revocation(pair):
         req.post()
 
 
+def test_a_closed_agent_says_it_is_closed_not_that_its_peer_is_unknown(pair):
+    a, b, src, shm, plain = pair
+    a.close()
+    calls = {
+        "transfer": lambda: a.transfer("WRITE", [src[:16]], "b", [(addr(shm), 16, 0)]),
+        "notify": lambda: a.notify("b", b"x"),
+        "prepare_remote": lambda: a.prepare_remote("b", [(addr(shm), 16, 0)]),
+        "path_to": lambda: a.path_to("b"),
+        "connection_stats": lambda: a.connection_stats("b"),
+        "refresh_peer": lambda: a.refresh_peer("b"),
+        "remove_peer": lambda: a.remove_peer("b"),
+        "connect": lambda: a.connect(b.addresses[0]),
+    }
+    for what, call in calls.items():
+        with pytest.raises(freight.InvalidStateError, match="closed") as ei:
+            call()
+        assert not isinstance(ei.value, KeyError), what
+
+
+def test_bad_peer_metadata_and_region_key_types_say_what_is_accepted(pair):
+    a, b, src, shm, plain = pair
+    for bad in (None, 42, ["b"]):
+        with pytest.raises(TypeError, match="bytes, bytearray or memoryview") as ei:
+            a.add_peer(bad)
+        assert "str" not in str(ei.value), "a str is refused: the message must not offer it"
+    assert a.add_peer(memoryview(b.metadata())) == "b"
+    with pytest.raises(freight.InvalidArgumentError, match="never negative; got -1"):
+        a.deregister(-1)
+    with pytest.raises(freight.UnknownRegionError):
+        a.deregister(12345)
+
+
 @pytest.mark.timeout(120)
 def test_busy_region_pending_post_and_wait_timeout(spawn):
     """A stopped target keeps a tcp request pending: deregistering its memory is

@@ -13,11 +13,13 @@ import array
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from typing import List, Optional
 
 import numpy as np
@@ -304,6 +306,119 @@ def test_bad_arguments_raise_clear_errors(server, client):
         Server(memory_size=0)
     with pytest.raises(freight.InvalidArgumentError, match="listen"):
         Server("not-an-address")
+
+
+@pytest.mark.timeout(60)
+def test_a_server_with_a_token_serves_only_clients_that_present_it(monkeypatch):
+    monkeypatch.delenv("FREIGHT_KV_TOKEN", raising=False)
+    with Server(memory_size=4 * MIB, token="s3cret") as s:
+        for token in (None, "wrong"):
+            with pytest.raises(freight.AuthError, match="token"):
+                Client(s.url, buffer_size=MIB, timeout=CLIENT_TIMEOUT, token=token)
+        with Client(s.url, buffer_size=MIB, timeout=CLIENT_TIMEOUT, token="s3cret") as c:
+            c.put("k", b"for token holders")
+        # Without token=, the client presents FREIGHT_KV_TOKEN, as kv-bench does.
+        monkeypatch.setenv("FREIGHT_KV_TOKEN", "s3cret")
+        with Client(s.url, buffer_size=MIB, timeout=CLIENT_TIMEOUT) as c:
+            assert c.get("k") == b"for token holders"
+        with pytest.raises(freight.AuthError):
+            Client(s.url, buffer_size=MIB, timeout=CLIENT_TIMEOUT, token="wrong")
+    with Server(memory_size=4 * MIB) as open_server:
+        with Client(open_server.url, buffer_size=MIB, timeout=CLIENT_TIMEOUT) as c:
+            c.put("k", b"a server without a token ignores the client's")
+    with pytest.raises(freight.InvalidArgumentError, match="empty"):
+        Server(memory_size=MIB, token="")
+    with pytest.raises(freight.InvalidArgumentError, match="printable"):
+        Server(memory_size=MIB, token="two\nlines")
+    with pytest.raises(TypeError, match="token"):
+        Client("http://127.0.0.1:1", token=b"s3cret")
+    monkeypatch.setenv("FREIGHT_KV_TOKEN", "bad\tvalue")
+    with pytest.raises(freight.InvalidArgumentError, match="FREIGHT_KV_TOKEN"):
+        Client("http://127.0.0.1:1")
+
+
+@pytest.mark.timeout(120)
+def test_a_client_reaches_freight_serve_started_with_the_token_in_its_environment(monkeypatch):
+    monkeypatch.setenv("FREIGHT_KV_TOKEN", "s3cret")
+    proc, out, url = serve(free_port())
+    with Client(url, buffer_size=MIB, timeout=CLIENT_TIMEOUT) as c:
+        c.put("k", b"v")
+    with Client(url, buffer_size=MIB, timeout=CLIENT_TIMEOUT, token="s3cret") as c:
+        assert c.get("k") == b"v"
+    with pytest.raises(freight.AuthError):
+        Client(url, buffer_size=MIB, timeout=CLIENT_TIMEOUT, token="wrong")
+    stop(proc, out)
+
+
+def self_signed(tmp_path) -> "tuple[str, str]":
+    """(certificate, key) PEM files for 127.0.0.1, signed by themselves (not a CA
+    certificate: rustls refuses those as a server's own)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+         "-days", "2", "-subj", "/CN=kv", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-addext", "basicConstraints=critical,CA:FALSE"],
+        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60,
+    )
+    return str(cert), str(key)
+
+
+@pytest.mark.timeout(60)
+def test_tls_on_the_control_plane(tmp_path):
+    cert, key = self_signed(tmp_path)
+    with Server(memory_size=4 * MIB, tls_cert=cert, tls_key=key, token="s3cret") as s:
+        assert s.url.startswith("https://127.0.0.1:"), s.url
+        ca = tmp_path / "cert.pem"  # a path, as a str or os.PathLike
+        with Client(s.url, buffer_size=MIB, timeout=CLIENT_TIMEOUT, token="s3cret", tls_ca=ca) as c:
+            c.put("k", b"over tls")
+            assert c.get("k") == b"over tls"
+        with pytest.raises(freight.InvalidArgumentError, match="certificate authority"):
+            Client(s.url, buffer_size=MIB, timeout=CLIENT_TIMEOUT, token="s3cret")
+    with pytest.raises(freight.InvalidArgumentError, match="tls_cert and tls_key"):
+        Server(memory_size=MIB, tls_cert=cert)
+
+
+@pytest.mark.timeout(60)
+def test_bad_tls_files_are_refused_at_once_and_by_name(tmp_path):
+    missing = tmp_path / "missing.pem"
+    with pytest.raises(freight.IoError, match="tls_ca .*missing.pem"):
+        Client("https://127.0.0.1:1", tls_ca=missing)
+    not_pem = tmp_path / "not.pem"
+    not_pem.write_bytes(b"not a certificate")
+    start = time.monotonic()
+    with pytest.raises(freight.InvalidArgumentError, match="no PEM certificate"):
+        Client(f"https://127.0.0.1:{free_port()}", timeout=30, tls_ca=not_pem)
+    assert time.monotonic() - start < 4, "refused before dialling (dialling retries for 5 s)"
+    with pytest.raises(freight.InvalidArgumentError, match="https://"):
+        Client("http://127.0.0.1:1", tls_ca=not_pem)
+    with pytest.raises(TypeError, match="PEM file"):
+        Client("https://127.0.0.1:1", tls_ca=b"-----BEGIN CERTIFICATE-----")
+    with pytest.raises(freight.IoError, match="tls_cert .*missing.pem"):
+        Server(memory_size=MIB, tls_cert=missing, tls_key=missing)
+
+
+@pytest.mark.timeout(60)
+def test_an_address_without_a_scheme_is_refused_at_once(server):
+    address = server.url.split("://", 1)[1]
+    start = time.monotonic()
+    with pytest.raises(freight.InvalidArgumentError, match=r"write http://host:port"):
+        Client(address, buffer_size=MIB, timeout=30)
+    assert time.monotonic() - start < 4, "refused before dialling (dialling retries for 5 s)"
+
+
+@pytest.mark.timeout(60)
+def test_metrics_of_a_python_server():
+    with Server(memory_size=4 * MIB, metrics_listen="127.0.0.1:0") as s:
+        assert s.metrics_url is not None and s.metrics_url.startswith("http://127.0.0.1:"), s.metrics_url
+        with Client(s.url, buffer_size=MIB, timeout=CLIENT_TIMEOUT) as c:
+            c.put("k", b"v")
+        with urllib.request.urlopen(s.metrics_url, timeout=CLIENT_TIMEOUT) as r:
+            text = r.read().decode()
+        assert "freight_kv_keys 1" in text, text
+    with Server(memory_size=MIB) as s:
+        assert s.metrics_url is None
 
 
 @pytest.mark.timeout(60)

@@ -299,3 +299,43 @@ def test_ends_dropped_without_close_let_go_of_their_temporary_registrations():
         assert obj.copy_to(out) is out and bytes(out) == np.arange(1000, dtype=np.int32).tobytes()
         with pytest.raises(freight.InvalidArgumentError, match="holds 100 bytes"):
             obj._raw.copy_to("DRAM", np.zeros(100, np.uint8).ctypes.data, 100)
+
+
+@pytest.mark.timeout(30)
+def test_huge_timeouts_wait_like_long_ones_and_bad_ones_are_refused():
+    with agent("rx") as rx, agent("tx") as tx:
+        store, sender = connected(rx, tx, receiver={"timeout": 1e19}, sender={"timeout": 1e19, "commit_size": 1})
+        sender.put("k", np.arange(10, dtype=np.uint8))
+        store.wait_for("k", timeout=1e19)
+        store.wait_received(1, timeout=1e19)
+        store.wait_for("k")  # the receiver's own timeout, as long
+        for bad in (-1.0, float("nan")):
+            with pytest.raises(freight.InvalidArgumentError, match="finite number of seconds"):
+                store.wait_for("k", timeout=bad)
+        sender.close()
+        store.wait_closed(1e19)
+        store.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_put_whose_early_batch_fails_stays_queued_like_a_failed_commit():
+    with agent("rx") as rx, agent("tx") as tx:
+        # Batches of one: every put sends its object at once.
+        store, sender = connected(rx, tx, sender={"commit_size": 100, "batch_size": 1})
+        regions = tx.registered_regions
+        sender.put("a", np.arange(100, dtype=np.uint8))
+        store.wait_for("a", timeout=5)
+        tx.remove_peer("rx")  # the next batch cannot go
+        with pytest.raises(freight.FreightError):
+            sender.put("b", np.arange(200, dtype=np.uint8))
+        assert sender.pending_keys == ["a", "b"], "the object stays queued, as a failed commit's do"
+        assert tx.registered_regions == regions + 2, "and keeps its registration meanwhile"
+        with pytest.raises(freight.InvalidArgumentError, match="already waiting"):
+            sender.put("b", np.zeros(10, dtype=np.uint8))
+        with pytest.raises(freight.FreightError):
+            sender.commit()
+        assert sender.pending_keys == ["a", "b"]
+        with pytest.raises(freight.FreightError):
+            sender.close()
+        assert tx.registered_regions == regions, "closing lets go of what stayed queued"
+        store.close()

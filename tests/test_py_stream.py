@@ -8,8 +8,10 @@ errors within the timeout, never as a hang.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -704,3 +706,204 @@ def test_temporary_registrations_go_with_ends_dropped_without_close():
         del ch, chan
         gc.collect()
         assert rx.registered_regions == regions[0]
+
+
+# ----------------------------------------------------------------------------- temporary registrations after failures
+
+BIG = 64 * MIB
+
+# A pipe receiver in a process of its own, over tcp, so that stopping it holds the
+# sender's writes up on their way. With "stop_after_first" it stops itself once the
+# first message landed. A line on stdin makes it abort the pipe; closing stdin, exit.
+RECEIVER = r"""
+import json, os, signal, sys
+import freight
+
+args = json.loads(sys.argv[1])
+with freight.Agent("rx", freight.AgentConfig(require="tcp")) as rx:
+    listener = freight.PipeListener(rx)
+    print(json.dumps({"addr": rx.addresses[0]}), flush=True)
+    pipe = listener.accept(buffer=args["buffer"], timeout=20)
+    if args.get("stop_after_first"):
+        first = pipe.recv()
+        print(json.dumps({"got": first.seq}), flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    else:
+        print(json.dumps({"accepted": True}), flush=True)
+    if sys.stdin.readline():
+        pipe.close()
+    sys.stdin.read()
+"""
+
+
+def receiver_process(spawn, buffer: int, stop_after_first: bool = False) -> tuple:
+    """A RECEIVER process and the address it listens at."""
+    peer = spawn(RECEIVER, json.dumps({"buffer": buffer, "stop_after_first": stop_after_first}), stdin=True)
+    return peer, line(peer)["addr"]
+
+
+def tcp_agent(name: str) -> freight.Agent:
+    # A receiver the test stopped must not be taken for dead meanwhile.
+    return freight.Agent(name, freight.AgentConfig(require="tcp", peer_timeout=120.0))
+
+
+def writes_held_up(spawn, tx: freight.Agent, timeout: float = 20) -> tuple:
+    """A PipeSender on ``tx`` that sent 4 x 64 MiB of memory not registered before, to a
+    receiver process stopped meanwhile: the writes stay on their way until it goes on
+    (SIGCONT). Returns the process, the sender and the arrays."""
+    from test_py_doorbell import stop
+
+    peer, addr = receiver_process(spawn, buffer=4 * BIG + MIB)
+    sender = freight.PipeSender.connect(tx, addr, timeout=timeout)
+    assert line(peer) == {"accepted": True}
+    sender.send(np.ones(MIB, dtype=np.uint8))  # opens the data path while the receiver answers
+    sender.flush()
+    stop(peer.pid)
+    arrays = [np.full(BIG, i, dtype=np.uint8) for i in range(4)]
+    for a in arrays:
+        sender.send(a)
+    return peer, sender, arrays
+
+
+@contextlib.contextmanager
+def ctrl_c_after(seconds: float):
+    """SIGINT to this process in ``seconds``, raising Interrupted (as the ctrl_c_soon
+    fixture does, but timed from here)."""
+
+    def interrupted(*_):
+        raise Interrupted()
+
+    previous = signal.signal(signal.SIGINT, interrupted)
+    timer = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.timeout(90)
+def test_closing_after_an_abort_deregisters_temporary_regions_once_their_writes_land(spawn, caplog):
+    with tcp_agent("tx") as tx:
+        regions = tx.registered_regions
+        peer, sender, _arrays = writes_held_up(spawn, tx)
+        assert tx.registered_regions == regions + 4
+        sender.abort("the prefill was cancelled")
+        os.kill(peer.pid, signal.SIGCONT)  # the writes go on, and take a while
+        with caplog.at_level(logging.WARNING, logger="freight.stream"):
+            sender.close()
+        assert tx.registered_regions == regions, "a temporary registration outlived the abort"
+        assert not caplog.records, [r.getMessage() for r in caplog.records]
+        finish(peer)
+
+
+@pytest.mark.timeout(90)
+def test_ctrl_c_interrupts_the_wait_for_writes_after_an_abort_and_close_waits_again(spawn):
+    with tcp_agent("tx") as tx:
+        regions = tx.registered_regions
+        peer, sender, _arrays = writes_held_up(spawn, tx)
+        sender.abort("the prefill was cancelled")
+        start = time.monotonic()
+        # The flush fails at once (aborted); its temporary regions then wait for the
+        # writes that still read them, which a stopped receiver holds up.
+        with ctrl_c_after(0.3), pytest.raises(Interrupted):
+            sender.flush()
+        assert time.monotonic() - start < 3
+        assert tx.registered_regions == regions + 4, "regions still in use stay registered"
+        os.kill(peer.pid, signal.SIGCONT)
+        sender.close()
+        assert tx.registered_regions == regions
+        finish(peer)
+
+
+@pytest.mark.timeout(90)
+def test_regions_still_in_use_when_a_close_gives_up_are_deregistered_on_a_later_try(spawn):
+    with tcp_agent("tx") as tx:
+        regions = tx.registered_regions
+        peer, sender, _arrays = writes_held_up(spawn, tx, timeout=1)
+        sender.abort("the prefill was cancelled")
+        with pytest.raises(freight.TimeoutError):
+            sender.close()  # the writes do not land within the pipe's timeout
+        assert tx.registered_regions == regions + 4
+        os.kill(peer.pid, signal.SIGCONT)
+        # The writes land in a while; each close tries the regions again until then.
+        deadline = time.monotonic() + 30
+        while tx.registered_regions != regions:
+            assert time.monotonic() < deadline, "the regions in use were forgotten, not deregistered"
+            sender.close()
+            time.sleep(0.05)
+        finish(peer)
+
+
+@pytest.mark.timeout(90)
+def test_a_receiver_that_aborts_mid_send_leaves_no_temporary_registrations(spawn, caplog):
+    from test_py_doorbell import stopped
+
+    with tcp_agent("tx") as tx:
+        regions = tx.registered_regions
+        # Objects of 64 MiB go in two messages of 32 MiB, four of which fill the buffer.
+        peer, addr = receiver_process(spawn, buffer=2 * BIG, stop_after_first=True)
+        chan = freight.ChannelSender(tx, addr, batch_size=1, timeout=20)
+        arrays = [np.full(BIG, i, dtype=np.uint8) for i in range(4)]
+        outcome = {}
+
+        def send():
+            try:
+                chan.send([f"k{i}" for i in range(4)], arrays)
+            except freight.FreightError as e:
+                outcome["error"] = e
+
+        with caplog.at_level(logging.WARNING, logger="freight.stream"):
+            t = in_thread(send)
+            # The first message landed; the receiver stopped itself with the next on their way.
+            assert line(peer) == {"got": 0}
+            deadline = time.monotonic() + 10
+            while not stopped(peer.pid):
+                assert time.monotonic() < deadline, "the receiver did not stop"
+                time.sleep(0.01)
+            peer.stdin.write("abort\n")
+            peer.stdin.flush()
+            os.kill(peer.pid, signal.SIGCONT)
+            t.join(timeout=60)
+        assert isinstance(outcome.get("error"), freight.PeerDisconnectedError), outcome
+        assert tx.registered_regions == regions, "a temporary registration outlived the failed send"
+        assert not caplog.records, [r.getMessage() for r in caplog.records]
+        finish(peer)
+
+
+@pytest.mark.timeout(60)
+def test_huge_timeouts_wait_like_long_ones_and_bad_ones_are_refused():
+    with agent("rx") as rx, agent("tx") as tx:
+        box = {}
+        connect = lambda: box.update(tx=freight.PipeSender.connect(tx, rx.addresses[0], timeout=1e19))  # noqa: E731
+        t = threading.Thread(target=connect)
+        t.start()
+        pipe = freight.PipeListener(rx).accept(buffer=MIB, timeout=1e19)
+        t.join(timeout=15)
+        sender = box["tx"]
+        src = np.arange(10, dtype=np.uint8)
+        tx.register(src)
+        sender.send(src)
+        with pipe.recv(timeout=1e19) as msg:
+            assert msg.view().tolist() == list(range(10))
+        for bad in (-1.0, float("nan")):
+            with pytest.raises(freight.InvalidArgumentError, match="finite number of seconds"):
+                pipe.recv(timeout=bad)
+            with pytest.raises(freight.InvalidArgumentError, match="finite number of seconds"):
+                freight.PipeListener(rx).accept(buffer=MIB, timeout=bad)
+        sender.drain()
+        sender.close()
+        assert pipe.recv(timeout=1e300) is None
+        pipe.close()
+
+        ch, chan = channel_pair(rx, tx)
+        chan.send(["k"], [np.arange(4, dtype=np.float32)])
+        (r,) = ch.recv(timeout=1e19)
+        assert r.key == "k" and r.view().tolist() == [0, 1, 2, 3]
+        r.release()
+        with pytest.raises(freight.InvalidArgumentError, match="finite number of seconds"):
+            ch.recv(timeout=-1)
+        chan.close()
+        assert ch.recv(timeout=1e19) is None
+        ch.close()

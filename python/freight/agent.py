@@ -212,6 +212,9 @@ class Agent:
         :class:`freight.RegionBusyError` while a transfer uses it,
         :class:`freight.UnknownRegionError` for an unknown key. Peers learn of it and
         fail later accesses with :class:`freight.RemoteRejectedError`."""
+        if isinstance(key, (int, np.integer)) and key < 0:
+            # No key is negative: the int did not come from register().
+            raise InvalidArgumentError(f"region keys are what register() returned, never negative; got {key}")
         self._core.deregister(key)
 
     # ------------------------------------------------------------------ metadata and peers
@@ -228,7 +231,12 @@ class Agent:
         connections; requests prepared against the old one fail."""
         if isinstance(metadata, str):
             raise TypeError("metadata must be bytes (use bytes.fromhex() for hex text)")
-        return self._core.add_peer(to_bytes(metadata, "metadata"))
+        if not isinstance(metadata, (bytes, bytearray, memoryview)):
+            raise TypeError(
+                "metadata must be bytes, bytearray or memoryview (what the peer's Agent.metadata() returned), "
+                f"got {type(metadata).__name__}"
+            )
+        return self._core.add_peer(bytes(metadata))
 
     def remove_peer(self, name: str) -> None:
         """Forgets a peer and closes its connections (:class:`freight.UnknownPeerError`

@@ -21,14 +21,13 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     """Runs the CLI with ``argv`` (without the program name; default ``sys.argv[1:]``)
     and returns its exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
-    command, rest = _split_global(args)
+    command, level = _split_log_level(args)
     if command[:2] == ["bench", "ep"]:
         # Expert parallelism runs on PyTorch tensors: its benchmark lives in Python.
         from . import ep_bench
 
-        if rest:
+        if level is not None:
             # The engine's log filter, as the native CLI's --log-level sets it.
-            level = rest[0].split("=", 1)[1] if "=" in rest[0] else rest[1]
             os.environ["FREIGHT_LOG"] = level
         return ep_bench.main(command[2:])
     from . import _native
@@ -36,14 +35,27 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     return _native.cli_main(["freight", *args], self_command())
 
 
-def _split_global(args: list) -> tuple:
-    """The command line without the global option written before the command, and
-    that option (``--log-level LEVEL`` may come first, as the native CLI allows)."""
-    options: list = []
-    while args and args[0].startswith("--log-level") and len(args) >= (1 if "=" in args[0] else 2):
-        take = 1 if "=" in args[0] else 2
-        options, args = options + args[:take], args[take:]
-    return args, options
+def _split_log_level(args: list) -> tuple:
+    """The command line without its ``--log-level LEVEL`` (or ``--log-level=LEVEL``)
+    options, and the last level given. The option is global in the native CLI, so it
+    may come anywhere: before the command, between ``bench`` and ``ep``, or after."""
+    rest: list = []
+    level = None
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--":
+            rest += args[i:]
+            break
+        if arg.startswith("--log-level="):
+            level = arg.split("=", 1)[1]
+        elif arg == "--log-level" and i + 1 < len(args):
+            level = args[i + 1]
+            i += 1
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, level
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -271,6 +271,12 @@ class Buffer:
         ``fp8=True`` tokens travel as fp8 (e4m3) with a float32 scale per 128 channels,
         and ``recv_x`` is ``(values [pairs, hidden], scales [pairs, hidden / 128])``
         (value = fp8 x scale). Waits for the GPU once (to learn the sizes).
+
+        Routing that names an expert out of range, or one expert twice for a token,
+        raises :class:`InvalidArgumentError` once the dispatch is complete (those choices
+        dropped, every rank's tokens delivered). The other ranks then expect the
+        combine: the error's ``result`` attribute holds what this call would have
+        returned, for that combine.
         """
         import torch
 
@@ -285,17 +291,24 @@ class Buffer:
             row_pairs, row_source, received_word = self._row_tables(received)
             outputs = (recv_x.data_ptr(), recv_scales.data_ptr() if fp8 else 0, recv_expert.data_ptr(),
                        recv_weight.data_ptr(), row_pairs.data_ptr(), row_source.data_ptr(), received_word.data_ptr())
-            self._native.dispatch_finish(stream, outputs, bool(fp8))
+            bad_routing = self._native.dispatch_finish(stream, outputs, bool(fp8))
         except BaseException:
             # Between the halves (out of memory for the outputs, an interrupt), the rows
             # that arrived are never released and the ranks' steps part: the buffer is
             # marked unusable, so later calls say why instead of waiting on the peers.
-            # A no-op where no dispatch is half done (dispatch_finish's bad-routing error).
+            # A no-op where no dispatch is half done.
             self._native.abandon()
             raise
         handle = Handle(slot, row_pairs, row_source, received_word, recv_weight, native[3], tuple(recv_x.shape), id(self), False)
         recv = (recv_x, recv_scales) if fp8 else recv_x
-        return recv, recv_expert, recv_weight, list(per_expert), handle
+        result = recv, recv_expert, recv_weight, list(per_expert), handle
+        if bad_routing is not None:
+            # The dispatch completed without the bad choices, and the peers go on to the
+            # combine that undoes it: the outputs travel with the error, so that this
+            # rank can take part.
+            bad_routing.result = result
+            raise bad_routing
+        return result
 
     def _row_tables(self, rows: int):
         import torch

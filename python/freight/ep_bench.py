@@ -38,6 +38,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="freight bench ep",
         description="Expert-parallel dispatch/combine across GPU ranks, beside an NCCL all_to_all baseline.",
+        epilog="The global option --log-level LEVEL (anywhere on the command line, as for every freight command) "
+               "sets the engine's log filter in every rank. Needs PyTorch and a GPU it can use.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--num-processes", type=int, default=8, help="ranks, one process each (GPU rank %% GPUs)")
@@ -335,6 +337,20 @@ def _spread(values: Sequence[float]) -> dict:
     return {"avg": sum(values) / len(values), "min": min(values), "max": max(values)}
 
 
+def _missing_requirement() -> Optional[str]:
+    """What every rank needs and this machine lacks (PyTorch, a GPU it sees), said once
+    here rather than as one traceback per rank."""
+    try:
+        import torch
+    except ImportError as e:
+        return (f"needs PyTorch, which cannot be imported here ({e}); install it (pip install torch) "
+                f"into the environment of {sys.executable}")
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        why = "it was built without CUDA" if torch.version.cuda is None else "no GPU is visible"
+        return f"needs a GPU that PyTorch can use, and {why} (torch {torch.__version__})"
+    return None
+
+
 def run(args) -> int:
     from . import ep
 
@@ -354,6 +370,10 @@ def run(args) -> int:
             return 2
     if args.topk > args.num_processes * args.experts_per_rank:
         print("freight bench ep: --topk is larger than the number of experts", file=sys.stderr)
+        return 2
+    missing = _missing_requirement()
+    if missing:
+        print(f"freight bench ep: {missing}", file=sys.stderr)
         return 2
     server = ep.RankServer("127.0.0.1:0", args.num_processes)
     nccl_port = _free_port()

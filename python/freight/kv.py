@@ -40,6 +40,7 @@ import concurrent.futures
 import functools
 import logging
 import math
+import os
 import sys
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -161,6 +162,29 @@ def _seconds(value: Any, what: str, zero_ok: bool) -> float:
     return value
 
 
+def _token(token: Any, what: str) -> Optional[str]:
+    """None, or a secret that fits an HTTP header ("authorization: Bearer <token>")."""
+    if token is None:
+        return None
+    if not isinstance(token, str):
+        raise TypeError(f"{what} must be a str, got {type(token).__name__}")
+    if not token:
+        # A server reads a client's missing header as an empty token: it would let
+        # every client in.
+        raise InvalidArgumentError(f"{what} is empty; give a secret, or None for none")
+    if not all(" " <= c <= "~" for c in token):
+        raise InvalidArgumentError(f"{what} must be printable ASCII (no line breaks or other control characters)")
+    return token
+
+
+def _path(path: Any, what: str) -> Optional[str]:
+    if path is None:
+        return None
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{what} must be the path of a PEM file (str or os.PathLike), got {type(path).__name__}")
+    return os.fspath(path)
+
+
 def _transport(transport: Any) -> str:
     if not isinstance(transport, str) or transport.strip().lower() not in _TRANSPORTS:
         raise InvalidArgumentError(f"transport must be one of {_TRANSPORTS}, got {transport!r}")
@@ -178,6 +202,17 @@ class Server:
     engine listener (clients on other hosts reach it over TCP). ``transport``:
     ``"auto"`` (shared memory on the same host, else TCP), ``"shm"`` or ``"tcp"``.
 
+    Securing it as ``freight serve`` options do: ``token`` (``--token``), a secret every
+    client must present (:class:`Client`'s ``token``; others get
+    :class:`freight.AuthError`). Unlike ``freight serve``, the server does not read
+    ``FREIGHT_KV_TOKEN``: pass ``token=os.environ["FREIGHT_KV_TOKEN"]`` for that.
+    ``tls_cert`` and ``tls_key`` (``--tls-cert``, ``--tls-key``): paths of PEM files,
+    the server's certificate chain and its private key, to serve the control plane over
+    TLS (:attr:`url` is then ``https://...``; clients give ``tls_ca``). A self-signed
+    certificate must not be a CA certificate (docs/kv.md shows an ``openssl`` line
+    that makes one). ``metrics_listen`` (``--metrics-listen``): an ``"ip:port"`` to
+    serve Prometheus metrics on (see :attr:`metrics_url`).
+
     Context manager: :meth:`shutdown` on exit (dropping the object shuts it down too).
     """
 
@@ -189,14 +224,31 @@ class Server:
         *,
         data_listen: str = "127.0.0.1:0",
         transport: str = "auto",
+        token: Optional[str] = None,
+        tls_cert: Optional[Union[str, "os.PathLike[str]"]] = None,
+        tls_key: Optional[Union[str, "os.PathLike[str]"]] = None,
+        metrics_listen: Optional[str] = None,
     ) -> None:
         if not isinstance(listen, str) or not isinstance(data_listen, str):
             raise TypeError("listen and data_listen must be 'ip:port' strings")
+        if metrics_listen is not None and not isinstance(metrics_listen, str):
+            raise TypeError("metrics_listen must be an 'ip:port' string")
         if not isinstance(evict, bool):
             raise TypeError(f"evict must be a bool, got {type(evict).__name__}")
+        cert, key = _path(tls_cert, "tls_cert"), _path(tls_key, "tls_key")
+        if (cert is None) != (key is None):
+            raise InvalidArgumentError("tls_cert and tls_key go together: give both, or neither")
         _native._init_logging_from_env()
         self._raw = _native.KvServer(
-            listen, _size(memory_size, "memory_size"), evict, data_listen, _transport(transport)
+            listen,
+            _size(memory_size, "memory_size"),
+            evict,
+            data_listen,
+            _transport(transport),
+            _token(token, "token"),
+            cert,
+            key,
+            metrics_listen,
         )
 
     @property
@@ -213,6 +265,13 @@ class Server:
     def port(self) -> int:
         """The control plane's port (the one picked, where 0 was asked for)."""
         return int(self._raw.address.rsplit(":", 1)[1])
+
+    @property
+    def metrics_url(self) -> Optional[str]:
+        """Where Prometheus metrics are served (``"http://ip:port/metrics"``), or None
+        without ``metrics_listen``."""
+        address = self._raw.metrics_address
+        return None if address is None else f"http://{address}/metrics"
 
     @property
     def memory_size(self) -> int:
@@ -265,6 +324,17 @@ class Client:
     ``"tcp"``: the only transport this client offers the server, which moves the
     values.
 
+    ``token``: the secret of a server started with one (``Server(token=...)``,
+    ``freight serve --token``); None (the default) takes ``FREIGHT_KV_TOKEN`` from the
+    environment where it is set, as ``freight kv-bench`` does (an empty one is none). A missing or wrong one
+    raises :class:`freight.AuthError`; a server without a token ignores it.
+    ``tls_ca``: for an ``https://`` server, the path of a PEM file with the certificate
+    of the authority that signed the server's (the server's own when it signed itself;
+    the system's roots are not consulted), as ``kv-bench --tls-ca``.
+
+    An address that is not a URL (``"127.0.0.1:50051"``) raises
+    :class:`freight.InvalidArgumentError` at once: write ``http://127.0.0.1:50051``.
+
     One request at a time: calls from several threads are serialized (use a client per
     thread for parallel requests). Context manager: :meth:`close` on exit.
 
@@ -285,11 +355,23 @@ class Client:
         name: str = "freight-kv-client",
         timeout: float = 30.0,
         transport: str = "auto",
+        *,
+        token: Optional[str] = None,
+        tls_ca: Optional[Union[str, "os.PathLike[str]"]] = None,
     ) -> None:
         if isinstance(server, Server):
             server = server.url
         if not isinstance(server, str) or not isinstance(name, str):
             raise TypeError("server (a URL) and name must be strings")
+        what = "token"
+        if token is None:
+            token, what = os.environ.get("FREIGHT_KV_TOKEN"), "FREIGHT_KV_TOKEN"
+        if token == "":
+            # No token, to any server: a server reads a missing header as an empty one.
+            token = None
+        ca = _path(tls_ca, "tls_ca")
+        if ca is not None and not server.lower().startswith("https://"):
+            raise InvalidArgumentError(f"tls_ca is for https:// servers; {server!r} is not one")
         _native._init_logging_from_env()
         self._raw = _native.KvClient(
             server,
@@ -297,6 +379,8 @@ class Client:
             name,
             _seconds(timeout, "timeout", zero_ok=False),
             _transport(transport),
+            _token(token, what),
+            ca,
         )
 
     @property

@@ -101,11 +101,11 @@ class _Queued(NamedTuple):
     obj: Any
 
 
-def _close_then_release(raw: Any, agent: Agent, queued: List[_Queued]) -> None:
+def _close_then_release(raw: Any, agent: Agent, queued: List[_Queued], busy: List[int]) -> None:
     """What a store sender dropped without :meth:`StoreSender.close` owes: closing
     (which commits what is queued, quietly), then deregistering the objects'
-    temporary regions."""
-    keys = [q.temp_key for q in queued if q.temp_key is not None]
+    temporary regions, and those a transfer still used when they were let go."""
+    keys = busy + [q.temp_key for q in queued if q.temp_key is not None]
     if not keys:
         return
     try:
@@ -159,9 +159,12 @@ class StoreSender(_PeerEnd):
             _core(agent), addr, commit_size, batch_size, timeout, max_message, max_in_flight
         )
         self._queued: List[_Queued] = []
+        #: Temporary regions of objects let go whose deregistration failed (a transfer
+        #: still used them): the next release tries again.
+        self._busy: List[int] = []
         self._lock = threading.RLock()
         # Not at interpreter exit: the registrations go with the process, and a commit could wait.
-        weakref.finalize(self, _close_then_release, self._raw, agent, self._queued).atexit = False
+        weakref.finalize(self, _close_then_release, self._raw, agent, self._queued, self._busy).atexit = False
 
     # -- puts
 
@@ -172,7 +175,9 @@ class StoreSender(_PeerEnd):
         None). A key already queued, an empty key, or memory of another kind than the
         queued objects' raises :class:`freight.InvalidArgumentError`, and nothing queued
         is lost. A failed commit raises, and its objects stay queued
-        (:attr:`pending_keys`)."""
+        (:attr:`pending_keys`); so does the object of a put that raises while sending a
+        full batch early: the next :meth:`commit` sends it, and putting its key again
+        raises until then."""
         with self._lock:
             r, meta = self._check(key, tensor, self._queued[0].kind if self._queued else None)
             return self._put(key, tensor, r, meta)
@@ -234,9 +239,9 @@ class StoreSender(_PeerEnd):
             del self._queued[:done]
 
     def _release(self, queued: Iterable[_Queued]) -> None:
-        keys = [q.temp_key for q in queued if q.temp_key is not None]
-        if keys:
-            _deregister_all(self._agent, keys)
+        self._busy.extend(q.temp_key for q in queued if q.temp_key is not None)
+        if self._busy:
+            _deregister_all(self._agent, self._busy)
 
     # -- commits
 

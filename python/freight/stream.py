@@ -33,10 +33,11 @@ or object is released (explicitly, or by the context manager) its bytes may be
 overwritten by later messages: use views before releasing.
 
 Senders may send memory that is not registered with their agent: it is registered for
-the call and deregistered once its bytes are written, which costs a registration (and
-for GPU memory an IPC export) per object and a flush per call, so that sends no longer
-overlap. For a steady stream, register a pool of memory once (``agent.register``) and
-send from it.
+the call and deregistered once its bytes are written (after a failure or an abort, once
+the writes already posted have finished), which costs a registration (and for GPU
+memory an IPC export) per object and a flush per call, so that sends no longer overlap.
+For a steady stream, register a pool of memory once (``agent.register``) and send from
+it.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from . import _native
 from ._objects import Range, _uint, describe, is_tensor, to_bytes
 from .agent import Agent
 from .descs import DescList, as_desclist
-from .errors import FreightError, InvalidArgumentError, InvalidStateError, OverlapError
+from .errors import FreightError, InvalidArgumentError, InvalidStateError, OverlapError, RegionBusyError
 
 __all__ = [
     "PipeListener",
@@ -93,17 +94,39 @@ def _register_if_needed(agent: Agent, r: Range) -> Optional[int]:
 
 
 def _deregister_all(agent: Agent, keys: List[int]) -> None:
+    """Deregisters the temporary regions ``keys`` and takes them off the list. A region
+    a transfer still uses stays on it, so that a later call (a flush, a close, the
+    collection of its end) tries again instead of leaving it registered for good."""
+    busy = []
     for key in keys:
         try:
             agent._core.deregister(key)
+        except RegionBusyError as e:
+            log.warning("a temporary region %d is still in use; deregistering it later: %s", key, e)
+            busy.append(key)
         except FreightError as e:
             log.warning("could not deregister a temporary region %d: %s", key, e)
-    keys.clear()
+    keys[:] = busy
+
+
+def _settle_then_deregister(raw: Any, agent: Agent, keys: List[int]) -> None:
+    """Deregisters the temporary regions ``keys`` of the sending end ``raw`` once no
+    write reads them: after a failure or an abort its stream is broken, but the writes
+    it posted may still be on their way. A wait that fails is logged (the error that
+    matters is the caller's own), and a region still in use stays listed."""
+    if not keys:
+        return
+    try:
+        raw.settle_writes()
+    except FreightError as e:
+        log.debug("writes of a sending end did not settle: %s", e)
+    _deregister_all(agent, keys)
 
 
 def _close_then_deregister(raw: Any, agent: Agent, keys: List[int], how: str = "close") -> None:
     """What a stream end dropped without :meth:`close` owes: ``raw.<how>()`` (so that
-    nothing uses its temporary regions any more), quietly, then deregistering them."""
+    nothing uses its temporary regions any more; ``"settle_writes"`` for a sending
+    end), quietly, then deregistering them."""
     if not keys:
         return
     try:
@@ -452,7 +475,7 @@ class PipeSender(_PeerEnd):
         self._raw = raw
         self._temp: List[int] = []
         # Writes from the temporary regions must be done before they go.
-        _on_collect(self, raw, agent, self._temp, how="flush")
+        _on_collect(self, raw, agent, self._temp, how="settle_writes")
 
     @classmethod
     def connect(cls, agent: Agent, addr: str, timeout: float = 30.0, max_in_flight: int = 16) -> "PipeSender":
@@ -499,7 +522,9 @@ class PipeSender(_PeerEnd):
 
     def close(self) -> None:
         """Flushes and ends the stream (the receiver's ``recv`` then returns None after
-        the last message). Harmless when called again."""
+        the last message). Harmless when called again. After an :meth:`abort` (or a
+        failure) it waits for the writes already posted to finish, so that the memory
+        they read is free to change or go."""
         try:
             self._raw.close()
         finally:
@@ -514,8 +539,7 @@ class PipeSender(_PeerEnd):
         self._raw.abort(str(reason))
 
     def _release_temp(self) -> None:
-        if self._temp:
-            _deregister_all(self._agent, self._temp)
+        _settle_then_deregister(self._raw, self._agent, self._temp)
 
     @property
     def kind(self) -> str:
@@ -589,6 +613,10 @@ class ChannelSender(_PeerEnd):
     ) -> None:
         self._agent = agent
         self._raw = _native.ChannelSender(_core(agent), addr, batch_size, timeout, max_message, max_in_flight)
+        #: Temporary regions of past sends that could not be deregistered yet (a write
+        #: still used them): :meth:`flush`, :meth:`close` and collection try again.
+        self._temp: List[int] = []
+        _on_collect(self, self._raw, agent, self._temp, how="settle_writes")
 
     def send(self, keys: Sequence[str], tensors: Sequence[Any]) -> int:
         """Sends ``tensors[i]`` under ``keys[i]``; returns the number of pipe messages
@@ -633,20 +661,18 @@ class ChannelSender(_PeerEnd):
             return messages
         finally:
             if temp:
-                self._settle_then_deregister(temp)
+                self._temp.extend(temp)
+                self._release_temp()
 
-    def _settle_then_deregister(self, temp: List[int]) -> None:
-        """Deregisters temporary regions; after a failed send, writes may still be in
-        flight: flush first, quietly (the send's own error is the one to see)."""
-        try:
-            self._raw.flush()
-        except FreightError as e:
-            log.debug("flush before deregistering failed: %s", e)
-        _deregister_all(self._agent, temp)
+    def _release_temp(self) -> None:
+        _settle_then_deregister(self._raw, self._agent, self._temp)
 
     def flush(self) -> None:
         """Waits until every object sent so far is written into the receiver's buffer."""
-        self._raw.flush()
+        try:
+            self._raw.flush()
+        finally:
+            self._release_temp()
 
     def drain(self) -> None:
         """Waits until the receiver released every object sent so far."""
@@ -654,7 +680,10 @@ class ChannelSender(_PeerEnd):
 
     def close(self) -> None:
         """Flushes and ends the stream. Harmless when called again."""
-        self._raw.close()
+        try:
+            self._raw.close()
+        finally:
+            self._release_temp()
 
     def abort(self, reason: str = "aborted by the sender") -> None:
         """Breaks the channel, as :meth:`PipeSender.abort` does its pipe: the receiver

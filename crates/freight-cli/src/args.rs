@@ -3,6 +3,7 @@
 //! Everything here is pure so that the rules users type against are unit-tested.
 
 use std::fmt;
+use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
@@ -208,6 +209,28 @@ pub fn parse_small_positive(s: &str) -> Result<usize, String> {
     match s.trim().parse::<usize>() {
         Ok(n) if (1..=4096).contains(&n) => Ok(n),
         _ => Err(format!("'{s}' must be a whole number from 1 to 4096")),
+    }
+}
+
+/// The address option `opt` gives: IP:PORT, or HOST:PORT resolved (a lookup, the one
+/// thing here that is not pure), its IPv4 address first, as listeners default to IPv4
+/// (127.0.0.1 or 0.0.0.0). A usage error names the option.
+pub fn resolve_addr(opt: &str, v: &str) -> CliResult<SocketAddr> {
+    if let Ok(a) = v.parse() {
+        return Ok(a);
+    }
+    let unusable = |why: String| CliError::usage(format!("{opt} '{v}': {why} (expected IP:PORT or HOST:PORT)"));
+    match v.to_socket_addrs() {
+        Ok(addrs) => {
+            let addrs: Vec<SocketAddr> = addrs.collect();
+            addrs
+                .iter()
+                .find(|a| a.is_ipv4())
+                .or(addrs.first())
+                .copied()
+                .ok_or_else(|| unusable("the name has no address".into()))
+        }
+        Err(e) => Err(unusable(e.to_string())),
     }
 }
 

@@ -6,13 +6,14 @@ mod bench;
 mod child;
 mod demo;
 mod doctor;
+mod host;
 mod kv_bench;
 mod pattern;
 mod proto;
 mod serve;
 mod target;
 
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
@@ -53,7 +54,8 @@ enum Command {
     /// (needs no GPU and nothing else running).
     Demo(demo::DemoArgs),
     /// Benchmarks: transfers between two processes (p2p), descriptor handling
-    /// (descriptors), disaggregated prefill (pipe, channel, storage, cache-engine).
+    /// (descriptors), disaggregated prefill (pipe, channel, storage, cache-engine), MoE
+    /// expert parallelism across GPUs (ep).
     Bench {
         #[command(subcommand)]
         which: bench::BenchCommand,
@@ -141,8 +143,10 @@ fn init_logging(level: Option<&str>) -> CliResult<()> {
             _ => EnvFilter::new(DEFAULT_FILTER),
         },
     };
+    // Colours only for a person: escape codes would litter a log file or a pipe.
+    let ansi = std::io::stderr().is_terminal();
     // A host process (Python) may call run() more than once: the first subscriber stays.
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).try_init();
     Ok(())
 }
 

@@ -1,17 +1,19 @@
 //! `freight serve` (also `freight kv-server`): runs the KV cache server until SIGINT or
 //! SIGTERM, then stops taking requests, finishes those in flight and exits.
 
+use std::path::Path;
+
 use clap::Args;
 use freight_kv::{Server, ServerConfig};
 
-use crate::args::{CliError, CliResult, EngineOpts};
+use crate::args::{resolve_addr, CliError, CliResult, EngineOpts};
 use crate::emit;
 
 #[derive(Debug, Args)]
 pub struct ServeArgs {
-    /// gRPC control plane address. Loopback by default; [::]:50051 or 0.0.0.0:50051
-    /// listens on every interface.
-    #[arg(long, value_name = "IP:PORT", default_value = freight_kv::server::DEFAULT_LISTEN)]
+    /// gRPC control plane address (a host name is resolved, its IPv4 address first).
+    /// Loopback by default; [::]:50051 or 0.0.0.0:50051 listens on every interface.
+    #[arg(long, value_name = "HOST:PORT", default_value = freight_kv::server::DEFAULT_LISTEN)]
     pub listen: String,
 
     /// Size of the value pool in MiB (allocated and touched at start).
@@ -27,11 +29,11 @@ pub struct ServeArgs {
     /// server's agent there over tcp; port 0 picks one) [default: 127.0.0.1:0, or every
     /// interface when --listen is not a loopback address; 127.0.0.1:0 given here counts
     /// as the default].
-    #[arg(long, value_name = "IP:PORT")]
+    #[arg(long, value_name = "HOST:PORT")]
     pub data_listen: Option<String>,
 
     /// Serve Prometheus metrics (GET /metrics) on this address, e.g. 127.0.0.1:9464.
-    #[arg(long, value_name = "IP:PORT")]
+    #[arg(long, value_name = "HOST:PORT")]
     pub metrics_listen: Option<String>,
 
     /// Join a cluster: publish this server in etcd at these endpoints (comma-separated,
@@ -72,27 +74,28 @@ pub struct ServeArgs {
 }
 
 pub fn run(a: &ServeArgs) -> CliResult<()> {
+    let checked = check(a)?;
     // Blocked before any thread starts, so that every thread inherits the mask and the
     // signals wait for `sigwait` below instead of killing the process mid-request.
     let signals = block_stop_signals()?;
     let config = ServerConfig {
-        listen: a.listen.clone(),
+        listen: checked.listen,
         memory_bytes: a.memory_mb << 20,
         evict: !a.no_evict,
         // Unset, the server opens it up where its control plane faces other hosts.
         engine: a.engine.agent_config(
-            a.data_listen.as_deref().unwrap_or(&freight_core::AgentConfig::default().listen),
+            checked.data_listen.as_deref().unwrap_or(&freight_core::AgentConfig::default().listen),
             a.engine.transport.require(),
         ),
         token: a.token.clone(),
-        metrics_listen: a.metrics_listen.clone(),
+        metrics_listen: checked.metrics_listen,
         etcd: (!a.etcd_endpoints.is_empty()).then(|| freight_kv::EtcdConfig {
             endpoints: a.etcd_endpoints.clone(),
             prefix: a.etcd_prefix.clone(),
             ttl: std::time::Duration::from_secs(a.etcd_ttl),
         }),
         advertise: a.advertise.clone(),
-        tls: tls_identity(a)?,
+        tls: checked.tls,
         ..Default::default()
     };
     let server = Server::start(config).map_err(|e| match e {
@@ -112,10 +115,109 @@ pub fn run(a: &ServeArgs) -> CliResult<()> {
     emit("freight KV server stopped\n")
 }
 
+/// The options, as the server takes them: addresses resolved, TLS files read.
+#[derive(Debug)]
+struct Checked {
+    listen: String,
+    data_listen: Option<String>,
+    metrics_listen: Option<String>,
+    tls: Option<freight_kv::TlsIdentity>,
+}
+
+/// What the server would refuse late (an address after the pool was allocated), vaguely
+/// (a TLS file that is not PEM: "transport error") or not at all (a pool larger than the
+/// host: the OOM killer, while it is touched), refused first and by the option's name.
+fn check(a: &ServeArgs) -> CliResult<Checked> {
+    let resolve = |opt: &str, v: Option<&String>| v.map(|v| resolve_addr(opt, v).map(|a| a.to_string())).transpose();
+    let checked = Checked {
+        listen: resolve_addr("--listen", &a.listen)?.to_string(),
+        data_listen: resolve("--data-listen", a.data_listen.as_ref())?,
+        metrics_listen: resolve("--metrics-listen", a.metrics_listen.as_ref())?,
+        tls: tls_identity(a)?,
+    };
+    crate::host::ensure_room(
+        a.memory_mb << 20,
+        &format!("--memory-mb {} (the value pool, allocated and touched at start)", a.memory_mb),
+        "lower --memory-mb",
+    )?;
+    Ok(checked)
+}
+
 fn tls_identity(a: &ServeArgs) -> CliResult<Option<freight_kv::TlsIdentity>> {
     let (Some(cert), Some(key)) = (&a.tls_cert, &a.tls_key) else { return Ok(None) };
-    let read = |p: &std::path::Path| std::fs::read(p).map_err(|e| CliError::usage(format!("{}: {e}", p.display())));
-    Ok(Some(freight_kv::TlsIdentity { cert_pem: read(cert)?, key_pem: read(key)? }))
+    let read = |opt: &str, p: &Path, want: PemKind| {
+        let bytes = std::fs::read(p).map_err(|e| CliError::usage(format!("{opt} {}: {e}", p.display())))?;
+        check_pem(&bytes, want).map_err(|why| CliError::usage(format!("{opt} {}: {why}", p.display())))?;
+        Ok::<_, CliError>(bytes)
+    };
+    Ok(Some(freight_kv::TlsIdentity {
+        cert_pem: read("--tls-cert", cert, PemKind::Certificate)?,
+        key_pem: read("--tls-key", key, PemKind::PrivateKey)?,
+    }))
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PemKind {
+    Certificate,
+    PrivateKey,
+}
+
+impl PemKind {
+    fn label(self) -> &'static str {
+        match self {
+            PemKind::Certificate => "CERTIFICATE",
+            PemKind::PrivateKey => "PRIVATE KEY",
+        }
+    }
+}
+
+/// Private keys the server's TLS library reads (PKCS#8, PKCS#1, SEC1; not encrypted).
+const KEY_LABELS: [&str; 3] = ["PRIVATE KEY", "RSA PRIVATE KEY", "EC PRIVATE KEY"];
+
+/// The labels of the complete PEM blocks in `bytes` (`-----BEGIN X-----`, base64,
+/// `-----END X-----`).
+fn pem_labels(bytes: &[u8]) -> Vec<String> {
+    let text = String::from_utf8_lossy(bytes);
+    let (mut labels, mut open) = (Vec::new(), None::<String>);
+    for line in text.lines().map(str::trim) {
+        let marker = |tag: &str| line.strip_prefix(tag).and_then(|l| l.strip_suffix("-----")).map(str::to_string);
+        if let Some(label) = marker("-----BEGIN ") {
+            open = Some(label);
+        } else if let (Some(label), Some(end)) = (&open, marker("-----END ")) {
+            if *label == end {
+                labels.push(end);
+            }
+            open = None;
+        } else if open.is_some() && !line.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'+' | b'/' | b'='))
+        {
+            open = None;
+        }
+    }
+    labels
+}
+
+/// Whether `bytes` hold what `want` asks for, and if not, what they hold instead.
+fn check_pem(bytes: &[u8], want: PemKind) -> Result<(), String> {
+    let labels = pem_labels(bytes);
+    let is_key = |l: &String| l.ends_with("PRIVATE KEY");
+    let found = match want {
+        PemKind::Certificate => labels.iter().any(|l| l == "CERTIFICATE"),
+        PemKind::PrivateKey => labels.iter().any(|l| KEY_LABELS.contains(&l.as_str())),
+    };
+    match (found, want) {
+        (true, _) => Ok(()),
+        (false, _) if labels.is_empty() => Err(format!("not a PEM file (no -----BEGIN {}----- block)", want.label())),
+        (false, PemKind::Certificate) if labels.iter().any(is_key) => {
+            Err("holds a private key, not a certificate (--tls-cert and --tls-key swapped?)".into())
+        }
+        (false, PemKind::PrivateKey) if labels.iter().any(|l| l.contains("ENCRYPTED")) => {
+            Err("the private key is encrypted; give it decrypted (e.g. openssl pkey -in KEY -out PLAIN)".into())
+        }
+        (false, PemKind::PrivateKey) if labels.iter().any(|l| l == "CERTIFICATE") => {
+            Err("holds a certificate, not a private key (--tls-cert and --tls-key swapped?)".into())
+        }
+        (false, _) => Err(format!("PEM, but no {} block in it (found {})", want.label(), labels.join(", "))),
+    }
 }
 
 fn block_stop_signals() -> CliResult<libc::sigset_t> {
@@ -137,4 +239,81 @@ fn wait_for(set: &libc::sigset_t) -> i32 {
     // SAFETY: a signal set blocked in every thread (see block_stop_signals).
     unsafe { libc::sigwait(set, &mut signal) };
     signal
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct T {
+        #[command(flatten)]
+        a: ServeArgs,
+    }
+
+    fn args(extra: &[&str]) -> ServeArgs {
+        T::try_parse_from(["serve", "--memory-mb", "1"].into_iter().chain(extra.iter().copied())).unwrap().a
+    }
+
+    fn usage_error(a: &ServeArgs) -> String {
+        match check(a).unwrap_err() {
+            CliError::Usage(m) => m,
+            other => panic!("not a usage error: {other}"),
+        }
+    }
+
+    #[test]
+    fn addresses_take_host_names_and_errors_name_the_option() {
+        let c = check(&args(&["--listen", "localhost:50051", "--data-listen", "localhost:0"])).unwrap();
+        assert_eq!((c.listen.as_str(), c.data_listen.as_deref()), ("127.0.0.1:50051", Some("127.0.0.1:0")));
+        assert_eq!(check(&args(&[])).unwrap().listen, "[::1]:50051");
+        for opt in ["--listen", "--data-listen", "--metrics-listen"] {
+            let m = usage_error(&args(&[opt, "bogus"]));
+            assert!(m.starts_with(&format!("{opt} 'bogus'")), "{m}");
+        }
+    }
+
+    #[test]
+    fn a_pool_larger_than_the_host_is_refused() {
+        let a = T::try_parse_from(["serve", "--memory-mb", "16777216"]).unwrap().a;
+        let m = usage_error(&a);
+        assert!(m.starts_with("--memory-mb 16777216") && m.contains("of host memory"), "{m}");
+    }
+
+    #[test]
+    fn tls_files_that_are_not_pem_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let write = |name: &str, text: &str| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, text).unwrap();
+            p.to_str().unwrap().to_string()
+        };
+        let cert = write("cert.pem", "-----BEGIN CERTIFICATE-----\nMIIBszCCAVmgAwIBAgIU\n-----END CERTIFICATE-----\n");
+        let key = write("key.pem", "-----BEGIN PRIVATE KEY-----\nMIGHAgEAMBMGByqGSM49\n-----END PRIVATE KEY-----\n");
+        let junk = write("junk.txt", "not a certificate\n");
+        let tls = |c: &str, k: &str| args(&["--tls-cert", c, "--tls-key", k]);
+        assert!(check(&tls(&cert, &key)).unwrap().tls.is_some());
+        let m = usage_error(&tls(&junk, &key));
+        assert!(m.starts_with(&format!("--tls-cert {junk}: not a PEM file")), "{m}");
+        let m = usage_error(&tls(&cert, &junk));
+        assert!(m.starts_with(&format!("--tls-key {junk}: not a PEM file")), "{m}");
+        assert!(usage_error(&tls(&key, &cert)).contains("swapped"));
+        let missing = dir.path().join("missing.pem");
+        let m = usage_error(&tls(missing.to_str().unwrap(), &key));
+        assert!(m.starts_with("--tls-cert ") && m.contains("missing.pem"), "{m}");
+    }
+
+    #[test]
+    fn pem_blocks_are_complete_and_base64() {
+        assert_eq!(
+            pem_labels(b"-----BEGIN EC PRIVATE KEY-----\nab+/=\n\n-----END EC PRIVATE KEY-----"),
+            ["EC PRIVATE KEY"]
+        );
+        assert!(pem_labels(b"-----BEGIN CERTIFICATE-----\nMIIB\n").is_empty(), "no END");
+        assert!(pem_labels(b"-----BEGIN CERTIFICATE-----\nnot base64!\n-----END CERTIFICATE-----").is_empty());
+        assert!(pem_labels(b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END PRIVATE KEY-----").is_empty());
+        let encrypted = b"-----BEGIN ENCRYPTED PRIVATE KEY-----\nMIIB\n-----END ENCRYPTED PRIVATE KEY-----";
+        assert!(check_pem(encrypted, PemKind::PrivateKey).unwrap_err().contains("encrypted"));
+    }
 }

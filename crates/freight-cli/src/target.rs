@@ -138,18 +138,8 @@ impl Target<'_> {
 
     fn setup(&mut self, from: &str, bytes: u64, kind: &str, reply_to: &[String]) -> Result<Reply, String> {
         let kind = MemKind::parse(kind).map_err(|e| e.to_string())?;
-        let fits = self.buffer.as_ref().is_some_and(|b| b.kind == kind && b.seg.len() as u64 >= bytes);
-        if !fits {
-            if let Some(old) = self.buffer.take() {
-                self.agent.deregister(old.key).map_err(|e| e.to_string())?;
-            }
-            let len = usize::try_from(bytes).map_err(|_| format!("{bytes} bytes do not fit in memory"))?;
-            let seg = self.agent.alloc(len).map_err(|e| e.to_string())?;
-            // Registered under the kind the initiator asked for, so that the engine itself
-            // reports which kinds it cannot move.
-            let key = self.agent.register(kind, seg.addr(), bytes, 0).map_err(|e| e.to_string())?;
-            self.buffer = Some(Buffer { seg, key, kind });
-        }
+        // The way back first: a buffer that cannot be had (too large for this host) is
+        // then a reply the initiator reads, not a wait for one that never comes.
         let mut last = String::from("the initiator sent no address to answer on");
         let mut connected = None;
         for a in reply_to {
@@ -164,6 +154,21 @@ impl Target<'_> {
         let name = connected.ok_or(last)?;
         if name != from {
             tracing::warn!(%from, %name, "the initiator answered under another name");
+        }
+        let fits = self.buffer.as_ref().is_some_and(|b| b.kind == kind && b.seg.len() as u64 >= bytes);
+        if !fits {
+            if let Some(old) = self.buffer.take() {
+                self.agent.deregister(old.key).map_err(|e| e.to_string())?;
+            }
+            let len = usize::try_from(bytes).map_err(|_| format!("{bytes} bytes do not fit in memory"))?;
+            let remedy = "the initiator must ask for less (bench p2p: smaller --block-sizes x --batch-sizes, \
+                          --total-bytes or --max-request-bytes)";
+            crate::host::ensure_room(bytes, "the target's buffer", remedy).map_err(|e| e.to_string())?;
+            let seg = self.agent.alloc(len).map_err(|e| e.to_string())?;
+            // Registered under the kind the initiator asked for, so that the engine itself
+            // reports which kinds it cannot move.
+            let key = self.agent.register(kind, seg.addr(), bytes, 0).map_err(|e| e.to_string())?;
+            self.buffer = Some(Buffer { seg, key, kind });
         }
         let b = self.buffer.as_ref().expect("set above");
         if self.standalone {

@@ -133,6 +133,68 @@ fn usage_errors_exit_2_and_help_exits_0() {
     assert!(text(&freight(&["--version"]).stdout).starts_with("freight "));
 }
 
+/// Sizes no host holds (and no address space maps, so that a build without the checks
+/// fails with an error rather than memory pressure) are refused before anything starts.
+#[test]
+fn what_the_host_cannot_hold_is_a_usage_error() {
+    for args in [
+        &["bench", "p2p", "--block-sizes", "4k", "--total-bytes", "1024TiB"][..],
+        &["bench", "p2p", "--batch-sizes", "100000000", "--max-request-bytes", "1024TiB"],
+        &["demo", "--size", "1024TiB", "--block", "1GiB"],
+    ] {
+        let out = freight(args);
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains("of host memory and") && err.contains("lower --"), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn blocks_larger_than_total_bytes_are_skipped() {
+    let out =
+        freight(&["bench", "p2p", "--total-bytes", "1MiB", "--iters", "1", "--warmup", "0", "--transport", "shm"]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(stdout.contains("note: skipped block sizes larger than --total-bytes 1 MiB: 2 MiB,"), "{stdout}");
+}
+
+#[test]
+fn cache_engine_options_the_sender_would_refuse_stop_the_run_before_the_receiver_starts() {
+    let out = freight(&["bench", "cache-engine", "--device", "cpu", "--num-chunks", "4", "--tier-size", "1k"]);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("--tier-size 1 KiB cannot hold one chunk"), "{err}");
+    assert!(!err.contains("sender"), "the receiver never started: {err}");
+}
+
+#[test]
+fn serve_names_the_option_or_file_it_refuses() {
+    let out = freight(&["serve", "--memory-mb", "1", "--data-listen", "bogus"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(text(&out.stderr).contains("--data-listen 'bogus'"), "{}", text(&out.stderr));
+    let junk = std::env::temp_dir().join(format!("freight-not-pem-{}.txt", std::process::id()));
+    std::fs::write(&junk, "not a certificate\n").unwrap();
+    let path = junk.to_str().unwrap();
+    let out = freight(&["serve", "--memory-mb", "1", "--listen", "127.0.0.1:0", "--tls-cert", path, "--tls-key", path]);
+    std::fs::remove_file(&junk).unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(text(&out.stderr).contains(&format!("--tls-cert {path}: not a PEM file")), "{}", text(&out.stderr));
+}
+
+/// Logs that go to a file or a pipe carry no colour codes.
+#[test]
+fn logs_to_a_pipe_are_plain_text() {
+    let out = Command::new(env!("CARGO_BIN_EXE_freight"))
+        .args(["--log-level", "debug", "bench", "p2p", "--block-sizes", "4KiB", "--batch-sizes", "1", "--iters", "1"])
+        .env_remove("NO_COLOR")
+        .output()
+        .unwrap();
+    let err = text(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("DEBUG"), "debug logs on stderr: {err}");
+    assert!(!err.contains('\x1b'), "{err}");
+}
+
 #[test]
 fn engine_refusals_are_runtime_errors() {
     let out = freight(&["bench", "p2p", "--initiator-seg", "VRAM", "--block-sizes", "4KiB", "--batch-sizes", "1"]);

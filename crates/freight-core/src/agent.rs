@@ -354,6 +354,7 @@ impl Agent {
     }
 
     pub fn remove_peer(&self, name: &str) -> Result<()> {
+        self.inner.check_open()?;
         let peer = self.inner.peers.write().remove(name).ok_or_else(|| Error::UnknownPeer(name.into()))?;
         peer.shutdown("removed");
         tracing::info!(agent = %self.inner.name, peer = %name, "removed peer");
@@ -380,6 +381,7 @@ impl Agent {
 
     /// Fetches a peer's metadata from its listener at `addr` and adds it.
     pub fn connect(&self, addr: &str, token: Option<&[u8]>) -> Result<String> {
+        self.inner.check_open()?;
         let bytes = net::fetch_metadata(addr, token.unwrap_or_default(), self.inner.config.connect_timeout)?;
         self.add_peer(&bytes)
     }
@@ -648,7 +650,9 @@ impl AgentInner {
         Ok(())
     }
 
+    /// A closed agent's peers are gone: that is no fault of the name asked for.
     fn peer(&self, name: &str) -> Result<Arc<Peer>> {
+        self.check_open()?;
         self.peers.read().get(name).cloned().ok_or_else(|| Error::UnknownPeer(name.into()))
     }
 
@@ -937,6 +941,13 @@ impl Request {
             &self.agent.config.cuda,
             self.agent.id,
         )?;
+        // A region revoked while the program was compiled from the copy: the revocation
+        // let go of the imports it knew, and the compile may have opened one again since.
+        if let Err(e) = self.check_remote_regions() {
+            drop(program);
+            self.peer.close_imports_of_revoked_regions();
+            return Err(e);
+        }
         Ok(self.cuda.get_or_init(|| Arc::new(program)).clone())
     }
 

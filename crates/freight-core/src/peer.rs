@@ -436,9 +436,16 @@ impl Peer {
 
     /// Lets go of the peer's GPU allocations that no registered region lies in any more.
     fn close_unused_imports(&self, regions: &RemoteRegions) {
-        let live: Vec<u64> = regions.iter().filter_map(|r| r.gpu.as_ref().map(|g| g.alloc_base)).collect();
-        self.cuda.imports.retain(|base| live.contains(&base));
+        let live: Vec<(u64, &[u8])> =
+            regions.iter().filter_map(|r| r.gpu.as_ref().map(|g| (g.alloc_base, g.handle.as_slice()))).collect();
+        self.cuda.imports.retain(|base, handle| live.contains(&(base, handle)));
         self.shm.forget_unused(regions.iter());
+    }
+
+    /// [`Peer::close_unused_imports`] for the regions known now: after a request opened
+    /// mappings for regions copied earlier, some of which may have been revoked since.
+    pub(crate) fn close_imports_of_revoked_regions(&self) {
+        self.close_unused_imports(&self.regions.read());
     }
 
     fn intro(&self, ctx: &DialContext) -> Introduction {

@@ -53,6 +53,40 @@ fn publish_fetch_list_withdraw_roundtrip() {
 }
 
 #[test]
+fn of_several_claims_of_one_name_exactly_one_wins() {
+    let Some(etcd) = Etcd::start("of_several_claims_of_one_name_exactly_one_wins") else {
+        return;
+    };
+    let dirs: Vec<EtcdDirectory> = (0..6).map(|_| directory(&etcd, "/freight/claim/", TTL)).collect();
+    let barrier = std::sync::Barrier::new(dirs.len());
+    let won: Vec<bool> = std::thread::scope(|s| {
+        let claims: Vec<_> = dirs
+            .iter()
+            .enumerate()
+            .map(|(i, d)| {
+                let barrier = &barrier;
+                s.spawn(move || {
+                    barrier.wait();
+                    d.claim("rank-0", format!("claimant-{i}").as_bytes()).unwrap()
+                })
+            })
+            .collect();
+        claims.into_iter().map(|c| c.join().unwrap()).collect()
+    });
+    assert_eq!(won.iter().filter(|&&w| w).count(), 1, "{won:?}");
+    let winner = won.iter().position(|&w| w).unwrap();
+    let value = dirs[0].fetch("rank-0").unwrap();
+    assert_eq!(value.as_deref(), Some(format!("claimant-{winner}").as_bytes()));
+    // A claim of a name this directory published itself loses too: the key exists.
+    assert!(!dirs[winner].claim("rank-0", b"again").unwrap());
+    // The claimed entry lives under the winner's lease: it goes with the winner.
+    let mut dirs = dirs;
+    drop(dirs.remove(winner));
+    assert_eq!(dirs[0].fetch("rank-0").unwrap(), None);
+    assert!(dirs[0].claim("rank-0", b"next").unwrap());
+}
+
+#[test]
 fn wait_for_sees_a_later_publish() {
     let Some(etcd) = Etcd::start("wait_for_sees_a_later_publish") else {
         return;

@@ -149,6 +149,12 @@ impl HostWords {
         status::decode(word, 0.0)
     }
 
+    /// The abort word: 0 while every rank is alive.
+    fn aborted(&self) -> u64 {
+        // SAFETY: an aligned word of live pinned memory.
+        unsafe { std::ptr::read_volatile(self.word(Self::ABORT)) }
+    }
+
     fn abort(&self, dead_rank: usize) {
         // SAFETY: as above; kernels only read it.
         unsafe { std::ptr::write_volatile(self.word(Self::ABORT), abort_word(dead_rank)) };
@@ -225,10 +231,8 @@ impl Scratch {
             words(2),
             if fp8_allowed(config.hidden) { fp8_row_bytes(config.hidden) * config.max_tokens as u64 } else { 0 },
         ];
-        let memory = DeviceBuffer::alloc(device, sizes.iter().sum::<u64>() as usize)?;
-        let _ctx = device.bind()?;
-        // SAFETY: our own allocation; the counters must start at zero.
-        check(unsafe { cu::cuMemsetD8_v2(memory.addr(), 0, memory.len()) }, "cuMemsetD8")?;
+        // The counters must start at zero.
+        let memory = DeviceBuffer::zeroed(device, sizes.iter().sum::<u64>() as usize)?;
         let mut at = memory.addr();
         let mut next = |size: u64| {
             let here = at;
@@ -336,10 +340,9 @@ impl Buffer {
         let shape = Shape::of(&config)?;
         let device = Device::get(device)?;
         let kernels = Kernels::on(device)?;
-        let workspace = DeviceBuffer::alloc(device, shape.workspace_bytes() as usize)?;
+        // The signal words must start at zero (epoch 0), before any peer can write.
+        let workspace = DeviceBuffer::zeroed(device, shape.workspace_bytes() as usize)?;
         let _ctx = device.bind()?;
-        // SAFETY: our own allocation; the signal words must start at zero (epoch 0).
-        check(unsafe { cu::cuMemsetD8_v2(workspace.addr(), 0, workspace.len()) }, "cuMemsetD8")?;
         let (relay, engine) = match options.backend {
             Backend::Ipc => (None, None),
             backend => {
@@ -515,7 +518,12 @@ impl Buffer {
         if let Some(e) = &state.broken {
             return Err(e.clone());
         }
-        if let Some(e) = status::decode(self.host.status(), self.timeout.as_secs_f64()) {
+        // A kernel's report first (it names the wait it gave up in); else a death
+        // learnt since the last call: nothing more is queued that would write into the
+        // dead rank's memory, or wait for it until the timeout.
+        let failure = status::decode(self.host.status(), self.timeout.as_secs_f64())
+            .or_else(|| status::dead_before_call(self.host.aborted()));
+        if let Some(e) = failure {
             state.broken = Some(e.clone());
             return Err(e);
         }
@@ -691,16 +699,20 @@ impl Buffer {
         state.dispatches += 1;
         // SAFETY: as above.
         unsafe { k.dispatch_send(&at, &sent, sc.send_count, sc.done(0))? };
-        if let Some(relay) = &self.relay {
-            self.wait(stream, state)?;
-            let counts = self.device_words(sc.send_count, self.config.ranks)?;
-            relay
-                .ship(relay::DISPATCH_ARRIVED, |r| relay.dispatch_runs(counts[r] as usize, sent.row_bytes))
-                .and_then(|_| relay.await_signal(relay::DISPATCH_ARRIVED))
-                .map_err(|e| broken(state, e))?;
-        }
-        // SAFETY: as above.
-        unsafe { k.dispatch_plan(&at, &sc.plan, host_counts)? };
+        // The rows may be on their way: from here a failure leaves this rank a step
+        // behind its peers, so the buffer is given up.
+        let planned = (|| {
+            if let Some(relay) = &self.relay {
+                self.wait(stream, state)?;
+                let counts = self.device_words(sc.send_count, self.config.ranks)?;
+                relay
+                    .ship(relay::DISPATCH_ARRIVED, |r| relay.dispatch_runs(counts[r] as usize, sent.row_bytes))
+                    .and_then(|_| relay.await_signal(relay::DISPATCH_ARRIVED))?;
+            }
+            // SAFETY: as above.
+            unsafe { k.dispatch_plan(&at, &sc.plan, host_counts, sent.row_bytes) }
+        })();
+        planned.map_err(|e| broken(state, e))?;
         Ok(sent)
     }
 
@@ -795,15 +807,16 @@ impl Buffer {
 
     /// Second half of a dispatch: fills the outputs sized by the counts
     /// [`Buffer::dispatch_begin`] returned, and hands the rows back to their senders.
-    /// Does not wait. Fails (after completing the dispatch) when the routing held an
-    /// expert index out of range or an expert twice for one token: those choices were
-    /// dropped.
+    /// Does not wait. Returns what was wrong with the routing, if anything (an expert
+    /// index out of range, or an expert twice for one token: those choices were
+    /// dropped): the dispatch is complete all the same, and the peers expect the
+    /// combine that undoes it.
     ///
     /// # Safety
     ///
     /// As [`Buffer::layout`]; the outputs are device memory of the sizes
     /// [`DispatchOutputs`] describes for those counts.
-    pub unsafe fn dispatch_finish(&self, stream: cu::CUstream, outputs: &DispatchOutputs) -> Result<()> {
+    pub unsafe fn dispatch_finish(&self, stream: cu::CUstream, outputs: &DispatchOutputs) -> Result<Option<Error>> {
         let mut state = self.state.lock();
         self.check_locked(&mut state)?;
         let Phase::Begun { row_bytes, .. } = state.phase else {
@@ -822,7 +835,7 @@ impl Buffer {
         // The rows are in: a dispatch that cannot be completed leaves the ranks apart.
         queued.map_err(|e| broken(&mut state, e))?;
         self.ship_signal(stream, &mut state, relay::DISPATCH_RELEASED)?;
-        input.map_or(Ok(()), Err)
+        Ok(input)
     }
 
     /// Combine: sums each received token's expert outputs with their weights, sends the

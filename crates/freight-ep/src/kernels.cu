@@ -17,8 +17,8 @@
 // combines in device memory (`epochs[0]`, `epochs[1]`: the last one completed), so that
 // no launch carries a value from the host and a captured CUDA graph replays correctly.
 // A sender writes a peer's rows, makes
-// them visible system-wide, then stores the epoch (and, for dispatch, the row count) into
-// the peer's "arrived" word; a receiver that has consumed what a sender wrote stores the
+// them visible system-wide, then stores the epoch (and, for dispatch, the row count and
+// whether the rows are fp8) into the peer's "arrived" word; a receiver that has consumed what a sender wrote stores the
 // epoch into the sender's "released" word, and a sender waits for the previous epoch's
 // release before it writes again. The last block of a launch to finish sends the signals
 // (a counter per kernel decides which block is last).
@@ -68,6 +68,12 @@ struct Control {
 #define STATUS_ABORTED 2ull
 #define STATUS_BAD_EXPERT 3ull
 #define STATUS_DUPLICATE_EXPERT 4ull
+#define STATUS_FORMAT_MISMATCH 5ull
+
+// In a dispatch "arrived" word's row count: the rows are fp8 (values and scales), not
+// bf16. Ranks must agree; a receiver that decoded rows in the other format would hand
+// out garbage.
+#define FP8_ROWS 0x80000000u
 
 // Where in a workspace the words, rows and records written by rank `src` are.
 __device__ __forceinline__ u64 signal_offset(const Shape& s, int kind, int src) {
@@ -476,7 +482,7 @@ ep_dispatch_send(const char* x, u64 x_row_bytes, const i64* topk_idx, const floa
     if (last_block(done) && !failed(c)) {
         for (int r = threadIdx.x; r < s.ranks; r += blockDim.x)
             store_release((u64*)(peers[r] + signal_offset(s, DISPATCH_ARRIVED, s.me)),
-                          (epoch << 32) | (u32)send_count[r]);
+                          (epoch << 32) | (u32)send_count[r] | (x_row_bytes != s.row_bytes ? FP8_ROWS : 0u));
     }
 }
 
@@ -487,16 +493,25 @@ ep_dispatch_send(const char* x, u64 x_row_bytes, const i64* topk_idx, const floa
 // to size its outputs.
 extern "C" __global__ void __launch_bounds__(1024)
 ep_dispatch_plan(Shape s, const char* own, const u64* epochs, int* recv_count, int* expert_pos, int* expert_count,
-                 int* host_counts, Control c) {
+                 int* host_counts, u64 x_row_bytes, Control c) {
     __shared__ u64 arrived[1024];
     if (block_failed(c)) return;
     const u64 epoch = epochs[0] + 1;
     if (!wait_all(own, s, DISPATCH_ARRIVED, 32, epoch, c, arrived)) return;
+    // Rows of another format than this rank's (`x_row_bytes`, as it sent them) are
+    // refused, not expanded: every block sees the same words and leaves together.
+    const u32 format = x_row_bytes != s.row_bytes ? FP8_ROWS : 0u;
+    for (int src = 0; src < s.ranks; ++src) {
+        if (((u32)arrived[src] & FP8_ROWS) != format) {
+            if (threadIdx.x == 0) fail(c, STATUS_FORMAT_MISMATCH, DISPATCH_ARRIVED, src);
+            return;
+        }
+    }
     const int e = blockIdx.x;
     const u64 rows = (u64)s.ranks * s.max_tokens;
     int base = 0;
     for (int src = 0; src < s.ranks; ++src) {
-        const int count = (int)(arrived[src] & 0xffffffffu);
+        const int count = (int)((u32)arrived[src] & ~FP8_ROWS);
         if (blockIdx.x == 0 && threadIdx.x == 0) {
             recv_count[src] = count;
             if (host_counts) host_counts[src] = count;

@@ -161,7 +161,13 @@ impl Kernels {
     /// # Safety
     ///
     /// As for [`Kernels::layout`].
-    pub unsafe fn dispatch_plan(&self, at: &Site, scratch: &PlanScratch, host_counts: u64) -> Result<()> {
+    pub unsafe fn dispatch_plan(
+        &self,
+        at: &Site,
+        scratch: &PlanScratch,
+        host_counts: u64,
+        x_row_bytes: u64,
+    ) -> Result<()> {
         let mut params = [
             arg(at.shape),
             arg(&at.own),
@@ -170,6 +176,7 @@ impl Kernels {
             arg(&scratch.expert_pos),
             arg(&scratch.expert_count),
             arg(&host_counts),
+            arg(&x_row_bytes),
             arg(at.control),
         ];
         unsafe { self.dispatch_plan.launch(at.stream, at.shape.local_experts as u32, SCAN_THREADS, &mut params) }

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use freight_core::cuda::driver::{check, Device, DeviceBuffer};
+use freight_core::cuda::driver::{Device, DeviceBuffer};
 use freight_core::{
     Agent, AgentConfig, Desc, DescList, Error, MemKind, OpKind, Request, Result, Status, TransportKind,
 };
@@ -111,10 +111,8 @@ impl Relay {
                 peers.push(None);
                 continue;
             }
-            let outbox = DeviceBuffer::alloc(device, shape.block_bytes as usize)?;
-            let _ctx = device.bind()?;
-            // SAFETY: our own allocation; its signal words must start at zero.
-            check(unsafe { cudarc::driver::sys::cuMemsetD8_v2(outbox.addr(), 0, outbox.len()) }, "cuMemsetD8")?;
+            // Its signal words must start at zero.
+            let outbox = DeviceBuffer::zeroed(device, shape.block_bytes as usize)?;
             agent.register(MemKind::Vram, outbox.addr(), outbox.len() as u64, dev)?;
             peers.push(Some(Peer { name: String::new(), outbox, block: 0 }));
         }

@@ -8,6 +8,7 @@ const TIMEOUT: u64 = 1;
 const ABORTED: u64 = 2;
 const BAD_EXPERT: u64 = 3;
 const DUPLICATE_EXPERT: u64 = 4;
+const FORMAT_MISMATCH: u64 = 5;
 
 /// The value an abort reports (the abort word less one, in the status word's low 48
 /// bits) when the rendezvous was lost rather than a rank: no rank number comes near it.
@@ -50,8 +51,27 @@ pub fn decode(word: u64, timeout_s: f64) -> Option<Error> {
             Error::InvalidArgument(format!("token {value} chose an expert index outside [-1, number of experts)"))
         }
         DUPLICATE_EXPERT => Error::InvalidArgument(format!("token {value} chose the same expert twice in its top-k")),
+        FORMAT_MISMATCH => Error::InvalidArgument(format!(
+            "rank {value} dispatched its tokens in another format than this rank (fp8 against bf16): every rank must pass the same fp8 to a dispatch"
+        )),
         _ => Error::Protocol(format!("unknown kernel status {word:#x}")),
     })
+}
+
+/// The error for an abort word (a death hook's report: the dead rank plus one, or
+/// [`RENDEZVOUS_LOST`] plus one) read before a call is queued; `None` for 0.
+pub fn dead_before_call(abort: u64) -> Option<Error> {
+    match abort {
+        0 => None,
+        w if w == RENDEZVOUS_LOST + 1 => Some(Error::PeerDisconnected {
+            peer: "rendezvous".into(),
+            reason: "lost before this call: no rank's death can be learnt any more".into(),
+        }),
+        w => Some(Error::PeerDisconnected {
+            peer: format!("rank {}", w - 1),
+            reason: "found dead before this call was queued".into(),
+        }),
+    }
 }
 
 #[cfg(test)]
@@ -88,6 +108,23 @@ mod tests {
             Some(Error::InvalidArgument(m)) => assert!(m.contains("same expert twice")),
             other => panic!("{other:?}"),
         }
+        match decode(word(FORMAT_MISMATCH, 0, 1), 5.0) {
+            Some(Error::InvalidArgument(m)) => assert!(m.contains("rank 1") && m.contains("fp8"), "{m}"),
+            other => panic!("{other:?}"),
+        }
         assert!(matches!(decode(word(9, 0, 0), 5.0), Some(Error::Protocol(_))));
+    }
+
+    #[test]
+    fn a_death_learnt_between_calls_names_the_rank_or_the_rendezvous() {
+        assert_eq!(dead_before_call(0), None);
+        match dead_before_call(3) {
+            Some(Error::PeerDisconnected { peer, .. }) => assert_eq!(peer, "rank 2"),
+            other => panic!("{other:?}"),
+        }
+        match dead_before_call(RENDEZVOUS_LOST + 1) {
+            Some(Error::PeerDisconnected { peer, .. }) => assert_eq!(peer, "rendezvous"),
+            other => panic!("{other:?}"),
+        }
     }
 }

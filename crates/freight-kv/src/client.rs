@@ -70,6 +70,30 @@ impl Default for ClientConfig {
     }
 }
 
+const PEM_CERTIFICATE: &[u8] = b"-----BEGIN CERTIFICATE-----";
+
+/// Whether the control plane's URL is https (else http). tonic takes an address without
+/// a scheme too, and fails only when it dials, after `connect_for` of retries, with a
+/// message that names no remedy.
+fn check_url(url: &str) -> Result<bool> {
+    use tonic::codegen::http::uri::{Scheme, Uri};
+    let bad = |why: &str| {
+        Error::InvalidArgument(format!(
+            "KV server address {url:?} {why}: write http://host:port (https://host:port for a server with TLS)"
+        ))
+    };
+    let uri: Uri = url.parse().map_err(|_| bad("is not a URL"))?;
+    if !matches!(uri.authority(), Some(a) if !a.host().is_empty()) {
+        return Err(bad("names no host"));
+    }
+    match uri.scheme() {
+        Some(s) if *s == Scheme::HTTPS => Ok(true),
+        Some(s) if *s == Scheme::HTTP => Ok(false),
+        Some(s) => Err(bad(&format!("has scheme {:?}", s.as_str()))),
+        None => Err(bad("has no scheme")),
+    }
+}
+
 /// The error for a value larger than the memory it was asked into.
 pub fn too_small(value: u64, room: u64) -> Error {
     Error::InvalidArgument(format!("the value has {value} bytes; the output buffer has room for {room}"))
@@ -124,6 +148,7 @@ pub struct Client {
 impl Client {
     /// Registers a receive buffer and opens a session with the server.
     pub fn connect(config: ClientConfig) -> Result<Client> {
+        let tls = check_url(&config.server)?;
         if config.buffer_bytes == 0 {
             return Err(Error::InvalidArgument("a client needs a receive buffer (buffer_bytes is 0)".into()));
         }
@@ -145,10 +170,19 @@ impl Client {
             .map_err(|e| Error::InvalidArgument(format!("server address {:?}: {e}", config.server)))?
             .connect_timeout(config.timeout.min(Duration::from_secs(10)))
             .timeout(config.timeout);
-        if config.server.starts_with("https://") {
+        if tls {
             let ca = config.tls_ca_pem.as_ref().ok_or_else(|| {
                 Error::InvalidArgument(format!("{} is https: give the certificate authority to trust", config.server))
             })?;
+            // Anything else would only fail at the handshake, retried for `connect_for`
+            // and then reported as a server that cannot be reached.
+            if !ca.windows(PEM_CERTIFICATE.len()).any(|w| w == PEM_CERTIFICATE) {
+                return Err(Error::InvalidArgument(format!(
+                    "the certificate authority to trust for {} holds no PEM certificate (\"-----BEGIN \
+                     CERTIFICATE-----\")",
+                    config.server
+                )));
+            }
             let tls =
                 tonic::transport::ClientTlsConfig::new().ca_certificate(tonic::transport::Certificate::from_pem(ca));
             endpoint = endpoint
@@ -769,6 +803,32 @@ mod tests {
         assert!(matches!(&e, Error::Protocol(m) if m.contains("cut short")), "{e}");
         assert!(c.usable());
         assert_eq!(c.get(b"k").unwrap().as_deref(), Some(&b"v"[..]), "real replies still come through");
+    }
+
+    #[test]
+    fn an_address_that_is_not_an_http_url_is_refused_before_anything_is_tried() {
+        for url in ["127.0.0.1:50051", "localhost:50051", "ftp://127.0.0.1:50051", "http://", "not a url"] {
+            let started = Instant::now();
+            let e = Client::connect(ClientConfig { server: url.into(), ..Default::default() }).err().unwrap();
+            assert!(matches!(&e, Error::InvalidArgument(m) if m.contains("http://host:port")), "{url}: {e}");
+            assert!(started.elapsed() < ClientConfig::default().connect_for, "{url}: it was dialled");
+        }
+        let s = server();
+        let upper = s.url().replacen("http", "HTTP", 1);
+        let mut c = Client::connect(ClientConfig { server: upper, ..Default::default() }).unwrap();
+        assert!(c.stats().is_ok(), "schemes are case-insensitive");
+    }
+
+    #[test]
+    fn a_certificate_authority_that_is_not_pem_is_refused_before_anything_is_tried() {
+        let e = Client::connect(ClientConfig {
+            server: "https://127.0.0.1:1".into(),
+            tls_ca_pem: Some(b"not a certificate".to_vec()),
+            ..Default::default()
+        })
+        .err()
+        .unwrap();
+        assert!(matches!(&e, Error::InvalidArgument(m) if m.contains("no PEM certificate")), "{e}");
     }
 
     #[test]

@@ -305,6 +305,12 @@ impl Server {
         if config.memory_bytes == 0 {
             return Err(Error::InvalidArgument("the value pool needs some memory (memory_bytes is 0)".into()));
         }
+        if config.token.as_deref().is_some_and(str::is_empty) {
+            // A client that sends no token sends the empty one: every client would pass.
+            return Err(Error::InvalidArgument(
+                "an empty token lets every client in: give a non-empty one, or none (unset FREIGHT_KV_TOKEN)".into(),
+            ));
+        }
         let metrics_listen: Option<SocketAddr> = config
             .metrics_listen
             .as_deref()
@@ -748,6 +754,15 @@ mod tests {
 
     fn sessions(s: &Server) -> usize {
         s.shared.clients.lock().len()
+    }
+
+    #[test]
+    fn an_empty_token_is_refused_before_anything_starts() {
+        match Server::start(ServerConfig { token: Some(String::new()), ..test_config() }) {
+            Err(Error::InvalidArgument(m)) => assert!(m.contains("empty token"), "{m}"),
+            Err(e) => panic!("{e}"),
+            Ok(_) => panic!("a server with an empty token started"),
+        }
     }
 
     #[test]

@@ -2,6 +2,7 @@
 
 use freight_core::{Desc, DescList, MemKind, PreparedList, RemoteList};
 use numpy::{PyArray1, PyArray2, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
+use pyo3::exceptions::PyOverflowError;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
@@ -25,8 +26,10 @@ pub(crate) fn for_each_triple(
         check_nx3(a.shape())?;
         let ro = a.try_readonly().map_err(|e| invalid(e.to_string()))?;
         for (i, row) in ro.as_array().rows().into_iter().enumerate() {
-            if row.iter().any(|&v| v < 0) {
-                return Err(invalid(format!("descriptor row {i} has a negative value: {row:?}")));
+            if let Some((column, v)) = ["address", "length", "device"].into_iter().zip(row).find(|(_, v)| **v < 0) {
+                return Err(invalid(format!(
+                    "descriptor row {i} has a negative {column} ({v}); addresses, lengths and devices are >= 0"
+                )));
             }
             f(row[0] as u64, row[1] as u64, row[2] as u64).or_raise()?;
         }
@@ -174,8 +177,15 @@ impl PyDescList {
         Ok((d.addr, d.len, d.dev))
     }
 
-    fn __len__(&self) -> usize {
-        self.inner.len() as usize
+    /// Python caps lengths at `sys.maxsize`; a strided run counts up to 2**64 - 1.
+    fn __len__(&self) -> PyResult<usize> {
+        let n = self.inner.len();
+        match isize::try_from(n) {
+            Ok(_) => Ok(n as usize),
+            Err(_) => Err(PyOverflowError::new_err(format!(
+                "the list has {n} descriptors, more than len() can count (sys.maxsize); its runs and nbytes still do"
+            ))),
+        }
     }
 
     fn __repr__(&self) -> String {

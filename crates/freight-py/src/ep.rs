@@ -9,7 +9,7 @@ use freight_ep::{Backend, Buffer, CombineArgs, Config, DispatchInputs, DispatchO
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::errors::{invalid, OrRaise};
+use crate::errors::{invalid, to_py_err, OrRaise};
 use crate::interrupt;
 use crate::util::seconds;
 
@@ -232,12 +232,21 @@ impl PyBuffer {
     }
 
     /// Fills `outputs` (`(recv_x, recv_scales, recv_expert, recv_weight, row_pairs,
-    /// row_source, received)`), sized by `dispatch_begin`'s counts.
-    fn dispatch_finish(&self, py: Python<'_>, stream_handle: usize, outputs: OutputsTuple, fp8: bool) -> PyResult<()> {
+    /// row_source, received)`), sized by `dispatch_begin`'s counts. Returns the
+    /// exception for bad routing (the dispatch completed without the bad choices), or
+    /// None: the caller raises it with the outputs attached.
+    fn dispatch_finish(
+        &self,
+        py: Python<'_>,
+        stream_handle: usize,
+        outputs: OutputsTuple,
+        fp8: bool,
+    ) -> PyResult<Option<Py<pyo3::exceptions::PyBaseException>>> {
         let b = self.inner.clone();
         let outputs = dispatch_outputs(&b, fp8, 0, outputs);
         // SAFETY: as for `layout`.
-        py.detach(move || unsafe { b.dispatch_finish(stream(stream_handle), &outputs) }).or_raise()
+        let routing = py.detach(move || unsafe { b.dispatch_finish(stream(stream_handle), &outputs) }).or_raise()?;
+        Ok(routing.map(|e| to_py_err(e).into_value(py)))
     }
 
     /// Gives up a dispatch begun and not finished: the buffer is unusable from here on,

@@ -6,12 +6,13 @@
 //! the server, starts or stops one runs with the GIL released. A client serves one
 //! request at a time: its calls are serialized by a lock, taken with the GIL released.
 
+use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use freight_core::{AgentConfig, Error, Result, TransportKind};
 use freight_kv::client::too_small;
-use freight_kv::{Client, ClientConfig, Server, ServerConfig};
+use freight_kv::{Client, ClientConfig, Server, ServerConfig, TlsIdentity};
 use numpy::{PyReadonlyArray1, PyReadwriteArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -57,6 +58,11 @@ fn ttl_arg(ttl: f64) -> PyResult<Duration> {
     Ok(if d.is_zero() { d } else { d.max(Duration::from_millis(1)) })
 }
 
+/// A PEM file named by a Python argument, read whole.
+fn read_pem(path: &Path, what: &str) -> Result<Vec<u8>> {
+    std::fs::read(path).map_err(|e| Error::Io(format!("cannot read {what} {}: {e}", path.display())))
+}
+
 fn slice<'a>(a: &'a PyReadonlyArray1<'_, u8>, what: &str) -> PyResult<&'a [u8]> {
     a.as_slice().map_err(|_| invalid(format!("{what} must be a contiguous uint8 array")))
 }
@@ -89,6 +95,9 @@ pub struct PyKvServer {
     memory_bytes: u64,
     #[pyo3(get)]
     evict: bool,
+    /// Where Prometheus metrics are served ("ip:port"), when they are.
+    #[pyo3(get)]
+    metrics_address: Option<String>,
 }
 
 impl PyKvServer {
@@ -104,9 +113,15 @@ impl PyKvServer {
 #[pymethods]
 impl PyKvServer {
     /// Starts a server: the control plane on `listen`, the data plane's engine agent on
-    /// `data_listen`, a pool of `memory_bytes`.
+    /// `data_listen`, a pool of `memory_bytes`. `token`: the secret every client must
+    /// present; `tls_cert` and `tls_key`: PEM files, for a control plane over TLS;
+    /// `metrics_listen`: where to serve Prometheus metrics.
     #[new]
-    #[pyo3(signature = (listen, memory_bytes, evict = true, data_listen = "127.0.0.1:0".to_string(), transport = "auto"))]
+    #[pyo3(signature = (
+        listen, memory_bytes, evict = true, data_listen = "127.0.0.1:0".to_string(), transport = "auto",
+        token = None, tls_cert = None, tls_key = None, metrics_listen = None,
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         listen: String,
@@ -114,18 +129,35 @@ impl PyKvServer {
         evict: bool,
         data_listen: String,
         transport: &str,
+        token: Option<String>,
+        tls_cert: Option<PathBuf>,
+        tls_key: Option<PathBuf>,
+        metrics_listen: Option<String>,
     ) -> PyResult<Self> {
+        let require = transport_arg(transport)?;
+        let tls = match (tls_cert, tls_key) {
+            (None, None) => None,
+            (Some(cert), Some(key)) => Some(TlsIdentity {
+                cert_pem: read_pem(&cert, "tls_cert").or_raise()?,
+                key_pem: read_pem(&key, "tls_key").or_raise()?,
+            }),
+            _ => return Err(invalid("tls_cert and tls_key go together: give both, or neither")),
+        };
         let config = ServerConfig {
             listen,
             memory_bytes,
             evict,
-            engine: AgentConfig { listen: data_listen, require: transport_arg(transport)?, ..AgentConfig::default() },
+            engine: AgentConfig { listen: data_listen, require, ..AgentConfig::default() },
+            token,
+            tls,
+            metrics_listen,
             ..ServerConfig::default()
         };
         let server = py.detach(move || Server::start(config)).or_raise()?;
         Ok(PyKvServer {
             url: server.url(),
             address: server.addr().to_string(),
+            metrics_address: server.metrics_addr().map(|a| a.to_string()),
             inner: Mutex::new(Some(server)),
             memory_bytes,
             evict,
@@ -260,8 +292,14 @@ impl PyKvClient {
     /// Connects to the server at `server` (its control plane's URL) with a receive buffer
     /// of `buffer_bytes`; `timeout` (seconds) bounds each call's wait for the server,
     /// a new session after it went away included (see `ClientConfig::timeout`).
+    /// `token`: the server's secret; `tls_ca`: the PEM file of the authority to trust,
+    /// for an https server.
     #[new]
-    #[pyo3(signature = (server, buffer_bytes, name = "freight-kv-client".to_string(), timeout = 30.0, transport = "auto"))]
+    #[pyo3(signature = (
+        server, buffer_bytes, name = "freight-kv-client".to_string(), timeout = 30.0, transport = "auto",
+        token = None, tls_ca = None,
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         server: String,
@@ -269,11 +307,14 @@ impl PyKvClient {
         name: String,
         timeout: f64,
         transport: &str,
+        token: Option<String>,
+        tls_ca: Option<PathBuf>,
     ) -> PyResult<Self> {
         let wait = seconds(timeout, "timeout")?;
         if wait.is_zero() {
             return Err(invalid("timeout must be more than 0 seconds"));
         }
+        let tls_ca_pem = tls_ca.map(|p| read_pem(&p, "tls_ca")).transpose().or_raise()?;
         let config = ClientConfig {
             server: server.clone(),
             buffer_bytes,
@@ -282,7 +323,8 @@ impl PyKvClient {
             timeout: wait,
             // A server starting up gets a few seconds to accept, within the timeout.
             connect_for: wait.min(ClientConfig::default().connect_for),
-            ..ClientConfig::default()
+            token,
+            tls_ca_pem,
         };
         let client = py.detach(move || Client::connect(config)).or_raise()?;
         Ok(PyKvClient { buffer_bytes: client.buffer_bytes(), inner: Mutex::new(Some(client)), server, name, timeout })

@@ -6,10 +6,19 @@ use pyo3::prelude::*;
 
 use crate::errors::invalid;
 
-/// Seconds (finite, >= 0) as a Duration; `what` names the argument in errors.
+/// "No limit": a century, short enough to add to an `Instant`. A wait of more seconds
+/// than this is taken for one of this long.
+pub(crate) const FOREVER: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// Seconds (finite, >= 0) as a Duration, at most [`FOREVER`] (a caller's `1e19` means
+/// "forever", not a deadline past what the clock holds); `what` names the argument in
+/// errors.
 pub(crate) fn seconds(secs: f64, what: &str) -> PyResult<Duration> {
     if !secs.is_finite() || secs < 0.0 {
         return Err(invalid(format!("{what} must be a finite number of seconds >= 0, got {secs}")));
+    }
+    if secs >= FOREVER.as_secs_f64() {
+        return Ok(FOREVER);
     }
     Duration::try_from_secs_f64(secs).map_err(|e| invalid(format!("{what}: {e}")))
 }

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 use freight_core::{interrupt, Desc, DescList, Error, MemKind, Result};
@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 use crate::layout;
 use crate::next::Next;
 use crate::owned::{copy_bytes, Owned};
-use crate::pipe::{Message, PipeReceiver, PipeSender, ALIGN};
+use crate::pipe::{deadline_after, Message, PipeReceiver, PipeSender, ALIGN};
 
 /// Headers larger than this are refused before anything is sent (a message's header
 /// travels in its notification).
@@ -146,6 +146,13 @@ impl ChannelSender {
 
     pub fn flush(&self) -> Result<()> {
         self.pipe.flush()
+    }
+
+    /// Waits until no write of the channel is in flight, whatever happened to its pipe
+    /// (see [`PipeSender::settle_writes`]): after a failed send, before the objects'
+    /// memory is reused or deregistered.
+    pub fn settle_writes(&self) -> Result<()> {
+        self.pipe.settle_writes()
     }
 
     /// Waits until the receiver has released every object sent so far.
@@ -380,7 +387,7 @@ impl ChannelReceiver {
     /// [`ChannelReceiver::recv`] for a caller that waits in slices: `NotYet` when
     /// `wait` passed with no object completed, and nothing changed.
     pub fn next_within(&mut self, wait: Duration) -> Result<Next<Vec<Received>>> {
-        let deadline = Instant::now() + wait;
+        let deadline = deadline_after(wait);
         loop {
             if self.live == 0 {
                 return Ok(Next::End);

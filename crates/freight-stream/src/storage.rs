@@ -35,6 +35,7 @@ use serde::Serialize;
 use crate::channel::{ChannelReceiver, ChannelSender, Outgoing, Received};
 use crate::next::Next;
 use crate::owned::Owned;
+use crate::pipe::deadline_after;
 
 /// Objects per commit, unless told otherwise.
 pub const DEFAULT_COMMIT_SIZE: usize = 128;
@@ -145,7 +146,10 @@ impl StoreSender {
     /// queued (returning that commit's figures). The object's memory must stay unchanged
     /// until the commit that carries it returns. A key already queued, an empty key or
     /// object, or memory of another kind than the queued objects' is refused, and
-    /// nothing queued is lost.
+    /// nothing queued is lost. A put that fails after that (sending a full batch early,
+    /// or its commit) leaves the object queued, as a failed commit leaves its objects:
+    /// the next commit sends it, [`StoreSender::pending_keys`] lists it, and putting
+    /// its key again is refused until then ([`StoreSender::discard_pending`] drops it).
     pub fn put(&mut self, object: Outgoing) -> Result<Option<CommitStats>> {
         self.queue(object)?;
         if self.pending.len() >= self.commit_size {
@@ -155,7 +159,8 @@ impl StoreSender {
     }
 
     /// [`StoreSender::put`] without the commit: for a caller that seals commits itself
-    /// ([`StoreSender::seal`]). A full batch still goes out at once.
+    /// ([`StoreSender::seal`]). A full batch still goes out at once; when sending it
+    /// fails, the object stays queued all the same (see [`StoreSender::put`]).
     pub fn queue(&mut self, object: Outgoing) -> Result<()> {
         if object.key.is_empty() {
             return Err(Error::InvalidArgument("object keys must not be empty".into()));
@@ -495,7 +500,7 @@ impl StoreReceiver {
         done: impl Fn(&StoreState) -> bool,
         what: impl Fn() -> String,
     ) -> Result<()> {
-        let deadline = Instant::now() + timeout;
+        let deadline = deadline_after(timeout);
         let mut st = self.shared.state.lock();
         loop {
             if done(&st) {

@@ -364,3 +364,95 @@ fn aborting_a_sender_ends_a_send_waiting_for_room_on_another_thread() {
     // Closing after the abort ends nothing more, and says nothing is wrong.
     pipe.close().unwrap();
 }
+
+#[test]
+fn closing_after_an_abort_waits_for_the_writes_posted() {
+    // Over tcp, where 64 MiB of writes take a while to land.
+    let Ends { rx: _rx_agent, tx: tx_agent, addr, listener } = ends("rx-settle", "tx-settle", Some(TransportKind::Tcp));
+    const LEN: usize = 16 << 20;
+    let receiver = thread::spawn(move || listener.accept(Buffer::Host { capacity: 4 * LEN as u64 }, &config(30_000)));
+    let pipe = PipeSender::connect(&tx_agent, &addr, &config(30_000)).unwrap();
+    let _rx_pipe = receiver.join().unwrap().unwrap();
+    let seg = tx_agent.alloc(LEN).unwrap();
+    let key = tx_agent.register(MemKind::Dram, seg.addr(), LEN as u64, 0).unwrap();
+    let list = DescList::from_descs(MemKind::Dram, [Desc { addr: seg.addr(), len: LEN as u64, dev: 0 }]).unwrap();
+    for _ in 0..4 {
+        pipe.send(&list, vec![]).unwrap();
+    }
+    pipe.abort("the caller gave up");
+    pipe.close().unwrap();
+    // The caller frees the memory next: no write may still read it.
+    tx_agent.deregister(key).unwrap();
+}
+
+#[test]
+fn a_close_that_cannot_be_sent_breaks_the_pipe_instead_of_ending_it_later() {
+    let Ends { rx: _rx_agent, tx: tx_agent, addr, listener } = ends("rx-close", "tx-close", None);
+    let receiver = thread::spawn(move || listener.accept(Buffer::Host { capacity: 4096 }, &config(10_000)));
+    let pipe = PipeSender::connect(&tx_agent, &addr, &config(10_000)).unwrap();
+    let _rx_pipe = receiver.join().unwrap().unwrap();
+    let (_seg, list) = source(&tx_agent, 100);
+    pipe.send(&list, vec![]).unwrap();
+    pipe.flush().unwrap();
+    // The sender can no longer reach the receiver: its Close does not go.
+    tx_agent.remove_peer("rx-close").unwrap();
+    let e = pipe.close().unwrap_err();
+    assert!(matches!(e, Error::UnknownPeer(_)), "{e}");
+    // Tried again, or on drop, the close must not take the stream for ended.
+    tx_agent.connect(&addr, None).unwrap();
+    let again = pipe.close().unwrap_err();
+    assert_eq!(again.to_string(), e.to_string(), "the pipe broke with the close's failure");
+    assert_eq!(pipe.send(&list, vec![]).unwrap_err().to_string(), e.to_string());
+}
+
+#[test]
+fn a_credit_asked_for_in_vain_is_asked_for_again() {
+    let Ends { rx: _rx_agent, tx: tx_agent, addr, listener } = ends("rx-sync", "tx-sync", None);
+    // Credits as large as the buffer: while a message is held, space freed is credited
+    // only when the sender asks for it (or when the receiver is about to wait).
+    let rx_config = PipeConfig { credit_batch: Some(4096), ..config(10_000) };
+    let receiver = thread::spawn(move || listener.accept(Buffer::Host { capacity: 4096 }, &rx_config));
+    let pipe = Arc::new(PipeSender::connect(&tx_agent, &addr, &config(5_000)).unwrap());
+    let rx_pipe = receiver.join().unwrap().unwrap();
+    let (_seg, list) = source(&tx_agent, 2048);
+    pipe.send(&list, vec![]).unwrap();
+    pipe.send(&list, vec![]).unwrap();
+    let first = rx_pipe.recv(None).unwrap().unwrap();
+    let _second = rx_pipe.recv(None).unwrap().unwrap();
+    // The buffer is full, and the sender cannot ask for room: its Sync does not go.
+    tx_agent.remove_peer("rx-sync").unwrap();
+    let e = pipe.send(&list, vec![]).unwrap_err();
+    assert!(matches!(e, Error::UnknownPeer(_)), "{e}");
+    tx_agent.connect(&addr, None).unwrap();
+    let retried = {
+        let (pipe, list) = (pipe.clone(), list.clone());
+        thread::spawn(move || pipe.send(&list, vec![]))
+    };
+    // The receiver takes the sender's new Sync while it waits for a message that does
+    // not come, then frees what it asked for: the credit goes at once.
+    assert!(matches!(rx_pipe.recv(Some(Duration::from_secs(1))), Err(Error::Timeout(_))));
+    first.release().unwrap();
+    assert_eq!(retried.join().unwrap().unwrap(), 2, "the retried send never asked for room");
+}
+
+#[test]
+fn waits_longer_than_the_clock_reaches_are_long_waits_not_panics() {
+    let Ends { rx: _rx_agent, tx: tx_agent, addr, listener } = ends("rx-forever", "tx-forever", None);
+    let forever = PipeConfig { timeout: Duration::MAX, ..PipeConfig::default() };
+    let receiver = {
+        let forever = forever.clone();
+        thread::spawn(move || listener.accept(Buffer::Host { capacity: 4096 }, &forever))
+    };
+    let pipe = PipeSender::connect(&tx_agent, &addr, &forever).unwrap();
+    let rx_pipe = receiver.join().unwrap().unwrap();
+    let (_seg, list) = source(&tx_agent, 100);
+    pipe.send(&list, vec![]).unwrap();
+    pipe.send(&list, vec![]).unwrap();
+    pipe.flush().unwrap();
+    rx_pipe.recv(Some(Duration::MAX)).unwrap().expect("the first message").release().unwrap();
+    rx_pipe.recv(None).unwrap().expect("the second message").release().unwrap();
+    pipe.drain().unwrap();
+    pipe.settle_writes().unwrap();
+    pipe.close().unwrap();
+    assert!(rx_pipe.recv(Some(Duration::MAX)).unwrap().is_none());
+}

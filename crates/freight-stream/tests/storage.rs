@@ -343,3 +343,60 @@ fn an_interrupted_commit_stays_sealed_and_a_later_wait_sees_it_held() {
     drop(got);
     assert!(sender.commit().unwrap().is_some_and(|s| s.objects == 2), "the commit went once, and is held");
 }
+
+#[test]
+fn a_put_whose_early_batch_fails_stays_queued_and_its_commit_sends_it() {
+    let (rx, tx) = (agent("st-early-fail-rx", None), agent("st-early-fail-tx", None));
+    let listener = PipeListener::new(&rx);
+    let addr = rx.addresses()[0].clone();
+    let sender = {
+        let tx = tx.clone();
+        // Short: the put below waits this long for room that never comes.
+        let short = PipeConfig { timeout: Duration::from_secs(1), ..PipeConfig::default() };
+        thread::spawn(move || {
+            let pipe = PipeSender::connect(&tx, &addr, &short).unwrap();
+            // Batches of one: every put sends its object at once.
+            StoreSender::new(ChannelSender::new(pipe, 1, None).unwrap(), 100).unwrap()
+        })
+    };
+    let pipe = listener.accept(Buffer::Host { capacity: 64 << 10 }, &config()).unwrap();
+    let mut channel = ChannelReceiver::new(vec![pipe], WAIT);
+    let mut sender = sender.join().unwrap();
+    // Messages of a quarter of the buffer: four objects fill it, held until read.
+    let (_seg, objs) = objects(&tx, "q", &[16 << 10; 5]);
+    for o in &objs[..4] {
+        assert!(sender.put(o.clone()).unwrap().is_none());
+    }
+    let e = sender.put(objs[4].clone()).unwrap_err();
+    assert!(matches!(e, Error::Timeout(_)), "{e}");
+    assert_eq!(sender.pending_keys().collect::<Vec<_>>(), ["q0", "q1", "q2", "q3", "q4"], "q4 stays queued");
+    let e = sender.put(objs[4].clone()).unwrap_err();
+    assert!(e.to_string().contains("already waiting"), "{e}");
+    let reader = thread::spawn(move || {
+        let mut keys = Vec::new();
+        while let Some(objects) = channel.recv(Some(WAIT)).unwrap() {
+            keys.extend(objects.into_iter().map(|o| o.key.clone()));
+        }
+        keys
+    });
+    let stats = sender.commit().unwrap().expect("a commit");
+    assert_eq!(stats.objects, 5, "the commit carries the object whose put failed");
+    sender.close().unwrap();
+    assert_eq!(reader.join().unwrap(), ["q0", "q1", "q2", "q3", "q4"]);
+}
+
+#[test]
+fn waits_longer_than_the_clock_reaches_are_long_waits_not_panics() {
+    let (rx, tx) = (agent("st-forever-rx", None), agent("st-forever-tx", None));
+    let (store, mut sender) = connect(&rx, &tx, 64 << 10, None, 8);
+    let (_seg, objs) = objects(&tx, "l", &[1_000, 2_000]);
+    sender.put(objs[0].clone()).unwrap();
+    sender.commit().unwrap();
+    store.wait_for(&["l0"], Duration::MAX).unwrap();
+    store.wait_received(1, Duration::MAX).unwrap();
+    let (mut channel, mut sender) = connect_bare(&rx, &tx, 8);
+    sender.queue(objs[1].clone()).unwrap();
+    sender.seal().unwrap();
+    let objects = channel.recv(Some(Duration::MAX)).unwrap().expect("a batch");
+    assert_eq!(objects[0].key, "l1");
+}

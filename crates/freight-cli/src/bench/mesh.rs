@@ -107,7 +107,13 @@ impl Memory {
             Some(g) => {
                 let device = driver::Device::get(g)?;
                 let source = DeviceBuffer::upload(device, &pattern_bytes)?;
-                let slots = DeviceBuffer::upload(device, &vec![pattern::POISON; block * n])?;
+                // Poisoned a slot at a time: a host copy of all of them would cost every
+                // member as much host memory as GPU memory, all members at once.
+                let slots = DeviceBuffer::alloc(device, block * n)?;
+                let poison = vec![pattern::POISON; block];
+                for j in 0..n {
+                    driver::copy_sync(device, slots.addr() + (j * block) as u64, poison.as_ptr() as u64, block)?;
+                }
                 Memory::Gpu { source, slots }
             }
         })
@@ -143,22 +149,29 @@ impl Memory {
 
     /// What the other members wrote, slot by slot (this member's own slot stays poisoned).
     fn check(&self, a: &MemberArgs) -> CliResult<Vec<String>> {
-        let len = (a.block * a.members as u64) as usize;
-        let bytes = match self {
-            Memory::Host { slots, .. } => pattern::bytes_mut(slots, len as u64).to_vec(),
-            Memory::Gpu { slots, .. } => {
-                let mut host = vec![0u8; len];
-                driver::copy_sync(slots.device(), host.as_mut_ptr() as u64, slots.addr(), len)?;
-                host
-            }
+        let block = a.block as usize;
+        // GPU slots come to the host one at a time, for the reason in `new`.
+        let mut staging = match self {
+            Memory::Host { .. } => Vec::new(),
+            Memory::Gpu { .. } => vec![0u8; block],
         };
-        Ok((0..a.members)
-            .filter(|&j| j != a.index)
-            .filter_map(|j| {
-                let slot = &bytes[j * a.block as usize..(j + 1) * a.block as usize];
-                pattern::check(slot, j as u64).err().map(|e| format!("slot of member {j}: {e}"))
-            })
-            .collect())
+        let mut errors = Vec::new();
+        for j in (0..a.members).filter(|&j| j != a.index) {
+            let slot: &[u8] = match self {
+                Memory::Host { slots, .. } => {
+                    &pattern::bytes_mut(slots, a.block * a.members as u64)[j * block..(j + 1) * block]
+                }
+                Memory::Gpu { slots, .. } => {
+                    let at = slots.addr() + (j * block) as u64;
+                    driver::copy_sync(slots.device(), staging.as_mut_ptr() as u64, at, block)?;
+                    &staging
+                }
+            };
+            if let Err(e) = pattern::check(slot, j as u64) {
+                errors.push(format!("slot of member {j}: {e}"));
+            }
+        }
+        Ok(errors)
     }
 }
 
@@ -328,6 +341,7 @@ pub fn run(
         let why = driver::unavailable_reason().unwrap_or_else(|| "no GPU is visible".into());
         return Err(CliError::runtime(format!("--mesh-memory gpu, but there is no GPU here: {why}")));
     }
+    ensure_host_room(n, block, gpus > 0)?;
     let (prog, rest) =
         ctx.self_command.split_first().ok_or_else(|| CliError::runtime("no command to start the members with"))?;
     let mut members = Vec::with_capacity(n);
@@ -399,6 +413,25 @@ pub fn run(
     }
 }
 
+/// Refuses a mesh whose members, all at once, would take more host memory than there
+/// is. Each holds a block of its own and a slot for every member, plus a block of
+/// pattern to fill them from; on GPUs only the pattern and one slot in transit are on
+/// the host.
+fn ensure_host_room(n: usize, block: u64, on_gpus: bool) -> CliResult<()> {
+    let blocks_each = if on_gpus { 2 } else { n as u64 + 2 };
+    let mut remedy = "lower --full-mesh or the largest of --block-sizes (each process holds a block for every \
+                      process)"
+        .to_string();
+    if !on_gpus {
+        remedy.push_str(", or keep the blocks on GPUs (--mesh-memory gpu) where there are some");
+    }
+    crate::host::ensure_room(
+        block.saturating_mul(blocks_each).saturating_mul(n as u64),
+        &format!("--full-mesh {n} with {} blocks", format_size(block)),
+        &remedy,
+    )
+}
+
 fn report(
     results: &[MemberResult],
     n: usize,
@@ -434,4 +467,18 @@ fn report(
     }
     out.push_str(&format!("total                          {total:>9.2}\n"));
     emit(&out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_mesh_the_host_cannot_hold_is_refused_before_any_member_starts() {
+        // Each member holds N + 2 blocks: 64 members of 16 TiB exceed any host.
+        let err = ensure_host_room(64, 16 << 40, false).unwrap_err();
+        assert!(matches!(&err, CliError::Usage(m) if m.contains("--full-mesh 64") && m.contains("--block-sizes")));
+        ensure_host_room(3, 1 << 20, false).unwrap();
+        ensure_host_room(64, 1 << 20, true).unwrap();
+    }
 }

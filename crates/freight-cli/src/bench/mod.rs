@@ -51,8 +51,11 @@ pub fn run(cmd: &BenchCommand, ctx: &Context) -> CliResult<()> {
         BenchCommand::Channel(a) => stream::run(stream::Product::Channel, a, ctx),
         BenchCommand::Storage(a) => stream::run(stream::Product::Storage, a, ctx),
         BenchCommand::CacheEngine(a) => stream::run(stream::Product::CacheEngine, a, ctx),
+        // Only the native binary gets here: the Python package's `freight` takes `bench
+        // ep` (with --log-level anywhere) before the native CLI sees it.
         BenchCommand::Ep { .. } => Err(CliError::usage(
-            "freight bench ep runs through the Python package: start it as `freight bench ep` or `python -m freight bench ep`",
+            "bench ep runs on PyTorch, so only the Python package's `freight` command runs it \
+             (`python -m freight bench ep`), not this binary",
         )),
     }
 }

@@ -3,7 +3,6 @@
 //! and batch sizes, and reports bandwidth and latencies.
 
 use std::io::IsTerminal;
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
@@ -13,15 +12,15 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use super::measure::{Budget, Mode, RowResult, Runner};
 use super::report::{p2p_header, p2p_json, p2p_table};
 use crate::args::{
-    format_size, parse_count_list, parse_duration, parse_positive_size, parse_size_list, CliError, CliResult,
-    EngineOpts, NumList, SegKind,
+    format_size, parse_count_list, parse_duration, parse_positive_size, parse_size_list, resolve_addr, CliError,
+    CliResult, EngineOpts, NumList, SegKind, SIZE_GRAMMAR,
 };
 use crate::child::{Link, TargetProcess};
 use crate::{emit, target, Context};
 
+/// After [`SIZE_GRAMMAR`] in the help's footer.
 const AFTER_HELP: &str = "\
-Sizes take an optional unit: B, K/KiB (1024), KB (1000), M/MiB, MB, G/GiB, GB; lists are
-comma-separated values and ranges lo:hi (doubling) or lo:hi:factor, e.g. 4KiB:1MiB,64MiB.
+Lists are comma-separated values and ranges lo:hi (doubling) or lo:hi:factor, e.g. 4KiB:1MiB,64MiB.
 
 Every row is verified before it is timed. The defaults keep a run short on a small machine
 (block x batch at most 64 MiB, 50 iterations). A full run, nixlbench style:
@@ -63,7 +62,7 @@ impl Op {
 }
 
 #[derive(Debug, Args)]
-#[command(after_help = AFTER_HELP)]
+#[command(after_help = format!("{SIZE_GRAMMAR}.\n{AFTER_HELP}"))]
 pub struct P2pArgs {
     /// Which side this process plays.
     #[arg(long, value_enum, default_value_t = Role::Auto)]
@@ -196,40 +195,21 @@ enum Plan {
     Initiator { connect: Option<String>, listen: String },
 }
 
-/// The rows to run, and those left out by --max-request-bytes.
+/// The rows to run, and those left out by --max-request-bytes or --total-bytes.
 #[derive(Debug, PartialEq, Eq)]
 pub(super) struct Grid {
     pub(super) rows: Vec<(u64, u64)>,
     pub(super) skipped: Vec<(u64, u64)>,
+    /// Block sizes larger than --total-bytes: not even one of them fits in a request.
+    pub(super) over_total: Vec<u64>,
 }
 
 pub(super) const DEFAULT_BATCHES: [u64; 3] = [1, 16, 128];
 
-/// `v` as an address: IP:PORT, or HOST:PORT resolved, its IPv4 address first (targets
-/// listen on IPv4 addresses: 127.0.0.1 or 0.0.0.0 unless told otherwise).
-fn socket_addr(opt: &str, v: &str) -> CliResult<SocketAddr> {
-    if let Ok(a) = v.parse() {
-        return Ok(a);
-    }
-    let unusable = |why: String| CliError::usage(format!("{opt} '{v}': {why} (expected IP:PORT or HOST:PORT)"));
-    match std::net::ToSocketAddrs::to_socket_addrs(v) {
-        Ok(addrs) => {
-            let addrs: Vec<SocketAddr> = addrs.collect();
-            addrs
-                .iter()
-                .find(|a| a.is_ipv4())
-                .or(addrs.first())
-                .copied()
-                .ok_or_else(|| unusable("the name has no address".into()))
-        }
-        Err(e) => Err(unusable(e.to_string())),
-    }
-}
-
 impl P2pArgs {
     fn plan(&self) -> CliResult<Plan> {
         if let Some(l) = &self.listen {
-            socket_addr("--listen", l)?;
+            resolve_addr("--listen", l)?;
         }
         match (self.role, &self.connect) {
             (Role::Target, Some(_)) => {
@@ -242,7 +222,7 @@ impl P2pArgs {
                 Err(CliError::usage("--role initiator needs --connect IP:PORT (the address a --role target printed)"))
             }
             (_, Some(c)) => {
-                let target = socket_addr("--connect", c)?;
+                let target = resolve_addr("--connect", c)?;
                 let default = if target.ip().is_loopback() { "127.0.0.1:0" } else { "0.0.0.0:0" };
                 Ok(Plan::Initiator {
                     connect: Some(target.to_string()),
@@ -257,19 +237,14 @@ impl P2pArgs {
     }
 
     fn grid(&self) -> CliResult<Grid> {
-        let (mut rows, mut skipped) = (Vec::new(), Vec::new());
+        let (mut rows, mut skipped, mut over_total) = (Vec::new(), Vec::new(), Vec::new());
         for &block in &self.block_sizes.0 {
             let batches = match (self.total_bytes, &self.batch_sizes) {
-                (Some(total), _) => {
-                    if block > total {
-                        return Err(CliError::usage(format!(
-                            "block size {} is larger than --total-bytes {}",
-                            format_size(block),
-                            format_size(total)
-                        )));
-                    }
-                    vec![total / block]
+                (Some(total), _) if block > total => {
+                    over_total.push(block);
+                    continue;
                 }
+                (Some(total), _) => vec![total / block],
                 (None, Some(list)) => list.0.clone(),
                 (None, None) => DEFAULT_BATCHES.to_vec(),
             };
@@ -284,17 +259,41 @@ impl P2pArgs {
                 }
             }
         }
-        if rows.is_empty() {
-            return Err(CliError::usage(format!(
+        match (rows.is_empty(), self.total_bytes) {
+            (true, Some(total)) => Err(CliError::usage(format!(
+                "every block size is larger than --total-bytes {}; raise it or pick smaller --block-sizes",
+                format_size(total)
+            ))),
+            (true, None) => Err(CliError::usage(format!(
                 "every block x batch exceeds --max-request-bytes {}; raise it or pick smaller sizes",
                 format_size(self.max_request_bytes)
-            )));
+            ))),
+            (false, _) => Ok(Grid { rows, skipped, over_total }),
         }
-        Ok(Grid { rows, skipped })
+    }
+
+    /// Refuses a grid whose buffers the host cannot hold: the initiator's (and its memcpy
+    /// baseline's), and the target's where this command starts it on this host. A
+    /// target started by hand checks its own.
+    fn ensure_host_room(&self, grid: &Grid, child_target: bool) -> CliResult<()> {
+        let buffers = 1 + u64::from(child_target) + u64::from(self.memcpy_baseline);
+        let what = if child_target { "bench p2p (initiator and target)" } else { "bench p2p (the initiator)" };
+        crate::host::ensure_room(
+            grid.largest().saturating_mul(buffers),
+            what,
+            "lower --block-sizes x --batch-sizes, --total-bytes or --max-request-bytes",
+        )
     }
 
     pub(super) fn budget(&self) -> Budget {
         self.duration.map_or(Budget::Iters(self.iters), Budget::Time)
+    }
+}
+
+impl Grid {
+    /// The largest request, and so the size of the buffers on each side.
+    pub(super) fn largest(&self) -> u64 {
+        self.rows.iter().map(|(b, n)| b * n).max().expect("at least one row")
     }
 }
 
@@ -314,6 +313,7 @@ pub fn run(a: &P2pArgs, ctx: &Context) -> CliResult<()> {
 }
 
 fn initiator(a: &P2pArgs, grid: &Grid, connect: Option<&str>, listen: &str, ctx: &Context) -> CliResult<()> {
+    a.ensure_host_room(grid, connect.is_none())?;
     let process = match connect {
         None => Some(TargetProcess::spawn(&ctx.self_command, ctx.log_level.as_deref(), &a.engine.to_args())?),
         Some(_) => None,
@@ -354,7 +354,7 @@ fn measure<'a>(
     target_addr: &str,
     child: bool,
 ) -> CliResult<(Vec<RowResult>, TargetInfo)> {
-    let max = grid.rows.iter().map(|(b, n)| b * n).max().expect("at least one row");
+    let max = grid.largest();
     let len = usize::try_from(max).map_err(|_| CliError::usage("the largest request does not fit in memory"))?;
     let remote = link.setup(max, a.target_seg.mem_kind())?;
     let local = agent.alloc(len)?;
@@ -422,6 +422,7 @@ fn progress(rows: usize, json: bool) -> ProgressBar {
 mod tests {
     use super::*;
     use clap::Parser;
+    use std::net::SocketAddr;
 
     #[derive(Parser)]
     struct T {
@@ -471,8 +472,40 @@ mod tests {
         let g = args(&["--block-sizes", "4KiB,1MiB", "--total-bytes", "256MiB"]).unwrap().grid().unwrap();
         assert_eq!(g.rows, vec![(4096, 65536), (1 << 20, 256)]);
         let e = args(&["--block-sizes", "1GiB", "--total-bytes", "1MiB"]).unwrap().grid().unwrap_err();
-        assert!(matches!(e, CliError::Usage(m) if m.contains("larger than --total-bytes")));
+        assert!(matches!(e, CliError::Usage(m) if m.contains("every block size is larger than --total-bytes")));
         assert!(args(&["--batch-sizes", "1", "--total-bytes", "1MiB"]).is_err(), "the two are exclusive");
+    }
+
+    #[test]
+    fn blocks_larger_than_total_bytes_are_skipped_with_a_note() {
+        let a = args(&["--total-bytes", "1MiB"]).unwrap();
+        let g = a.grid().unwrap();
+        assert_eq!(g.rows.len(), 9, "4KiB to 1MiB: {:?}", g.rows);
+        assert_eq!(g.rows.last(), Some(&(1 << 20, 1)));
+        assert_eq!(g.over_total, (21..=26).map(|p| 1u64 << p).collect::<Vec<_>>());
+        let table = p2p_table(&a, &g, &[]);
+        assert!(table.contains("note: skipped block sizes larger than --total-bytes 1 MiB: 2 MiB, 4 MiB,"), "{table}");
+    }
+
+    #[test]
+    fn buffers_the_host_cannot_hold_are_refused_before_anything_starts() {
+        for extra in [
+            &["--block-sizes", "4k", "--total-bytes", "1024TiB"][..],
+            &["--batch-sizes", "100000000", "--max-request-bytes", "1024TiB"],
+        ] {
+            let a = args(extra).unwrap();
+            let err = a.ensure_host_room(&a.grid().unwrap(), true).unwrap_err();
+            assert!(matches!(&err, CliError::Usage(m) if m.contains("of host memory")), "{extra:?}: {err}");
+        }
+        let a = args(&[]).unwrap();
+        a.ensure_host_room(&a.grid().unwrap(), true).unwrap();
+    }
+
+    #[test]
+    fn the_help_states_every_size_unit() {
+        use clap::CommandFactory;
+        let help = T::command().render_long_help().to_string();
+        assert!(help.contains("T/TiB") && help.contains("lo:hi:factor"), "{help}");
     }
 
     #[test]

@@ -211,6 +211,15 @@ pub(super) fn p2p_table(a: &P2pArgs, grid: &Grid, rows: &[RowResult]) -> String 
             if r.copies == 1 { "y" } else { "ies" }
         ));
     }
+    if let (false, Some(total)) = (grid.over_total.is_empty(), a.total_bytes) {
+        let sizes: Vec<String> = grid.over_total.iter().map(|&b| format_size(b)).collect();
+        out.push_str(&format!(
+            "note: skipped block size{} larger than --total-bytes {}: {}\n",
+            if sizes.len() == 1 { "" } else { "s" },
+            format_size(total),
+            sizes.join(", ")
+        ));
+    }
     if !grid.skipped.is_empty() {
         let (b, n) = grid.skipped.iter().max_by_key(|(b, n)| b * n).expect("non-empty");
         out.push_str(&format!(
@@ -252,6 +261,7 @@ pub(super) fn p2p_json(a: &P2pArgs, grid: &Grid, rows: &[RowResult], target: &Ta
         "target": { "address": target.addr, "pid": target.pid, "child_process": target.child },
         "rows": rows,
         "skipped": grid.skipped.iter().map(|(b, n)| json!({ "block_size": b, "batch_size": n })).collect::<Vec<_>>(),
+        "skipped_over_total_bytes": grid.over_total,
         "verified": rows.iter().all(|r| r.verified),
     });
     serde_json::to_string_pretty(&doc).expect("json values always print") + "\n"

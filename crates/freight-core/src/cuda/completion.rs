@@ -217,27 +217,41 @@ impl Completions {
         };
         if let Err((pending, e)) = sent {
             // Report rather than leave the request waiting for ever.
+            let e = once_fired(pending.device, &pending.event, e);
             (pending.on_done)(Err(e));
         }
     }
+}
+
+/// `e`, returned once `event` fired: the work queued before it still reads and writes
+/// the request's memory, which a finished request lets its owner release or reuse.
+fn once_fired(device: &Device, event: &Event, e: Error) -> Error {
+    let _ctx = device.bind();
+    if let Err(wait) = event.synchronize() {
+        tracing::warn!(error = %wait, "cannot wait for a failed request's GPU work");
+    }
+    e
 }
 
 fn run_event(rx: Receiver<Pending>) {
     loop {
         let next = crate::poll::briefly(LINGER, || rx.try_recv().ok()).map(Ok).unwrap_or_else(|| rx.recv());
         let Ok(p) = next else { break };
-        let outcome = p.device.bind().and_then(|_ctx| {
-            // An error from the query ends the polling; the sleeping wait reports it.
-            let ready = crate::poll::briefly(POLL, || match p.event.query() {
-                Ok(true) => Some(()),
-                Ok(false) => None,
-                Err(_) => Some(()),
-            });
-            match ready {
-                Some(()) => p.event.query().map(|_| ()),
-                None => p.event.synchronize(),
+        let outcome = match p.device.bind() {
+            Ok(_ctx) => {
+                // An error from the query ends the polling; the sleeping wait reports it.
+                let ready = crate::poll::briefly(POLL, || match p.event.query() {
+                    Ok(true) => Some(()),
+                    Ok(false) => None,
+                    Err(_) => Some(()),
+                });
+                match ready {
+                    Some(()) => p.event.query().map(|_| ()),
+                    None => p.event.synchronize(),
+                }
             }
-        });
+            Err(e) => Err(once_fired(p.device, &p.event, e)),
+        };
         (p.on_done)(outcome);
     }
 }
@@ -252,7 +266,10 @@ fn run_polling(rx: Receiver<Pending>) {
     // work on it, and small requests are watched by their posting thread.
     while let Ok(p) = rx.recv() {
         let predictor = predictors.entry(p.device.ordinal).or_default();
-        let outcome = p.device.bind().and_then(|_ctx| wait_planned(&p.event, predictor.plan(&p.work)));
+        let outcome = match p.device.bind() {
+            Ok(_ctx) => wait_planned(&p.event, predictor.plan(&p.work)),
+            Err(e) => Err(once_fired(p.device, &p.event, e)),
+        };
         predictor.finished(&p.work, Instant::now(), outcome.is_ok());
         (p.on_done)(outcome);
     }

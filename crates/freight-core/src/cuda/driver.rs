@@ -307,6 +307,18 @@ pub fn pointer_kind(addr: u64) -> Result<PointerKind> {
     Ok(PointerKind::Device(ordinal as usize))
 }
 
+/// Whether `addr` is host memory the GPU can reach: allocated by CUDA or registered with
+/// it (pinned). The driver knows no other host memory.
+pub fn host_memory_registered(addr: u64) -> Result<bool> {
+    init()?;
+    let (r, mem_type) = pointer_attribute(addr, cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE);
+    if r == CUresult::CUDA_ERROR_INVALID_VALUE {
+        return Ok(false);
+    }
+    check(r, "cuPointerGetAttribute")?;
+    Ok(mem_type as u32 == cu::CUmemorytype::CU_MEMORYTYPE_HOST as u32)
+}
+
 /// Whether `addr` lies in memory CUDA IPC handles can name: `cudaMalloc`'s, not a
 /// stream-ordered pool's or the VMM API's (whose "allocations", as
 /// [`allocation_range`] sees them, are single mapped chunks, not what the caller
@@ -482,6 +494,22 @@ impl DeviceBuffer {
         // SAFETY: out-pointer to a local.
         check(unsafe { cu::cuMemAlloc_v2(&mut ptr, len) }, "cuMemAlloc")?;
         Ok(DeviceBuffer { ptr, len, device })
+    }
+
+    /// Allocates `len` bytes (at least 16) on `device`, all zero once this returns.
+    ///
+    /// The driver's plain memset of device memory returns before it runs, queued
+    /// behind whatever the legacy default stream holds (a framework's kernels): a peer
+    /// told of the buffer could write into it first and see its words wiped. Zeroing on
+    /// a stream of freight's own and waiting for it closes that gap.
+    pub fn zeroed(device: &'static Device, len: usize) -> Result<DeviceBuffer> {
+        let buf = DeviceBuffer::alloc(device, len)?;
+        let _ctx = device.bind()?;
+        let stream = device.sync_stream()?;
+        // SAFETY: our own allocation, `buf.len` bytes long.
+        check(unsafe { cu::cuMemsetD8Async(buf.ptr, 0, buf.len, stream.raw()) }, "cuMemsetD8Async")?;
+        stream.synchronize()?;
+        Ok(buf)
     }
 
     /// Allocates `bytes.len()` bytes on `device` and copies `bytes` there.

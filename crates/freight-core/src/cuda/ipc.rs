@@ -118,9 +118,11 @@ impl ImportCache {
         Ok(m)
     }
 
-    /// Lets go of the allocations for which `keep(base)` is false (their regions were
-    /// all revoked).
-    pub fn retain(&self, keep: impl Fn(u64) -> bool) {
-        self.opened.lock().retain(|(_, base), _| keep(*base));
+    /// Lets go of the allocations for which `keep(base, handle)` is false (their regions
+    /// were all revoked). The handle tells an allocation from a later one the owner made
+    /// at the same address: the earlier one's mapping must go, or the owner's memory is
+    /// never given back to its GPU.
+    pub fn retain(&self, keep: impl Fn(u64, &[u8]) -> bool) {
+        self.opened.lock().retain(|(_, base), o| keep(*base, &o.handle));
     }
 }

@@ -15,7 +15,7 @@ use cudarc::driver::sys::{self as cu, CUresult};
 use parking_lot::Mutex;
 
 use super::driver::{check, Device};
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// Who relies on a pinned range.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,32 +56,28 @@ pub fn pin(device: &'static Device, addr: u64, len: u64, owner: Owner) -> Result
         pinned.insert(addr, Pinned { len, device, owners: vec![owner] });
         return Ok(());
     }
-    // Part of it is pinned already. The driver pins whole pages, so a range that shares
-    // a page with one of ours (two small arrays side by side) overlaps it: share those
-    // ranges, and pin the pages between them.
+    // Part of it is registered already: by freight (ranges of ours it overlaps) or by
+    // someone else. The driver tracks registrations by byte, not by page: share the
+    // ranges of ours, and pin exactly the bytes between them.
     let end = addr + len;
     let ours: Vec<(u64, u64)> =
         pinned.range(..end).filter(|(&a, p)| a + p.len > addr).map(|(&a, p)| (a, p.len)).collect();
-    if ours.is_empty() {
-        // Pinned by someone else (PyTorch's pin_memory, cudaHostAlloc): usable as is,
-        // and not ours to unpin.
-        return Ok(());
-    }
-    let page = page_size();
-    let mut next = addr / page * page;
+    let mut next = addr;
     for &(a, l) in &ours {
         let p = pinned.get_mut(&a).expect("just listed");
         if !p.owners.contains(&owner) {
             p.owners.push(owner);
         }
-        pin_gap(&mut pinned, device, next, a / page * page, owner)?;
-        next = next.max((a + l).div_ceil(page) * page);
+        pin_gap(&mut pinned, device, next, a, owner)?;
+        next = next.max(a + l);
     }
-    pin_gap(&mut pinned, device, next, end.div_ceil(page) * page, owner)
+    pin_gap(&mut pinned, device, next, end, owner)
 }
 
-/// Pins the whole pages `[from, to)` (nothing where empty) for `owner`, unless someone
-/// else pinned them.
+/// Pins the bytes `[from, to)` (nothing where empty) for `owner`. Where someone else
+/// registered them (PyTorch's `pin_memory`, `cudaHostAlloc`), they are usable as they
+/// are and not ours to unpin; but such a registration may cover only part of the range,
+/// and a kernel that reaches an unpinned byte faults, so both ends must be registered.
 fn pin_gap(
     pinned: &mut BTreeMap<u64, Pinned>,
     device: &'static Device,
@@ -89,11 +85,26 @@ fn pin_gap(
     to: u64,
     owner: Owner,
 ) -> Result<()> {
-    if from < to && register(from, to - from)? {
-        tracing::debug!(addr = from, len = to - from, ?owner, "pinned host memory beside a pinned neighbour");
-        pinned.insert(from, Pinned { len: to - from, device, owners: vec![owner] });
+    if from >= to {
+        return Ok(());
     }
-    Ok(())
+    if register(from, to - from)? {
+        tracing::debug!(addr = from, len = to - from, ?owner, "pinned host memory beside a registered neighbour");
+        pinned.insert(from, Pinned { len: to - from, device, owners: vec![owner] });
+        return Ok(());
+    }
+    match [from, to - 1].into_iter().find(|&at| !registered(at)) {
+        None => Ok(()),
+        Some(at) => Err(Error::InvalidArgument(format!(
+            "host memory [{from:#x}, {to:#x}) is partly registered with CUDA outside freight, and byte {at:#x} is not: \
+             register it whole, or not at all, before giving it to freight"
+        ))),
+    }
+}
+
+/// Whether the byte at `addr` lies in host memory registered with (or allocated by) CUDA.
+fn registered(addr: u64) -> bool {
+    matches!(super::driver::host_memory_registered(addr), Ok(true))
 }
 
 /// Pins `[addr, addr+len)` for every GPU (portable, mapped), in the current context;
@@ -104,14 +115,6 @@ fn register(addr: u64, len: u64) -> Result<bool> {
     match unsafe { cu::cuMemHostRegister_v2(addr as *mut std::ffi::c_void, len as usize, flags) } {
         CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED => Ok(false),
         r => check(r, "cuMemHostRegister").map(|()| true),
-    }
-}
-
-fn page_size() -> u64 {
-    // SAFETY: sysconf has no preconditions.
-    match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
-        n if n > 0 => n as u64,
-        _ => 4096,
     }
 }
 
@@ -151,4 +154,59 @@ fn release_where(gone: impl Fn(&Owner) -> bool) {
 /// Whether anything is pinned (lets callers skip the lock when CUDA is unused).
 pub fn any() -> bool {
     !table().lock().is_empty()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The first GPU, or `None` (saying so) where there is none.
+    fn gpu() -> Option<&'static Device> {
+        match Device::get(0) {
+            Ok(d) => Some(d),
+            Err(e) => {
+                eprintln!("SKIPPED (no GPU): {e}");
+                None
+            }
+        }
+    }
+
+    fn every_byte_registered(addr: u64, len: u64) -> bool {
+        (addr..addr + len).step_by(64).chain([addr + len - 1]).all(registered)
+    }
+
+    #[test]
+    fn a_range_overlapping_one_of_ours_is_pinned_to_its_last_byte() {
+        let Some(device) = gpu() else { return };
+        let memory = vec![0u8; 64 << 10];
+        let base = memory.as_ptr() as u64;
+        let (a, b) = (Owner::Memory(base), Owner::Memory(base + 500));
+        pin(device, base, 1000, a).unwrap();
+        // Shares bytes with the first range and runs on past it within the same page.
+        pin(device, base + 500, 2500, b).unwrap();
+        assert!(every_byte_registered(base + 500, 2500));
+        release(a);
+        assert!(every_byte_registered(base + 1000, 2000), "the second range's own bytes stay pinned");
+        release(b);
+        assert!(!registered(base + 1500));
+    }
+
+    #[test]
+    fn memory_registered_in_part_by_someone_else_is_refused() {
+        let Some(device) = gpu() else { return };
+        let memory = vec![0u8; 64 << 10];
+        let base = memory.as_ptr() as u64;
+        let _ctx = device.bind().unwrap();
+        // Someone else pins the middle 16 KiB.
+        assert!(register(base + (16 << 10), 16 << 10).unwrap());
+        let whole = pin(device, base + (16 << 10), 16 << 10, Owner::Memory(base));
+        assert!(whole.is_ok(), "memory pinned whole by someone else is usable: {whole:?}");
+        match pin(device, base + (20 << 10), 24 << 10, Owner::Memory(base + 1)) {
+            Err(Error::InvalidArgument(m)) => assert!(m.contains("partly registered"), "{m}"),
+            other => panic!("a range that runs past someone else's registration: {other:?}"),
+        }
+        release(Owner::Memory(base));
+        // SAFETY: registered above, and nothing uses it.
+        check(unsafe { cu::cuMemHostUnregister((base + (16 << 10)) as *mut std::ffi::c_void) }, "unregister").unwrap();
+    }
 }

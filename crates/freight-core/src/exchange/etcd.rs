@@ -15,7 +15,9 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions,
+};
 use tokio::runtime::Handle;
 use tokio::sync::{oneshot, Mutex as AsyncMutex};
 use tokio::task::JoinHandle;
@@ -143,12 +145,51 @@ impl EtcdDirectory {
             }
             res
         })??;
+        self.keep_lease_alive();
+        tracing::debug!(name, len = metadata.len(), "published metadata");
+        Ok(())
+    }
+
+    /// Starts the keep-alive task, once.
+    fn keep_lease_alive(&self) {
         let mut keeper = self.keeper.lock();
         if keeper.is_none() {
             *keeper = Some(self.driver.handle.spawn(keep_alive(self.ctx.clone(), self.state.clone())));
         }
-        tracing::debug!(name, len = metadata.len(), "published metadata");
-        Ok(())
+    }
+
+    /// Puts `prefix + name = metadata` under this directory's lease unless the key
+    /// exists, whoever put it: true when this call put it. The check and the put are
+    /// one etcd transaction, so of several processes claiming a name at once exactly
+    /// one wins. A claimed name is kept alive and re-put like a published one.
+    pub fn claim(&self, name: &str, metadata: &[u8]) -> Result<bool> {
+        validate_name(name)?;
+        let (ctx, state) = (&self.ctx, &self.state);
+        let won = self.driver.block_on(async {
+            let mut st = state.lock().await;
+            let first = match st.lease {
+                Some(lease) => ctx.put_if_absent(name, metadata, lease).await,
+                None => Err(Error::Etcd(LEASE_NOT_FOUND.into())),
+            };
+            let won = match first {
+                Err(Error::Etcd(msg)) if msg.contains(LEASE_NOT_FOUND) => {
+                    // No live lease: grant one (re-putting the other entries), then claim.
+                    ctx.regrant(&mut st).await?;
+                    let lease = st.lease.expect("regrant sets the lease");
+                    ctx.put_if_absent(name, metadata, lease).await?
+                }
+                other => other?,
+            };
+            if won {
+                st.entries.insert(name.to_owned(), metadata.to_vec());
+            }
+            Ok::<_, Error>(won)
+        })??;
+        if won {
+            self.keep_lease_alive();
+        }
+        tracing::debug!(name, won, "claimed a name");
+        Ok(won)
     }
 
     /// Gets `prefix + name`; `Ok(None)` if it is absent.
@@ -271,6 +312,16 @@ impl Ctx {
         let opts = PutOptions::new().with_lease(lease);
         bounded(self.timeout, format!("put {key}"), client.put(key.as_str(), value, Some(opts))).await?;
         Ok(())
+    }
+
+    /// Puts the key under `lease` if it does not exist; true when it was put.
+    async fn put_if_absent(&self, name: &str, value: &[u8], lease: i64) -> Result<bool> {
+        let (mut client, key) = (self.client.clone(), self.key(name));
+        let absent = Compare::create_revision(key.as_str(), CompareOp::Equal, 0);
+        let put = TxnOp::put(key.as_str(), value, Some(PutOptions::new().with_lease(lease)));
+        let txn = Txn::new().when(vec![absent]).and_then(vec![put]);
+        let resp = bounded(self.timeout, format!("claim {key}"), client.txn(txn)).await?;
+        Ok(resp.succeeded())
     }
 
     async fn get(&self, name: &str) -> Result<Option<Vec<u8>>> {

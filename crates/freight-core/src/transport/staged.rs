@@ -124,7 +124,11 @@ fn scatter_queued(bounce: &mut Bounce, pieces: &[Piece]) -> Result<()> {
 /// the bytes were read but could not be put in place.
 pub fn receive(sock: &mut TcpStream, slot: &mut Option<Bounce>, pieces: &[Piece], len: u64) -> Result<Result<()>> {
     let queued = receive_queued(sock, slot, pieces, len)?;
-    Ok(queued.and_then(|_| slot.as_mut().map_or(Ok(()), Bounce::wait)))
+    // Waited for also when a copy failed part way: those queued before it still write
+    // into the destination and read the buffer, which the next payload reuses, and the
+    // failure lets the owner deregister the destination.
+    let waited = slot.as_mut().map_or(Ok(()), Bounce::wait);
+    Ok(queued.and(waited))
 }
 
 /// [`receive`], leaving the GPU copies running (see [`scatter_queued`]).
@@ -203,7 +207,13 @@ impl Alternating {
     pub fn gather(&mut self, pieces: &[Piece]) -> Result<usize> {
         let slot = self.next;
         self.next ^= 1;
-        gather(bounce_for(&mut self.slots[slot], pieces)?, pieces)?;
+        let bounce = bounce_for(&mut self.slots[slot], pieces)?;
+        if let Err(e) = gather(bounce, pieces) {
+            // Copies queued before the failure still fill the slot, which is gathered
+            // into again two requests on, and read the request's memory.
+            let _ = bounce.wait();
+            return Err(e);
+        }
         Ok(slot)
     }
 

@@ -141,8 +141,9 @@ impl EtcdGroup {
 
         let rejected = |reason: String| Error::RemoteRejected { peer: format!("etcd group '{group}'"), reason };
         let names: HashSet<String> = dir.list()?.into_iter().collect();
+        let taken = || rejected(format!("rank {rank} is already taken by a live process"));
         if names.contains(&alive_key(rank)) {
-            return Err(rejected(format!("rank {rank} is already taken by a live process")));
+            return Err(taken());
         }
         if names.contains(&left_key(rank)) {
             return Err(rejected(format!("rank {rank} already joined this group and left it")));
@@ -159,7 +160,11 @@ impl EtcdGroup {
         }
         let presence = Presence { world, pid: std::process::id(), host: hostname() };
         let presence = serde_json::to_vec(&presence).map_err(|e| Error::Protocol(e.to_string()))?;
-        dir.publish(&alive_key(rank), &presence)?;
+        // Claimed, not put: two processes that both found the rank free above must not
+        // both join as it.
+        if !dir.claim(&alive_key(rank), &presence)? {
+            return Err(taken());
+        }
 
         let inner = Arc::new(Inner {
             rank,

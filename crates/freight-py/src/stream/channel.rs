@@ -12,7 +12,7 @@ use pyo3::types::PyBytes;
 
 use super::{
     abort_sender, accept_pipes, check_room, close_sender, connect_channel, drop_detached, drop_taken, lock, segment_of,
-    wait_arg, with_sender, Place, Region, SenderCell,
+    settle_sender, wait_arg, with_sender, Place, Region, SenderCell,
 };
 use crate::agent::PyAgent;
 use crate::descs::parse_kind;
@@ -66,6 +66,12 @@ impl PyChannelSender {
 
     fn drain(&self, py: Python<'_>) -> PyResult<()> {
         with_sender(py, &self.inner, |s| s.drain())
+    }
+
+    /// Waits until no write of the channel is in flight, whatever state its pipe is
+    /// in: before memory it read is deregistered. Nothing to wait for once closed.
+    fn settle_writes(&self, py: Python<'_>) -> PyResult<()> {
+        settle_sender(py, &self.inner, |tx| tx.settle_writes())
     }
 
     fn close(&self, py: Python<'_>) -> PyResult<()> {

@@ -23,7 +23,7 @@ use crate::agent::PyAgent;
 use crate::descs::parse_kind;
 use crate::errors::{invalid, to_py_err};
 use crate::interrupt;
-use crate::util::{seconds, timeout_arg};
+use crate::util::{seconds, timeout_arg, FOREVER};
 
 /// The `#[pymethods]` block of a pyclass whose bytes lie at `self.place` (a [`Place`]):
 /// the methods given, then the getters that every such class shares (`nbytes`,
@@ -222,9 +222,6 @@ fn wait_arg(timeout: Option<f64>, default: Duration) -> PyResult<Duration> {
     }
 }
 
-/// "No limit", short enough to add to an `Instant`.
-const FOREVER: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
-
 /// `__array_interface__` (host) or `__cuda_array_interface__` (GPU) of `len` bytes at
 /// `addr`, as a flat uint8 array.
 fn interface<'py>(py: Python<'py>, addr: u64, len: u64, cuda: bool) -> PyResult<Bound<'py, PyDict>> {
@@ -313,6 +310,20 @@ fn with_sender<T: Send, S: Send + Sync>(
     interrupt::detach(py, || {
         let sender = lock(cell).clone().ok_or_else(|| Error::InvalidState("the sender is closed".into()))?;
         f(&sender)
+    })
+}
+
+/// Runs `settle` on a live sender, like [`with_sender`]. A closed one is no error: its
+/// close settled the writes, or failed without, and then nothing here can wait on them
+/// any more (the caller's deregistration says whether they are done).
+fn settle_sender<S: Send + Sync>(
+    py: Python<'_>,
+    cell: &SenderCell<S>,
+    settle: impl FnOnce(&S) -> freight_core::Result<()> + Send,
+) -> PyResult<()> {
+    interrupt::detach(py, || match lock(cell).clone() {
+        Some(sender) => settle(&sender),
+        None => Ok(()),
     })
 }
 

@@ -10,7 +10,7 @@ use pyo3::types::PyBytes;
 
 use super::{
     abort_sender, accept_pipe, buffer_arg, close_sender, connect_pipe, drop_detached, drop_taken, lock, pipe_config,
-    segment_of, wait_arg, with_sender, Place, Region, SenderCell,
+    segment_of, settle_sender, wait_arg, with_sender, Place, Region, SenderCell,
 };
 use crate::agent::PyAgent;
 use crate::descs::PyDescList;
@@ -267,6 +267,12 @@ impl PyPipeSender {
     /// Flushes, then waits until the receiver released every message sent so far.
     fn drain(&self, py: Python<'_>) -> PyResult<()> {
         with_sender(py, &self.inner, |s| s.drain())
+    }
+
+    /// Waits until no write of the pipe is in flight, whatever state the pipe is in:
+    /// before memory it read is deregistered. Nothing to wait for once closed.
+    fn settle_writes(&self, py: Python<'_>) -> PyResult<()> {
+        settle_sender(py, &self.inner, |tx| tx.settle_writes())
     }
 
     /// Flushes and ends the stream; closing twice is harmless.

@@ -8,7 +8,7 @@ use crossbeam_channel::{Receiver, RecvTimeoutError};
 use freight_core::{interrupt, Agent, Desc, DescList, Error, MemKind, Result, SharedSegment};
 use parking_lot::Mutex;
 
-use super::{check_buffer, wait_message, window_error, Buffer, BufferInfo, PipeConfig, ALIGN};
+use super::{check_buffer, deadline_after, wait_message, window_error, Buffer, BufferInfo, PipeConfig, ALIGN};
 use crate::next::Next;
 use crate::proto::Msg;
 use crate::router::Router;
@@ -28,7 +28,7 @@ impl PipeListener {
     /// `buffer`. A sender that cannot be served is told why (`Refuse`).
     pub fn accept(&self, buffer: Buffer, config: &PipeConfig) -> Result<PipeReceiver> {
         config.validate()?;
-        let deadline = Instant::now() + config.timeout;
+        let deadline = deadline_after(config.timeout);
         let (peer, pipe, addresses) = loop {
             let opened = interrupt::until(deadline, |slice| match self.router.opens().recv_timeout(slice) {
                 Ok(open) => Ok(Some(open)),
@@ -100,6 +100,59 @@ struct RecvState {
     broken: Option<Error>,
 }
 
+impl RecvState {
+    fn new(window: RecvWindow) -> RecvState {
+        RecvState { window, pending: BTreeMap::new(), end: None, broken: None }
+    }
+
+    /// Files the announcement of a message that landed in a buffer of `capacity`
+    /// bytes, refusing (as a protocol error) one that an honest sender cannot have
+    /// sent: a message announced twice, longer than its slot, further ahead than the
+    /// buffer holds, or past the end of a closed stream (it would never be handed out).
+    fn file_data(&mut self, peer: &str, capacity: u64, slot: Slot, len: u64, tag: Vec<u8>) -> Result<()> {
+        let next = self.window.next_seq();
+        // Every message takes at least ALIGN bytes of the buffer: a sender that
+        // follows credits has no more than this many on the way.
+        let most_ahead = capacity.div_ceil(ALIGN);
+        if slot.seq < next || self.pending.contains_key(&slot.seq) || len > slot.len {
+            return Err(Error::Protocol(format!(
+                "pipe from '{peer}': message {} announced twice or with {len} bytes in a {}-byte slot",
+                slot.seq, slot.len
+            )));
+        }
+        if slot.seq - next >= most_ahead {
+            return Err(Error::Protocol(format!(
+                "pipe from '{peer}': message {} announced while {} is due; no more than {most_ahead} fit the buffer",
+                slot.seq, next
+            )));
+        }
+        if let Some(end) = self.end.filter(|&end| slot.seq >= end) {
+            return Err(Error::Protocol(format!(
+                "pipe from '{peer}': message {} announced after the stream was closed at {end} messages",
+                slot.seq
+            )));
+        }
+        self.pending.insert(slot.seq, (slot, len, tag));
+        Ok(())
+    }
+
+    /// Files the sender's word that the stream has `messages` messages, refusing (as a
+    /// protocol error) a count below a message that arrived already, handed out or
+    /// still pending: the messages past it would be dropped unseen.
+    fn file_close(&mut self, peer: &str, messages: u64) -> Result<()> {
+        // Pending messages all lie at or past the next one due (see `file_data`).
+        let arrived = self.pending.last_key_value().map_or(self.window.next_seq(), |(&seq, _)| seq + 1);
+        if messages < arrived {
+            return Err(Error::Protocol(format!(
+                "pipe from '{peer}': closed after {messages} messages, but message {} arrived",
+                arrived - 1
+            )));
+        }
+        self.end = Some(messages);
+        Ok(())
+    }
+}
+
 impl RecvEnd {
     fn set_up(
         router: &Arc<Router>,
@@ -138,7 +191,7 @@ impl RecvEnd {
             buffer: buffer.clone(),
             owned,
             timeout: config.timeout,
-            state: Mutex::new(RecvState { window, pending: BTreeMap::new(), end: None, broken: None }),
+            state: Mutex::new(RecvState::new(window)),
             reading: Mutex::new(()),
         };
         router.send(peer, &Msg::Accept { pipe, buffer, credit_batch: batch })?;
@@ -155,37 +208,15 @@ impl RecvEnd {
         let mut st = self.state.lock();
         match msg {
             Msg::Data { slot, len, tag, .. } => {
-                let slot = Slot::from(slot);
-                // Every message takes at least ALIGN bytes of the buffer: a sender
-                // that follows credits has no more than this many on the way.
-                let most_ahead = self.buffer.len.div_ceil(ALIGN);
-                if slot.seq < st.window.next_seq() || st.pending.contains_key(&slot.seq) || len > slot.len {
-                    let e = Error::Protocol(format!(
-                        "pipe from '{}': message {} announced twice or with {len} bytes in a {}-byte slot",
-                        self.peer, slot.seq, slot.len
-                    ));
+                if let Err(e) = st.file_data(&self.peer, self.buffer.len, Slot::from(slot), len, tag) {
                     self.fail(&mut st, e);
-                } else if slot.seq - st.window.next_seq() >= most_ahead {
-                    let e = Error::Protocol(format!(
-                        "pipe from '{}': message {} announced while {} is due; no more than {most_ahead} fit the buffer",
-                        self.peer,
-                        slot.seq,
-                        st.window.next_seq()
-                    ));
-                    self.fail(&mut st, e);
-                } else {
-                    st.pending.insert(slot.seq, (slot, len, tag));
                 }
             }
-            Msg::Close { messages, .. } if messages < st.window.next_seq() => {
-                let e = Error::Protocol(format!(
-                    "pipe from '{}': closed after {messages} messages, but {} arrived",
-                    self.peer,
-                    st.window.next_seq()
-                ));
-                self.fail(&mut st, e);
+            Msg::Close { messages, .. } => {
+                if let Err(e) = st.file_close(&self.peer, messages) {
+                    self.fail(&mut st, e);
+                }
             }
-            Msg::Close { messages, .. } => st.end = Some(messages),
             Msg::Sync { upto, .. } => {
                 if let Some(credit) = st.window.want(upto) {
                     drop(st);
@@ -213,7 +244,7 @@ impl RecvEnd {
 
     fn next(self: &Arc<Self>, wait: Duration) -> Result<Next<Message>> {
         let _reader = self.reading.lock();
-        let deadline = Instant::now() + wait;
+        let deadline = deadline_after(wait);
         loop {
             // File what already arrived first: a Close among it tells `send_credit` that
             // a sender which has since gone needs no credit.
@@ -472,5 +503,67 @@ impl Drop for Message {
                 tracing::warn!(error = %e, seq = self.seq, "could not release a pipe message");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CAPACITY: u64 = 4096;
+
+    fn slot(seq: u64) -> Slot {
+        Slot { seq, start: seq * ALIGN, len: ALIGN }
+    }
+
+    /// Messages 0, 1 and 2 announced, none handed out yet.
+    fn three_pending() -> RecvState {
+        let mut st = RecvState::new(RecvWindow::new(CAPACITY, CAPACITY).unwrap());
+        for seq in 0..3 {
+            st.file_data("tx", CAPACITY, slot(seq), 10, vec![]).unwrap();
+        }
+        st
+    }
+
+    fn is_protocol(r: Result<()>) -> bool {
+        matches!(r, Err(Error::Protocol(_)))
+    }
+
+    #[test]
+    fn a_close_below_a_pending_message_is_refused() {
+        let mut st = three_pending();
+        assert!(is_protocol(st.file_close("tx", 2)), "message 2 would be dropped unseen");
+        assert_eq!(st.end, None);
+        let mut st = three_pending();
+        st.file_close("tx", 3).unwrap();
+        assert_eq!(st.end, Some(3));
+    }
+
+    #[test]
+    fn a_close_below_a_message_handed_out_is_refused() {
+        let mut st = three_pending();
+        for seq in 0..3 {
+            let (slot, ..) = st.pending.remove(&seq).unwrap();
+            st.window.accept(slot).unwrap();
+        }
+        assert!(is_protocol(st.file_close("tx", 2)));
+        st.file_close("tx", 3).unwrap();
+    }
+
+    #[test]
+    fn a_message_past_the_end_of_a_closed_stream_is_refused() {
+        let mut st = three_pending();
+        st.file_close("tx", 4).unwrap();
+        st.file_data("tx", CAPACITY, slot(3), 10, vec![]).unwrap();
+        assert!(is_protocol(st.file_data("tx", CAPACITY, slot(4), 10, vec![])), "the stream has 4 messages");
+        assert!(!st.pending.contains_key(&4));
+    }
+
+    #[test]
+    fn messages_announced_twice_or_too_far_ahead_are_still_refused() {
+        let mut st = three_pending();
+        assert!(is_protocol(st.file_data("tx", CAPACITY, slot(1), 10, vec![])));
+        assert!(is_protocol(st.file_data("tx", CAPACITY, slot(3), ALIGN + 1, vec![])));
+        assert!(is_protocol(st.file_data("tx", CAPACITY, slot(CAPACITY / ALIGN), 10, vec![])));
     }
 }

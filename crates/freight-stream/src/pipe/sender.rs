@@ -9,7 +9,7 @@ use freight_core::wire::MAX_NOTIF;
 use freight_core::{interrupt, Agent, Desc, DescList, Error, OpKind, PreparedList, Request, Result, Status};
 use parking_lot::Mutex;
 
-use super::{align_up, wait_message, window_error, BufferInfo, PipeConfig, REASON_WAIT};
+use super::{align_up, deadline_after, wait_message, window_error, BufferInfo, PipeConfig, REASON_WAIT};
 use crate::proto::Msg;
 use crate::router::Router;
 use crate::window::{SendWindow, Slot, WindowError};
@@ -100,7 +100,7 @@ impl PipeSender {
     ) -> Result<(BufferInfo, SendWindow)> {
         let agent = router.agent();
         router.send(peer, &Msg::Open { pipe, addresses: agent.addresses() })?;
-        let deadline = Instant::now() + config.timeout;
+        let deadline = deadline_after(config.timeout);
         loop {
             let msg = wait_message(agent, peer, inbox, deadline)?.ok_or_else(|| {
                 Error::Timeout(format!("'{peer}' did not accept the pipe within {:.1}s", config.timeout.as_secs_f64()))
@@ -235,7 +235,7 @@ impl PipeSender {
 
     /// Takes the next slot, waiting for credits while the buffer is full.
     fn reserve(&self, st: &mut SendState, len: u64) -> Result<Slot> {
-        let deadline = Instant::now() + self.config.timeout;
+        let deadline = deadline_after(self.config.timeout);
         loop {
             self.absorb(st)?;
             self.reap(st, self.config.max_in_flight - 1, deadline)?;
@@ -246,8 +246,9 @@ impl PipeSender {
             // of bytes is free (it may hold the rest for long).
             let needed = st.window.needs_credit(len);
             if needed > st.asked {
-                st.asked = needed;
                 self.router.send(&self.peer, &Msg::Sync { pipe: self.pipe, upto: needed })?;
+                // Only once it went: a send tried again after a failed one must ask again.
+                st.asked = needed;
             }
             let waiting = Instant::now();
             let outcome = self.next_message(deadline);
@@ -415,24 +416,28 @@ impl PipeSender {
     /// into the receiver's buffer.
     pub fn wait_written(&self, upto: u64) -> Result<()> {
         let mut st = self.state.lock();
-        let deadline = Instant::now() + self.config.timeout;
+        let deadline = deadline_after(self.config.timeout);
         self.absorb(&mut st)?;
         self.reap_while(&mut st, deadline, |_, start| start < upto)
     }
 
     /// Waits until no write of this pipe is in flight, whatever happened to the pipe
-    /// (after a failure, before the sender's memory is reused). A write that does not
-    /// finish within the timeout breaks the pipe, so that the receiver drops what it
-    /// would bring.
+    /// (after a failure or an abort, before the sender's memory is reused or
+    /// deregistered). A write that does not finish within the timeout breaks the pipe,
+    /// so that the receiver drops what it would bring. The wait goes in slices that the
+    /// caller's interrupt check can end ([`Error::Interrupted`], nothing changed); an
+    /// abort does not end it, as it is what an aborting caller waits for, and neither
+    /// does a dead peer, whose writes fail on their own.
     pub fn settle_writes(&self) -> Result<()> {
         let mut st = self.state.lock();
-        let deadline = Instant::now() + self.config.timeout;
+        let deadline = deadline_after(self.config.timeout);
         while let Some((req, _)) = st.in_flight.front() {
-            match req.wait(Some(deadline.saturating_duration_since(Instant::now()))) {
-                Status::Done | Status::Error(_) => {
+            let settled = interrupt::until(deadline, |slice| Ok(req.wait(Some(slice)).is_final().then_some(())))?;
+            match settled {
+                Some(()) => {
                     st.in_flight.pop_front();
                 }
-                _ => {
+                None => {
                     let e = Error::Timeout(format!(
                         "a write to '{}' did not finish within {:.1}s",
                         self.peer,
@@ -456,7 +461,7 @@ impl PipeSender {
     /// (a position this sender reached: see [`PipeSender::position`]).
     pub fn wait_released(&self, upto: u64) -> Result<()> {
         let mut st = self.state.lock();
-        let deadline = Instant::now() + self.config.timeout;
+        let deadline = deadline_after(self.config.timeout);
         self.absorb(&mut st)?;
         while st.window.credited() < upto.min(st.window.head()) {
             match self.next_message(deadline) {
@@ -477,18 +482,35 @@ impl PipeSender {
 
     /// Flushes, then ends the stream: the receiver's `recv` returns `None` after the
     /// last message. Closing twice is harmless, and so is closing after an abort (which
-    /// ended the stream as its caller wanted).
+    /// ended the stream as its caller wanted): that only waits for the writes posted
+    /// to finish (see [`PipeSender::settle_writes`]), as the caller frees the memory
+    /// they read next. So does a close whose flush fails, unless the writes already
+    /// had their time (a timeout) or the caller interrupted it. A `Close` that cannot
+    /// be sent breaks the pipe: the stream did not end, and a later close must not
+    /// say it did.
     pub fn close(&self) -> Result<()> {
         if self.aborted.lock().is_some() {
+            return self.settle_writes();
+        }
+        if let Err(e) = self.flush() {
+            if !matches!(e, Error::Timeout(_) | Error::Interrupted(_)) {
+                if let Err(settling) = self.settle_writes() {
+                    tracing::debug!(peer = %self.peer, error = %settling, "a failed close's writes did not settle");
+                }
+            }
+            return Err(e);
+        }
+        let mut st = self.state.lock();
+        if st.closed {
             return Ok(());
         }
-        self.flush()?;
-        let mut st = self.state.lock();
-        if !st.closed {
-            st.closed = true;
-            self.router.send(&self.peer, &Msg::Close { pipe: self.pipe, messages: st.window.sent() })?;
+        match self.router.send(&self.peer, &Msg::Close { pipe: self.pipe, messages: st.window.sent() }) {
+            Ok(()) => {
+                st.closed = true;
+                Ok(())
+            }
+            Err(e) => Err(self.fail(&mut st, e)),
         }
-        Ok(())
     }
 
     /// Breaks the pipe and tells the receiver `reason`: its next call fails with it,

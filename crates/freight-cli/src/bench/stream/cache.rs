@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 
 use super::memory::{check, Device, Memory};
 use super::{seed_of, Shape};
-use crate::args::{parse_positive_size, CliError, CliResult};
+use crate::args::{format_size, parse_positive_size, CliError, CliResult};
 
 #[derive(Debug, Clone, Args)]
 #[command(next_help_heading = "KV cache (cache-engine)")]
@@ -89,6 +89,31 @@ impl KvSpec {
 
     pub fn chunk_bytes(&self) -> u64 {
         self.shape().chunk_bytes(self.chunk_tokens)
+    }
+
+    /// What the engines would refuse once both processes run, refused before either
+    /// starts: a chunk or a prompt too large to count, a block size that does not divide
+    /// the prompt, and (where this process sends) a tier that cannot hold one chunk.
+    pub fn check(&self, num_chunks: u64, sender: bool) -> CliResult<()> {
+        let too_large = || {
+            CliError::usage(
+                "--num-chunks x --chunk-tokens tokens of this KV shape (--kv-layers, --kv-heads, --head-dim, \
+                 --elem-bytes) exceed 2^64 bytes",
+            )
+        };
+        let chunk = self.shape().checked_chunk_bytes(self.chunk_tokens).map_err(|_| too_large())?;
+        chunk.checked_mul(num_chunks).ok_or_else(too_large)?;
+        self.layout(num_chunks * self.chunk_tokens)?;
+        if sender && self.tier_size < chunk {
+            return Err(CliError::usage(format!(
+                "--tier-size {} cannot hold one chunk of {} ({} tokens of this KV shape); raise --tier-size \
+                 or lower --chunk-tokens",
+                format_size(self.tier_size),
+                format_size(chunk),
+                self.chunk_tokens
+            )));
+        }
+        Ok(())
     }
 
     /// The KV memory of a prompt of `tokens` tokens: paged memory has just enough
@@ -199,7 +224,7 @@ impl Decode {
         let store = StoreReceiver::new(ChannelReceiver::new(vec![pipe], timeout), None);
         // Chunks come from the store; the local tier only has to exist.
         let engine = CacheEngine::new(agent, config(spec, device, spec.chunk_bytes()))?.with_remote_source(store);
-        let kv = Memory::alloc(agent, device, shape.round_bytes())?;
+        let kv = Memory::alloc(agent, device, shape.round_bytes(), &super::Product::CacheEngine.host_remedy())?;
         Ok(Decode { engine, kv })
     }
 

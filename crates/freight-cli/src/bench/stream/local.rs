@@ -15,7 +15,7 @@ use serde_json::json;
 
 use super::cache::{kv_memory, tokens_of};
 use super::memory::{check, Device, Memory};
-use super::{gbps, mean_std, say, seed_of, Product, Round, Shape, StreamArgs};
+use super::{gbps, mean_std, say, seed_of, Product, Round, Shape, StreamArgs, KV_SIZE_OPTIONS};
 use crate::args::{CliError, CliResult};
 use crate::bench::report::host_json;
 use crate::emit;
@@ -29,7 +29,12 @@ pub fn run_local(a: &StreamArgs) -> CliResult<()> {
     let device = Device::parse(&a.device, 0)?;
     let agent = Arc::new(Agent::new("freight-cache-local", a.engine.agent_config("127.0.0.1:0", None))?);
     let bytes = shape.round_bytes();
-    let kv = Memory::alloc(&agent, device, bytes)?;
+    // Room for a whole round, so that nothing is evicted while it is retrieved.
+    let host_bytes = bytes.saturating_add(spec.chunk_bytes());
+    let remedy = format!("lower {KV_SIZE_OPTIONS}");
+    let kv_on_host = if device == Device::Cpu { bytes } else { 0 };
+    crate::host::ensure_room(host_bytes.saturating_add(kv_on_host), "bench cache-engine --role local", &remedy)?;
+    let kv = Memory::alloc(&agent, device, bytes, &remedy)?;
     for i in 0..shape.num_objs {
         kv.fill(i * shape.obj_size, shape.obj_size, seed_of(i))?;
     }
@@ -37,8 +42,6 @@ pub fn run_local(a: &StreamArgs) -> CliResult<()> {
         Device::Cuda(g) => Some(g),
         Device::Cpu => None,
     };
-    // Room for a whole round, so that nothing is evicted while it is retrieved.
-    let host_bytes = bytes + spec.chunk_bytes();
     let config = CacheConfig { chunk_tokens: spec.chunk_tokens, shape: spec.shape(), gpu, gpu_bytes: 0, host_bytes };
     let mut engine = CacheEngine::new(&agent, config)?;
     say(

@@ -7,7 +7,7 @@ use freight_core::cuda::driver::{copy_sync, DeviceBuffer};
 use freight_core::cuda::Device as Gpu;
 use freight_core::{Agent, Desc, MemKind, SharedSegment};
 
-use crate::args::{format_size, CliError, CliResult};
+use crate::args::{CliError, CliResult};
 use crate::pattern;
 
 /// Where a process keeps its data.
@@ -54,11 +54,12 @@ pub struct Memory {
 }
 
 impl Memory {
-    pub fn alloc(agent: &Agent, device: Device, len: u64) -> CliResult<Memory> {
+    /// `remedy` names the options that shrink `len`, for a host that cannot hold it.
+    pub fn alloc(agent: &Agent, device: Device, len: u64, remedy: &str) -> CliResult<Memory> {
         let n = usize::try_from(len).map_err(|_| CliError::usage("size too large for this machine"))?;
         let memory = match device {
             Device::Cpu => {
-                ensure_host_room(len, "this process's share of the benchmark")?;
+                crate::host::ensure_room(len, "this process's share of the benchmark", remedy)?;
                 let seg = agent.alloc(n).map_err(|e| CliError::runtime(format!("cannot allocate {len} bytes: {e}")))?;
                 Memory { kind: MemKind::Dram, dev: 0, addr: seg.addr(), len, _host: Some(seg), _gpu: None }
             }
@@ -115,27 +116,4 @@ pub fn check(kind: MemKind, addr: u64, dev: u64, len: u64, seed: u64) -> CliResu
         }
     };
     outcome.map_err(CliError::runtime)
-}
-
-/// Host memory the kernel says it can still hand out (`MemAvailable`), if it says.
-fn host_available() -> Option<u64> {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    kib.checked_mul(1024)
-}
-
-/// Refuses a run whose host memory cannot fit: the benchmark fills its objects up
-/// front, and a host that runs out kills a process without a word (the OOM killer)
-/// instead of failing an allocation.
-pub fn ensure_host_room(needed: u64, what: &str) -> CliResult<()> {
-    match host_available() {
-        Some(available) if needed > available => Err(CliError::usage(format!(
-            "{what} needs at least {} of host memory and {} is available; \
-             lower --num-objs or --obj-size (or --buffer-size), or keep the data on a GPU with --device cuda",
-            format_size(needed),
-            format_size(available)
-        ))),
-        _ => Ok(()),
-    }
 }

@@ -24,15 +24,14 @@ use std::time::Duration;
 use clap::{Args, ValueEnum};
 use serde::{Deserialize, Serialize};
 
-use crate::args::{parse_duration, parse_positive_size, CliError, CliResult, EngineOpts};
+use crate::args::{format_size, parse_duration, parse_positive_size, CliError, CliResult, EngineOpts, SIZE_GRAMMAR};
 use crate::child::TargetProcess;
 use crate::Context;
 
 pub use memory::Device;
 
+/// After [`SIZE_GRAMMAR`] in the help's footer.
 const AFTER_HELP: &str = "\
-Sizes take an optional unit: B, K/KiB (1024), KB (1000), M/MiB, MB, G/GiB, GB.
-
 The seed's runs (two GPUs; the receiver is started as a child process on the next GPU):
   freight bench pipe --num-objs 500 --obj-size 32MiB --buffer-size 4GiB
   freight bench pipe --num-rounds 5 --num-objs 500 --simulate-work
@@ -59,6 +58,10 @@ pub enum StreamRole {
     Local,
 }
 
+/// What sizes a cache-engine run: its chunks are KV, --obj-size plays no part.
+const KV_SIZE_OPTIONS: &str =
+    "--num-chunks, --chunk-tokens or the KV shape (--kv-layers, --kv-heads, --head-dim, --elem-bytes)";
+
 /// Which product carries the objects.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Product {
@@ -77,10 +80,20 @@ impl Product {
             Product::CacheEngine => "cache-engine",
         }
     }
+
+    /// The options that shrink a run's host memory, for the message that refuses one.
+    /// The cache engine sizes its objects by the KV shape, not by --obj-size.
+    pub fn host_remedy(self) -> String {
+        let what = match self {
+            Product::CacheEngine => format!("{KV_SIZE_OPTIONS}, --tier-size or --buffer-size"),
+            _ => "--num-objs or --obj-size (or --buffer-size)".to_string(),
+        };
+        format!("lower {what}, or keep the data on a GPU with --device cuda")
+    }
 }
 
 #[derive(Debug, Clone, Args)]
-#[command(after_help = AFTER_HELP)]
+#[command(after_help = format!("{SIZE_GRAMMAR}.\n\n{AFTER_HELP}"))]
 pub struct StreamArgs {
     /// auto: send, with a receiver started as a child process; sender; receiver; local
     /// (cache-engine only).
@@ -241,7 +254,13 @@ pub fn run(product: Product, a: &StreamArgs, ctx: &Context) -> CliResult<()> {
     if a.obj_size.checked_mul(a.num_objs).is_none() {
         return Err(CliError::usage("--num-objs x --obj-size is too large"));
     }
-    match plan(a)? {
+    let plan = plan(a)?;
+    if product == Product::CacheEngine {
+        // Before a receiver starts: one that waits for chunks a sender never sends only
+        // adds its own complaint to the sender's.
+        cache::KvSpec::from_args(&a.kv).check(a.num_objs, matches!(plan, Plan::Sender { .. }))?;
+    }
+    match plan {
         Plan::Receiver => receiver::run(product, a),
         Plan::Local if product == Product::CacheEngine => local::run_local(a),
         Plan::Local => Err(CliError::usage("--role local is for cache-engine only")),
@@ -266,17 +285,27 @@ fn check_both_sides(product: Product, a: &StreamArgs) -> CliResult<()> {
         return Err(CliError::usage(format!(
             "bench pipe sends each object whole: --obj-size {} does not fit in --buffer-size {} \
              (bench channel splits large objects)",
-            crate::args::format_size(a.obj_size),
-            crate::args::format_size(a.buffer_size)
+            format_size(a.obj_size),
+            format_size(a.buffer_size)
         )));
     }
     if Device::parse(&a.device, 0)? != Device::Cpu {
         return Ok(());
     }
-    let round = Shape::from_args(product, a).round_bytes();
-    let receiver_kv = if product == Product::CacheEngine { round } else { 0 };
-    let needed = round.saturating_add(a.buffer_size).saturating_add(receiver_kv);
-    memory::ensure_host_room(needed, &format!("bench {} (sender and receiver)", product.command()))
+    let shape = Shape::from_args(product, a);
+    let round = shape.round_bytes();
+    // The cache engine's receiver retrieves into KV memory of a round, and the sender's
+    // local tier is host memory too, as much of it as the run's chunks fill.
+    let (receiver_kv, sender_tier) = match &shape.kv {
+        Some(kv) => (round, kv.tier_size.min(round.saturating_mul(shape.rounds.len() as u64))),
+        None => (0, 0),
+    };
+    let needed = round.saturating_add(a.buffer_size).saturating_add(receiver_kv).saturating_add(sender_tier);
+    crate::host::ensure_room(
+        needed,
+        &format!("bench {} (sender and receiver)", product.command()),
+        &product.host_remedy(),
+    )
 }
 
 fn spawn_receiver(product: Product, a: &StreamArgs, ctx: &Context) -> CliResult<TargetProcess> {
@@ -416,6 +445,38 @@ mod tests {
         let huge = args(&["--device", "cpu", "--num-objs", "1000", "--obj-size", "1TiB"]);
         let err = check_both_sides(Product::Channel, &huge).unwrap_err().to_string();
         assert!(err.contains("of host memory") && err.contains("--num-objs"), "{err}");
+    }
+
+    #[test]
+    fn a_cache_engine_run_too_large_for_the_host_names_the_options_that_size_it() {
+        let huge = args(&["--device", "cpu", "--num-chunks", "1000000", "--chunk-tokens", "100000"]);
+        let err = check_both_sides(Product::CacheEngine, &huge).unwrap_err().to_string();
+        assert!(
+            err.contains("of host memory") && err.contains("--num-chunks") && err.contains("--chunk-tokens"),
+            "{err}"
+        );
+        assert!(!err.contains("--obj-size") && !err.contains("--num-objs"), "{err}");
+    }
+
+    #[test]
+    fn a_cache_engine_run_the_engines_would_refuse_is_refused_before_the_receiver_starts() {
+        let ctx = Context { self_command: vec!["/nonexistent/freight".into()], log_level: None };
+        let run_with = |v: &[&str]| run(Product::CacheEngine, &args(v), &ctx).unwrap_err();
+        let err = run_with(&["--device", "cpu", "--num-chunks", "4", "--tier-size", "1k"]);
+        assert!(matches!(&err, CliError::Usage(m) if m.contains("--tier-size 1 KiB cannot hold one chunk")), "{err}");
+        let err = run_with(&["--device", "cpu", "--num-chunks", "4", "--block-size", "7"]);
+        assert!(matches!(&err, CliError::Usage(m) if m.contains("--block-size 7")), "{err}");
+        let err = run_with(&["--num-chunks", "1000000", "--chunk-tokens", "1000000", "--kv-layers", "10000"]);
+        assert!(matches!(&err, CliError::Usage(m) if m.contains("exceed 2^64 bytes")), "{err}");
+        // The receiver's tier holds one chunk whatever --tier-size says.
+        cache::KvSpec::from_args(&args(&["--tier-size", "1k"]).kv).check(4, false).unwrap();
+    }
+
+    #[test]
+    fn the_help_states_every_size_unit() {
+        use clap::CommandFactory;
+        let help = Cli::command().render_long_help().to_string();
+        assert!(help.contains("T/TiB") && help.contains("The seed's runs"), "{help}");
     }
 
     #[test]

@@ -29,9 +29,12 @@ pub fn run(product: Product, a: &StreamArgs) -> CliResult<()> {
     // The line a parent process (or a person) reads the address from.
     say(a.json, &target::listen_line(&agent.addresses(), std::process::id()));
     let (buffer, _memory) = match device {
-        Device::Cpu => (Buffer::Host { capacity: a.buffer_size }, None),
+        Device::Cpu => {
+            crate::host::ensure_room(a.buffer_size, "the receiver's buffer", "lower --buffer-size")?;
+            (Buffer::Host { capacity: a.buffer_size }, None)
+        }
         Device::Cuda(_) => {
-            let m = Memory::alloc(&agent, device, a.buffer_size)?;
+            let m = Memory::alloc(&agent, device, a.buffer_size, &product.host_remedy())?;
             (Buffer::Registered(BufferInfo { kind: m.kind, addr: m.addr, len: m.len, dev: m.dev }), Some(m))
         }
     };

@@ -31,7 +31,7 @@ pub fn run(product: Product, a: &StreamArgs, addr: &str) -> CliResult<()> {
     let device = Device::parse(&a.device, 0)?;
     let agent = Arc::new(Agent::new(AGENT_NAME, a.engine.agent_config("0.0.0.0:0", a.engine.transport.require()))?);
     let total = shape.round_bytes();
-    let source = Memory::alloc(&agent, device, total)?;
+    let source = Memory::alloc(&agent, device, total, &product.host_remedy())?;
     for i in 0..shape.num_objs {
         source.fill(i * shape.obj_size, shape.obj_size, seed_of(i))?;
     }
