@@ -41,6 +41,9 @@ pub const FI_MR_PROV_KEY: c_int = 1 << 6;
 
 pub const FI_EAGAIN: isize = 11;
 pub const FI_ETIMEDOUT: isize = 110;
+/// What a sleeping completion-queue read returns after `fi_cq_signal` woke it (the
+/// providers built on libfabric's common queue code answer so): woken, nothing read.
+pub const FI_ECANCELED: isize = 125;
 pub const FI_EAVAIL: isize = 259;
 
 /// The API version this code is written against (1.9 has everything it uses).

@@ -31,7 +31,7 @@ use super::dock::Docks;
 use super::relay::Relay;
 use super::Fabric;
 use crate::error::{Error, Result};
-use crate::memory::Registry;
+use crate::memory::{MemKind, Registry};
 use crate::wire::{self, Frame};
 
 /// Opens another connection of the exchange to the same peer.
@@ -150,6 +150,11 @@ impl FabricLink {
     /// Local rail `i`'s way to the peer: the address-vector handle and the peer's rail.
     pub fn route(&self, i: usize) -> (u64, usize) {
         self.routes[i]
+    }
+
+    /// [`FabricLink::route`] of every local rail, in order.
+    pub fn routes(&self) -> &[(u64, usize)] {
+        &self.routes
     }
 
     pub fn virt_addr(&self) -> bool {
@@ -332,12 +337,20 @@ fn docked(token: u64, done: Result<()>, from: &str) -> Frame {
     Frame::FabricDocked { token, error: done.err().map(|e| e.to_string()) }
 }
 
+/// The rails' keys of host-memory regions a peer may reach. Only host memory gets one:
+/// GPU memory goes through the docks (its address is no pointer the provider may touch
+/// here), and a file region's address is an offset, not memory.
 fn region_keys(registry: &Registry, fabric: &Fabric, regions: &[u64]) -> Result<Vec<Vec<u64>>> {
     regions
         .iter()
         .map(|&k| match registry.get(k) {
-            Some(r) if !r.is_private() => fabric.keys(&r.info),
-            _ => Err(Error::UnknownRegion(k)),
+            Some(r) if r.is_private() => Err(Error::UnknownRegion(k)),
+            Some(r) if r.info.kind == MemKind::Dram => fabric.keys(&r.info),
+            Some(r) => Err(Error::InvalidArgument(format!(
+                "region {k} is {:?} memory: the fabric gives keys to host memory only",
+                r.info.kind
+            ))),
+            None => Err(Error::UnknownRegion(k)),
         })
         .collect()
 }
@@ -369,6 +382,8 @@ mod tests {
         let (public, private) = (vec![0u8; 4096], vec![0u8; 4096]);
         let open = registry.register(MemKind::Dram, public.as_ptr() as u64, 4096, 0).unwrap();
         let hidden = registry.register_private(MemKind::Dram, private.as_ptr() as u64, 4096, 0).unwrap();
+        // A file region's address is an offset: no memory a provider may be pointed at.
+        let on_file = registry.register(MemKind::File, 0, 4096, 0).unwrap();
         let fabric = Fabric::open(&FabricConfig {
             provider: Some("tcp".into()),
             domains: vec!["lo".into()],
@@ -395,6 +410,12 @@ mod tests {
                     assert!(matches!(other, Some(Frame::Refused { reason }) if reason.contains("not 'efa'")));
                     let keys = ask(&mut client, Frame::FabricKeys { regions: vec![open] });
                     assert!(matches!(keys, Some(Frame::FabricKeysReply { keys, error: None }) if keys[0].len() == 1));
+                    let file = ask(&mut client, Frame::FabricKeys { regions: vec![open, on_file] });
+                    assert!(
+                        matches!(&file, Some(Frame::FabricKeysReply { keys, error: Some(e) })
+                            if keys.is_empty() && e.contains("host memory only")),
+                        "{file:?}"
+                    );
                     for region in [hidden, 999] {
                         let refused = ask(&mut client, Frame::FabricKeys { regions: vec![open, region] });
                         assert!(

@@ -138,6 +138,19 @@ impl Fabric {
             workers.push(Worker::start(rail, i, cfg.chunk_size)?);
         }
         let provider = workers[0].rail.info.provider.clone();
+        // Peers address every rail the same way (one provider, one addressing, one
+        // address length): rails that differ would have their operations misread.
+        if let Some(odd) = workers.iter().find(|w| {
+            w.rail.info.provider != provider
+                || w.rail.virt_addr != workers[0].rail.virt_addr
+                || w.rail.address.len() != workers[0].rail.address.len()
+        }) {
+            return Err(Error::InvalidArgument(format!(
+                "fabric: domain '{}' ({}) differs from domain '{}' ({}) in its provider, addressing or address length: \
+                 every rail must be alike (name the provider, or domains of one kind)",
+                odd.rail.info.domain, odd.rail.info.provider, workers[0].rail.info.domain, provider
+            )));
+        }
         let max_msg = workers.iter().map(|w| w.rail.max_msg).min().unwrap_or(0).max(1);
         let fabric = Fabric {
             provider,
@@ -249,13 +262,10 @@ impl Fabric {
             });
         }
         // Opened now, so that a peer that cannot lend docks fails the request's making.
-        let relay_via = if docked.is_empty() {
-            None
-        } else {
+        if !docked.is_empty() {
             link.relay(self)?;
-            Some(link.clone())
-        };
-        Ok(FabricProgram { read, direct, docked, relay_via, peer: link.peer().into() })
+        }
+        Ok(FabricProgram { read, direct, docked, link: link.clone(), peer: link.peer().into() })
     }
 
     /// Starts a compiled request.
@@ -266,7 +276,7 @@ impl Fabric {
         finisher: Finisher,
     ) -> Result<()> {
         // The relay of this post (a new one if the last closed), before anything starts.
-        let relay = program.relay_via.as_ref().map(|link| link.relay(self)).transpose()?;
+        let relay = (!program.docked.is_empty()).then(|| program.link.relay(self)).transpose()?;
         let parts: usize = program.direct.iter().map(Vec::len).sum::<usize>() + program.docked.len();
         tracker.begin(parts as u64, finisher)?;
         for (worker, planned) in self.workers.iter().zip(&program.direct) {
@@ -293,6 +303,12 @@ impl Fabric {
         if let Some(relay) = &relay {
             relay.submit(program.docked.iter().map(|&part| Job { part, tracker: tracker.clone() }).collect());
         }
+        // The peer found dead while these were handed over: the rails may have obeyed
+        // its one abandon before they got them, and would then wait on the provider for
+        // ever. Abandoning again fails what is left; what was failed stays failed.
+        if let Some(reason) = program.link.dead_reason() {
+            self.abandon(program.link.routes(), &reason);
+        }
         Ok(())
     }
 }
@@ -315,8 +331,9 @@ pub struct FabricProgram {
     read: bool,
     direct: Vec<Vec<Planned>>,
     docked: Vec<Part>,
-    /// The link whose relay carries `docked` (resolved at each post: relays close).
-    relay_via: Option<Arc<FabricLink>>,
+    /// The link to the peer: its relay carries `docked` (resolved at each post: relays
+    /// close), and its watcher says when the peer died.
+    link: Arc<FabricLink>,
     peer: Arc<str>,
 }
 

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{unbounded, Receiver, Sender, TryRecvError};
 
-use super::ffi::{FiCqEntry, FI_EAGAIN, FI_EAVAIL, FI_ETIMEDOUT};
+use super::ffi::{FiCqEntry, FI_EAGAIN, FI_EAVAIL, FI_ECANCELED, FI_ETIMEDOUT};
 use super::rail::Rail;
 use super::relay;
 use super::staging::Staging;
@@ -167,12 +167,23 @@ impl Worker {
     }
 }
 
+/// Whether a sleeping completion-queue read returned as a queue that can be waited on
+/// does: entries, an error entry to read, nothing (within the time, or woken by a
+/// signal). Anything else means the provider cannot sleep on it.
+fn sleep_went_as_asked(n: isize) -> bool {
+    n >= 0 || [FI_EAGAIN, FI_EAVAIL, FI_ETIMEDOUT, FI_ECANCELED].contains(&-n)
+}
+
 impl Drop for Worker {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
         self.rail.wake();
         if let Some(t) = self.thread.take() {
-            let _ = t.join();
+            // A request's hook run on the rail's thread may drop the last handle on the
+            // fabric there: that thread must not wait for itself (it ends on `stop`).
+            if t.thread().id() != std::thread::current().id() {
+                let _ = t.join();
+            }
         }
     }
 }
@@ -223,7 +234,7 @@ impl Driver {
                     self.rail.reap(&mut entries)
                 };
                 self.sleeping.store(false, Ordering::SeqCst);
-                if n < 0 && n != -FI_EAGAIN && n != -FI_EAVAIL && n != -FI_ETIMEDOUT {
+                if !sleep_went_as_asked(n) {
                     tracing::warn!(domain = %self.rail.info.domain, code = n, "the completion queue cannot be waited on; polling it instead");
                     waitable = false;
                 }
@@ -402,5 +413,21 @@ impl Driver {
                 op.work.done.report(Err(closed(&op.work.peer)));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_queue_woken_by_a_signal_can_still_be_slept_on() {
+        // fi_cq_signal makes the sleeping read of the common queue code return
+        // -FI_ECANCELED: the rail must go on sleeping, not fall back to spinning.
+        for n in [3, 0, -FI_EAGAIN, -FI_EAVAIL, -FI_ETIMEDOUT, -FI_ECANCELED] {
+            assert!(sleep_went_as_asked(n), "{n}");
+        }
+        // FI_ENOSYS: the provider has no wait object for it.
+        assert!(!sleep_went_as_asked(-38));
     }
 }

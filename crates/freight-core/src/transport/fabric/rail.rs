@@ -280,6 +280,15 @@ impl Rail {
         self.register_with(addr, len, key, FULL_ACCESS)
     }
 
+    /// [`Rail::register`] for memory that is only ever the local side of this agent's
+    /// own operations (staging buffers): no peer may reach it, whatever key it guesses.
+    ///
+    /// # Safety
+    /// As [`Rail::register`].
+    pub unsafe fn register_local(&self, addr: u64, len: u64, key: u64) -> Result<Mr> {
+        self.register_with(addr, len, key, LOCAL_ACCESS)
+    }
+
     /// [`Rail::register`] with the given access rights.
     ///
     /// # Safety

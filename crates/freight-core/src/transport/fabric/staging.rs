@@ -51,7 +51,7 @@ impl Staging {
         let addr = bounce.bytes_mut(self.capacity as usize).as_mut_ptr() as u64;
         // SAFETY: the pinned buffer lives in the slot beside its registration, which
         // is dropped first (field order).
-        let mr = unsafe { self.rail.register(addr, self.capacity, KEY_BASE + self.slots.len() as u64) }?;
+        let mr = unsafe { self.rail.register_local(addr, self.capacity, KEY_BASE + self.slots.len() as u64) }?;
         self.slots.push(Slot { mr, bounce });
         Ok(Some(self.slots.len() - 1))
     }
