@@ -82,6 +82,11 @@ def test_paged_kv_memory_is_gathered_and_scattered_through_its_block_table():
         assert same(unpaged(pool, 45, table), kv[:, :, :45])
         untouched = [b for b in range(20) if b not in table]
         assert not pool[:, :, untouched].any(), "blocks outside the table are left alone"
+        # A row padded to an engine's width, with a block the prompt uses itself: the
+        # padding is never reached, so it is not refused as a block named twice.
+        padded_pool = np.zeros_like(pool)
+        assert e.retrieve(tokens, padded_pool, block_table=table + [0, 0, 0], block_size=4) == 45
+        assert same(padded_pool, pool)
         # Stored from paged memory under another prompt, back out to contiguous memory.
         renamed = tokens.copy()
         renamed[0] = 77

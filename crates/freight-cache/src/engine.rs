@@ -219,7 +219,7 @@ impl CacheEngine {
                 kv.place.kind.as_str()
             )));
         }
-        kv.layout.validate()?;
+        kv.layout.validate(tokens.len() as u64)?;
         let need = kv.layout.checked_bytes(&self.config.shape)?;
         if kv.len < need {
             return Err(Error::InvalidArgument(format!("the KV memory has {} bytes; its layout needs {need}", kv.len)));

@@ -93,16 +93,19 @@ impl KvLayout {
         }
     }
 
-    /// Refuses a paged layout whose block size is 0, or whose block table names a block
-    /// that is not there or one block twice (two token ranges in one block: a retrieve
-    /// would write both into it at once).
-    pub fn validate(&self) -> Result<()> {
+    /// Refuses, for the first `tokens` tokens, a paged layout whose block size is 0, or
+    /// whose block table names a block that is not there or one block twice (two token
+    /// ranges in one block: a retrieve would write both into it at once). Entries past
+    /// the blocks those tokens fill are never used, and not looked at: engines pad their
+    /// block tables (with block 0, say) to a common width.
+    pub fn validate(&self, tokens: u64) -> Result<()> {
         if let KvLayout::Paged { block_size, num_blocks, block_table } = self {
             if *block_size == 0 {
                 return Err(Error::InvalidArgument("the block size must be at least 1 token".into()));
             }
-            let mut seen = HashSet::with_capacity(block_table.len());
-            for (i, &b) in block_table.iter().enumerate() {
+            let used = usize::try_from(tokens.div_ceil(*block_size)).unwrap_or(usize::MAX).min(block_table.len());
+            let mut seen = HashSet::with_capacity(used);
+            for (i, &b) in block_table[..used].iter().enumerate() {
                 if b >= *num_blocks {
                     return Err(Error::InvalidArgument(format!(
                         "the block table names block {b}, but the KV memory has {num_blocks} blocks"
@@ -157,7 +160,7 @@ pub struct Run {
 /// chunk's byte order.
 pub fn runs(shape: &KvShape, layout: &KvLayout, start: u64, tokens: u64) -> Result<Vec<Run>> {
     shape.validate()?;
-    layout.validate()?;
+    layout.validate(start.saturating_add(tokens))?;
     layout.checked_bytes(shape)?;
     runs_of_valid(shape, layout, start, tokens)
 }
@@ -239,9 +242,23 @@ mod tests {
     #[test]
     fn a_block_named_twice_is_refused() {
         let twice = KvLayout::Paged { block_size: 4, num_blocks: 8, block_table: vec![5, 2, 5] };
-        let e = twice.validate().unwrap_err();
+        let e = twice.validate(12).unwrap_err();
         assert!(matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("block 5 twice"), "{e}");
-        assert!(runs(&SHAPE, &twice, 0, 4).is_err(), "also where the chunk does not reach the second one");
+        assert!(runs(&SHAPE, &twice, 8, 4).is_err(), "also where the chunk does not reach the first one");
+    }
+
+    #[test]
+    fn padding_past_the_blocks_the_tokens_fill_is_not_looked_at() {
+        // A row of an engine's block table, padded with block 0 (and junk) to its width.
+        let padded = KvLayout::Paged { block_size: 4, num_blocks: 8, block_table: vec![7, 3, 0, 0, 99] };
+        padded.validate(8).unwrap();
+        assert_eq!(
+            runs(&SHAPE, &padded, 0, 8).unwrap(),
+            runs(&SHAPE, &KvLayout::Paged { block_size: 4, num_blocks: 8, block_table: vec![7, 3] }, 0, 8).unwrap()
+        );
+        // Tokens that reach the padding see it checked.
+        assert!(padded.validate(13).unwrap_err().to_string().contains("block 0 twice"));
+        assert!(padded.validate(17).is_err());
     }
 
     #[test]

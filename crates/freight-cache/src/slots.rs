@@ -73,7 +73,10 @@ impl Slots {
     /// which is then returned so that its bytes can move elsewhere before they are
     /// overwritten. The key must not be here yet.
     pub fn insert(&mut self, key: u128, len: u64) -> Result<(u32, Option<Evicted>)> {
-        debug_assert!(!self.chunks.contains(&key), "inserting a chunk twice");
+        if self.chunks.contains(&key) {
+            // Its entry would be replaced: the old slot lost, and its pins with it.
+            return Err(Error::InvalidState(format!("chunk {key:032x} is in the tier already")));
+        }
         let (slot, evicted) = match self.free.pop() {
             Some(slot) => (slot, None),
             None => {
@@ -140,5 +143,16 @@ mod tests {
         s.unpin(4);
         assert!(s.touch(4) && !s.touch(99));
         assert_eq!(s.insert(7, 1).unwrap().1.unwrap().key, 5);
+    }
+
+    #[test]
+    fn a_chunk_inserted_twice_is_refused_and_keeps_its_slot_and_pins() {
+        let mut s = Slots::new(2);
+        let (slot, _) = s.insert(1, 10).unwrap();
+        s.pin(1);
+        assert!(matches!(s.insert(1, 10), Err(Error::InvalidState(_))));
+        s.insert(2, 10).unwrap();
+        assert!(matches!(s.insert(3, 10), Ok((_, Some(Evicted { key: 2, .. })))), "the pinned one stays");
+        assert_eq!(s.remove(1).map(|e| e.slot), Some(slot));
     }
 }
