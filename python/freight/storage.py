@@ -41,7 +41,7 @@ from typing import Any, Iterable, List, NamedTuple, Optional, Sequence
 from . import _native
 from ._objects import Range
 from .agent import Agent
-from .errors import FreightError, InvalidArgumentError
+from .errors import InvalidArgumentError
 from .stream import (
     DEFAULT_BUFFER,
     KeyedObject,
@@ -51,6 +51,7 @@ from .stream import (
     _PeerEnd,
     _StreamEnd,
     _deregister_all,
+    _quietly_then_deregister,
     _describe_object,
     _num_senders,
     _register_if_needed,
@@ -106,13 +107,7 @@ def _close_then_release(raw: Any, agent: Agent, queued: List[_Queued], busy: Lis
     (which commits what is queued, quietly), then deregistering the objects'
     temporary regions, and those a transfer still used when they were let go."""
     keys = busy + [q.temp_key for q in queued if q.temp_key is not None]
-    if not keys:
-        return
-    try:
-        raw.close()
-    except FreightError as e:
-        log.debug("closing a store sender dropped without close() failed: %s", e)
-    _deregister_all(agent, keys)
+    _quietly_then_deregister(raw, "close", agent, keys)
 
 
 def _check_key(key: Any) -> str:

@@ -109,30 +109,18 @@ def _deregister_all(agent: Agent, keys: List[int]) -> None:
     keys[:] = busy
 
 
-def _settle_then_deregister(raw: Any, agent: Agent, keys: List[int]) -> None:
-    """Deregisters the temporary regions ``keys`` of the sending end ``raw`` once no
-    write reads them: after a failure or an abort its stream is broken, but the writes
-    it posted may still be on their way. A wait that fails is logged (the error that
-    matters is the caller's own), and a region still in use stays listed."""
-    if not keys:
-        return
-    try:
-        raw.settle_writes()
-    except FreightError as e:
-        log.debug("writes of a sending end did not settle: %s", e)
-    _deregister_all(agent, keys)
-
-
-def _close_then_deregister(raw: Any, agent: Agent, keys: List[int], how: str = "close") -> None:
-    """What a stream end dropped without :meth:`close` owes: ``raw.<how>()`` (so that
-    nothing uses its temporary regions any more; ``"settle_writes"`` for a sending
-    end), quietly, then deregistering them."""
+def _quietly_then_deregister(raw: Any, how: str, agent: Agent, keys: List[int]) -> None:
+    """Deregisters the temporary regions ``keys`` of the stream end ``raw`` once
+    ``raw.<how>()`` returned: ``"settle_writes"`` for a sending end whose stream broke or
+    was aborted (the writes it posted may still be on their way), ``"close"`` for an end
+    dropped without :meth:`close`. A call that fails is logged (the error that matters
+    is the caller's own), and a region still in use stays listed."""
     if not keys:
         return
     try:
         getattr(raw, how)()
     except FreightError as e:
-        log.debug("%s of a stream end dropped without close() failed: %s", how, e)
+        log.debug("%s of a stream end before deregistering its memory failed: %s", how, e)
     _deregister_all(agent, keys)
 
 
@@ -140,7 +128,7 @@ def _on_collect(owner: Any, raw: Any, agent: Agent, keys: List[int], how: str = 
     """Deregisters ``keys`` (the list is shared with ``owner``, which empties it when it
     cleans up itself) once ``owner`` is garbage collected without being closed. Not at
     interpreter exit: the registrations go with the process, and a close could wait."""
-    weakref.finalize(owner, _close_then_deregister, raw, agent, keys, how).atexit = False
+    weakref.finalize(owner, _quietly_then_deregister, raw, how, agent, keys).atexit = False
 
 
 def _credit_batch(credit_batch: Optional[int]) -> Optional[int]:
@@ -539,7 +527,7 @@ class PipeSender(_PeerEnd):
         self._raw.abort(str(reason))
 
     def _release_temp(self) -> None:
-        _settle_then_deregister(self._raw, self._agent, self._temp)
+        _quietly_then_deregister(self._raw, "settle_writes", self._agent, self._temp)
 
     @property
     def kind(self) -> str:
@@ -665,7 +653,7 @@ class ChannelSender(_PeerEnd):
                 self._release_temp()
 
     def _release_temp(self) -> None:
-        _settle_then_deregister(self._raw, self._agent, self._temp)
+        _quietly_then_deregister(self._raw, "settle_writes", self._agent, self._temp)
 
     def flush(self) -> None:
         """Waits until every object sent so far is written into the receiver's buffer."""
