@@ -3,6 +3,8 @@
 
 use std::path::Path;
 
+use rustls_pki_types::pem::{PemObject, SectionKind};
+
 use clap::Args;
 use freight_kv::{Server, ServerConfig};
 
@@ -171,52 +173,38 @@ impl PemKind {
     }
 }
 
-/// Private keys the server's TLS library reads (PKCS#8, PKCS#1, SEC1; not encrypted).
-const KEY_LABELS: [&str; 3] = ["PRIVATE KEY", "RSA PRIVATE KEY", "EC PRIVATE KEY"];
-
-/// The labels of the complete PEM blocks in `bytes` (`-----BEGIN X-----`, base64,
-/// `-----END X-----`).
-fn pem_labels(bytes: &[u8]) -> Vec<String> {
-    let text = String::from_utf8_lossy(bytes);
-    let (mut labels, mut open) = (Vec::new(), None::<String>);
-    for line in text.lines().map(str::trim) {
-        let marker = |tag: &str| line.strip_prefix(tag).and_then(|l| l.strip_suffix("-----")).map(str::to_string);
-        if let Some(label) = marker("-----BEGIN ") {
-            open = Some(label);
-        } else if let (Some(label), Some(end)) = (&open, marker("-----END ")) {
-            if *label == end {
-                labels.push(end);
-            }
-            open = None;
-        } else if open.is_some() && !line.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'+' | b'/' | b'='))
-        {
-            open = None;
-        }
-    }
-    labels
+/// The kinds of the PEM sections in `bytes` that TLS uses (others, such as encrypted
+/// keys, are skipped), or why they do not parse.
+fn pem_sections(bytes: &[u8]) -> Result<Vec<SectionKind>, String> {
+    <(SectionKind, Vec<u8>)>::pem_slice_iter(bytes)
+        .map(|section| section.map(|(kind, _)| kind).map_err(|e| format!("not valid PEM ({e})")))
+        .collect()
 }
 
 /// Whether `bytes` hold what `want` asks for, and if not, what they hold instead.
 fn check_pem(bytes: &[u8], want: PemKind) -> Result<(), String> {
-    let labels = pem_labels(bytes);
-    let is_key = |l: &String| l.ends_with("PRIVATE KEY");
+    let kinds = pem_sections(bytes)?;
+    let is_key =
+        |k: &SectionKind| matches!(k, SectionKind::PrivateKey | SectionKind::RsaPrivateKey | SectionKind::EcPrivateKey);
     let found = match want {
-        PemKind::Certificate => labels.iter().any(|l| l == "CERTIFICATE"),
-        PemKind::PrivateKey => labels.iter().any(|l| KEY_LABELS.contains(&l.as_str())),
+        PemKind::Certificate => kinds.contains(&SectionKind::Certificate),
+        PemKind::PrivateKey => kinds.iter().any(is_key),
     };
+    // Sections TLS cannot use are skipped by the parser: an encrypted key is one.
+    let encrypted = bytes.windows(b"ENCRYPTED PRIVATE KEY".len()).any(|w| w == b"ENCRYPTED PRIVATE KEY");
     match (found, want) {
         (true, _) => Ok(()),
-        (false, _) if labels.is_empty() => Err(format!("not a PEM file (no -----BEGIN {}----- block)", want.label())),
-        (false, PemKind::Certificate) if labels.iter().any(is_key) => {
-            Err("holds a private key, not a certificate (--tls-cert and --tls-key swapped?)".into())
-        }
-        (false, PemKind::PrivateKey) if labels.iter().any(|l| l.contains("ENCRYPTED")) => {
+        (false, PemKind::PrivateKey) if encrypted => {
             Err("the private key is encrypted; give it decrypted (e.g. openssl pkey -in KEY -out PLAIN)".into())
         }
-        (false, PemKind::PrivateKey) if labels.iter().any(|l| l == "CERTIFICATE") => {
+        (false, _) if kinds.is_empty() => Err(format!("not a PEM file (no -----BEGIN {}----- block)", want.label())),
+        (false, PemKind::Certificate) if kinds.iter().any(is_key) => {
+            Err("holds a private key, not a certificate (--tls-cert and --tls-key swapped?)".into())
+        }
+        (false, PemKind::PrivateKey) if kinds.contains(&SectionKind::Certificate) => {
             Err("holds a certificate, not a private key (--tls-cert and --tls-key swapped?)".into())
         }
-        (false, _) => Err(format!("PEM, but no {} block in it (found {})", want.label(), labels.join(", "))),
+        (false, _) => Err(format!("PEM, but no {} block in it (found {kinds:?})", want.label())),
     }
 }
 
@@ -305,15 +293,13 @@ mod tests {
     }
 
     #[test]
-    fn pem_blocks_are_complete_and_base64() {
-        assert_eq!(
-            pem_labels(b"-----BEGIN EC PRIVATE KEY-----\nab+/=\n\n-----END EC PRIVATE KEY-----"),
-            ["EC PRIVATE KEY"]
-        );
-        assert!(pem_labels(b"-----BEGIN CERTIFICATE-----\nMIIB\n").is_empty(), "no END");
-        assert!(pem_labels(b"-----BEGIN CERTIFICATE-----\nnot base64!\n-----END CERTIFICATE-----").is_empty());
-        assert!(pem_labels(b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END PRIVATE KEY-----").is_empty());
-        let encrypted = b"-----BEGIN ENCRYPTED PRIVATE KEY-----\nMIIB\n-----END ENCRYPTED PRIVATE KEY-----";
+    fn pem_sections_are_named_and_broken_ones_refused() {
+        let ec = b"-----BEGIN EC PRIVATE KEY-----\nab+/\n-----END EC PRIVATE KEY-----\n";
+        assert_eq!(pem_sections(ec).unwrap(), [SectionKind::EcPrivateKey]);
+        assert!(check_pem(ec, PemKind::PrivateKey).is_ok());
+        assert!(pem_sections(b"-----BEGIN CERTIFICATE-----\nMIIB\n").is_err(), "no END");
+        assert!(pem_sections(b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END PRIVATE KEY-----\n").is_err());
+        let encrypted = b"-----BEGIN ENCRYPTED PRIVATE KEY-----\nMIIB\n-----END ENCRYPTED PRIVATE KEY-----\n";
         assert!(check_pem(encrypted, PemKind::PrivateKey).unwrap_err().contains("encrypted"));
     }
 }
