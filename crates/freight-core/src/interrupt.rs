@@ -16,6 +16,17 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 
+/// "No limit" for a wait: a century, short enough to add to an `Instant`. A caller's
+/// longer wait is taken for one of this long ([`deadline_after`]).
+pub const FOREVER: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// The instant `wait` from now. A caller's wait is any `Duration`, and adding one past
+/// what the clock holds would panic: such a wait ends after [`FOREVER`].
+pub fn deadline_after(wait: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(wait).unwrap_or_else(|| now + FOREVER)
+}
+
 thread_local! {
     static CHECK: RefCell<Option<Rc<dyn Fn() -> bool>>> = const { RefCell::new(None) };
 }
@@ -72,6 +83,14 @@ mod tests {
     use std::cell::Cell;
 
     use super::*;
+
+    #[test]
+    fn a_wait_past_what_the_clock_holds_is_a_long_wait_not_a_panic() {
+        let far = deadline_after(Duration::MAX);
+        assert!(far > Instant::now() + Duration::from_secs(50 * 365 * 24 * 3600));
+        let near = deadline_after(Duration::from_millis(10));
+        assert!(near <= Instant::now() + Duration::from_millis(10));
+    }
 
     #[test]
     fn without_a_check_nothing_interrupts() {

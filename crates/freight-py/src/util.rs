@@ -6,9 +6,7 @@ use pyo3::prelude::*;
 
 use crate::errors::invalid;
 
-/// "No limit": a century, short enough to add to an `Instant`. A wait of more seconds
-/// than this is taken for one of this long.
-pub(crate) const FOREVER: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+pub(crate) use freight_core::interrupt::FOREVER;
 
 /// Seconds (finite, >= 0) as a Duration, at most [`FOREVER`] (a caller's `1e19` means
 /// "forever", not a deadline past what the clock holds); `what` names the argument in

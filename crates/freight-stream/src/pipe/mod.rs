@@ -19,6 +19,7 @@ mod sender;
 
 use std::time::{Duration, Instant};
 
+pub(crate) use freight_core::interrupt::deadline_after;
 use freight_core::{interrupt, Agent, Error, MemKind, Result};
 
 pub use receiver::{Message, PipeListener, PipeReceiver};
@@ -35,17 +36,6 @@ pub const DEFAULT_CAPACITY: u64 = 4 << 30;
 
 /// How long a sender waits for the receiver's word on why a write failed.
 const REASON_WAIT: Duration = Duration::from_millis(100);
-
-/// Where a wait too long to add to the clock ends instead (a century: a caller's
-/// "forever", as the bindings spell it).
-const LONGEST_WAIT: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
-
-/// The instant `wait` from now. A caller's wait is any `Duration`, and adding one past
-/// what the clock holds would panic: such a wait ends after [`LONGEST_WAIT`].
-pub(crate) fn deadline_after(wait: Duration) -> Instant {
-    let now = Instant::now();
-    now.checked_add(wait).unwrap_or_else(|| now + LONGEST_WAIT)
-}
 
 #[derive(Debug, Clone)]
 pub struct PipeConfig {
@@ -127,17 +117,4 @@ fn check_buffer(info: &BufferInfo) -> Result<()> {
         return Err(Error::InvalidArgument("a pipe buffer must be host (DRAM) or GPU (VRAM) memory".into()));
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_wait_past_what_the_clock_holds_is_a_long_wait_not_a_panic() {
-        let far = deadline_after(Duration::MAX);
-        assert!(far > Instant::now() + Duration::from_secs(50 * 365 * 24 * 3600));
-        let near = deadline_after(Duration::from_millis(10));
-        assert!(near <= Instant::now() + Duration::from_millis(10));
-    }
 }
