@@ -385,3 +385,44 @@ fn private_memory_is_a_local_side_only() {
     }
     assert_eq!(pool.0, before, "the private pool changed");
 }
+
+/// A small request to one peer is not held up behind a long one to another: the rail's
+/// thread serves destinations in turn, so the small one's operation goes out while the
+/// long one's are still waiting for room at the provider.
+#[test]
+fn a_small_request_overtakes_a_long_one_to_another_peer() {
+    if !libfabric() {
+        return;
+    }
+    // Small operations, so that the long request has far more than the provider's queue
+    // takes at once.
+    let chunk = 16u64 << 10;
+    let a = Agent::new("initiator", config("tcp", &["lo"], chunk)).unwrap();
+    let far = Agent::new("far", config("tcp", &["lo"], chunk)).unwrap();
+    let near = Agent::new("near", config("tcp", &["lo"], chunk)).unwrap();
+    let long = 128u64 << 20;
+    let (src, sink) = (Buffer::new(long as usize, 1), Buffer::new(long as usize, 2));
+    let (small_src, small_sink) = (Buffer::new(4096, 3), Buffer::new(4096, 4));
+    a.register(MemKind::Dram, src.addr(), long, 0).unwrap();
+    a.register(MemKind::Dram, small_src.addr(), 4096, 0).unwrap();
+    far.register(MemKind::Dram, sink.addr(), long, 0).unwrap();
+    near.register(MemKind::Dram, small_sink.addr(), 4096, 0).unwrap();
+    a.add_peer(&far.metadata()).unwrap();
+    a.add_peer(&near.metadata()).unwrap();
+    let small = a
+        .transfer(OpKind::Write, &list(&[(small_src.addr(), 4096)]), "near", &list(&[(small_sink.addr(), 4096)]), None)
+        .unwrap();
+    // Both connections open before the clock starts.
+    assert_eq!(small.wait(T), Status::Done);
+    let started = std::time::Instant::now();
+    let big =
+        a.transfer(OpKind::Write, &list(&[(src.addr(), long)]), "far", &list(&[(sink.addr(), long)]), None).unwrap();
+    small.post().unwrap();
+    assert_eq!(small.wait(T), Status::Done);
+    let small_took = started.elapsed();
+    assert_eq!(big.wait(T), Status::Done);
+    let big_took = started.elapsed();
+    eprintln!("small {small_took:?}, long {big_took:?}");
+    assert!(sink.0 == src.0 && small_sink.0 == small_src.0);
+    assert!(small_took * 4 < big_took, "the small request took {small_took:?}, the long one {big_took:?}");
+}

@@ -21,6 +21,7 @@
 //! buffers the peer lends and copies in and out of when told to ([`pipeline`],
 //! [`relay`], [`dock`]).
 
+mod backlog;
 mod dock;
 pub mod ffi;
 pub mod link;

@@ -6,7 +6,7 @@
 //! to call into them for that).
 
 use std::cell::RefCell;
-use std::collections::{HashSet, VecDeque};
+use std::collections::HashSet;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{unbounded, Receiver, Sender, TryRecvError};
 
+use super::backlog::{Addressed, Backlog, Offer};
 use super::ffi::{FiCqEntry, FI_EAGAIN, FI_EAVAIL, FI_ECANCELED, FI_ETIMEDOUT};
 use super::rail::Rail;
 use super::relay;
@@ -43,6 +44,12 @@ pub struct Work {
 impl Work {
     fn finish(self, result: Result<()>) {
         self.done.report(result)
+    }
+}
+
+impl Addressed for Work {
+    fn dest(&self) -> u64 {
+        self.dest
     }
 }
 
@@ -205,7 +212,7 @@ const BUSY_WAIT_MS: i32 = 1;
 
 impl Driver {
     fn run(self) {
-        let mut waiting: VecDeque<Work> = VecDeque::new();
+        let mut waiting: Backlog<Work> = Backlog::default();
         let mut held: HashSet<usize> = HashSet::new();
         let mut entries = [FiCqEntry { op_context: std::ptr::null_mut() }; 64];
         let mut waitable = self.rail.waitable;
@@ -252,7 +259,7 @@ impl Driver {
 
     /// Without a wait object: spin briefly while operations are out, else sleep on the
     /// queue of new work (the provider still gets called every millisecond).
-    fn pause(&self, idle: bool, waiting: &mut VecDeque<Work>, held: &HashSet<usize>) {
+    fn pause(&self, idle: bool, waiting: &mut Backlog<Work>, held: &HashSet<usize>) {
         if idle {
             if let Ok(command) = self.jobs.recv_timeout(Duration::from_millis(1)) {
                 self.obey(command, waiting, held);
@@ -262,18 +269,14 @@ impl Driver {
         }
     }
 
-    fn obey(&self, command: Command, waiting: &mut VecDeque<Work>, held: &HashSet<usize>) {
+    fn obey(&self, command: Command, waiting: &mut Backlog<Work>, held: &HashSet<usize>) {
         match command {
-            Command::Run(batch) => waiting.extend(batch),
+            Command::Run(batch) => batch.into_iter().for_each(|w| waiting.push(w)),
             Command::Abandon { dest, reason } => {
                 let gone = |w: &Work| Error::PeerDisconnected { peer: w.peer.to_string(), reason: reason.clone() };
-                for w in std::mem::take(waiting) {
-                    if w.dest == dest {
-                        let e = gone(&w);
-                        w.finish(Err(e));
-                    } else {
-                        waiting.push_back(w);
-                    }
+                for w in waiting.take_dest(dest) {
+                    let e = gone(&w);
+                    w.finish(Err(e));
                 }
                 for &context in held {
                     // SAFETY: a held operation is allocated until settled, which only
@@ -303,51 +306,53 @@ impl Driver {
         Ok(Stage::Buffer(slot))
     }
 
-    fn post(&self, waiting: &mut VecDeque<Work>, held: &mut HashSet<usize>) {
-        while let Some(work) = waiting.pop_front() {
-            let slot = match self.stage(&work) {
-                Ok(Stage::InPlace) => None,
-                Ok(Stage::Buffer(slot)) => Some(slot),
-                Ok(Stage::AllBuffersOut) => {
-                    // Wait for a completion to free one.
-                    waiting.push_front(work);
-                    return;
-                }
-                Err(e) => {
-                    work.finish(Err(e));
-                    continue;
-                }
-            };
-            let (local, desc) = match slot {
-                Some(s) => self.staging.borrow_mut().target(s),
-                None => (work.local, work.desc as *mut c_void),
-            };
-            let op = Box::into_raw(Box::new(InFlight { scratch: [0; 8], work, abandoned: false, slot }));
-            // SAFETY: `op` stays allocated until its completion is reaped (`settle`);
-            // the local memory is held registered by the request's guards, or is a
-            // staging buffer this thread keeps, until then.
-            let rc = unsafe {
-                let w = &(*op).work;
-                self.rail.post(w.read, local, w.len, desc, w.dest, w.remote, w.key, op.cast())
-            };
-            if rc == 0 {
-                held.insert(op as usize);
-                continue;
+    /// Posts what waits, destinations in turn ([`Backlog`]): one whose operations the
+    /// provider cannot take now (`FI_EAGAIN`), or that waits for a staging buffer, sits
+    /// out until the next round without holding up the others.
+    fn post(&self, waiting: &mut Backlog<Work>, held: &mut HashSet<usize>) {
+        waiting.serve(|work| self.post_one(work, held));
+    }
+
+    fn post_one(&self, work: Work, held: &mut HashSet<usize>) -> Offer<Work> {
+        let slot = match self.stage(&work) {
+            Ok(Stage::InPlace) => None,
+            Ok(Stage::Buffer(slot)) => Some(slot),
+            // A completion frees one.
+            Ok(Stage::AllBuffersOut) => return Offer::Busy(work),
+            Err(e) => {
+                work.finish(Err(e));
+                return Offer::Taken;
             }
-            if let Some(s) = slot {
-                self.staging.borrow_mut().give_back(s);
-            }
-            // SAFETY: the provider refused the operation, so it never saw `op`.
-            let work = unsafe { Box::from_raw(op) }.work;
-            if rc == -FI_EAGAIN {
-                waiting.push_front(work);
-                return;
-            }
-            let what = if work.read { "fi_read" } else { "fi_write" };
-            let reason = format!("{what} failed: {}", self.rail.error_text(rc));
-            let peer = work.peer.to_string();
-            work.finish(Err(completion_error(&peer, (-rc) as i32, reason)));
+        };
+        let (local, desc) = match slot {
+            Some(s) => self.staging.borrow_mut().target(s),
+            None => (work.local, work.desc as *mut c_void),
+        };
+        let op = Box::into_raw(Box::new(InFlight { scratch: [0; 8], work, abandoned: false, slot }));
+        // SAFETY: `op` stays allocated until its completion is reaped (`settle`); the
+        // local memory is held registered by the request's guards, or is a staging
+        // buffer this thread keeps, until then.
+        let rc = unsafe {
+            let w = &(*op).work;
+            self.rail.post(w.read, local, w.len, desc, w.dest, w.remote, w.key, op.cast())
+        };
+        if rc == 0 {
+            held.insert(op as usize);
+            return Offer::Taken;
         }
+        if let Some(s) = slot {
+            self.staging.borrow_mut().give_back(s);
+        }
+        // SAFETY: the provider refused the operation, so it never saw `op`.
+        let work = unsafe { Box::from_raw(op) }.work;
+        if rc == -FI_EAGAIN {
+            return Offer::Busy(work);
+        }
+        let what = if work.read { "fi_read" } else { "fi_write" };
+        let reason = format!("{what} failed: {}", self.rail.error_text(rc));
+        let peer = work.peer.to_string();
+        work.finish(Err(completion_error(&peer, (-rc) as i32, reason)));
+        Offer::Taken
     }
 
     /// Finishes the operations a reap returned.
@@ -391,10 +396,10 @@ impl Driver {
     /// Fails queued work, and gives operations in flight a moment to complete; those
     /// that do not are failed too, and their contexts leaked (the provider may still
     /// write to them until the endpoint closes).
-    fn shut_down(&self, waiting: VecDeque<Work>, mut held: HashSet<usize>, entries: &mut [FiCqEntry]) {
+    fn shut_down(&self, mut waiting: Backlog<Work>, mut held: HashSet<usize>, entries: &mut [FiCqEntry]) {
         let closed =
             |peer: &str| Error::PeerDisconnected { peer: peer.to_string(), reason: "the local agent closed".into() };
-        for w in waiting {
+        for w in waiting.drain() {
             let e = closed(&w.peer);
             w.finish(Err(e));
         }
