@@ -14,7 +14,6 @@
 
 use std::io::{IoSlice, IoSliceMut};
 use std::net::TcpStream;
-use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -73,7 +72,7 @@ fn serve_messages(
             None => {
                 // Idle: sleep until the next message (or the end of the stream) begins,
                 // however long that takes. From its first byte on, reads time out.
-                crate::inbox::wait_readable(sock.as_raw_fd())?;
+                zc.wait_readable(sock)?;
                 match wire::read_frame(sock)? {
                     Some(f) => f,
                     None => return Ok(()),

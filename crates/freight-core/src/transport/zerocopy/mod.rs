@@ -7,9 +7,14 @@
 //!   the receiving socket gets the sender's pages and its read is the only copy.
 //!
 //! Either way the kernel keeps referencing the pages after the call returns. freight
-//! needs no per-send bookkeeping for that: a request completes only when the peer has
-//! answered for the chunk, which means the peer has read every byte, so the pages are
-//! never reused while the kernel could still need them. `MSG_ZEROCOPY` completions are
+//! needs no per-send bookkeeping for an initiator's WRITE: its request completes only
+//! when the peer has answered for the chunk, which means the peer has read every byte,
+//! so the pages are not reused while the kernel could still need them. A target's READ
+//! answer is not answered for: its region may be deregistered once the send returns,
+//! while the kernel still holds pages that the initiator has not read yet. The kernel
+//! keeps those pages alive (nothing unmapped is ever read), but bytes the application
+//! writes into them meanwhile reach that READ; an application that reuses memory a peer
+//! is reading has raced with the peer in any case. `MSG_ZEROCOPY` completions are
 //! drained only so that they do not exhaust the socket's option memory, and to notice
 //! when the kernel silently copied anyway (a peer in another namespace of this host, a
 //! device without scatter-gather): the socket then splices instead.
@@ -143,22 +148,51 @@ impl ZeroCopySocket {
     }
 
     /// Reads every pending `MSG_ZEROCOPY` completion without blocking; splices instead
-    /// when the kernel reports that it copied.
-    fn drain(&mut self, sock: &TcpStream) {
+    /// when the kernel reports that it copied. Returns how many it read.
+    fn drain(&mut self, sock: &TcpStream) -> usize {
+        let (mut read, mut copied) = (0, false);
         loop {
             match msg::next_completion(sock) {
-                Ok(Some(copied)) if copied => {
-                    tracing::debug!("the kernel copied a zero-copy send (a peer on this host); splicing instead");
-                    self.sender = splicing();
-                    return;
+                Ok(Some(c)) => {
+                    read += 1;
+                    copied |= c;
                 }
-                Ok(Some(_)) => {}
-                Ok(None) => return,
+                Ok(None) => break,
                 Err(e) => {
                     tracing::debug!(error = %e, "reading zero-copy completions failed; using plain sends");
                     self.sender = Sender::Copy;
-                    return;
+                    return read;
                 }
+            }
+        }
+        if copied && matches!(self.sender, Sender::MsgZeroCopy) {
+            tracing::debug!("the kernel copied a zero-copy send (a peer on this host); splicing instead");
+            self.sender = splicing();
+        }
+        read
+    }
+
+    /// Sleeps until bytes, the end of the stream or an error can be read from `sock`.
+    /// The kernel's completion reports for `MSG_ZEROCOPY` sends wake `poll` too (as
+    /// `POLLERR`, asked for or not) until they are read: they are read here, and the
+    /// wait goes on. Otherwise the last send's report, which comes a round trip after
+    /// it, would pass for a message and the read that follows would time out.
+    pub fn wait_readable(&mut self, sock: &TcpStream) -> io::Result<()> {
+        loop {
+            let mut pfd = libc::pollfd { fd: sock.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+            // SAFETY: one valid pollfd.
+            let rc = unsafe { libc::poll(&mut pfd, 1, -1) };
+            if rc < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(e);
+            }
+            let readable = pfd.revents & (libc::POLLIN | libc::POLLHUP) != 0;
+            // Nothing on the error queue: a real error, which the read reports.
+            if readable || pfd.revents & libc::POLLERR == 0 || self.drain(sock) == 0 {
+                return Ok(());
             }
         }
     }
@@ -196,7 +230,7 @@ pub(super) fn retrying(mut call: impl FnMut() -> isize) -> io::Result<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::io::Read;
+    use std::io::{Read, Write};
     use std::net::TcpListener;
 
     fn pair() -> (TcpStream, TcpStream) {
@@ -257,6 +291,41 @@ mod tests {
         // queue: the socket must have noticed and moved to splicing.
         zc.drain(&client);
         assert_eq!(zc.mode(), SendMode::Splice, "the copied-completion on loopback went unnoticed");
+    }
+
+    #[test]
+    fn completion_reports_do_not_pass_for_a_message() {
+        let (mut client, mut server) = pair();
+        msg::set_zerocopy(&client).expect("this kernel refused SO_ZEROCOPY");
+        let mut zc = ZeroCopySocket { sender: Sender::MsgZeroCopy };
+        let payload = vec![3u8; 1 << 20];
+        let mut sent = payload.clone();
+        let reader = std::thread::spawn(move || {
+            let mut got = vec![0u8; 4 + sent.len()];
+            server.read_exact(&mut got).unwrap();
+            // Once the sender is idle and its last report is queued, answer.
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            server.write_all(b"next").unwrap();
+            sent.splice(0..0, *b"HEAD");
+            assert!(got == sent);
+            server
+        });
+        // Written without draining afterwards: the reports stay queued, as after the last
+        // send of a busy stream.
+        crate::wire::write_all_vectored(&mut client, &mut [IoSlice::new(b"HEAD")]).unwrap();
+        let mut rest = [IoSlice::new(&payload)];
+        let mut rest = &mut rest[..];
+        while !rest.is_empty() {
+            let n = msg::send_zerocopy(&client, rest).unwrap();
+            IoSlice::advance_slices(&mut rest, n);
+        }
+        let started = std::time::Instant::now();
+        zc.wait_readable(&client).unwrap();
+        assert!(started.elapsed() >= std::time::Duration::from_millis(200), "woke for a completion report");
+        let mut next = [0u8; 4];
+        client.read_exact(&mut next).unwrap();
+        assert_eq!(&next, b"next");
+        let _server = reader.join().unwrap();
     }
 
     #[test]
