@@ -67,7 +67,36 @@ impl Inbox {
     }
 
     fn pump_locked(&self, r: &mut Reader, queue: &NotifQueue) -> Result<bool> {
-        let mut open = true;
+        let received = self.receive(r, queue);
+        // A sender that closes may have written records it did not ring for; one whose
+        // connection broke (a reset, a bad frame) left its records intact in shared
+        // memory, written before whatever went wrong: they are delivered either way.
+        let drain = match &received {
+            Ok((woken, open)) => *woken || !*open,
+            Err(_) => true,
+        };
+        if let (true, Some(d)) = (drain, self.doorbell.get()) {
+            let drained = d.drain(queue);
+            if let Err(e) = &drained {
+                if received.is_err() {
+                    tracing::warn!(from = %self.from, error = %e, "the outbox of a broken connection could not be read");
+                }
+            }
+            // The connection's own error says more than the outbox's.
+            if received.is_ok() {
+                drained?;
+            }
+        }
+        let (_, open) = received?;
+        if !open && !r.pending.is_empty() {
+            return Err(Error::Io("connection closed inside a frame".into()));
+        }
+        Ok(open)
+    }
+
+    /// Takes in what the socket holds: whether the sender rang, and whether the
+    /// connection is still open.
+    fn receive(&self, r: &mut Reader, queue: &NotifQueue) -> Result<(bool, bool)> {
         // Frames left by an earlier pump that stopped at an error come first.
         let mut woken = self.handle_frames(&mut r.pending, queue)?;
         let mut chunk = [0u8; 16 << 10];
@@ -83,25 +112,15 @@ impl Inbox {
                 continue;
             }
             if n == 0 {
-                open = false;
-                break;
+                return Ok((woken, false));
             }
             let e = io::Error::last_os_error();
             match e.kind() {
-                io::ErrorKind::WouldBlock => break,
+                io::ErrorKind::WouldBlock => return Ok((woken, true)),
                 io::ErrorKind::Interrupted => continue,
                 _ => return Err(e.into()),
             }
         }
-        // A sender that closes may have written records it did not ring for.
-        woken |= !open;
-        if let (true, Some(d)) = (woken, self.doorbell.get()) {
-            d.drain(queue)?;
-        }
-        if !open && !r.pending.is_empty() {
-            return Err(Error::Io("connection closed inside a frame".into()));
-        }
-        Ok(open)
     }
 
     /// Handles every complete frame in `pending`, in order. `Ok(true)`: the sender rang.
@@ -382,6 +401,20 @@ mod tests {
         std::thread::sleep(Duration::from_millis(20));
         assert!(!inbox.pump(&q).unwrap());
         assert_eq!(q.drain()[0].msg, b"last");
+    }
+
+    #[test]
+    fn records_in_the_outbox_survive_a_connection_that_breaks() {
+        let Watched { inbox, mut tx, q, mut out, .. } = watched_with_an_outbox();
+        tx.write_all(&wire::encode(&out.announcement(&HostIdentity::current()))).unwrap();
+        pump_until(&inbox, &q, 0);
+        assert_eq!(wire::read_frame(&mut tx).unwrap().unwrap(), Frame::OutboxReply { error: None });
+        // Not rung for (nobody sleeps on notifications), then the connection breaks.
+        out.send("p", b"kept", Duration::from_secs(1), || Ok(()), || Ok(())).unwrap();
+        tx.write_all(&wire::encode(&Frame::Revoke { region: 1 })).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(matches!(inbox.pump(&q), Err(Error::Protocol(_))));
+        assert_eq!(q.drain().iter().map(|n| n.msg.clone()).collect::<Vec<_>>(), vec![b"kept".to_vec()]);
     }
 
     #[test]

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread;
 
@@ -35,6 +35,33 @@ pub struct Server {
     /// The same connections, as sources of notifications.
     pub(crate) inboxes: Inboxes,
     next_id: AtomicU64,
+    /// Connections whose hello is still awaited.
+    handshakes: Arc<AtomicUsize>,
+}
+
+/// Most connections that may be awaiting their hello at once. Beyond that a new
+/// connection is dropped at once: clients that connect and never finish a hello cannot
+/// take every thread and descriptor of the agent (each gives up after the connect
+/// timeout). Peers finish their hellos in a round trip, so they never come near it.
+pub const MAX_HANDSHAKES: usize = 256;
+
+/// One connection's place among those awaiting a hello, given back when dropped.
+struct Handshake(Arc<AtomicUsize>);
+
+impl Handshake {
+    fn begin(count: &Arc<AtomicUsize>) -> Option<Handshake> {
+        if count.fetch_add(1, Ordering::AcqRel) >= MAX_HANDSHAKES {
+            count.fetch_sub(1, Ordering::AcqRel);
+            return None;
+        }
+        Some(Handshake(count.clone()))
+    }
+}
+
+impl Drop for Handshake {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl Server {
@@ -42,17 +69,23 @@ impl Server {
         self.listeners.lock().iter().map(|(a, _)| *a).collect()
     }
 
-    /// Tells every connected peer that a region is gone (best effort).
+    /// Tells every connected peer that a region is gone. The connections are listed
+    /// under the lock and written to after it, so that a peer slow to read holds up no
+    /// other connection's set-up or end. A peer that cannot be told has its connection
+    /// shut: it must not go on trusting a control link that misses revocations.
     pub fn broadcast(&self, frame: &Frame) {
         let bytes = wire::encode(frame);
-        let mut controls = self.controls.lock();
-        controls.retain(|_, (peer, s)| match std::io::Write::write_all(&mut *s.lock(), &bytes) {
-            Ok(()) => true,
-            Err(e) => {
-                tracing::debug!(%peer, error = %e, "dropping dead control connection");
-                false
+        let controls: Vec<(u64, String, ControlWriter)> =
+            self.controls.lock().iter().map(|(&id, (peer, w))| (id, peer.clone(), w.clone())).collect();
+        for (id, peer, writer) in controls {
+            let mut stream = writer.lock();
+            if let Err(e) = std::io::Write::write_all(&mut *stream, &bytes) {
+                tracing::warn!(%peer, error = %e, "a peer could not be told of a revocation; shut its control connection");
+                let _ = stream.shutdown(Shutdown::Both);
+                drop(stream);
+                self.controls.lock().remove(&id);
             }
-        });
+        }
     }
 
     pub fn shutdown(&self) {
@@ -112,10 +145,12 @@ impl Server {
     }
 
     /// Takes up a peer's control connection: sends it the keys of the regions that are
-    /// live now, then records it for revocations. Both under the lock `broadcast` takes,
-    /// so a region deregistered meanwhile is either missing from the list or revoked on
-    /// the connection after it: a peer that read metadata before the revocation (and
-    /// opened this connection after it) learns of it either way.
+    /// live now, then records it for revocations. Both under the lock `broadcast` lists
+    /// connections under, so a region deregistered meanwhile is either missing from the
+    /// list or revoked on the connection after it: a peer that read metadata before the
+    /// revocation (and opened this connection after it) learns of it either way. (The
+    /// list is written under the lock: a new connection's first write, bounded by the
+    /// peer timeout, is the one wait that may hold up a broadcast.)
     fn take_up_control(&self, id: u64, peer: &str, writer: &ControlWriter, registry: &Registry) -> Result<()> {
         let mut controls = self.controls.lock();
         let live = Frame::LiveRegions { regions: registry.public_keys() };
@@ -141,6 +176,7 @@ impl Default for Server {
             controls: Mutex::default(),
             inboxes: Inboxes::default(),
             next_id: AtomicU64::default(),
+            handshakes: Arc::default(),
         }
     }
 }
@@ -177,6 +213,11 @@ fn accept_loop(listener: TcpListener, agent: Weak<AgentInner>) {
         if a.is_closed() {
             return;
         }
+        let Some(handshake) = Handshake::begin(&a.server.handshakes) else {
+            tracing::warn!(most = MAX_HANDSHAKES, "too many connections awaiting their hello; dropped a new one");
+            let _ = stream.shutdown(Shutdown::Both);
+            continue;
+        };
         // The agent may close between the check above and here: `admit` then refuses.
         let Some(id) = a.server.admit(&stream) else {
             if a.is_closed() {
@@ -186,7 +227,7 @@ fn accept_loop(listener: TcpListener, agent: Weak<AgentInner>) {
         };
         let weak = agent.clone();
         let spawned = thread::Builder::new().name("freight-conn".into()).spawn(move || {
-            if let Err(e) = serve_connection(stream, &weak, id) {
+            if let Err(e) = serve_connection(stream, &weak, id, handshake) {
                 tracing::debug!(error = %e, "inbound connection ended");
             }
             if let Some(a) = weak.upgrade() {
@@ -205,16 +246,17 @@ fn serving(agent: &Weak<AgentInner>) -> Result<Arc<AgentInner>> {
     agent.upgrade().filter(|a| !a.is_closed()).ok_or_else(|| Error::Io("agent closed".into()))
 }
 
-fn serve_connection(mut stream: TcpStream, agent: &Weak<AgentInner>, id: u64) -> Result<()> {
+fn serve_connection(mut stream: TcpStream, agent: &Weak<AgentInner>, id: u64, handshake: Handshake) -> Result<()> {
     let (timeout, peer_timeout, metadata_token, secret, my_id) = {
         let a = serving(agent)?;
         (a.config.connect_timeout, a.config.peer_timeout, a.config.metadata_token.clone(), a.secret, a.id)
     };
     tune(&stream)?;
-    stream.set_read_timeout(Some(timeout))?;
-    // Unauthenticated so far: a bounded hello, and answers that cannot block for ever.
+    // Unauthenticated so far: a bounded hello that must arrive whole within the connect
+    // timeout (not merely byte by byte), and answers that cannot block for ever.
     stream.set_write_timeout(Some(peer_timeout))?;
-    let hello = wire::read_frame_within(&mut stream, wire::MAX_HELLO)?;
+    let hello = wire::read_frame_within(&mut Deadline::after(&stream, timeout), wire::MAX_HELLO)?;
+    drop(handshake);
     let Some(Frame::Hello { version, role, from_name, target_id, token, .. }) = hello else {
         return refuse(&mut stream, "expected a hello");
     };
@@ -263,6 +305,29 @@ fn serve_connection(mut stream: TcpStream, agent: &Weak<AgentInner>, id: u64) ->
             serve_fabric(stream, &a.registry, a.fabric.as_deref(), &from_name)
         }
         Role::Metadata => unreachable!("handled above"),
+    }
+}
+
+/// Reads from a socket until a deadline: each read waits only for the time left.
+struct Deadline<'a> {
+    stream: &'a TcpStream,
+    at: std::time::Instant,
+}
+
+impl<'a> Deadline<'a> {
+    fn after(stream: &'a TcpStream, timeout: std::time::Duration) -> Deadline<'a> {
+        Deadline { stream, at: crate::interrupt::deadline_after(timeout) }
+    }
+}
+
+impl std::io::Read for Deadline<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let left = self.at.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "the hello did not arrive in time"));
+        }
+        self.stream.set_read_timeout(Some(left))?;
+        std::io::Read::read(&mut self.stream, buf)
     }
 }
 
@@ -347,6 +412,39 @@ mod tests {
         // Ending connections after the shutdown finds nothing to forget, and no table.
         server.forget(id);
         assert!(server.inbound.lock().is_none());
+    }
+
+    #[test]
+    fn a_peer_too_slow_to_be_told_of_a_revocation_loses_its_control_connection() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let server = Server::default();
+        let (mut peer, accepted) = pair(&listener);
+        accepted.set_write_timeout(Some(Duration::from_millis(50))).unwrap();
+        server.controls.lock().insert(1, ("slow".into(), Arc::new(Mutex::new(accepted))));
+        // The peer reads nothing: its socket fills, and a write times out.
+        let big = Frame::LiveRegions { regions: vec![7; 1 << 20] };
+        for _ in 0..100 {
+            if server.controls.lock().is_empty() {
+                break;
+            }
+            server.broadcast(&big);
+        }
+        assert!(server.controls.lock().is_empty(), "the slow peer is no longer told of revocations");
+        // ...and its end sees the connection end, instead of a link that went quiet.
+        let mut rest = Vec::new();
+        peer.read_to_end(&mut rest).expect("the connection was shut, not left open");
+    }
+
+    #[test]
+    fn handshakes_beyond_the_most_are_turned_away_until_one_ends() {
+        let count = Arc::new(AtomicUsize::new(0));
+        let mut held: Vec<Handshake> = (0..MAX_HANDSHAKES).map(|_| Handshake::begin(&count).unwrap()).collect();
+        assert!(Handshake::begin(&count).is_none());
+        assert_eq!(count.load(Ordering::Acquire), MAX_HANDSHAKES, "a refusal takes no place");
+        held.pop();
+        assert!(Handshake::begin(&count).is_some());
+        drop(held);
+        assert_eq!(count.load(Ordering::Acquire), 0);
     }
 
     #[test]

@@ -340,6 +340,31 @@ fn an_oversized_hello_is_dropped_at_once() {
     assert_eq!(got.first().map(|n| n.msg.as_slice()), Some(b"still here".as_slice()));
 }
 
+/// A hello trickled a byte at a time does not hold the listener's thread for ever: the
+/// connect timeout bounds the whole hello, not each read.
+#[test]
+fn a_hello_must_arrive_whole_within_the_connect_timeout() {
+    use std::io::{Read, Write};
+    let cfg = AgentConfig { connect_timeout: Duration::from_millis(600), ..Default::default() };
+    let (_a, b) = agents(cfg);
+    let mut raw = std::net::TcpStream::connect(&b.addresses()[0]).unwrap();
+    let started = std::time::Instant::now();
+    raw.write_all(&200u32.to_le_bytes()).unwrap();
+    let mut reader = raw.try_clone().unwrap();
+    reader.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let trickle = std::thread::spawn(move || {
+        // One byte every 150 ms: each read alone stays well within the timeout.
+        while started.elapsed() < Duration::from_secs(5) && raw.write_all(&[0]).is_ok() {
+            std::thread::sleep(Duration::from_millis(150));
+        }
+    });
+    let mut byte = [0u8; 1];
+    assert!(matches!(reader.read(&mut byte), Ok(0) | Err(_)));
+    let closed_after = started.elapsed();
+    assert!(closed_after < Duration::from_secs(3), "the trickled hello was served for {closed_after:?}");
+    trickle.join().unwrap();
+}
+
 #[test]
 fn pinning_to_no_cores_is_refused() {
     let mut cfg = AgentConfig::default();
