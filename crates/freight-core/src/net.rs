@@ -4,7 +4,7 @@ use std::io::Write;
 use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::time::Duration;
 
-use socket2::{Domain, SockRef, Socket, Type};
+use socket2::{Domain, SockRef, Socket, TcpKeepalive, Type};
 
 use crate::error::{Error, Result};
 use crate::wire::{self, Frame, Role, PROTOCOL_VERSION};
@@ -44,13 +44,15 @@ fn common_prefix_bits(a: IpAddr, b: IpAddr) -> u32 {
     }
 }
 
-/// Connects to the first reachable address, introduces itself, and waits for a welcome.
+/// Connects to the first reachable address, introduces itself, and waits for a welcome
+/// (each within `timeout`); `peer_timeout` sets how soon a silent peer is noticed ([`tune`]).
 pub fn dial(
     addrs: &[String],
     bind: Option<IpAddr>,
     role: Role,
     intro: &Introduction,
     timeout: Duration,
+    peer_timeout: Duration,
 ) -> Result<TcpStream> {
     let mut last = Error::TransportUnavailable("the peer advertises no address".into());
     for a in addrs {
@@ -61,7 +63,7 @@ pub fn dial(
                 continue;
             }
         };
-        match dial_one(addr, bind, role, intro, timeout) {
+        match dial_one(addr, bind, role, intro, timeout, peer_timeout) {
             Ok(s) => return Ok(s),
             // A refusal is an answer, not a reason to try elsewhere.
             Err(e @ (Error::Auth(_) | Error::Protocol(_))) => return Err(e),
@@ -77,6 +79,7 @@ fn dial_one(
     role: Role,
     intro: &Introduction,
     timeout: Duration,
+    peer_timeout: Duration,
 ) -> Result<TcpStream> {
     let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
     if let Some(ip) = bind {
@@ -86,7 +89,7 @@ fn dial_one(
     }
     socket.connect_timeout(&addr.into(), timeout).map_err(|e| Error::Io(format!("cannot connect to {addr}: {e}")))?;
     let mut stream: TcpStream = socket.into();
-    tune(&stream)?;
+    tune(&stream, peer_timeout)?;
     stream.set_read_timeout(Some(timeout))?;
     let hello = Frame::Hello {
         version: PROTOCOL_VERSION,
@@ -137,11 +140,24 @@ pub fn fetch_metadata(addr: &str, token: &[u8], timeout: Duration) -> Result<Vec
     }
 }
 
+/// Probes of a silent connection before it is given up.
+const KEEPALIVE_PROBES: u32 = 3;
+
 /// Small messages must not wait for Nagle; keepalive notices peers that vanish silently.
-pub fn tune(stream: &TcpStream) -> Result<()> {
+/// An idle connection to a host that went away without closing it (powered off, cut
+/// off the network) is probed after `peer_timeout` of silence, then every fifth of that,
+/// and fails after [`KEEPALIVE_PROBES`] unanswered probes: within about 1.6 peer
+/// timeouts rather than the system's two hours and more. What waits on such a
+/// connection (a fabric exchange's watcher, a control link) then hears of it.
+pub fn tune(stream: &TcpStream, peer_timeout: Duration) -> Result<()> {
     stream.set_nodelay(true)?;
-    let s = SockRef::from(stream);
-    s.set_keepalive(true)?;
+    // Linux takes at most 32767 s.
+    let idle = peer_timeout.clamp(Duration::from_secs(1), Duration::from_secs(32767));
+    let keepalive = TcpKeepalive::new()
+        .with_time(idle)
+        .with_interval((idle / 5).max(Duration::from_secs(1)))
+        .with_retries(KEEPALIVE_PROBES);
+    SockRef::from(stream).set_tcp_keepalive(&keepalive)?;
     Ok(())
 }
 
@@ -153,6 +169,21 @@ pub fn same_secret(a: &[u8], b: &[u8]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_silent_peer_is_probed_after_the_peer_timeout() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let stream = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        tune(&stream, Duration::from_secs(10)).unwrap();
+        let s = SockRef::from(&stream);
+        assert!(s.keepalive().unwrap() && s.tcp_nodelay().unwrap());
+        assert_eq!(s.tcp_keepalive_time().unwrap(), Duration::from_secs(10));
+        assert_eq!(s.tcp_keepalive_interval().unwrap(), Duration::from_secs(2));
+        assert_eq!(s.tcp_keepalive_retries().unwrap(), KEEPALIVE_PROBES);
+        // A peer timeout past what the system takes is clamped, not refused.
+        tune(&stream, Duration::from_secs(1 << 40)).unwrap();
+        assert_eq!(s.tcp_keepalive_time().unwrap(), Duration::from_secs(32767));
+    }
 
     #[test]
     fn streams_bound_to_a_nic_dial_the_peer_address_on_its_link() {

@@ -368,7 +368,7 @@ impl Peer {
     fn dial_control(self: &Arc<Self>, ctx: &DialContext) -> Result<Arc<ControlLink>> {
         let intro = self.intro(ctx);
         let started = Instant::now();
-        let stream = net::dial(&self.md.addresses, None, Role::Control, &intro, ctx.timeout)
+        let stream = net::dial(&self.md.addresses, None, Role::Control, &intro, ctx.timeout, ctx.peer_timeout)
             .map_err(|e| self.disconnected(format!("cannot open control connection: {e}")))?;
         // A peer that stops reading fails a notification instead of blocking it (and
         // everything waiting for the writer) for ever.
@@ -512,7 +512,7 @@ impl Peer {
         for i in 0..n {
             let bind = (!local_addrs.is_empty()).then(|| local_addrs[i % local_addrs.len()]);
             let addrs = net::dial_order(&self.md.addresses, i, bind);
-            let s = net::dial(&addrs, bind, Role::Data { index: i as u32 }, &intro, ctx.timeout)
+            let s = net::dial(&addrs, bind, Role::Data { index: i as u32 }, &intro, ctx.timeout, ctx.peer_timeout)
                 .map_err(|e| self.disconnected(format!("cannot open data stream {i}: {e}")))?;
             sockets.push(s);
         }
@@ -537,7 +537,7 @@ impl Peer {
 
     fn dial_fabric(&self, ctx: &DialContext, fabric: &Arc<Fabric>) -> Result<Arc<FabricLink>> {
         let started = Instant::now();
-        let stream = net::dial(&self.md.addresses, None, Role::Fabric, &self.intro(ctx), ctx.timeout)
+        let stream = net::dial(&self.md.addresses, None, Role::Fabric, &self.intro(ctx), ctx.timeout, ctx.peer_timeout)
             .map_err(|e| self.disconnected(format!("cannot open the fabric exchange: {e}")))?;
         stream.set_read_timeout(Some(ctx.peer_timeout))?;
         let dial: crate::transport::fabric::link::Dial = {
@@ -546,7 +546,7 @@ impl Peer {
             let dials = self.dials.clone();
             Box::new(move || {
                 let started = Instant::now();
-                let stream = net::dial(&addresses, None, Role::Fabric, &intro, timeout)?;
+                let stream = net::dial(&addresses, None, Role::Fabric, &intro, timeout, peer_timeout)?;
                 dials.lock().record(Dialled::Fabric, 1, started.elapsed());
                 // A peer that hangs must not hold the relay's opening (or a send to it)
                 // forever: its answers and our sends are bounded.

@@ -251,7 +251,7 @@ fn serve_connection(mut stream: TcpStream, agent: &Weak<AgentInner>, id: u64, ha
         let a = serving(agent)?;
         (a.config.connect_timeout, a.config.peer_timeout, a.config.metadata_token.clone(), a.secret, a.id)
     };
-    tune(&stream)?;
+    tune(&stream, peer_timeout)?;
     // Unauthenticated so far: a bounded hello that must arrive whole within the connect
     // timeout (not merely byte by byte), and answers that cannot block for ever.
     stream.set_write_timeout(Some(peer_timeout))?;
