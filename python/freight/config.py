@@ -127,24 +127,24 @@ class AgentConfig:
         GPUs (None: 16 MiB; over NVLink the copy engines move long copies a few per
         cent faster, the kernel moves many short ones in one launch).
     cuda_kernel_mode:
-        How the batched copy kernel shares out its work items: ``"warp"`` (None: one
-        warp per item, eight 16-byte loads in flight per thread) or ``"block"`` (one
-        CUDA block per item, four loads in flight per thread).
+        How the batched copy kernel shares out its work items: ``"block"`` (None: one
+        CUDA block per item, four 16-byte loads in flight per thread) or ``"warp"`` (one
+        warp per item, eight loads in flight per thread).
     cuda_kernel_threads, cuda_kernel_blocks_per_sm:
         The kernel's launch shape: threads per CUDA block, one of 128, 256, 512, 1024
-        (None: 256), and blocks per SM, 1 to 32 (None: 8; fewer where an SM cannot hold
+        (None: 256), and blocks per SM, 1 to 32 (None: 2; fewer where an SM cannot hold
         that many, see :func:`freight.copy_kernel_occupancy`).
     cuda_kernel_item_bytes:
         Longest work item of the kernel, a multiple of 16 and at least 1024 (None:
         64 KiB). Requests with too few items for the GPU have their copies cut finer
         (down to 4 KiB) so that every SM gets work.
     cuda_completion:
-        How the agent learns that a request's GPU work is done. ``"event"`` (None):
-        polls the work's event for up to 100 us (on hosts with 8 cores or more), then
-        sleeps in the driver until it fires. ``"poll"``: sleeps until the earliest time
-        the work can be done (from its size and the best rate seen on the GPU), then
-        looks every 10 us, sleeping in between; on hosts with fewer than 8 cores it acts
-        as ``"event"``.
+        How the agent learns that a request's GPU work is done. ``"poll"`` (None):
+        sleeps until the earliest time the work can be done (from its size and the best
+        rate seen on the GPU), then looks every 10 us, sleeping in between; on hosts
+        with fewer than 8 cores it acts as ``"event"``. ``"event"``: polls the work's
+        event for up to 100 us (on hosts with 8 cores or more), then sleeps in the
+        driver until it fires.
     peer_timeout:
         Seconds without an answer after which a peer is declared dead (its requests
         fail with :class:`freight.PeerDisconnectedError`).

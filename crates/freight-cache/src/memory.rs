@@ -136,7 +136,7 @@ const WATCH: Duration = Duration::from_micros(200);
 /// Every copy in one launch of the batched copy kernel, waited for.
 fn kernel_copy(device: &'static Device, copies: &[(u64, u64, u64)]) -> Result<()> {
     let kernel = Kernel::on(device)?;
-    let items = cut(copies, ITEM_BYTES, kernel.concurrency(&LaunchShape::default()));
+    let items = cut(copies, ITEM_BYTES, kernel.concurrency(&LaunchShape::WARP_PER_ITEM));
     let bytes = std::mem::size_of_val::<[Item]>(&items);
     static LAUNCHERS: PerGpu<Launcher> = PerGpu::new();
     // The wait stays inside: the table is not another caller's until the kernel is done.
@@ -152,7 +152,7 @@ fn kernel_copy(device: &'static Device, copies: &[(u64, u64, u64)]) -> Result<()
             // SAFETY: the table holds `bytes`; the source is `items`.
             unsafe { l.stream.copy(table, items.as_ptr() as u64, bytes)? };
             // SAFETY: our own live stream on this kernel's GPU.
-            unsafe { kernel.launch_on(l.stream.raw(), table, items.len(), &LaunchShape::default())? };
+            unsafe { kernel.launch_on(l.stream.raw(), table, items.len(), &LaunchShape::WARP_PER_ITEM)? };
             l.stream.record(&l.done)?;
             freight_core::poll::briefly(WATCH, || l.done.query().ok().filter(|&d| d));
             l.done.synchronize()

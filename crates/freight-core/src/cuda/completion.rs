@@ -30,11 +30,13 @@ pub type OnDone = Box<dyn FnOnce(Result<()>) + Send>;
 /// How the completion thread waits for GPU work (see the module documentation).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum CompletionMode {
-    /// Brief polling, then a sleeping wait in the driver: measured on H200, and it
-    /// costs no CPU time beyond the brief polling.
-    #[default]
+    /// Brief polling, then a sleeping wait in the driver: no CPU time beyond the brief
+    /// polling, but a 4 GiB request of 4 KiB copies on two H200s took 10 to 15% longer
+    /// than with `Poll` (the driver's wake-up, `bench/gpu_sweep.py`).
     Event,
-    /// Sleep until the predicted end, then poll between short sleeps.
+    /// Sleep until the predicted end, then poll between short sleeps. Hosts with too
+    /// few cores for polling to pay wait as `Event` does.
+    #[default]
     Poll,
 }
 

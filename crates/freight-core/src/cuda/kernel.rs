@@ -114,16 +114,22 @@ pub struct LaunchShape {
 }
 
 impl Default for LaunchShape {
-    /// One warp per item, eight warps per block, eight blocks per SM asked for (an SM
-    /// holds only four of the warp kernel's: 64 registers a thread). Measured on H200
-    /// over NVLink, asking for half as many blocks moved 4 KiB and 16 KiB items 5 to 15%
-    /// slower; large items do not care. `bench/gpu_sweep.py` compares the other shapes.
+    /// One block of 256 threads per item, two blocks per SM: the best shape over every
+    /// case of `bench/gpu_sweep.py` on two H200s over NVLink (4 KiB to 32 MiB items,
+    /// random and sequential order, WRITE and READ), within 2% of the best shape of each
+    /// case where the completion thread polls (docs/bench-gpu.md).
     fn default() -> Self {
-        LaunchShape { mode: KernelMode::Warp, threads: 256, blocks_per_sm: 8 }
+        LaunchShape { mode: KernelMode::Block, threads: 256, blocks_per_sm: 2 }
     }
 }
 
 impl LaunchShape {
+    /// One warp per item, eight warps per block, eight blocks per SM asked for (an SM
+    /// holds four of them: 64 registers a thread). The transfers' default before the
+    /// block shape, and still the cache engine's gathers and scatters, whose many short
+    /// rows it was measured with.
+    pub const WARP_PER_ITEM: LaunchShape = LaunchShape { mode: KernelMode::Warp, threads: 256, blocks_per_sm: 8 };
+
     pub fn validate(&self) -> Result<()> {
         if !THREADS.contains(&self.threads) {
             return Err(Error::InvalidArgument(format!(
@@ -458,7 +464,7 @@ mod tests {
 
     #[test]
     fn the_grid_fills_the_gpu_and_no_more() {
-        let warp = LaunchShape::default();
+        let warp = LaunchShape::WARP_PER_ITEM;
         assert_eq!(grid_size(1, &warp, H200_SMS, 8), 1);
         assert_eq!(grid_size(9, &warp, H200_SMS, 8), 2);
         assert_eq!(grid_size(1 << 20, &warp, H200_SMS, 8), H200_SMS * 8);
@@ -473,7 +479,7 @@ mod tests {
 
     #[test]
     fn a_lone_long_copy_is_cut_finer_to_reach_every_sm() {
-        let workers = concurrency(&LaunchShape::default(), H200_SMS, 8);
+        let workers = concurrency(&LaunchShape::WARP_PER_ITEM, H200_SMS, 8);
         let copy = [(0u64, 1u64 << 40, 256u64 << 20)];
         let items = cut(&copy, ITEM_BYTES, workers);
         assert!(items.len() >= 2 * workers, "{} items for {workers} warps", items.len());
@@ -489,7 +495,7 @@ mod tests {
 
     #[test]
     fn many_small_copies_and_tiny_requests_are_left_alone_or_floored() {
-        let workers = concurrency(&LaunchShape::default(), H200_SMS, 8);
+        let workers = concurrency(&LaunchShape::WARP_PER_ITEM, H200_SMS, 8);
         let small: Vec<_> = (0..65536u64).map(|i| (i * 4096, (1 << 40) + i * 8192, 4096)).collect();
         assert_eq!(item_size_for(&small, ITEM_BYTES, workers), ITEM_BYTES);
         assert_eq!(cut(&small, ITEM_BYTES, workers).len(), 65536);
@@ -507,6 +513,7 @@ mod tests {
     #[test]
     fn bad_shapes_and_item_sizes_are_refused_with_the_reason() {
         assert!(LaunchShape::default().validate().is_ok());
+        assert!(LaunchShape::WARP_PER_ITEM.validate().is_ok());
         for threads in THREADS {
             for mode in KernelMode::ALL {
                 assert!(LaunchShape { mode, threads, blocks_per_sm: 1 }.validate().is_ok());
