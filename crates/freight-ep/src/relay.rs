@@ -59,6 +59,9 @@ struct Peer {
     outbox: DeviceBuffer,
     /// Where our block starts in the peer's workspace (its address space).
     block: u64,
+    /// The device the peer registered its workspace on, as the peer numbers its GPUs:
+    /// ranks that share a host need not share a GPU.
+    dev: u64,
 }
 
 pub struct Relay {
@@ -83,6 +86,8 @@ pub struct Relay {
 pub struct Announcement {
     pub metadata: Vec<u8>,
     pub workspace: u64,
+    /// The workspace's device, as the announcing rank numbers its GPUs.
+    pub device: u64,
 }
 
 impl Relay {
@@ -114,9 +119,9 @@ impl Relay {
             // Its signal words must start at zero.
             let outbox = DeviceBuffer::zeroed(device, shape.block_bytes as usize)?;
             agent.register(MemKind::Vram, outbox.addr(), outbox.len() as u64, dev)?;
-            peers.push(Some(Peer { name: String::new(), outbox, block: 0 }));
+            peers.push(Some(Peer { name: String::new(), outbox, block: 0, dev: 0 }));
         }
-        let me = Announcement { metadata: agent.metadata(), workspace: workspace.addr() };
+        let me = Announcement { metadata: agent.metadata(), workspace: workspace.addr(), device: dev };
         let ended = Arc::new(std::sync::OnceLock::new());
         let seen = Arc::downgrade(&ended);
         group.on_dead(Box::new(move |rank, reason| {
@@ -134,6 +139,7 @@ impl Relay {
             let Some(peer) = peer else { continue };
             peer.name = self.agent.add_peer(&announcements[r].metadata)?;
             peer.block = announcements[r].workspace + self.shape.block_offset(self.shape.me as usize);
+            peer.dev = announcements[r].device;
             tracing::info!(rank = r, path = ?self.agent.path_to(&peer.name)?, "expert-parallel rank reached through the engine");
         }
         Ok(())
@@ -157,13 +163,13 @@ impl Relay {
             }
             let local =
                 vram(ranges.iter().map(|&(off, len)| Desc { addr: peer.outbox.addr() + off, len, dev }).collect())?;
-            let remote = vram(ranges.iter().map(|&(off, len)| Desc { addr: peer.block + off, len, dev: 0 }).collect())?;
+            let remote = vram(ranges.iter().map(|&(off, len)| Desc { addr: peer.block + off, len, dev: peer.dev }).collect())?;
             tracing::trace!(rank = r, ranges = ranges.len(), "shipping to an expert-parallel rank");
             self.agent.transfer(OpKind::Write, &local, &peer.name, &remote, None).map(Some)
         };
         let post_signal = |r: usize, peer: &Peer, kind: u64| -> Result<Option<Request>> {
             let local = vram(vec![Desc { addr: peer.outbox.addr() + kind * 8, len: 8, dev }])?;
-            let remote = vram(vec![Desc { addr: peer.block + kind * 8, len: 8, dev: 0 }])?;
+            let remote = vram(vec![Desc { addr: peer.block + kind * 8, len: 8, dev: peer.dev }])?;
             tracing::trace!(rank = r, kind, "signalling an expert-parallel rank");
             self.agent.transfer(OpKind::Write, &local, &peer.name, &remote, Some(signal_message(kind))).map(Some)
         };
