@@ -196,7 +196,12 @@ impl Stager {
             // SAFETY: the stream is this GPU's; the table holds the segment's items,
             // whose ranges lie in the bounds-checked KV memory and the scratch chunk.
             unsafe {
-                kernel.launch_on(self.kernels.raw(), table + s.first as u64 * item, s.count, &LaunchShape::WARP_PER_ITEM)
+                kernel.launch_on(
+                    self.kernels.raw(),
+                    table + s.first as u64 * item,
+                    s.count,
+                    &LaunchShape::WARP_PER_ITEM,
+                )
             }
         };
         for s in &plan {

@@ -163,7 +163,8 @@ impl Relay {
             }
             let local =
                 vram(ranges.iter().map(|&(off, len)| Desc { addr: peer.outbox.addr() + off, len, dev }).collect())?;
-            let remote = vram(ranges.iter().map(|&(off, len)| Desc { addr: peer.block + off, len, dev: peer.dev }).collect())?;
+            let remote =
+                vram(ranges.iter().map(|&(off, len)| Desc { addr: peer.block + off, len, dev: peer.dev }).collect())?;
             tracing::trace!(rank = r, ranges = ranges.len(), "shipping to an expert-parallel rank");
             self.agent.transfer(OpKind::Write, &local, &peer.name, &remote, None).map(Some)
         };
