@@ -328,7 +328,7 @@ impl Agent {
         let known = self.inner.peers.read().get(&name).cloned();
         if let Some(known) = known {
             if known.md.agent_id == md.agent_id && known.check_alive().is_ok() {
-                known.replace_regions(&md.regions);
+                known.replace_regions(&md.regions)?;
                 tracing::debug!(agent = %self.inner.name, peer = %name, regions = md.regions.len(), "refreshed peer");
                 return Ok(name);
             }

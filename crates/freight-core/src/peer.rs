@@ -403,14 +403,24 @@ impl Peer {
 
     /// Takes the regions of the peer's refreshed metadata, less those it revoked since:
     /// the metadata may be older than the revocation (read before it, or kept by the
-    /// application).
-    pub fn replace_regions(&self, regions: &[crate::memory::RegionInfo]) {
+    /// application). A live agent never reuses a key, so a region known already must come
+    /// back exactly as it was: requests prepared against it trust its bounds and its
+    /// place in shared memory. Metadata that changes one is refused whole.
+    pub fn replace_regions(&self, regions: &[crate::memory::RegionInfo]) -> Result<()> {
         let mut known = self.regions.write();
+        if let Some(r) = regions.iter().find(|r| known.get(r.key).is_some_and(|k| k != *r)) {
+            return Err(Error::Metadata(format!(
+                "peer '{}' sent region {} again with another range or location; its metadata is \
+                 corrupt or not its own",
+                self.name, r.key
+            )));
+        }
         let revoked = self.revoked.lock();
         let live: Vec<_> = regions.iter().filter(|r| !revoked.contains(&r.key)).cloned().collect();
         drop(revoked);
         *known = RemoteRegions::new(&live);
         self.close_unused_imports(&known);
+        Ok(())
     }
 
     /// Drops regions the peer revoked, and what this agent holds for them: mappings and

@@ -269,8 +269,11 @@ fn read_only_memory_is_refused_to_writers_forged_or_not() {
         return;
     }
     for docked in [false, true] {
-        let cfg = config("tcp", &["lo"], 1 << 20);
-        let a = Agent::new("initiator", if docked { through_docks(cfg) } else { cfg }).unwrap();
+        let initiator = |name: &str| {
+            let cfg = config("tcp", &["lo"], 1 << 20);
+            Agent::new(name, if docked { through_docks(cfg) } else { cfg }).unwrap()
+        };
+        let a = initiator("initiator");
         let b = Agent::new("target", config("tcp", &["lo"], 1 << 20)).unwrap();
         let len = 1u64 << 16;
         let (src, frozen, back) =
@@ -288,9 +291,14 @@ fn read_only_memory_is_refused_to_writers_forged_or_not() {
         assert!(matches!(honest, Err(Error::RemoteRejected { .. })), "docked {docked}: {:?}", honest.err());
         let mut md = freight_core::metadata::AgentMetadata::decode(&b.metadata()).unwrap();
         md.regions.iter_mut().for_each(|r| r.read_only = false);
-        a.add_peer(&md.encode()).unwrap();
+        // An agent that knows the region refuses metadata that changes it; one that
+        // learns the forged metadata first is stopped by the target.
+        assert!(matches!(a.add_peer(&md.encode()), Err(Error::Metadata(_))), "docked {docked}");
+        let forger = initiator("forger");
+        forger.register(MemKind::Dram, src.addr(), len, 0).unwrap();
+        forger.add_peer(&md.encode()).unwrap();
         let forged =
-            a.transfer(OpKind::Write, &list(&[(src.addr(), len)]), "target", &list(&[(frozen.addr(), len)]), None);
+            forger.transfer(OpKind::Write, &list(&[(src.addr(), len)]), "target", &list(&[(frozen.addr(), len)]), None);
         match forged.unwrap().wait(T) {
             Status::Error(Error::RemoteRejected { .. }) => {}
             other => panic!("a forged WRITE into read-only memory (docked: {docked}) gave {other:?}"),

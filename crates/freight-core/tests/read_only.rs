@@ -79,21 +79,28 @@ fn read_only_memory_over_tcp() {
 #[test]
 fn a_peer_that_forges_writable_metadata_is_refused_by_the_tcp_target() {
     let tcp = AgentConfig { require: Some(TransportKind::Tcp), ..Default::default() };
-    let p = pair(tcp);
+    let p = pair(tcp.clone());
     let before = bytes(&p.frozen).to_vec();
-    // The peer rewrites what the owner said of the region.
+    // A peer rewrites what the owner said of the region. One that knew the region
+    // refuses the change...
     let mut md = AgentMetadata::decode(&p.owner.metadata()).unwrap();
     md.regions.iter_mut().for_each(|r| r.read_only = false);
-    p.peer.add_peer(&md.encode()).unwrap();
+    assert!(matches!(p.peer.add_peer(&md.encode()), Err(Error::Metadata(_))));
+    // ...so the forger is an agent that never saw the true metadata.
+    let forger = Agent::new("forger", tcp).unwrap();
+    let src = forger.alloc(SIZE).unwrap();
+    fill(&src, 9);
+    forger.register(MemKind::Dram, src.addr(), SIZE as u64, 0).unwrap();
+    forger.add_peer(&md.encode()).unwrap();
     let n = SIZE as u64;
-    let req = p.peer.transfer(OpKind::Write, &list(p.src.addr(), n), "owner", &list(p.frozen.addr(), n), None).unwrap();
+    let req = forger.transfer(OpKind::Write, &list(src.addr(), n), "owner", &list(p.frozen.addr(), n), None).unwrap();
     match req.wait(T) {
         Status::Error(Error::RemoteRejected { reason, .. }) => assert!(reason.contains("read-only"), "{reason}"),
         other => panic!("the target took a WRITE into read-only memory: {other:?}"),
     }
     assert_eq!(bytes(&p.frozen), &before[..]);
     // The connection still serves honest work.
-    let req = p.peer.transfer(OpKind::Write, &list(p.src.addr(), n), "owner", &list(p.open.addr(), n), None).unwrap();
+    let req = forger.transfer(OpKind::Write, &list(src.addr(), n), "owner", &list(p.open.addr(), n), None).unwrap();
     assert_eq!(req.wait(T), Status::Done);
     assert_eq!(bytes(&p.open), bytes(&p.src));
 }

@@ -184,6 +184,16 @@ impl ShmPeer {
     fn mapping(&self, loc: &SharedLocation) -> Result<Arc<Mapping>> {
         let mut maps = self.maps.lock();
         if let Some(m) = maps.get(&loc.segment) {
+            // A segment never changes size: metadata that says otherwise is not about
+            // the segment mapped, and its offsets must not be taken into this mapping.
+            if m.len() as u64 != loc.segment_len {
+                return Err(Error::Metadata(format!(
+                    "the peer's segment {} is {} bytes as mapped, but its metadata now says {}",
+                    loc.segment,
+                    m.len(),
+                    loc.segment_len
+                )));
+            }
             return Ok(m.clone());
         }
         let m = Arc::new(Mapping::open(self.pid, loc)?);
@@ -231,6 +241,15 @@ impl ShmPeer {
     pub fn remote_base(&self, r: &RegionInfo) -> Result<(Arc<Mapping>, usize)> {
         let loc = r.shared.as_ref().ok_or_else(|| not_shared(r.key))?;
         let m = self.mapping(loc)?;
+        if loc.offset.checked_add(r.len).is_none_or(|end| end > m.len() as u64) {
+            return Err(Error::Metadata(format!(
+                "the peer's region {} ({} bytes at offset {}) does not fit its {}-byte segment",
+                r.key,
+                r.len,
+                loc.offset,
+                m.len()
+            )));
+        }
         let base = (m.ptr as usize + loc.offset as usize).wrapping_sub(r.addr as usize);
         Ok((m, base))
     }
@@ -245,21 +264,34 @@ impl ShmPeer {
     ) -> Result<ShmProgram> {
         let mut copies: Vec<Op> = Vec::with_capacity(ops.len());
         let mut maps: Vec<Arc<Mapping>> = Vec::new();
-        let mut cached: Option<(u64, usize)> = None; // (region key, base pointer of region)
+        // The region of the ops before: its key, its range in the peer's addresses, and
+        // the base that turns them into ours.
+        let mut cached: Option<(u64, std::ops::Range<u64>, usize)> = None;
         let mut bytes = 0;
         for op in ops {
-            let base = match cached {
-                Some((k, base)) if k == op.remote_region => base,
+            let (range, base) = match &cached {
+                Some((k, range, base)) if *k == op.remote_region => (range.clone(), *base),
                 _ => {
                     let r = region(op.remote_region).ok_or(Error::UnknownRegion(op.remote_region))?;
                     let (m, base) = self.remote_base(&r)?;
                     if !maps.iter().any(|x| Arc::ptr_eq(x, &m)) {
                         maps.push(m);
                     }
-                    cached = Some((op.remote_region, base));
-                    base
+                    let range = r.addr..r.addr.saturating_add(r.len);
+                    cached = Some((op.remote_region, range.clone(), base));
+                    (range, base)
                 }
             };
+            // Checked when the list was prepared, against the region as known then: the
+            // peer's metadata may have changed since, so once more against what is mapped.
+            if op.remote_addr < range.start || op.remote_addr.checked_add(op.len).is_none_or(|end| end > range.end) {
+                return Err(Error::OutOfBounds {
+                    addr: op.remote_addr,
+                    len: op.len,
+                    region_addr: range.start,
+                    region_len: range.end - range.start,
+                });
+            }
             copies.push(Op { remote_addr: base.wrapping_add(op.remote_addr as usize) as u64, ..*op });
             bytes += op.len;
         }
