@@ -263,6 +263,51 @@ def test_store_ends_are_handed_over_and_a_decode_engine_finds_what_prefill_put()
         decode.close()
 
 
+@pytest.mark.timeout(30)
+def test_a_decode_engine_whose_source_evicts_never_fills_up_and_keeps_prefixes_it_used():
+    with agent("ev-pre") as pa, agent("ev-dec") as da:
+        receiver = {"buffer": 3 * CHUNK_BYTES, "capacity": 6 * CHUNK_BYTES, "evict": True}
+        store, sender = connected(da, pa, receiver=receiver, sender={"commit_size": 4})
+        prefill = engine(pa, remote_sink=sender)
+        decode = engine(da, host_chunks=1, remote_source=store)
+        n = 3 * CHUNK
+        kv = kv_for(n, seed=11)
+        a, b, c = (prompt(n, salt) for salt in (31, 32, 33))
+        prefill.store(a, kv)
+        prefill.store(b, kv)  # the source is full
+        assert decode.lookup(a) == n  # a is used: b is older now
+        prefill.store(c, kv)
+        assert (decode.lookup(b), decode.lookup(c), decode.lookup(a)) == (0, n, n), "b went, not a"
+        # A prompt's chunks are used last to first: room for one more chunk takes the
+        # end of the prompt used longest ago (c), and keeps its start.
+        prefill.store(prompt(CHUNK, 34), kv)
+        assert decode.lookup(c) == n - CHUNK
+        out = zeros(n)
+        assert decode.retrieve(a, out) == n and same(out, kv)
+        prefill.close()
+        decode.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_prefill_engine_whose_peer_went_away_goes_on_caching_locally():
+    with agent("gone-pre") as pa, agent("gone-dec") as da:
+        store, sender = connected(da, pa, receiver={"buffer": 3 * CHUNK_BYTES}, sender={"commit_size": 4})
+        prefill = engine(pa, remote_sink=sender)
+        n = 4 * CHUNK
+        kv = kv_for(n, seed=12)
+        first, second, third = (prompt(n, salt) for salt in (41, 42, 43))
+        assert prefill.store(first, kv)["new_chunks"] == 4
+        store.close()  # the decode side goes away
+        with pytest.raises(freight.PeerDisconnectedError):
+            prefill.store(second, kv)  # its peer lacks these chunks
+        assert prefill.store(third, kv)["new_chunks"] == 4, "later stores work, locally"
+        prefill.store(second, kv)
+        assert [prefill.lookup(p) for p in (first, second, third)] == [n, n, n]
+        out = zeros(n)
+        assert prefill.retrieve(second, out) == n and same(out, kv)
+        prefill.close()
+
+
 def test_object_dtypes_are_not_kv_dtypes():
     from freight.cache import dtype_info
 

@@ -263,12 +263,49 @@ def test_the_receiver_counts_replaces_and_times_out_clearly():
         store.close()
 
 
+@pytest.mark.timeout(30)
+def test_an_evicting_store_drops_the_oldest_unread_objects_instead_of_filling_up():
+    size = 10 * KIB
+    arrays = {f"k{i}": np.full(size, i, dtype=np.uint8) for i in range(10)}
+    with agent("rx") as rx, agent("tx") as tx:
+        store, sender = connected(rx, tx, receiver={"capacity": 4 * size, "evict": True}, sender={"commit_size": 1})
+        assert (store.capacity, store.evict, store.evicted) == (4 * size, True, 0)
+        for key in ["k0", "k1", "k2", "k3"]:
+            sender.put(key, arrays[key])  # commits of one: each returns once the store holds it
+        reading = store["k0"]  # alive, so never evicted
+        assert store.get("k1") is not None  # got, then let go of: used recently
+        gc.collect()
+        assert "k2" in store and store.contains("k3"), "looking is not using"
+        sender.put("k4", arrays["k4"])
+        sender.put("k5", arrays["k5"])
+        assert sorted(store.keys()) == ["k0", "k1", "k4", "k5"], "the oldest unread went"
+        # k0 is the oldest now, but it is being read: k1 goes instead.
+        sender.put("k6", arrays["k6"])
+        assert sorted(store.keys()) == ["k0", "k4", "k5", "k6"]
+        np.testing.assert_array_equal(reading.view(), arrays["k0"])
+        del reading
+        gc.collect()
+        for key in ["k7", "k8", "k9"]:
+            sender.put(key, arrays[key])
+        assert sorted(store.keys()) == ["k6", "k7", "k8", "k9"]
+        assert (store.evicted, store.received, store.nbytes, len(store)) == (6, 10, 4 * size, 4)
+        for key in store.keys():
+            np.testing.assert_array_equal(store[key].view(), arrays[key])
+        sender.close()
+        store.wait_closed(5)  # nothing failed on the way
+        store.close()
+
+
 def test_bad_arguments_are_refused_clearly():
     with agent("a") as a:
         with pytest.raises(freight.InvalidArgumentError):
             freight.StoreReceiver(a, num_senders=0)
         with pytest.raises(freight.InvalidArgumentError):
             freight.StoreReceiver(a, capacity=-1)
+        with pytest.raises(freight.InvalidArgumentError, match="needs a capacity"):
+            freight.StoreReceiver(a, evict=True)
+        with pytest.raises(freight.InvalidArgumentError, match="True or False"):
+            freight.StoreReceiver(a, capacity=MIB, evict="yes")
         with pytest.raises(freight.InvalidArgumentError, match="too small"):
             freight.StoreReceiver(a, num_senders=2, buffer=256)
         with pytest.raises(freight.TimeoutError):

@@ -27,11 +27,17 @@ returns once the peer holds them)::
                                  gpu=0, gpu_bytes=8 << 30, host_bytes=32 << 30, remote_sink=sink)
     engine.store(tokens, kv, block_table=table)
 
-Decode side::
+Decode side (the engine never removes anything from its remote source: in a
+long-running server, give the source a ``capacity`` with ``evict=True``, so that it drops
+the chunks used least recently instead of growing without bound, or stopping once full)::
 
-    source = freight.StoreReceiver(agent, buffer=1 << 30)
+    source = freight.StoreReceiver(agent, buffer=1 << 30, capacity=16 << 30, evict=True)
     engine = freight.CacheEngine(agent, ..., remote_source=source)
     hit = engine.retrieve(tokens, kv, block_table=table)   # prefix tokens now in kv
+
+A remote sink whose stream breaks (the decode peer restarted, or its store ran out of
+room) fails the ``store`` that finds it broken, as the peer lacks that prompt's chunks;
+the engine then lets go of the sink, and later stores cache locally only.
 
 CUDA KV memory is read and written as memory, not on a stream: synchronize the work
 that touches it (``torch.cuda.synchronize()``) before :meth:`CacheEngine.store` and
@@ -127,7 +133,11 @@ class CacheEngine:
     :class:`freight.StoreSender` every new chunk is also put to (committed before
     ``store`` returns); ``remote_source``: a :class:`freight.StoreReceiver` whose chunks
     are found too (chunks it holds in GPU memory only where ``gpu`` is given and they are
-    on that GPU: ``lookup`` then counts exactly what ``retrieve`` copies). Both are handed over to the engine (their own queued puts are
+    on that GPU: ``lookup`` then counts exactly what ``retrieve`` copies). The engine never
+    removes a chunk from ``remote_source``, so in a long-running server it should be made
+    with a ``capacity`` and ``evict=True`` (it then drops the chunks used least recently;
+    the engine uses a prompt's chunks last to first, so their ends go before their
+    starts). Both are handed over to the engine (their own queued puts are
     committed first): using them afterwards raises :class:`freight.InvalidStateError`.
     Context manager: :meth:`close` on exit. Not for several threads at once: calls are
     serialized.
@@ -235,7 +245,9 @@ class CacheEngine:
         (token ``i`` at position ``i``; paged with ``block_table``). Chunks stored
         already are skipped; with a remote sink, returns once the peer holds every new
         chunk. Returns ``{"chunks": chunks of the prompt, "new_chunks": chunks copied,
-        "bytes": bytes copied}``. Bad input raises :class:`freight.InvalidArgumentError`."""
+        "bytes": bytes copied}``. Bad input raises :class:`freight.InvalidArgumentError`.
+        A failure that broke the remote sink's stream raises (the peer lacks chunks), and
+        the engine lets go of the sink: later calls cache locally only."""
         args = self._kv(kv, block_table, block_size, writable=False)
         chunks, new_chunks, nbytes = self._raw.store(_tokens(tokens), **args)
         return {"chunks": chunks, "new_chunks": new_chunks, "bytes": nbytes}

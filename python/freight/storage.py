@@ -27,7 +27,13 @@ spent waiting for the receiver (for room in its buffer, then for it to take the 
 objects). A full store (``capacity``) stops taking objects in: the receiver's waits raise
 :class:`freight.NoSpaceError`, and the sender's commit raises
 :class:`freight.PeerDisconnectedError` saying the receiver is out of space; what the store
-held stays available.
+held stays available. A store made with ``evict=True`` makes room instead: it drops its
+least recently used objects (an object is used when it arrives and when ``get`` returns
+it) that nobody holds any more, and stops only when even that leaves no room. A receiver
+that nobody empties with :meth:`StoreReceiver.remove`, such as the remote source of a
+:class:`freight.CacheEngine` in a long-running server, needs one::
+
+    source = freight.StoreReceiver(agent, buffer=1 << 30, capacity=16 << 30, evict=True)
 """
 
 from __future__ import annotations
@@ -310,7 +316,15 @@ class StoreReceiver(_StreamEnd):
     allocated here), or an object (numpy array, CPU or CUDA tensor; registered here if
     it is not yet, deregistered on :meth:`close`). Objects are copied out of it into the
     store as they arrive. ``capacity``: the most bytes the store holds (None: no
-    limit); a put past it stops the store (see the module's note).
+    limit); a put past it stops the store (see the module's note), unless ``evict``:
+    then the least recently used objects that nobody holds (no :class:`StoredObject` of
+    theirs is alive) are dropped until it fits, and only a put that does not fit even so
+    stops the store. An object is used when it arrives (its key put again included) and
+    when :meth:`get` (or ``store[key]``) returns it; ``in``, :meth:`keys` and the waits
+    only look. ``evict`` needs a ``capacity``. A store that nobody empties with
+    :meth:`remove` -- the ``remote_source`` of a :class:`freight.CacheEngine` in a
+    long-running server -- should be given a ``capacity`` with ``evict=True``: without
+    one it grows without bound, and without ``evict`` it stops once full.
 
     A key put again replaces the object held under it. Context manager: :meth:`close`
     on exit.
@@ -324,17 +338,29 @@ class StoreReceiver(_StreamEnd):
         timeout: float = 30.0,
         capacity: Optional[int] = None,
         credit_batch: Optional[int] = None,
+        *,
+        evict: bool = False,
     ) -> None:
         n = _num_senders(num_senders)
         if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0):
             raise InvalidArgumentError(f"capacity must be a number of bytes >= 0 or None, got {capacity!r}")
+        if not isinstance(evict, bool):
+            raise InvalidArgumentError(f"evict must be True or False, got {evict!r}")
+        if evict and capacity is None:
+            raise InvalidArgumentError("evict=True needs a capacity: the store evicts to stay within it")
         self._agent = agent
         credit_batch = _credit_batch(credit_batch)
         pipes, temp_key = _split_buffer(agent, n, buffer)
         self._temp = [] if temp_key is None else [temp_key]
         try:
             self._raw = _native.StoreReceiver(
-                _core(agent), n, timeout=timeout, credit_batch=credit_batch, store_capacity=capacity, **pipes
+                _core(agent),
+                n,
+                timeout=timeout,
+                credit_batch=credit_batch,
+                store_capacity=capacity,
+                evict=evict,
+                **pipes,
             )
         except BaseException:
             self._release_buffer()
@@ -344,7 +370,8 @@ class StoreReceiver(_StreamEnd):
         _on_collect(self, self._raw, agent, self._temp)
 
     def get(self, key: str) -> Optional[StoredObject]:
-        """The object held under ``key``, or None."""
+        """The object held under ``key``, or None. Counts as a use: an evicting store
+        keeps the object while it is alive, and evicts it after those used before."""
         raw = self._raw.get(key)
         return None if raw is None else StoredObject(raw)
 
@@ -383,6 +410,11 @@ class StoreReceiver(_StreamEnd):
     def received(self) -> int:
         """Objects taken in since the start (replacements included)."""
         return self._raw.received
+
+    @property
+    def evicted(self) -> int:
+        """Objects evicted to make room since the start (0 unless :attr:`evict`)."""
+        return self._raw.evicted
 
     def wait_for(self, keys: Any, timeout: Optional[float] = None) -> None:
         """Waits until every key of ``keys`` (a str or an iterable of them) is held.
@@ -436,6 +468,12 @@ class StoreReceiver(_StreamEnd):
     def capacity(self) -> Optional[int]:
         """The most bytes the store holds (None: no limit)."""
         return self._raw.capacity
+
+    @property
+    def evict(self) -> bool:
+        """Whether a put that does not fit evicts the least recently used objects
+        instead of stopping the store."""
+        return self._raw.evict
 
     def __repr__(self) -> str:
         if self.closed:

@@ -11,7 +11,14 @@
 //!
 //! With a remote sink (the prefill side), every new chunk is also put to the peer's
 //! store, committed in batches; with a remote source (the decode side), chunks the peer
-//! put are found there, where they are usable (see [`CacheEngine::lookup`]).
+//! put are found there, where they are usable (see [`CacheEngine::lookup`]). The engine
+//! never removes anything from its remote source: a long-running one needs a source
+//! that evicts ([`StoreReceiver::evicting`]), and marks the remote chunks it uses last
+//! to first too, so that source lets go of the ends of prompts before their starts.
+//!
+//! A sink whose stream broke (its peer restarted, or ran out of space) fails every put
+//! from then on: the store that finds it broken fails (the peer lacks its chunks), and
+//! the engine lets go of the sink and goes on caching locally.
 //!
 //! A chunk's slot stays pinned until the peer holds the commit that carries it. Commits
 //! are sealed (sent whole) without waiting for the peer, and waited for only when a
@@ -159,6 +166,7 @@ impl CacheEngine {
     /// Also puts every new chunk to a remote store (the prefill side).
     /// Chunks count as sent once this sink's peer holds them; a chunk the peer dropped
     /// since is not put again (the engine remembers the chunks it sent, 16 bytes each).
+    /// A sink whose stream breaks is let go of (see [`CacheEngine::store`]).
     ///
     /// A sink with objects queued or sealed and not yet committed is refused (and
     /// dropped, which breaks its stream as for any sender dropped so): the engine
@@ -183,7 +191,10 @@ impl CacheEngine {
         self
     }
 
-    /// Also finds chunks in a remote peer's puts (the decode side).
+    /// Also finds chunks in a remote peer's puts (the decode side). The engine only
+    /// reads the source and never removes a chunk from it: give a long-running engine
+    /// one that evicts ([`StoreReceiver::evicting`]), which a plain source with a
+    /// capacity is not (it stops for good once full, and one without keeps everything).
     pub fn with_remote_source(mut self, source: StoreReceiver) -> CacheEngine {
         self.remote_in = Some(source);
         self
@@ -245,7 +256,11 @@ impl CacheEngine {
     /// Stores the KV cache of `tokens` (token `i` at position `i` of `kv`). Chunks
     /// stored already are skipped. Returns once any remote peer holds every new chunk.
     /// On failure nothing stays queued for the remote peer or pinned: chunks it may
-    /// lack are put again by a later store.
+    /// lack are put again by a later store. A failure that broke the remote sink's
+    /// stream (its peer aborted it: restarted, out of space) is returned all the same,
+    /// as the peer lacks chunks, but the engine lets go of the sink: later stores cache
+    /// locally only, instead of failing (and, putting last chunk first, keeping only the
+    /// tails of prompts).
     pub fn store(&mut self, tokens: &[u32], kv: &KvMemory) -> Result<StoreReport> {
         let stored = self.store_queued(tokens, kv);
         let stored = self.settled(stored);
@@ -533,7 +548,21 @@ impl CacheEngine {
             }
             self.unpin_all();
         }
+        self.let_go_of_broken_sink(&e);
         Err(e)
+    }
+
+    /// Drops the remote sink when its stream is broken: every put would fail from here
+    /// on. Nothing of it is pinned or queued any more ([`CacheEngine::or_forget`] saw to
+    /// that), and the chunks sent to its peer say nothing about a sink given later.
+    fn let_go_of_broken_sink(&mut self, e: &Error) {
+        if !self.remote_out.as_ref().is_some_and(StoreSender::broken) {
+            return;
+        }
+        debug_assert_eq!(self.pinned(), 0, "a sink is let go of with nothing of it pinned");
+        tracing::warn!(error = %e, "the remote sink's stream broke; the cache engine lets go of it and caches locally only");
+        self.remote_out = None;
+        self.sent.clear();
     }
 
     fn unpin_all(&mut self) {
@@ -626,11 +655,16 @@ impl CacheEngine {
         }
     }
 
-    /// Marks `keys` (a prompt's prefix) used, last to first.
+    /// Marks `keys` (a prompt's prefix) used, last to first; those found in the remote
+    /// source there too (`find` got them first to last, the wrong order to evict in).
     fn touch(&mut self, keys: &[ChunkKey]) {
         for key in keys.iter().rev() {
+            let mut local = false;
             for tier in &mut self.tiers {
-                tier.touch(key.hash);
+                local |= tier.touch(key.hash);
+            }
+            if let (false, Some(source)) = (local, &self.remote_in) {
+                source.touch(&key.name());
             }
         }
     }
@@ -784,6 +818,32 @@ mod tests {
         engine.tiers[0].insert(second, SHAPE.chunk_bytes(1)).unwrap();
         assert_eq!(engine.lookup(&tokens), 4);
         assert_eq!(engine.retrieve(&tokens, &kv).unwrap(), 4);
+    }
+
+    #[test]
+    fn a_sink_whose_stream_broke_is_let_go_of_and_later_stores_cache_locally() {
+        let (pa, da) = (support::agent("ce-unit-broken-tx", None), support::agent("ce-unit-broken-rx", None));
+        let (sink, store) = support::store_pair(&pa, &da, 4 * SHAPE.chunk_bytes(CHUNK));
+        let mut bytes = vec![7u8; SHAPE.chunk_bytes(16) as usize];
+        let kv = host_kv(&mut bytes);
+        let mut engine = engine(&pa).with_remote_sink(sink).unwrap();
+        let first: Vec<u32> = (0..4).collect();
+        engine.store(&first, &kv).unwrap();
+        assert!(store.contains(&engine.keys(&first)[0].name()));
+        // The decode side goes away (restarted, say): its end aborts the stream.
+        drop(store);
+        let second: Vec<u32> = (100..108).collect();
+        assert!(engine.store(&second, &kv).is_err(), "the peer lacks these chunks: the caller hears of it");
+        assert!(engine.remote_out.is_none(), "the broken sink is let go of");
+        assert!(engine.sent.is_empty() && engine.unsealed.is_empty() && engine.sealed.is_empty());
+        // Later stores work, locally, and keep whole prompts.
+        let third: Vec<u32> = (200..216).collect();
+        assert_eq!(engine.store(&third, &kv).unwrap().new_chunks, 4);
+        assert_eq!(engine.lookup(&third), 16);
+        engine.store(&second, &kv).unwrap();
+        assert_eq!(engine.lookup(&second), 8);
+        assert_eq!(engine.lookup(&first), 4);
+        engine.close().unwrap();
     }
 
     #[test]

@@ -17,6 +17,7 @@
 //! - [`channel`]: keyed objects over pipes, many senders to one receiver.
 //! - [`owned`]: memory objects are kept in once out of a pipe buffer, pooled for reuse.
 //! - [`storage`]: a keyed store over the channel: puts committed in batches, gets by key.
+//! - [`recency`]: which of a store's keys were used least recently (pure, for eviction).
 
 pub mod channel;
 pub mod layout;
@@ -24,6 +25,7 @@ pub mod next;
 pub mod owned;
 pub mod pipe;
 pub mod proto;
+pub mod recency;
 pub mod router;
 pub mod storage;
 pub mod window;

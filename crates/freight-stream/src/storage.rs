@@ -22,6 +22,13 @@
 //! Each commit is timed in two parts: the transfer proper, and the time spent waiting
 //! for the receiver (for room in its buffer while sending, and for it to take the last
 //! objects). Pure transfer throughput is the commit's bytes over the first.
+//!
+//! A receiver may hold at most a capacity of bytes. A plain one stops for good at a batch
+//! that does not fit; an evicting one ([`StoreReceiver::evicting`]) first drops its least
+//! recently used objects that nobody else holds (an object is used when it arrives and
+//! when `get` hands it out; [`crate::recency`] keeps the order), and stops only when even
+//! that leaves no room: what a long-running consumer that never removes anything (a
+//! cache engine's remote source) needs.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -35,7 +42,8 @@ use serde::Serialize;
 use crate::channel::{ChannelReceiver, ChannelSender, Outgoing, Received};
 use crate::next::Next;
 use crate::owned::Owned;
-use crate::pipe::deadline_after;
+use crate::pipe::{deadline_after, PipeSender};
+use crate::recency::Recency;
 
 /// Objects per commit, unless told otherwise.
 pub const DEFAULT_COMMIT_SIZE: usize = 128;
@@ -326,9 +334,10 @@ impl StoreSender {
     /// memory that may have changed (a retried commit would otherwise send the old
     /// descriptors' current bytes). Returns once no write reads that memory any more
     /// (one that never finishes breaks the stream instead, so its bytes are not taken).
+    /// The wait is not interruptible (see [`settle_before_reuse`]).
     pub fn discard_pending(&mut self) -> Vec<String> {
-        if let Err(e) = self.channel.pipe().settle_writes() {
-            tracing::warn!(error = %e, "writes of discarded objects did not finish; the stream is broken");
+        if let Err(e) = settle_before_reuse(self.channel.pipe(), "objects were discarded") {
+            tracing::warn!(error = %e, "writes of discarded objects did not finish; the stream is aborted");
         }
         self.sent = 0;
         self.first_send = None;
@@ -341,6 +350,15 @@ impl StoreSender {
     pub fn pending_keys(&self) -> impl Iterator<Item = &str> {
         let sealed = self.sealed.iter().flat_map(|c| c.objects.iter());
         sealed.chain(self.pending.iter()).map(|o| o.key.as_str())
+    }
+
+    /// True once the stream is broken (the receiver aborted it: it restarted, ran out of
+    /// space; a write failed; it was aborted here): every later put and commit fails,
+    /// and the caller had better let this sender go.
+    pub fn broken(&self) -> bool {
+        // Reading the pipe's progress fails exactly when the pipe is broken, and takes in
+        // an abort the receiver sent meanwhile.
+        self.channel.pipe().progress().is_err()
     }
 
     /// Commits what is queued, then ends the stream.
@@ -357,11 +375,48 @@ impl Drop for StoreSender {
         let uncommitted = self.pending();
         if uncommitted > 0 {
             tracing::warn!(objects = uncommitted, "a store sender was dropped with objects not committed");
-            // Its caller frees the objects' memory next: no write may still read it.
-            let _ = self.channel.pipe().settle_writes();
-            self.channel.pipe().abort(&format!("the sender went away with {uncommitted} objects not committed"));
+            let why = format!("the sender went away with {uncommitted} objects not committed");
+            // Its caller frees the objects' memory next.
+            let _ = settle_before_reuse(self.channel.pipe(), &why);
+            self.channel.pipe().abort(&why);
         }
     }
+}
+
+/// What letting a sender's memory go needs of its pipe (a trait, so that the rule in
+/// [`settle_before_reuse`] is tested without one).
+trait WritesInFlight {
+    fn settle_writes(&self) -> Result<()>;
+    fn abort(&self, reason: &str);
+}
+
+impl WritesInFlight for PipeSender {
+    fn settle_writes(&self) -> Result<()> {
+        PipeSender::settle_writes(self)
+    }
+
+    fn abort(&self, reason: &str) {
+        PipeSender::abort(self, reason)
+    }
+}
+
+/// Waits until no write of `pipe` reads the memory of objects that the caller reuses or
+/// frees next (a cache engine gathers other chunks into those slots), and when that
+/// cannot be had, aborts the pipe (telling the receiver `why`), so that the receiver
+/// never takes what a late write brings.
+///
+/// The caller's interrupt check (Ctrl-C) is not consulted: an interrupted wait would
+/// return with writes in flight on a pipe that goes on, and the receiver would take the
+/// new bytes for the old objects. The wait is bounded all the same: a write that does
+/// not finish within the pipe's timeout fails it. Aborting on the interrupt instead and
+/// then settling would wait as long and would also break a stream whose writes finish
+/// (as they nearly always do), so the abort is left to the one case that needs it.
+fn settle_before_reuse(pipe: &impl WritesInFlight, why: &str) -> Result<()> {
+    let settled = interrupt::interruptible(|| false, || pipe.settle_writes());
+    if let Err(e) = &settled {
+        pipe.abort(&format!("{why} while their writes were in flight: {e}"));
+    }
+    settled
 }
 
 /// An object the receiver holds.
@@ -386,7 +441,11 @@ impl StoredObject {
 #[derive(Default)]
 struct StoreState {
     objects: HashMap<String, Arc<StoredObject>>,
+    /// The objects' keys by last use (arrival, or `get`).
+    recency: Recency,
     bytes: u64,
+    /// Objects dropped to make room since the start.
+    evicted: u64,
     /// Objects taken in since the start (replacements included).
     received: u64,
     /// Every sender closed its stream.
@@ -399,6 +458,8 @@ struct Shared {
     state: Mutex<StoreState>,
     changed: Condvar,
     capacity: Option<u64>,
+    /// Whether a batch that does not fit evicts objects instead of stopping the store.
+    evict: bool,
 }
 
 /// The getting side: holds what its senders put, keyed.
@@ -418,7 +479,24 @@ impl StoreReceiver {
     /// [`Error::PeerDisconnected`] ("the receiver aborted the pipe: out of space: ..."),
     /// and the objects held stay available. A key put again replaces the object held under it.
     pub fn new(channel: ChannelReceiver, capacity: Option<u64>) -> StoreReceiver {
-        let shared = Arc::new(Shared { state: Mutex::new(StoreState::default()), changed: Condvar::new(), capacity });
+        StoreReceiver::start(channel, capacity, false)
+    }
+
+    /// [`StoreReceiver::new`] with a `capacity`, where a batch that does not fit first
+    /// evicts the least recently used objects until it fits. An object is used when it
+    /// arrives (a key put again included) and when [`StoreReceiver::get`] or
+    /// [`StoreReceiver::touch`] hands it out or marks it; `contains`, `keys` and the
+    /// waits only look. An object someone else still holds (an `Arc` got from `get` and
+    /// not yet dropped) is never evicted: dropping the store's hold would free nothing.
+    /// Only a batch that does not fit even with every other object evicted stops the
+    /// store, as [`StoreReceiver::new`]'s does (and then nothing is evicted).
+    pub fn evicting(channel: ChannelReceiver, capacity: u64) -> StoreReceiver {
+        StoreReceiver::start(channel, Some(capacity), true)
+    }
+
+    fn start(channel: ChannelReceiver, capacity: Option<u64>, evict: bool) -> StoreReceiver {
+        let state = Mutex::new(StoreState::default());
+        let shared = Arc::new(Shared { state, changed: Condvar::new(), capacity, evict });
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let worker = {
             let (shared, stop) = (shared.clone(), stop.clone());
@@ -430,10 +508,30 @@ impl StoreReceiver {
         StoreReceiver { shared, worker: Some(worker), stop }
     }
 
+    /// The object held under `key`, marked used (see [`StoreReceiver::evicting`]): an
+    /// evicting store keeps it while the `Arc` lives, and evicts it after the objects
+    /// used before it.
     pub fn get(&self, key: &str) -> Option<Arc<StoredObject>> {
-        self.shared.state.lock().objects.get(key).cloned()
+        let mut st = self.shared.state.lock();
+        let object = st.objects.get(key).cloned()?;
+        st.recency.touch(key);
+        Some(object)
     }
 
+    /// Marks the object held under `key` used, as [`StoreReceiver::get`] does, without
+    /// taking it: for a caller that got several objects and orders their use itself (a
+    /// cache engine marks a prompt's chunks last to first, so its prefix goes last).
+    /// False when the key is unknown.
+    pub fn touch(&self, key: &str) -> bool {
+        let mut st = self.shared.state.lock();
+        let held = st.objects.contains_key(key);
+        if held {
+            st.recency.touch(key);
+        }
+        held
+    }
+
+    /// Whether `key` is held (not a use: see [`StoreReceiver::evicting`]).
     pub fn contains(&self, key: &str) -> bool {
         self.shared.state.lock().objects.contains_key(key)
     }
@@ -443,6 +541,7 @@ impl StoreReceiver {
     pub fn remove(&self, key: &str) -> Option<Arc<StoredObject>> {
         let mut st = self.shared.state.lock();
         let object = st.objects.remove(key)?;
+        st.recency.forget(key);
         st.bytes -= object.len();
         Some(object)
     }
@@ -468,6 +567,21 @@ impl StoreReceiver {
     /// Objects taken in since the start.
     pub fn received(&self) -> u64 {
         self.shared.state.lock().received
+    }
+
+    /// The most bytes the store holds (`None`: no limit).
+    pub fn capacity(&self) -> Option<u64> {
+        self.shared.capacity
+    }
+
+    /// Whether a batch that does not fit evicts objects ([`StoreReceiver::evicting`]).
+    pub fn evicts(&self) -> bool {
+        self.shared.evict
+    }
+
+    /// Objects evicted since the start.
+    pub fn evicted(&self) -> u64 {
+        self.shared.state.lock().evicted
     }
 
     /// Waits until every key in `keys` is held. Fails when the store stopped (a sender
@@ -567,7 +681,7 @@ fn take_in(mut channel: ChannelReceiver, shared: &Shared, stop: &std::sync::atom
                 // Objects not filed are still held while the senders hear why, so a
                 // commit waiting for their space fails instead of seeing it freed.
                 let mut batch = batch;
-                let filed = room_for(shared, &batch).and_then(|()| file(shared, &mut batch));
+                let filed = make_room(shared, &batch).and_then(|()| file(shared, &mut batch));
                 if let Err(e) = filed {
                     channel.abort(&e.to_string());
                     drop(batch);
@@ -594,10 +708,12 @@ fn take_in(mut channel: ChannelReceiver, shared: &Shared, stop: &std::sync::atom
     shared.changed.notify_all();
 }
 
-/// Whether the store has room for the whole batch (replaced objects make room).
-fn room_for(shared: &Shared, batch: &[Received]) -> Result<()> {
+/// Makes sure the store has room for the whole batch (replaced objects make room), by
+/// evicting objects where the store evicts; fails when it cannot, evicting nothing.
+fn make_room(shared: &Shared, batch: &[Received]) -> Result<()> {
     let Some(capacity) = shared.capacity else { return Ok(()) };
-    let st = shared.state.lock();
+    let mut guard = shared.state.lock();
+    let st = &mut *guard;
     // A key twice in one batch (only a faulty sender does that) replaces itself.
     let mut in_batch: HashMap<&str, u64> = HashMap::new();
     let mut after = st.bytes;
@@ -607,14 +723,40 @@ fn room_for(shared: &Shared, batch: &[Received]) -> Result<()> {
             .unwrap_or_else(|| st.objects.get(&object.key).map_or(0, |o| o.len()));
         after = after - replaced + object.len();
     }
-    if after > capacity {
+    if after <= capacity {
+        return Ok(());
+    }
+    let need = after - capacity;
+    // The batch's own keys are counted as replaced already; an object held elsewhere
+    // (a reader's `Arc`) would keep its memory.
+    let victims = shared.evict.then(|| {
+        st.recency.victims(need, |key| {
+            let object = st.objects.get(key).expect("the store orders the keys it holds");
+            (!in_batch.contains_key(key) && Arc::strong_count(object) == 1).then(|| object.len())
+        })
+    });
+    let Some(Some(victims)) = victims else {
         let first = batch.first().map_or("", |o| o.key.as_str());
+        let held = if shared.evict { ", more than evicting the objects nobody reads frees" } else { "" };
         return Err(Error::NoSpace(format!(
-            "the receiver's store holds {} of {capacity} bytes; a batch from '{first}' on needs {} more",
+            "the receiver's store holds {} of {capacity} bytes; a batch from '{first}' on needs {} more{held}",
             st.bytes,
             after - st.bytes
         )));
+    };
+    let mut evicted = Vec::with_capacity(victims.len());
+    for key in &victims {
+        let object = st.objects.remove(key).expect("victims are held");
+        st.recency.forget(key);
+        st.bytes -= object.len();
+        evicted.push(object);
     }
+    st.evicted += evicted.len() as u64;
+    let (freed, held) = (evicted.iter().map(|o| o.len()).sum::<u64>(), st.objects.len());
+    // Their memory goes back (to the pool, or the GPU's allocator) without the lock.
+    drop(guard);
+    tracing::debug!(objects = evicted.len(), bytes = freed, held, "evicted to make room");
+    drop(evicted);
     Ok(())
 }
 
@@ -628,6 +770,7 @@ fn file(shared: &Shared, batch: &mut Vec<Received>) -> Result<()> {
         let (key, meta) = (std::mem::take(&mut object.key), std::mem::take(&mut object.meta));
         let stored = Arc::new(StoredObject { key: key.clone(), meta, sender: object.sender, data });
         let mut st = shared.state.lock();
+        st.recency.touch(&key);
         if let Some(old) = st.objects.insert(key, stored) {
             st.bytes -= old.len();
         }
@@ -639,4 +782,174 @@ fn file(shared: &Shared, batch: &mut Vec<Received>) -> Result<()> {
         drop(batch.pop());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::{Cell, RefCell};
+    use std::thread;
+
+    use freight_core::{Agent, AgentConfig, Desc, MemKind, SharedSegment, TransportKind};
+
+    use super::*;
+    use crate::pipe::{Buffer, PipeConfig, PipeListener};
+
+    const WAIT: Duration = Duration::from_secs(10);
+
+    fn agent(name: &str, require: Option<TransportKind>) -> Arc<Agent> {
+        Arc::new(Agent::new(name, AgentConfig { require, ..AgentConfig::default() }).unwrap())
+    }
+
+    /// A store sender on `tx` (channel batches of one object: each put goes out at once)
+    /// feeding what `store` makes of a channel on `rx`, through a host buffer of `buffer`
+    /// bytes.
+    fn pair(
+        (rx, tx): (&Arc<Agent>, &Arc<Agent>),
+        buffer: u64,
+        commit: usize,
+        store: impl FnOnce(ChannelReceiver) -> StoreReceiver,
+    ) -> (StoreReceiver, StoreSender) {
+        let config = PipeConfig { timeout: WAIT, ..PipeConfig::default() };
+        let listener = PipeListener::new(rx);
+        let (addr, tx, tx_config) = (rx.addresses()[0].clone(), tx.clone(), config.clone());
+        let opener = thread::spawn(move || {
+            let pipe = PipeSender::connect(&tx, &addr, &tx_config).unwrap();
+            StoreSender::new(ChannelSender::new(pipe, 1, None).unwrap(), commit).unwrap()
+        });
+        let pipe = listener.accept(Buffer::Host { capacity: buffer }, &config).unwrap();
+        (store(ChannelReceiver::new(vec![pipe], WAIT)), opener.join().unwrap())
+    }
+
+    /// `count` objects of `len` bytes, keyed `{prefix}{i}`, in one registered segment.
+    fn objects(agent: &Agent, prefix: &str, count: usize, len: usize) -> (Arc<SharedSegment>, Vec<Outgoing>) {
+        let seg = agent.alloc(count * len).unwrap();
+        agent.register(MemKind::Dram, seg.addr(), (count * len) as u64, 0).unwrap();
+        let objects = (0..count)
+            .map(|i| Outgoing {
+                key: format!("{prefix}{i}"),
+                kind: MemKind::Dram,
+                local: Desc { addr: seg.addr() + (i * len) as u64, len: len as u64, dev: 0 },
+                meta: Vec::new(),
+            })
+            .collect();
+        (seg, objects)
+    }
+
+    fn held(store: &StoreReceiver) -> Vec<String> {
+        let mut keys = store.keys();
+        keys.sort();
+        keys
+    }
+
+    #[test]
+    fn an_evicting_store_drops_the_least_recently_used_objects_nobody_holds() {
+        let (rx, tx) = (agent("st-evict-rx", None), agent("st-evict-tx", None));
+        // Commits of one: each put returns once the store holds its object.
+        let (store, mut sender) = pair((&rx, &tx), 64 << 10, 1, |c| StoreReceiver::evicting(c, 4_000));
+        assert_eq!((store.capacity(), store.evicts()), (Some(4_000), true));
+        let (_seg, objs) = objects(&tx, "e", 8, 1_000);
+        for o in &objs[..4] {
+            sender.put(o.clone()).unwrap();
+        }
+        // Use order from here: e2, e3 (arrived), e0 (got, and still read), e1 (touched).
+        let reading = store.get("e0").unwrap();
+        assert!(store.touch("e1") && !store.touch("never"));
+        assert!(store.contains("e2"), "looking is not using");
+        sender.put(objs[4].clone()).unwrap();
+        sender.put(objs[5].clone()).unwrap();
+        assert_eq!(held(&store), ["e0", "e1", "e4", "e5"], "the oldest unused went");
+        // The oldest now is e0, but it is being read: e1 goes instead.
+        sender.put(objs[6].clone()).unwrap();
+        assert_eq!(held(&store), ["e0", "e4", "e5", "e6"]);
+        drop(reading);
+        sender.put(objs[7].clone()).unwrap();
+        assert_eq!(held(&store), ["e4", "e5", "e6", "e7"]);
+        assert_eq!((store.evicted(), store.bytes(), store.received()), (4, 4_000, 8));
+        // A key put again replaces its object in place: nothing else goes.
+        sender.put(objs[4].clone()).unwrap();
+        assert_eq!((held(&store).len(), store.evicted()), (4, 4));
+        // More than the whole store stops it, as a store that does not evict stops, and
+        // evicts nothing on the way.
+        let (_big_seg, big) = objects(&tx, "big", 1, 5_000);
+        let e = sender.put(big[0].clone()).unwrap_err();
+        assert!(e.to_string().contains("out of space"), "{e}");
+        let e = store.wait_closed(WAIT).unwrap_err();
+        assert!(matches!(e, Error::NoSpace(_)), "{e}");
+        assert_eq!(held(&store), ["e4", "e5", "e6", "e7"]);
+        assert_eq!(store.evicted(), 4);
+    }
+
+    #[test]
+    fn a_store_that_does_not_evict_stops_when_full() {
+        let (rx, tx) = (agent("st-noevict-rx", None), agent("st-noevict-tx", None));
+        let (store, mut sender) = pair((&rx, &tx), 64 << 10, 1, |c| StoreReceiver::new(c, Some(2_000)));
+        assert!(!store.evicts());
+        let (_seg, objs) = objects(&tx, "n", 3, 1_000);
+        sender.put(objs[0].clone()).unwrap();
+        sender.put(objs[1].clone()).unwrap();
+        assert!(sender.put(objs[2].clone()).is_err());
+        assert!(matches!(store.wait_closed(WAIT), Err(Error::NoSpace(_))));
+        assert_eq!(held(&store), ["n0", "n1"]);
+        assert_eq!(store.evicted(), 0);
+    }
+
+    /// Writes that land after `slices` slices of waiting (never, with `never`), checking
+    /// the caller's interrupt between slices as a pipe's do.
+    #[derive(Default)]
+    struct Writes {
+        slices: Cell<u32>,
+        never: bool,
+        aborted: RefCell<Option<String>>,
+    }
+
+    impl WritesInFlight for Writes {
+        fn settle_writes(&self) -> Result<()> {
+            let deadline = if self.never { Instant::now() } else { Instant::now() + WAIT };
+            let settled = interrupt::until(deadline, |_| {
+                let left = self.slices.get();
+                self.slices.set(left.saturating_sub(1));
+                Ok((left == 0 && !self.never).then_some(()))
+            })?;
+            settled.ok_or_else(|| Error::Timeout("a write did not finish".into()))
+        }
+
+        fn abort(&self, reason: &str) {
+            self.aborted.borrow_mut().get_or_insert_with(|| reason.to_string());
+        }
+    }
+
+    #[test]
+    fn memory_is_let_go_only_once_no_write_reads_it_even_when_the_caller_is_interrupted() {
+        let writes = Writes { slices: Cell::new(3), ..Writes::default() };
+        let settled = interrupt::interruptible(|| true, || settle_before_reuse(&writes, "discarded"));
+        assert!(settled.is_ok(), "{settled:?}");
+        assert_eq!(writes.slices.get(), 0, "every write landed first");
+        assert!(writes.aborted.borrow().is_none(), "a stream whose writes landed goes on");
+    }
+
+    #[test]
+    fn writes_that_do_not_land_in_time_abort_the_stream() {
+        let writes = Writes { never: true, ..Writes::default() };
+        let e = settle_before_reuse(&writes, "objects were discarded").unwrap_err();
+        assert!(matches!(e, Error::Timeout(_)), "{e}");
+        let reason = writes.aborted.borrow().clone().expect("the receiver is told");
+        assert!(reason.contains("objects were discarded while their writes were in flight"), "{reason}");
+    }
+
+    #[test]
+    fn an_interrupted_discard_returns_with_no_write_in_flight() {
+        // Over tcp, where 64 MiB of writes take a while to land.
+        let (rx, tx) =
+            (agent("st-discard-rx", Some(TransportKind::Tcp)), agent("st-discard-tx", Some(TransportKind::Tcp)));
+        const LEN: usize = 16 << 20;
+        let (_store, mut sender) = pair((&rx, &tx), 5 * LEN as u64, 100, |c| StoreReceiver::new(c, None));
+        let (_seg, objs) = objects(&tx, "d", 4, LEN);
+        for o in &objs {
+            sender.queue(o.clone()).unwrap();
+        }
+        let discarded = interrupt::interruptible(|| true, || sender.discard_pending());
+        assert_eq!(discarded.len(), 4);
+        let pipe = sender.channel.pipe();
+        assert_eq!(pipe.progress().unwrap().written, pipe.position(), "a write still reads discarded memory");
+    }
 }

@@ -216,6 +216,7 @@ pub struct PyStoreReceiver {
     timeout: Duration,
     peers: Vec<String>,
     capacity: Option<u64>,
+    evict: bool,
     _keep: Option<Py<PyAny>>,
 }
 
@@ -268,9 +269,11 @@ impl PyStoreReceiver {
 impl PyStoreReceiver {
     /// Accepts `num_senders` pipes, each with a host buffer of `capacity` bytes or the
     /// next of `regions` (registered by the caller; `keep` is held meanwhile), and
-    /// stores what arrives on them: at most `store_capacity` bytes (None: no limit).
+    /// stores what arrives on them: at most `store_capacity` bytes (None: no limit),
+    /// evicting the least recently used objects to make room with `evict` (which needs
+    /// a `store_capacity`).
     #[new]
-    #[pyo3(signature = (agent, num_senders = 1, capacity = None, regions = None, keep = None, timeout = 30.0, credit_batch = None, store_capacity = None))]
+    #[pyo3(signature = (agent, num_senders = 1, capacity = None, regions = None, keep = None, timeout = 30.0, credit_batch = None, store_capacity = None, evict = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -282,20 +285,32 @@ impl PyStoreReceiver {
         timeout: f64,
         credit_batch: Option<u64>,
         store_capacity: Option<u64>,
+        evict: bool,
     ) -> PyResult<Self> {
+        // Refused before any sender is waited for.
+        let evicting = match (evict, store_capacity) {
+            (true, None) => return Err(invalid("evict needs a store capacity: the bytes to stay within")),
+            (true, Some(capacity)) => Some(capacity),
+            (false, _) => None,
+        };
         let (pipes, timeout) = accept_pipes(py, agent, num_senders, capacity, regions, timeout, credit_batch)?;
         let peers = pipes.iter().map(|p| p.peer().to_string()).collect();
-        let store = StoreReceiver::new(ChannelReceiver::new(pipes, timeout), store_capacity);
+        let channel = ChannelReceiver::new(pipes, timeout);
+        let store = match evicting {
+            Some(capacity) => StoreReceiver::evicting(channel, capacity),
+            None => StoreReceiver::new(channel, store_capacity),
+        };
         Ok(PyStoreReceiver {
             inner: Mutex::new(Slot::Live(Arc::new(store))),
             timeout,
             peers,
             capacity: store_capacity,
+            evict,
             _keep: keep,
         })
     }
 
-    /// The object held under `key`, or None.
+    /// The object held under `key` (marked used, for eviction), or None.
     fn get(&self, py: Python<'_>, key: &str) -> PyResult<Option<PyStoredObject>> {
         let got = self.with(py, |s| s.get(key))?;
         Ok(got.map(|o| PyStoredObject::new(py, o)))
@@ -334,6 +349,12 @@ impl PyStoreReceiver {
     #[getter]
     fn received(&self, py: Python<'_>) -> PyResult<u64> {
         self.with(py, |s| s.received())
+    }
+
+    /// Objects evicted to make room since the start.
+    #[getter]
+    fn evicted(&self, py: Python<'_>) -> PyResult<u64> {
+        self.with(py, |s| s.evicted())
     }
 
     /// Waits until every key of `keys` is held.
@@ -390,6 +411,12 @@ impl PyStoreReceiver {
     #[getter]
     fn capacity(&self) -> Option<u64> {
         self.capacity
+    }
+
+    /// Whether a batch that does not fit evicts objects instead of stopping the store.
+    #[getter]
+    fn evict(&self) -> bool {
+        self.evict
     }
 }
 
