@@ -288,9 +288,11 @@ class Server:
 
     def stats(self) -> Dict[str, int]:
         """The pool's counters: ``keys``, ``bytes`` (of values), ``pool_used`` (with
-        alignment and values being written or still read), ``capacity``, ``hits``,
-        ``misses``, ``evictions``, ``expirations``, ``pending_puts``. Raises
-        :class:`freight.InvalidStateError` once shut down."""
+        alignment and values being written or still read), ``capacity``,
+        ``index_bytes`` (the keys' share of the capacity: each key's bytes plus an
+        estimate of the index's memory for it), ``hits`` (values served), ``misses``,
+        ``evictions``, ``expirations``, ``pending_puts`` (values reserved by PUTs not
+        yet committed). Raises :class:`freight.InvalidStateError` once shut down."""
         return self._raw.stats()
 
     def shutdown(self) -> None:

@@ -340,7 +340,10 @@ impl Client {
         }
     }
 
-    /// Stores several values in one request; one result per item.
+    /// Stores several values; one result per item. They go in one request, or in as few
+    /// as keep each request within the engine's notification limit (see
+    /// [`wire::notification_batches`]), one after the other: where one of those fails as
+    /// a whole, so does the call, and the items of the requests before it are stored.
     pub fn put_batch(&mut self, items: &[(&[u8], &[u8])], ttl: Duration) -> Result<Vec<Result<u64>>> {
         let total: u64 = items.iter().map(|(_, v)| v.len() as u64).sum();
         if total > self.buffer_bytes() {
@@ -359,15 +362,17 @@ impl Client {
             at += value.len();
         }
         let ttl_ms = ttl_ms(ttl);
-        let reply = self.call(|first_id| wire::Request::Put { first_id, ttl_ms, items: wire_items })?;
-        Ok(reply
-            .outcomes
-            .into_iter()
-            .map(|o| match o {
+        let mut results = Vec::with_capacity(items.len());
+        let mut wire_items = wire_items.into_iter();
+        for run in wire::notification_batches(items.iter().map(|(k, _)| k.len())) {
+            let items: Vec<_> = wire_items.by_ref().take(run.len()).collect();
+            let reply = self.call(|first_id| wire::Request::Put { first_id, ttl_ms, items })?;
+            results.extend(reply.outcomes.into_iter().map(|o| match o {
                 Outcome::Stored { version } => Ok(version),
                 other => Err(self.unexpected(other)),
-            })
-            .collect())
+            }));
+        }
+        Ok(results)
     }
 
     /// The value of `key`, copied out of the receive buffer.
@@ -423,12 +428,20 @@ impl Client {
         .transpose()
     }
 
-    /// Several values in one request: the buffer is shared out evenly between the keys,
-    /// so each value must fit its share.
+    /// Several values, in one request or in as few as keep each within the engine's
+    /// notification limit (see [`wire::notification_batches`]), one after the other: the
+    /// buffer is shared out evenly between the keys of a request, so each value must fit
+    /// its share. Where one request fails as a whole, so does the call.
     pub fn get_batch(&mut self, keys: &[&[u8]]) -> Result<Vec<Result<Option<Vec<u8>>>>> {
-        if keys.is_empty() {
-            return Ok(Vec::new());
+        let mut values = Vec::with_capacity(keys.len());
+        for run in wire::notification_batches(keys.iter().map(|k| k.len())) {
+            values.extend(self.get_request(&keys[run])?);
         }
+        Ok(values)
+    }
+
+    /// Several values in one request (see [`Client::get_batch`]).
+    fn get_request(&mut self, keys: &[&[u8]]) -> Result<Vec<Result<Option<Vec<u8>>>>> {
         let share = self.buffer_bytes() / keys.len() as u64 / crate::pool::ALIGN * crate::pool::ALIGN;
         if share == 0 {
             return Err(Error::InvalidArgument(format!(
@@ -580,19 +593,18 @@ impl Client {
                     self.timeout
                 )));
             }
+            let mut answer = None;
             for n in crate::poll::next_notifs(&self.agent, left.min(Duration::from_millis(100)), || false) {
                 match Reply::decode(&n.msg) {
-                    Some(Ok(r)) if r.first_id == first_id => return Ok(r),
-                    Some(Ok(r)) => {
-                        // An answer to a request that timed out: kept a while, then dropped.
-                        if self.early.len() < 1024 {
-                            self.early.insert(r.first_id, r);
-                        }
-                    }
+                    Some(Ok(r)) if r.first_id == first_id && answer.is_none() => answer = Some(r),
+                    Some(Ok(r)) => self.keep_other(r),
                     Some(Err(e)) => tracing::warn!(error = %e, "dropped a malformed reply"),
                     None if n.msg == wire::WELCOME => {}
                     None => tracing::debug!(from = %n.from, "ignored a notification that is no KV reply"),
                 }
+            }
+            if let Some(r) = answer {
+                return Ok(r);
             }
             self.agent.check_peer(&self.server)?;
             if let Err(e) = interrupt::check() {
@@ -603,6 +615,22 @@ impl Client {
                 ));
                 return Err(e);
             }
+        }
+    }
+
+    /// Keeps a reply to a request other than the one awaited (an answer that came after
+    /// its request timed out) a while; drops one to a request this client never sent: it
+    /// answers someone else's doing, and kept, it would pass for the answer to the
+    /// request that gets its id later.
+    fn keep_other(&mut self, r: Reply) {
+        if r.first_id >= self.next_id {
+            tracing::warn!(
+                first_id = r.first_id,
+                next_id = self.next_id,
+                "dropped a reply to no request of this client"
+            );
+        } else if self.early.len() < 1024 {
+            self.early.insert(r.first_id, r);
         }
     }
 
@@ -671,7 +699,7 @@ fn rpc_error(server: &str, e: tonic::Status) -> Error {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::server::{test_server as server, Server};
+    use crate::server::{test_server as server, Server, ServerConfig};
 
     fn client(server: &Server) -> Client {
         Client::connect(ClientConfig {
@@ -803,6 +831,136 @@ mod tests {
         assert!(matches!(&e, Error::Protocol(m) if m.contains("cut short")), "{e}");
         assert!(c.usable());
         assert_eq!(c.get(b"k").unwrap().as_deref(), Some(&b"v"[..]), "real replies still come through");
+    }
+
+    /// A reply with the id of a request not made yet did not answer this client (the
+    /// server answered another agent under its name, say): kept, it would pass for the
+    /// answer to the request that gets that id.
+    #[test]
+    fn a_reply_to_a_request_never_sent_is_dropped() {
+        let s = server();
+        let mut c = client(&s);
+        let reply = Reply {
+            first_id: c.next_id + 1,
+            outcomes: vec![Outcome::Failed { code: wire::FailCode::Protocol, error: "not the server's".into() }],
+        };
+        s.shared().agent.notify(c.agent.name(), reply.encode()).unwrap();
+        c.put(b"k", b"v", Duration::ZERO).unwrap();
+        assert_eq!(c.get(b"k").unwrap().as_deref(), Some(&b"v"[..]), "the GET got that reply");
+    }
+
+    /// Keys of `len` bytes, each its number and then padding.
+    fn long_keys(n: usize, len: usize) -> Vec<Vec<u8>> {
+        (0..n).map(|i| format!("{i:0len$}").into_bytes()).collect()
+    }
+
+    #[test]
+    fn a_batch_past_the_engines_notification_limit_goes_as_several_requests() {
+        let s = Server::start(ServerConfig { memory_bytes: 64 << 20, ..crate::server::test_config() }).unwrap();
+        let mut c =
+            Client::connect(ClientConfig { server: s.url(), buffer_bytes: 1 << 20, ..Default::default() }).unwrap();
+        // Small values under long keys: some 20 MB of request.
+        let keys = long_keys(5000, wire::MAX_KEY - 96);
+        let values: Vec<[u8; 8]> = (0..keys.len() as u64).map(u64::to_le_bytes).collect();
+        let items: Vec<(&[u8], &[u8])> = keys.iter().zip(&values).map(|(k, v)| (&k[..], &v[..])).collect();
+        let stored = c.put_batch(&items, Duration::ZERO).unwrap();
+        assert_eq!(stored.len(), keys.len());
+        assert!(stored.iter().all(Result::is_ok), "{:?}", stored.iter().find(|r| r.is_err()));
+        assert_eq!(s.stats().keys, keys.len() as u64);
+        let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
+        let got = c.get_batch(&refs).unwrap();
+        assert_eq!(got.len(), keys.len());
+        for (value, got) in values.iter().zip(got) {
+            assert_eq!(got.unwrap().as_deref(), Some(&value[..]));
+        }
+    }
+
+    /// The environment variable that makes `a_client_process_that_takes_no_answers` run,
+    /// in a process of its own: "URL FILE".
+    const STALLED_CLIENT: &str = "FREIGHT_KV_TEST_STALLED_CLIENT";
+
+    /// Requests that the test below makes of a process of its own (a no-op otherwise):
+    /// connects to the server at URL, sends requests whose answers overflow its
+    /// notification queue (each item an empty key, answered by a failure with its
+    /// reason), writes FILE, and waits for the test to stop it and then kill it.
+    #[test]
+    fn a_client_process_that_takes_no_answers() {
+        let Ok(spec) = std::env::var(STALLED_CLIENT) else { return };
+        let (url, sent) = spec.split_once(' ').unwrap();
+        let mut c = Client::connect(ClientConfig { server: url.into(), ..Default::default() }).unwrap();
+        let items = 30_000;
+        for _ in 0..3 {
+            let request = wire::Request::Get { first_id: c.next_id, items: vec![(Vec::new(), c.region(0, 1)); items] };
+            c.next_id += items as u64;
+            c.agent.notify(&c.server, request.encode(&c.session_token)).unwrap();
+        }
+        std::fs::write(sent, b"sent").unwrap();
+        std::thread::sleep(Duration::from_secs(600));
+    }
+
+    /// A child process, killed when dropped.
+    struct Child(std::process::Child);
+
+    impl Drop for Child {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    impl Child {
+        /// Stops it (SIGSTOP); returns once it is stopped.
+        fn stop(&self) {
+            let pid = self.0.id().to_string();
+            assert!(std::process::Command::new("kill").args(["-STOP", &pid]).status().unwrap().success());
+            let stat = format!("/proc/{pid}/stat");
+            // The state follows the command's name, in parentheses.
+            let state = || std::fs::read_to_string(&stat).unwrap().rsplit_once(") ").unwrap().1.chars().next();
+            while state() != Some('T') {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+    }
+
+    /// A client on this host whose process takes no notifications (stopped, here)
+    /// fills its queue: each answer to it would wait out the server's peer timeout for
+    /// room, on the one worker that serves every client. The first that cannot be
+    /// delivered ends its session, so the others fail at once.
+    #[test]
+    fn a_client_that_takes_no_answers_loses_its_session_instead_of_holding_up_the_others() {
+        let peer_timeout = Duration::from_secs(1);
+        let engine = AgentConfig { peer_timeout, ..Default::default() };
+        let s = Server::start(ServerConfig { engine, ..crate::server::test_config() }).unwrap();
+        let mut other = client(&s);
+        let sent = std::env::temp_dir().join(format!(
+            "freight-kv-stalled-{}-{:08x}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        // The worker waits on the index until the stalled client is stopped.
+        let index = s.shared().index.lock();
+        let stalled = Child(
+            std::process::Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", "client::tests::a_client_process_that_takes_no_answers"])
+                .env(STALLED_CLIENT, format!("{} {}", s.url(), sent.display()))
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .unwrap(),
+        );
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !sent.exists() {
+            assert!(Instant::now() < deadline, "the stalled client never sent its requests");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        stalled.stop();
+        drop(index);
+        let started = Instant::now();
+        other.put(b"k", b"v", Duration::ZERO).unwrap();
+        let waited = started.elapsed();
+        assert!(waited < peer_timeout * 2, "the other client waited {waited:?} behind the stalled one");
+        assert_eq!(s.shared().clients.lock().len(), 1, "the stalled client's session ended");
+        let _ = std::fs::remove_file(&sent);
     }
 
     #[test]

@@ -23,6 +23,11 @@
 //!
 //! Time is whatever the caller passes as `now_ms`; it is assumed not to go backwards.
 //! A value with a TTL of `t` ms committed at `c` is visible while `now_ms < c + t`.
+//!
+//! The capacity bounds more than the pool's slots: each entry (a committed value or a
+//! reservation) also keeps its key, and the index's own bookkeeping, on the heap. Those
+//! count against the capacity too, at the key's length plus [`ENTRY_OVERHEAD`], so that
+//! many small values under long keys make room or are refused like large values do.
 
 use std::collections::hash_map::Entry as MapEntry;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -33,6 +38,16 @@ use serde::{Deserialize, Serialize};
 use freight_core::{Error, Result};
 
 use crate::pool::{Pool, Slot, ALIGN};
+
+/// Heap bytes that an entry of the index takes besides its key's bytes, counted with
+/// them against the capacity: a value's slot in the map of values (a key pointer and a
+/// `Value`, at a load factor of 7/8 and up to twice the entries just after the table
+/// grew), its entries in the LRU order and, with a TTL, in the expiry order (B-tree
+/// nodes about two-thirds full), the key's `Arc` header and the allocator's rounding.
+/// `tests/index_overhead.rs` measures it with a counting allocator: 240 to 340 bytes
+/// for 1,000 to 229,377 values with a TTL under keys of 8 to 300 bytes, the most just
+/// after the maps grew. A reservation's entry is smaller and counts the same.
+pub const ENTRY_OVERHEAD: u64 = 384;
 
 /// How the index behaves when the pool is full.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -71,7 +86,7 @@ impl ReadPin {
     }
 }
 
-/// Counters for monitoring. `hits` and `misses` count [`Index::begin_get`] only.
+/// Counters for monitoring.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Stats {
     /// Committed values, including expired ones not yet swept.
@@ -82,10 +97,18 @@ pub struct Stats {
     /// and padding.
     pub pool_used: u64,
     pub capacity: u64,
+    /// Bytes counted against the capacity for the index's entries: each value's and
+    /// reservation's key, plus [`ENTRY_OVERHEAD`].
+    pub index_bytes: u64,
+    /// Values that reached their reader: reads released with [`Index::end_get_served`].
     pub hits: u64,
+    /// Reads of a key without a value (or with an expired one): [`Index::begin_get`]
+    /// that found none.
     pub misses: u64,
     pub evictions: u64,
     pub expirations: u64,
+    /// Values reserved by [`Index::begin_put`] and not yet committed or aborted (one per
+    /// item of a batch).
     pub pending_puts: u64,
 }
 
@@ -119,6 +142,8 @@ struct Pinned {
     readers: u64,
     /// The value has left the index: the last reader frees the slot.
     retired: bool,
+    /// What its value's entry counts against the capacity while in the index.
+    entry: u64,
 }
 
 /// Keys to committed values in a [`Pool`]. See the module docs for the rules and the
@@ -146,6 +171,10 @@ pub struct Index {
     /// again never repeats a version a reader may have cached.
     last_version: u64,
     bytes: u64,
+    /// What the entries of values and reservations count against the capacity.
+    entry_bytes: u64,
+    /// Whether entries count at all: off only for tests of the slots' arithmetic alone.
+    charge_entries: bool,
     hits: u64,
     misses: u64,
     evictions: u64,
@@ -168,6 +197,8 @@ impl Index {
             last_tick: 0,
             last_version: 0,
             bytes: 0,
+            entry_bytes: 0,
+            charge_entries: true,
             hits: 0,
             misses: 0,
             evictions: 0,
@@ -175,8 +206,24 @@ impl Index {
         }
     }
 
+    /// An index whose entries count nothing against the capacity, for tests that check
+    /// the pool's arithmetic alone, in slots of a few bytes.
+    #[cfg(test)]
+    pub(crate) fn slots_only(config: IndexConfig) -> Index {
+        Index { charge_entries: false, ..Index::new(config) }
+    }
+
     pub fn config(&self) -> IndexConfig {
         self.config
+    }
+
+    /// What an entry with a key of `key_len` bytes counts against the capacity.
+    fn entry_cost(&self, key_len: usize) -> u64 {
+        if self.charge_entries {
+            key_len as u64 + ENTRY_OVERHEAD
+        } else {
+            0
+        }
     }
 
     /// The allocator, read-only: all allocation goes through the index so that every
@@ -206,6 +253,7 @@ impl Index {
             bytes: self.bytes,
             pool_used: self.pool.used(),
             capacity: self.pool.capacity(),
+            index_bytes: self.entry_bytes,
             hits: self.hits,
             misses: self.misses,
             evictions: self.evictions,
@@ -219,16 +267,18 @@ impl Index {
     /// [`Index::abort_put`]. The current value, if any, stays readable meanwhile: the
     /// slot is never the current value's.
     ///
-    /// When the pool has no room, expired values are swept first; then, with eviction
-    /// on, unpinned values are evicted least recently used first until the slot fits. A
-    /// value that would not fit even with every unpinned value evicted (pinned and
-    /// pending slots split the pool too finely) fails before anything is evicted.
+    /// The slot and the entry (the key's length plus [`ENTRY_OVERHEAD`]) both count
+    /// against the capacity. When there is no room for them, expired values are swept
+    /// first; then, with eviction on, unpinned values are evicted least recently used
+    /// first until both fit. A value that would not fit even with every unpinned value
+    /// evicted (pinned and pending slots split the pool too finely, or take too much of
+    /// it) fails before anything is evicted.
     ///
     /// # Errors
     ///
-    /// `InvalidArgument` for `len == 0`; `NoSpace` for `len` larger than the pool, or
-    /// when no room can be made (eviction off, or what remains is pinned by readers or
-    /// reserved by pending writes).
+    /// `InvalidArgument` for `len == 0`; `NoSpace` for `len` and its entry together
+    /// larger than the pool, or when no room can be made (eviction off, or what remains
+    /// is pinned by readers or reserved by pending writes).
     pub fn begin_put(&mut self, key: &[u8], len: u64, ttl_ms: u64, now_ms: u64) -> Result<Grant> {
         let capacity = self.pool.capacity();
         if len == 0 {
@@ -237,13 +287,16 @@ impl Index {
                 show(key)
             )));
         }
-        if len > capacity {
+        let entry = self.entry_cost(key.len());
+        if len.saturating_add(entry) > capacity {
             return Err(Error::NoSpace(format!(
-                "a value of {len} bytes for key {} can never fit in the pool of {capacity} bytes",
+                "a value of {len} bytes for key {} ({entry} bytes more for its key in the index) can never fit in \
+                 the pool of {capacity} bytes",
                 show(key)
             )));
         }
-        let slot = self.reserve(key, len, now_ms)?;
+        let slot = self.reserve(key, len, entry, now_ms)?;
+        self.entry_bytes += entry;
         self.last_grant += 1;
         let id = self.last_grant;
         self.pending.insert(id, Pending { key: key.to_vec(), slot, ttl_ms });
@@ -287,14 +340,16 @@ impl Index {
         match self.pending.remove(&id) {
             Some(put) => {
                 self.pool.free(put.slot);
+                self.entry_bytes -= self.entry_cost(put.key.len());
                 true
             }
             None => false,
         }
     }
 
-    /// The current value of `key`, pinned until [`Index::end_get`], and marked most
-    /// recently used. An expired value is a miss and is removed.
+    /// The current value of `key`, pinned until [`Index::end_get`] (or
+    /// [`Index::end_get_served`]), and marked most recently used. An expired value is a
+    /// miss and is removed. A value found is a hit only once served.
     #[must_use = "a pin that is never released with Index::end_get keeps its slot allocated forever"]
     pub fn begin_get(&mut self, key: &[u8], now_ms: u64) -> Option<ReadPin> {
         let Some(value) = self.values.get(key).copied() else {
@@ -307,7 +362,6 @@ impl Index {
             self.misses += 1;
             return None;
         }
-        self.hits += 1;
         self.last_tick += 1;
         let tick = self.last_tick;
         let shared = self.lru.remove(&value.tick).expect("every value is in the LRU order");
@@ -319,13 +373,20 @@ impl Index {
         self.last_pin += 1;
         let pin = self.last_pin;
         let slot = value.slot;
-        self.pinned.entry(slot.offset).or_insert(Pinned { slot, readers: 0, retired: false }).readers += 1;
+        let entry = self.entry_cost(key.len());
+        self.pinned.entry(slot.offset).or_insert(Pinned { slot, readers: 0, retired: false, entry }).readers += 1;
         self.pins.insert(pin, slot.offset);
         Some(ReadPin { slot, len: slot.len, version: value.version, pin })
     }
 
-    /// Releases a read. The slot is freed here if its value left the index meanwhile and
-    /// this was its last reader.
+    /// Releases a read whose value reached its reader: a hit.
+    pub fn end_get_served(&mut self, pin: ReadPin) {
+        self.hits += 1;
+        self.end_get(pin);
+    }
+
+    /// Releases a read, served or not (see [`Index::end_get_served`]). The slot is freed
+    /// here if its value left the index meanwhile and this was its last reader.
     ///
     /// # Panics
     ///
@@ -383,27 +444,28 @@ impl Index {
         swept
     }
 
-    /// A slot of `len` bytes, making room as [`Index::begin_put`] describes.
-    fn reserve(&mut self, key: &[u8], len: u64, now_ms: u64) -> Result<Slot> {
-        if let Some(slot) = self.pool.alloc(len) {
+    /// A slot of `len` bytes for an entry that counts `entry`, making room as
+    /// [`Index::begin_put`] describes.
+    fn reserve(&mut self, key: &[u8], len: u64, entry: u64, now_ms: u64) -> Result<Slot> {
+        if let Some(slot) = self.alloc(len, entry) {
             return Ok(slot);
         }
         // Expired values are dead already: reclaiming them is not eviction, whatever the
         // configuration.
         if self.expire(now_ms) > 0 {
-            if let Some(slot) = self.pool.alloc(len) {
+            if let Some(slot) = self.alloc(len, entry) {
                 return Ok(slot);
             }
         }
         if !self.config.evict {
             return Err(self.no_space(key, len, "eviction is off"));
         }
-        if !self.room_by_evicting(len) {
+        if !self.room_by_evicting(len, entry) {
             return Err(self.no_space(
                 key,
                 len,
-                "pinned and pending slots split the pool so that even evicting every other value leaves no stretch \
-                 that large",
+                "pinned and pending values split the pool so finely, or take so much of it with their keys, that \
+                 even evicting every other value leaves no room that large",
             ));
         }
         // Pins cannot change during this loop, so values skipped as pinned stay skipped
@@ -423,17 +485,29 @@ impl Index {
             from = tick + 1;
             self.remove_value(&victim);
             self.evictions += 1;
-            if let Some(slot) = self.pool.alloc(len) {
+            if let Some(slot) = self.alloc(len, entry) {
                 return Ok(slot);
             }
         }
     }
 
+    /// A slot of `len` bytes from the pool, where the slots and the entries, one more
+    /// that counts `entry` included, stay within the capacity.
+    fn alloc(&mut self, len: u64, entry: u64) -> Option<Slot> {
+        let slot = self.pool.alloc(len)?;
+        if self.pool.used() + self.entry_bytes + entry <= self.pool.capacity() {
+            return Some(slot);
+        }
+        self.pool.free(slot);
+        None
+    }
+
     /// Whether evicting every unpinned value would leave a free extent that holds `len`
-    /// bytes. Only pinned and pending slots stay, so the stretches between them are
+    /// bytes, with room in the capacity for it and an entry that counts `entry`. Only
+    /// pinned and pending slots and entries stay, so the stretches between them are
     /// what the pool would have free; they are few (one per request in flight), unlike
     /// the values.
-    fn room_by_evicting(&self, len: u64) -> bool {
+    fn room_by_evicting(&self, len: u64, entry: u64) -> bool {
         let capacity = self.pool.capacity();
         // Rounded as the pool rounds (`len <= capacity` is checked, so no overflow).
         let rounded = |len: u64| len.div_ceil(ALIGN) * ALIGN;
@@ -446,10 +520,14 @@ impl Index {
             .map(|slot| (slot.offset, (slot.offset + rounded(slot.len)).min(capacity)))
             .collect();
         kept.sort_unstable();
+        let kept_slots: u64 = kept.iter().map(|(start, end)| end - start).sum();
+        let kept_entries: u64 = self.pending.values().map(|put| self.entry_cost(put.key.len())).sum::<u64>()
+            + self.pinned.values().filter(|pinned| !pinned.retired).map(|pinned| pinned.entry).sum::<u64>();
+        let within_capacity = |size: u64| kept_slots + kept_entries + entry + size <= capacity;
         // The pool's tail extent may hold a value up to its own size, unrounded.
         let fits = |start: u64, end: u64| {
             let room = end.saturating_sub(start);
-            room >= need || (end == capacity && room >= len)
+            (room >= need && within_capacity(need)) || (end == capacity && room >= len && within_capacity(room))
         };
         let mut start = 0;
         for (offset, end) in kept {
@@ -463,11 +541,13 @@ impl Index {
 
     fn no_space(&self, key: &[u8], len: u64, why: &str) -> Error {
         Error::NoSpace(format!(
-            "out of memory: the value pool of {} bytes has {} bytes free (largest free extent {} bytes) \
-             and cannot hold a value of {len} bytes for key {}; {why} ({} values, {} pinned slots, {} pending puts)",
+            "out of memory: the value pool of {} bytes has {} bytes free (largest free extent {} bytes; its keys \
+             count {} bytes more) and cannot hold a value of {len} bytes for key {}; {why} ({} values, {} pinned \
+             slots, {} pending puts)",
             self.pool.capacity(),
             self.pool.free_bytes(),
             self.pool.largest_free(),
+            self.entry_bytes,
             show(key),
             self.values.len(),
             self.pinned.len(),
@@ -484,6 +564,7 @@ impl Index {
             self.expiry.remove(&(at, key.clone()));
         }
         self.bytes -= value.slot.len;
+        self.entry_bytes -= self.entry_cost(key.len());
         match self.pinned.get_mut(&value.slot.offset) {
             Some(pinned) => pinned.retired = true,
             None => self.pool.free(value.slot),
@@ -525,6 +606,10 @@ impl Index {
         for put in self.pending.values() {
             own(&mut owned, put.slot, "reservation");
         }
+        let lens = self.values.keys().map(|key| key.len()).chain(self.pending.values().map(|put| put.key.len()));
+        let entries: u64 = lens.map(|len| self.entry_cost(len)).sum();
+        assert_eq!(entries, self.entry_bytes, "the entries' count against the capacity drifted");
+        assert!(self.pool.used() + self.entry_bytes <= self.pool.capacity(), "slots and entries past the capacity");
         let mut readers: HashMap<u64, u64> = HashMap::new();
         for offset in self.pins.values() {
             *readers.entry(*offset).or_default() += 1;
@@ -561,8 +646,11 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    /// An index for tests of the slots: its keys count nothing against `capacity`, so
+    /// that a capacity of a few slots holds exactly those (the entries' count has tests
+    /// of its own).
     fn index(capacity: u64, evict: bool) -> Index {
-        Index::new(IndexConfig { capacity, evict })
+        Index::slots_only(IndexConfig { capacity, evict })
     }
 
     /// Writes and commits `key` with no TTL.
@@ -573,10 +661,11 @@ mod tests {
         grant.slot
     }
 
+    /// A read that is served.
     fn read(index: &mut Index, key: &[u8], now: u64) -> Option<(Slot, u64)> {
         let pin = index.begin_get(key, now)?;
         let got = (pin.slot, pin.version);
-        index.end_get(pin);
+        index.end_get_served(pin);
         Some(got)
     }
 
@@ -590,7 +679,7 @@ mod tests {
         ix.commit_put(grant.id, 0).unwrap();
         let pin = ix.begin_get(b"k", 0).unwrap();
         assert_eq!((pin.slot, pin.len, pin.version), (grant.slot, 100, 1));
-        ix.end_get(pin);
+        ix.end_get_served(pin);
         assert!(ix.exists(b"k", 0));
         assert_eq!(ix.len(), 1);
         assert_eq!(ix.keys().collect::<Vec<_>>(), vec![b"k".as_slice()]);
@@ -889,6 +978,82 @@ mod tests {
         ix.check_invariants();
     }
 
+    /// A key of `len` bytes that starts with `i`.
+    fn long_key(i: u32, len: usize) -> Vec<u8> {
+        let mut key = vec![b'k'; len];
+        key[..4].copy_from_slice(&i.to_le_bytes());
+        key
+    }
+
+    #[test]
+    fn keys_count_against_the_capacity_so_small_values_under_long_keys_fill_it() {
+        const KEY: usize = 4000;
+        let entry = KEY as u64 + ENTRY_OVERHEAD;
+        // Room in the pool for a thousand slots of one-byte values, but not for their keys.
+        let config = IndexConfig { capacity: 1000 * ALIGN, evict: false };
+        let fit = config.capacity / (ALIGN + entry);
+        let mut ix = Index::new(config);
+        for i in 0..fit as u32 {
+            put(&mut ix, &long_key(i, KEY), 1, 0);
+        }
+        let stats = ix.stats();
+        assert_eq!((stats.keys, stats.pool_used, stats.index_bytes), (fit, fit * ALIGN, fit * entry));
+        match ix.begin_put(&long_key(u32::MAX, KEY), 1, 0, 0) {
+            Err(Error::NoSpace(msg)) => assert!(msg.contains(&format!("keys count {} bytes", fit * entry)), "{msg}"),
+            other => panic!("expected NoSpace, got {other:?}"),
+        }
+        // A reservation counts its key too, and gives it back when aborted; a delete too.
+        assert!(ix.delete(&long_key(0, KEY)));
+        let grant = ix.begin_put(&long_key(u32::MAX, KEY), 1, 0, 0).unwrap();
+        assert_eq!(ix.stats().index_bytes, fit * entry);
+        assert!(ix.begin_put(&long_key(u32::MAX - 1, KEY), 1, 0, 0).is_err(), "the reservation's key takes the room");
+        ix.abort_put(grant.id);
+        assert_eq!(ix.stats().index_bytes, (fit - 1) * entry);
+        put(&mut ix, &long_key(u32::MAX - 1, KEY), 1, 0);
+        // With eviction on, long keys make room as large values do.
+        let mut ix = Index::new(IndexConfig { evict: true, ..config });
+        for i in 0..100 {
+            put(&mut ix, &long_key(i, KEY), 1, 0);
+        }
+        assert_eq!((ix.len() as u64, ix.stats().evictions), (fit, 100 - fit));
+    }
+
+    #[test]
+    fn a_value_and_key_larger_than_the_pool_together_can_never_fit() {
+        let mut ix = Index::new(IndexConfig { capacity: 4096, evict: true });
+        match ix.begin_put(&[b'k'; 300], 4000, 0, 0) {
+            Err(Error::NoSpace(msg)) => assert!(msg.contains("can never fit") && msg.contains("4096"), "{msg}"),
+            other => panic!("expected NoSpace, got {other:?}"),
+        }
+        let largest = (4096 - 300 - ENTRY_OVERHEAD) / ALIGN * ALIGN;
+        assert!(ix.begin_put(&[b'k'; 300], largest, 0, 0).is_ok());
+    }
+
+    #[test]
+    fn a_write_whose_key_would_not_fit_beside_the_pinned_entries_evicts_nothing() {
+        let entry = 1 + ENTRY_OVERHEAD;
+        let mut ix = Index::new(IndexConfig { capacity: 3 * (ALIGN + entry), evict: true });
+        for key in [b"a", b"b", b"c"] {
+            put(&mut ix, key, 64, 0);
+        }
+        let pins = [ix.begin_get(b"a", 0).unwrap(), ix.begin_get(b"b", 0).unwrap()];
+        // Evicting c would free a slot, but too little of the capacity for this key.
+        let long = vec![b'k'; 2 * entry as usize];
+        match ix.begin_put(&long, 1, 0, 0) {
+            Err(Error::NoSpace(msg)) => assert!(msg.contains("out of memory"), "{msg}"),
+            other => panic!("expected NoSpace, got {other:?}"),
+        }
+        assert!(ix.exists(b"c", 0), "nothing was evicted for a write that cannot fit");
+        assert_eq!(ix.stats().evictions, 0);
+        // One whose key fits once c is gone evicts c.
+        put(&mut ix, b"d", 64, 0);
+        assert!(!ix.exists(b"c", 0));
+        for pin in pins {
+            ix.end_get(pin);
+        }
+        ix.check_invariants();
+    }
+
     #[test]
     fn commit_of_an_unknown_or_finished_id() {
         let mut ix = index(4096, false);
@@ -1092,7 +1257,6 @@ mod tests {
                     }
                     match got {
                         Some(pin) => {
-                            self.hits += 1;
                             let grant = self.values[&key].grant;
                             self.pins.push((pin, grant));
                         }
@@ -1102,7 +1266,8 @@ mod tests {
                 Op::EndGet(i) if !self.pins.is_empty() => {
                     let (pin, grant) = self.pins.swap_remove(i.index(self.pins.len()));
                     assert!(self.bytes(pin.slot).iter().all(|&g| g == grant), "a pinned slot was reused");
-                    self.ix.end_get(pin);
+                    self.ix.end_get_served(pin);
+                    self.hits += 1;
                 }
                 Op::EndGet(_) => {}
                 Op::Exists(key) => {

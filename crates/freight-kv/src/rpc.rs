@@ -191,6 +191,7 @@ impl KvControl for Control {
             expirations: s.expirations,
             pending_puts: s.pending_puts,
             clients: self.shared.clients.lock().len() as u64,
+            index_bytes: s.index_bytes,
         }))
     }
 }

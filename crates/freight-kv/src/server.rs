@@ -116,10 +116,13 @@ impl Clients {
         (self.next_id, token)
     }
 
-    /// Whether `token` is that of the session of `name`'s agent: `None` when that agent
-    /// has no session.
-    pub(crate) fn token_matches(&self, name: &str, token: &wire::SessionToken) -> Option<bool> {
-        self.by_name.get(name).map(|s| crate::rpc::constant_time_eq(&s.token, token))
+    /// Whose session a data-plane request of `name`'s agent with `token` belongs to.
+    pub(crate) fn sender(&self, name: &str, token: &wire::SessionToken) -> Sender {
+        match self.by_name.get(name) {
+            None => Sender::NoSession,
+            Some(s) if crate::rpc::constant_time_eq(&s.token, token) => Sender::Session(s.id),
+            Some(_) => Sender::Impostor,
+        }
     }
 
     /// The name of the session with this id and token.
@@ -129,6 +132,17 @@ impl Clients {
             .find(|(_, s)| s.id == id && crate::rpc::constant_time_eq(&s.token, token))
             .map(|(name, _)| name.clone())
     }
+}
+
+/// Who sent a data-plane request, as its token shows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Sender {
+    /// The agent it names has no session: it never said hello, or its session ended.
+    NoSession,
+    /// Not the session's token: another agent, under that session's agent's name.
+    Impostor,
+    /// The session with this id.
+    Session(u64),
 }
 
 /// A session that [`Shared::hello`] opened.
@@ -236,7 +250,7 @@ impl Shared {
 
     /// Ends session `id` of `name`'s agent, unless another has replaced it. Its PUTs
     /// still in flight end with their transfers (see `hello`).
-    fn end_session(&self, name: &str, id: u64, why: &str) {
+    pub(crate) fn end_session(&self, name: &str, id: u64, why: &str) {
         let mut clients = self.clients.lock();
         if clients.by_name.get(name).is_some_and(|s| s.id == id) {
             clients.by_name.remove(name);
@@ -526,8 +540,14 @@ const IDLE_WAIT: Duration = Duration::from_millis(20);
 
 /// A request whose transfer is running.
 enum InFlight {
-    Get { client: String, first_id: u64, transfer: Request, plan: GetPlan },
-    Put { client: String, first_id: u64, transfer: Request, plan: PutPlan },
+    Get { client: Client, first_id: u64, transfer: Request, plan: GetPlan },
+    Put { client: Client, first_id: u64, transfer: Request, plan: PutPlan },
+}
+
+/// The client a request came from: its agent's name and its session.
+struct Client {
+    agent: String,
+    session: u64,
 }
 
 impl InFlight {
@@ -586,47 +606,22 @@ impl Worker {
 
     /// Starts one request (or answers it at once).
     fn take(&mut self, n: Notification, stopping: bool) {
-        let request = match wire::Request::decode(&n.msg) {
+        let (token, request) = match wire::Request::decode(&n.msg) {
             None => {
                 tracing::debug!(from = %n.from, bytes = n.msg.len(), "ignored a notification that is no KV request");
                 return;
             }
-            Some(Err(e)) => {
-                match wire::Request::recover_id(&n.msg) {
-                    Some(first_id) => {
-                        tracing::warn!(from = %n.from, first_id, error = %e, "refused a request that does not decode");
-                        let outcomes = vec![Outcome::Failed { code: FailCode::Protocol, error: e.to_string() }];
-                        self.reply(&n.from, Reply { first_id, outcomes });
-                    }
-                    None => tracing::warn!(from = %n.from, error = %e, "dropped a request that does not decode"),
-                }
-                return;
-            }
+            Some(Err(e)) => return self.refuse_malformed(&n, &e),
             Some(Ok(r)) => r,
         };
-        let (token, request) = request;
         let first_id = request.first_id();
+        let Some(client) = self.client(n.from, &token, first_id) else { return };
         let refuse = |why: &str| {
             let outcomes = vec![Outcome::Failed { code: FailCode::Refused, error: why.to_string() }; request.len()];
-            self.reply(&n.from, Reply { first_id, outcomes });
+            self.reply(&client, Reply { first_id, outcomes });
         };
         if stopping {
             return refuse("the server is shutting down");
-        }
-        let matches = self.shared.clients.lock().token_matches(&n.from, &token);
-        match matches {
-            None => {
-                refuse("no session: say hello on the control plane first");
-                // With no session there is usually no peer to answer either: hanging up
-                // tells the client to open a new one, instead of leaving it to time out.
-                return self.shared.agent.disconnect_peer(&n.from);
-            }
-            // Not sent by that session's client (see `wire`): answering would tell that
-            // client of a request it never made.
-            Some(false) => {
-                return tracing::warn!(from = %n.from, first_id, "dropped a request without its session's token")
-            }
-            Some(true) => {}
         }
         let (items, kind) = match &request {
             wire::Request::Get { items, .. } | wire::Request::Put { items, .. } => {
@@ -642,14 +637,16 @@ impl Worker {
                 let plan = GetPlan::new(&mut self.shared.index.lock(), &items, now);
                 let reply = Reply { first_id, outcomes: plan.outcomes().to_vec() };
                 if plan.copies.is_empty() {
-                    return self.reply(&n.from, reply);
+                    return self.reply(&client, reply);
                 }
-                let started = self.start(&n.from, OpKind::Write, plan.copies.iter().copied(), Some(reply.encode()));
+                let started =
+                    self.start(&client.agent, OpKind::Write, plan.copies.iter().copied(), Some(reply.encode()));
                 match started {
-                    Ok(transfer) => self.in_flight.push(InFlight::Get { client: n.from, first_id, transfer, plan }),
+                    Ok(transfer) => self.in_flight.push(InFlight::Get { client, first_id, transfer, plan }),
                     Err(e) => {
+                        self.drop_if_unresponsive(&client, &e);
                         let outcomes = plan.finish(&mut self.shared.index.lock(), Err(e)).unwrap_or_default();
-                        self.reply(&n.from, Reply { first_id, outcomes });
+                        self.reply(&client, Reply { first_id, outcomes });
                     }
                 }
             }
@@ -657,17 +654,54 @@ impl Worker {
                 let plan = PutPlan::new(&mut self.shared.index.lock(), &items, ttl_ms, now);
                 if plan.copies.is_empty() {
                     let outcomes = plan.finish(&mut self.shared.index.lock(), Ok(()), now);
-                    return self.reply(&n.from, Reply { first_id, outcomes });
+                    return self.reply(&client, Reply { first_id, outcomes });
                 }
                 let copies = plan.copies.iter().map(|&(buffer, slot)| (slot, buffer));
-                match self.start(&n.from, OpKind::Read, copies, None) {
-                    Ok(transfer) => self.in_flight.push(InFlight::Put { client: n.from, first_id, transfer, plan }),
+                match self.start(&client.agent, OpKind::Read, copies, None) {
+                    Ok(transfer) => self.in_flight.push(InFlight::Put { client, first_id, transfer, plan }),
                     Err(e) => {
+                        self.drop_if_unresponsive(&client, &e);
                         let outcomes = plan.finish(&mut self.shared.index.lock(), Err(e), now);
-                        self.reply(&n.from, Reply { first_id, outcomes });
+                        self.reply(&client, Reply { first_id, outcomes });
                     }
                 }
             }
+        }
+    }
+
+    /// The client whose session sent a request with `token`, or `None` when it is no
+    /// session's: the request is then dropped unanswered. Anyone may connect under
+    /// another client's name, so an answer would reach that client as the answer to a
+    /// request it did make. An agent without a session is not answered either: its
+    /// session ended, and with it its connections (see `end_session`), so there is
+    /// usually no one to answer; and the agent saying hello right now must not be
+    /// dialled, or hung up on, from here.
+    fn client(&self, from: String, token: &wire::SessionToken, first_id: u64) -> Option<Client> {
+        let sender = self.shared.clients.lock().sender(&from, token);
+        match sender {
+            Sender::Session(session) => Some(Client { agent: from, session }),
+            Sender::NoSession => {
+                tracing::info!(%from, first_id, "dropped a request from an agent without a session");
+                None
+            }
+            Sender::Impostor => {
+                tracing::warn!(%from, first_id, "dropped a request without its session's token");
+                None
+            }
+        }
+    }
+
+    /// Answers a request that does not decode with a protocol error, so that its client
+    /// fails at once instead of waiting out its timeout: where its head can be read and
+    /// names its sender's session (see `client`).
+    fn refuse_malformed(&self, n: &Notification, e: &Error) {
+        let Some((token, first_id)) = wire::Request::recover_head(&n.msg) else {
+            return tracing::warn!(from = %n.from, error = %e, "dropped a request that does not decode");
+        };
+        if let Some(client) = self.client(n.from.clone(), &token, first_id) {
+            tracing::warn!(from = %n.from, first_id, error = %e, "refused a request that does not decode");
+            let outcomes = vec![Outcome::Failed { code: FailCode::Protocol, error: e.to_string() }];
+            self.reply(&client, Reply { first_id, outcomes });
         }
     }
 
@@ -706,7 +740,12 @@ impl Worker {
                     continue;
                 }
             };
-            match self.in_flight.swap_remove(i) {
+            let in_flight = self.in_flight.swap_remove(i);
+            if let Err(e) = &result {
+                let (InFlight::Get { client, .. } | InFlight::Put { client, .. }) = &in_flight;
+                self.drop_if_unresponsive(client, e);
+            }
+            match in_flight {
                 InFlight::Get { client, first_id, plan, .. } => {
                     // Bound first: the index lock must not be held while replying.
                     let failed = plan.finish(&mut self.shared.index.lock(), result);
@@ -723,9 +762,23 @@ impl Worker {
         }
     }
 
-    fn reply(&self, client: &str, reply: Reply) {
-        if let Err(e) = self.shared.agent.notify(client, reply.encode()) {
-            tracing::debug!(client, error = %e, "could not answer a client");
+    /// Answers a client. One that cannot be answered loses its session: for a client on
+    /// this host that takes no notifications, each answer would wait out the engine's
+    /// peer timeout for room in its queue, holding up every other client meanwhile;
+    /// without a session its answers fail at once.
+    fn reply(&self, client: &Client, reply: Reply) {
+        if let Err(e) = self.shared.agent.notify(&client.agent, reply.encode()) {
+            tracing::warn!(client = client.session, agent = %client.agent, error = %e, "could not answer a client");
+            self.shared.end_session(&client.agent, client.session, "its answers cannot be delivered");
+        }
+    }
+
+    /// Ends the session of a client that a transfer found gone or unresponsive (a GET's
+    /// answer rides on its transfer, so it fails the same way): answering it, or moving
+    /// its next request's values, would wait the same way again.
+    fn drop_if_unresponsive(&self, client: &Client, e: &Error) {
+        if matches!(e, Error::Timeout(_) | Error::PeerDisconnected { .. }) {
+            self.shared.end_session(&client.agent, client.session, "a transfer found it unresponsive");
         }
     }
 }
@@ -737,7 +790,7 @@ pub(crate) fn test_server() -> Server {
 }
 
 #[cfg(test)]
-fn test_config() -> ServerConfig {
+pub(crate) fn test_config() -> ServerConfig {
     ServerConfig { listen: "127.0.0.1:0".into(), memory_bytes: 1 << 20, ..Default::default() }
 }
 
@@ -765,32 +818,94 @@ mod tests {
         }
     }
 
+    /// A worker of the test's own: it takes the requests that the test hands it as if
+    /// they came from the named agent.
+    fn worker(s: &Server) -> Worker {
+        Worker::new(s.shared.clone(), Duration::from_secs(3600))
+    }
+
+    fn from(agent: &str, msg: Vec<u8>) -> Notification {
+        Notification { from: agent.to_string(), msg }
+    }
+
+    fn put_request(first_id: u64, token: &wire::SessionToken) -> Vec<u8> {
+        let buffer = wire::Buffer { kind: MemKind::Dram, addr: 1, len: 1, dev: 0 };
+        wire::Request::Put { first_id, ttl_ms: 0, items: vec![(b"k".to_vec(), buffer)] }.encode(token)
+    }
+
+    /// A request that does not decode, its head intact: a PUT cut short.
+    fn malformed(first_id: u64, token: &wire::SessionToken) -> Vec<u8> {
+        let mut put = put_request(first_id, token);
+        put.truncate(put.len() - 3);
+        put
+    }
+
+    /// The replies `client` receives until the one to `first_id`, that one included.
+    fn replies_until(client: &Agent, first_id: u64) -> Vec<Reply> {
+        let until = Instant::now() + Duration::from_secs(5);
+        let mut got: Vec<Reply> = Vec::new();
+        while !matches!(got.last(), Some(r) if r.first_id == first_id) {
+            assert!(Instant::now() < until, "no answer to request {first_id}; got {got:?}");
+            got.extend(replies_within(client, Duration::from_millis(100)));
+        }
+        got
+    }
+
+    fn replies_within(client: &Agent, wait: Duration) -> Vec<Reply> {
+        client.wait_notifs(wait).iter().filter_map(|n| Reply::decode(&n.msg)).map(|r| r.unwrap()).collect()
+    }
+
     #[test]
     fn a_request_that_does_not_decode_is_answered_at_once_when_its_id_can_be_read() {
         let s = server();
         let client = agent(&format!("raw-{}", rand::random::<u32>()));
         let opened = s.shared.hello(&client.metadata()).unwrap();
         let server_agent = client.add_peer(&s.shared.agent.metadata()).unwrap();
-        let good = wire::Request::Put {
-            first_id: 41,
-            ttl_ms: 0,
-            items: vec![(b"k".to_vec(), wire::Buffer { kind: MemKind::Dram, addr: 1, len: 1, dev: 0 })],
-        }
-        .encode(&opened.token);
-        client.notify(&server_agent, good[..good.len() - 3].to_vec()).unwrap();
-        let until = Instant::now() + Duration::from_secs(5);
-        let reply = loop {
-            assert!(Instant::now() < until, "no answer to a request that does not decode");
-            let got = client.wait_notifs(Duration::from_millis(100));
-            if let Some(r) = got.iter().find_map(|n| wire::Reply::decode(&n.msg)) {
-                break r.unwrap();
-            }
-        };
-        assert_eq!(reply.first_id, 41);
+        client.notify(&server_agent, malformed(41, &opened.token)).unwrap();
+        let reply = replies_until(&client, 41).pop().unwrap();
         assert!(
             matches!(&reply.outcomes[..], [Outcome::Failed { code: FailCode::Protocol, error }] if error.contains("malformed")),
             "{reply:?}"
         );
+    }
+
+    /// Anyone may connect under a client's name: an answer to such an agent's request
+    /// reaches the client, which takes it for the answer to its own request of that id
+    /// (and fails that one while the server still carries it out in its buffer).
+    #[test]
+    fn requests_without_their_sessions_token_are_not_answered() {
+        let s = server();
+        let victim = agent(&format!("victim-{}", rand::random::<u32>()));
+        let opened = s.shared.hello(&victim.metadata()).unwrap();
+        let mut w = worker(&s);
+        let forged = [0; 16];
+        w.take(from(&opened.agent, malformed(41, &forged)), false);
+        let stopping = true;
+        w.take(from(&opened.agent, put_request(42, &forged)), stopping);
+        // The session's own, answered in order after whatever the others got.
+        w.take(from(&opened.agent, malformed(43, &opened.token)), false);
+        w.take(from(&opened.agent, put_request(44, &opened.token)), stopping);
+        let got = replies_until(&victim, 44);
+        assert_eq!(got.iter().map(|r| r.first_id).collect::<Vec<_>>(), [43, 44], "{got:?}");
+        assert!(
+            matches!(&got[1].outcomes[..], [Outcome::Failed { code: FailCode::Refused, error }] if error.contains("shutting down")),
+            "{got:?}"
+        );
+    }
+
+    /// The worker reads the sessions under their lock, but a hello of the request's
+    /// agent may add its peer and session right after: hanging up on that agent then
+    /// would drop its new session's peer, and answering it would dial it from the
+    /// worker. Such a request is dropped, nothing more.
+    #[test]
+    fn a_request_from_an_agent_without_a_session_is_dropped_and_its_peer_left_alone() {
+        let s = server();
+        let client = agent(&format!("early-{}", rand::random::<u32>()));
+        // The peer that the agent's hello adds, as if it came right after the lookup.
+        let name = s.shared.agent.add_peer(&client.metadata()).unwrap();
+        worker(&s).take(from(&name, put_request(1, &[0; 16])), false);
+        assert!(s.shared.agent.peers().contains(&name), "its peer was removed");
+        assert!(replies_within(&client, Duration::from_millis(300)).is_empty(), "it was answered");
     }
 
     #[test]

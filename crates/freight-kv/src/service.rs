@@ -57,11 +57,17 @@ impl GetPlan {
         &self.outcomes
     }
 
-    /// Releases the pins once the transfer has ended. On failure, returns the outcomes
-    /// to send instead (the items that were to be copied failed).
+    /// Releases the pins once the transfer has ended, each value a hit if it was copied.
+    /// On failure, returns the outcomes to send instead (the items that were to be
+    /// copied failed).
     pub fn finish(self, index: &mut Index, transfer: Result<(), Error>) -> Option<Vec<Outcome>> {
+        let served = transfer.is_ok();
         for pin in self.pins {
-            index.end_get(pin);
+            if served {
+                index.end_get_served(pin);
+            } else {
+                index.end_get(pin);
+            }
         }
         let error = transfer.err()?;
         Some(
@@ -164,8 +170,10 @@ mod tests {
         Buffer { kind: MemKind::Dram, addr, len, dev: 0 }
     }
 
+    /// An index whose keys count nothing against `capacity`: these tests reckon in
+    /// slots alone.
     fn index(capacity: u64, evict: bool) -> Index {
-        Index::new(IndexConfig { capacity, evict })
+        Index::slots_only(IndexConfig { capacity, evict })
     }
 
     fn put(ix: &mut Index, key: &[u8], len: u64) -> Outcome {
@@ -208,6 +216,8 @@ mod tests {
         let plan = GetPlan::new(&mut ix, &[(b"big".to_vec(), buf(0x9000, 4096))], 0);
         assert!(plan.copies.is_empty());
         assert_eq!(plan.outcomes()[0], Outcome::TooLarge { value: 5000, buffer: 4096 });
+        assert!(plan.finish(&mut ix, Ok(())).is_none());
+        assert_eq!((ix.stats().hits, ix.stats().misses), (0, 0), "neither served nor missing");
     }
 
     #[test]
@@ -236,6 +246,7 @@ mod tests {
         let out = plan.finish(&mut ix, Err(Error::Io("peer gone".into()))).unwrap();
         assert!(matches!(&out[0], Outcome::Failed { code: FailCode::Transfer, error } if error.contains("peer gone")));
         assert_eq!(out[1], Outcome::Missing);
+        assert_eq!((ix.stats().hits, ix.stats().misses), (0, 1), "a value that never arrived is no hit");
     }
 
     #[test]

@@ -11,16 +11,24 @@
 //! message of another version by name instead of misreading it. Versions are agreed on
 //! before any of these messages: a client states its [`VERSION`] in its Hello, and the
 //! server refuses a session of another one. A request that still does not decode is
-//! answered with a [`FailCode::Protocol`] failure where its `first_id` can be read (see
-//! [`Request::recover_id`]), so that its client fails at once instead of waiting out its
-//! timeout; the server can only log one whose id is lost too.
+//! answered with a [`FailCode::Protocol`] failure where its session token and
+//! `first_id` can be read (see [`Request::recover_head`]) and the token is its sender's
+//! session's, so that its client fails at once instead of waiting out its timeout; the
+//! server only logs one whose head is lost, or whose token is not its sender's.
 //!
 //! A request also carries its session's token, right after the version byte: the
 //! engine names the agent a notification came from as that agent introduced itself,
 //! and any client knows the server's secret, so the name alone does not show whose
-//! session a request belongs to. The server carries out only requests whose token is
-//! that of the named agent's session.
+//! session a request belongs to. The server carries out, and answers, only requests
+//! whose token is that of the named agent's session: an answer to a request its client
+//! never made would be taken as the answer to one it did make.
+//!
+//! A request and its reply each travel as one engine notification, so each must fit
+//! [`MAX_NOTIF`]: [`notification_batches`] cuts a batch into requests that do.
 
+use std::ops::Range;
+
+use freight_core::wire::MAX_NOTIF;
 use freight_core::{Desc, Error, MemKind, Result};
 use serde::{Deserialize, Serialize};
 
@@ -185,10 +193,10 @@ impl Request {
         }))
     }
 
-    /// The `first_id` of a request of this version whose body does not decode as a
-    /// whole (cut short, an unknown item...): both kinds start with it, right after
-    /// their tag.
-    pub fn recover_id(bytes: &[u8]) -> Option<u64> {
+    /// The session token and `first_id` of a request of this version whose body does not
+    /// decode as a whole (cut short, an unknown item...): the token comes first, and both
+    /// kinds of request start with their `first_id`, right after their tag.
+    pub fn recover_head(bytes: &[u8]) -> Option<(SessionToken, u64)> {
         /// The leading fields of [`Request`]'s variants, in its order.
         #[derive(Deserialize)]
         enum Head {
@@ -196,11 +204,54 @@ impl Request {
             Put { first_id: u64 },
         }
         let body = bytes.strip_prefix(&MAGIC[..])?.strip_prefix(&[VERSION])?;
-        let (_, body) = split_token(body)?;
+        let (token, body) = split_token(body)?;
         match postcard::take_from_bytes::<Head>(body).ok()?.0 {
-            Head::Get { first_id } | Head::Put { first_id } => Some(first_id),
+            Head::Get { first_id } | Head::Put { first_id } => Some((token, first_id)),
         }
     }
+}
+
+/// The most bytes postcard takes for a `u64` (a varint of 7 bits a byte).
+const MAX_VARINT: usize = 10;
+
+/// The most bytes of a request besides its items: magic, version, token, the variant's
+/// tag, `first_id`, `ttl_ms` and the number of items.
+const REQUEST_HEAD_MAX: usize = MAGIC.len() + 1 + 16 + 4 * MAX_VARINT;
+
+/// The most bytes of an item of a request besides its key's bytes: the key's length and
+/// a [`Buffer`] (its kind's tag, address, length and device).
+const REQUEST_ITEM_MAX: usize = 5 * MAX_VARINT;
+
+/// The most bytes of a reply besides its outcomes: magic, version, `first_id` and the
+/// number of outcomes.
+const REPLY_HEAD_MAX: usize = MAGIC.len() + 1 + 2 * MAX_VARINT;
+
+/// The most bytes of one outcome once [`Reply::encode`] has dropped failures' reasons:
+/// the tag and two `u64`s ([`Outcome::Found`], [`Outcome::TooLarge`]).
+const REPLY_ITEM_MAX: usize = 1 + 2 * MAX_VARINT;
+
+/// Cuts a batch of items, given by their keys' lengths, into runs of consecutive items
+/// whose request and whose reply each fit one notification: the engine refuses a larger
+/// one outright. Bounds rather than exact sizes decide, so a run may stop short of the
+/// limit. An item whose key alone is past the limit is a run of its own (its request is
+/// refused).
+pub fn notification_batches(key_lens: impl IntoIterator<Item = usize>) -> Vec<Range<usize>> {
+    let room = MAX_NOTIF - REQUEST_HEAD_MAX.max(REPLY_HEAD_MAX);
+    let mut runs = Vec::new();
+    let (mut start, mut end, mut size) = (0, 0, 0);
+    for len in key_lens {
+        let item = len.saturating_add(REQUEST_ITEM_MAX).max(REPLY_ITEM_MAX);
+        if end > start && size + item > room {
+            runs.push(start..end);
+            (start, size) = (end, 0);
+        }
+        size = size.saturating_add(item);
+        end += 1;
+    }
+    if end > start {
+        runs.push(start..end);
+    }
+    runs
 }
 
 impl Reply {
@@ -209,7 +260,7 @@ impl Reply {
     /// still says what went wrong).
     pub fn encode(&self) -> Vec<u8> {
         let bytes = encode(&[], self);
-        if bytes.len() <= freight_core::wire::MAX_NOTIF {
+        if bytes.len() <= MAX_NOTIF {
             return bytes;
         }
         for keep in [64, 0] {
@@ -224,7 +275,7 @@ impl Reply {
                 }
             }
             let bytes = encode(&[], &shorter);
-            if bytes.len() <= freight_core::wire::MAX_NOTIF || keep == 0 {
+            if bytes.len() <= MAX_NOTIF || keep == 0 {
                 return bytes;
             }
         }
@@ -251,7 +302,7 @@ mod tests {
         let failed = Outcome::Failed { code: FailCode::NoSpace, error: "é".repeat(200) };
         let reply = Reply { first_id: 1, outcomes: vec![failed; 60_000] };
         let bytes = reply.encode();
-        assert!(bytes.len() <= freight_core::wire::MAX_NOTIF, "{}", bytes.len());
+        assert!(bytes.len() <= MAX_NOTIF, "{}", bytes.len());
         let back = Reply::decode(&bytes).unwrap().unwrap();
         assert_eq!(back.outcomes.len(), 60_000);
         assert!(matches!(&back.outcomes[0], Outcome::Failed { code: FailCode::NoSpace, error } if error.len() <= 64));
@@ -301,24 +352,50 @@ mod tests {
     }
 
     #[test]
-    fn the_id_of_a_request_that_does_not_decode_is_recovered_where_it_can_be() {
+    fn the_head_of_a_request_that_does_not_decode_is_recovered_where_it_can_be() {
         let put = Request::Put { first_id: 300, ttl_ms: 5, items: vec![(b"k".to_vec(), buf(1, 1))] }.encode(&TOKEN);
         let cut = &put[..put.len() - 3];
         assert!(matches!(Request::decode(cut), Some(Err(_))));
-        assert_eq!(Request::recover_id(cut), Some(300));
+        assert_eq!(Request::recover_head(cut), Some((TOKEN, 300)));
         let get = Request::Get { first_id: 7, items: vec![] }.encode(&TOKEN);
         let mut bad = get.clone();
         bad.push(0xff);
         bad.push(0xff);
-        assert_eq!(Request::recover_id(&get), Some(7));
-        assert_eq!(Request::recover_id(&bad), Some(7));
+        assert_eq!(Request::recover_head(&get), Some((TOKEN, 7)));
+        assert_eq!(Request::recover_head(&bad), Some((TOKEN, 7)));
         // Another version may lay its fields out otherwise; a cut tag leaves nothing.
         let mut other = get.clone();
         other[MAGIC.len()] = VERSION + 1;
-        assert_eq!(Request::recover_id(&other), None);
-        assert_eq!(Request::recover_id(&get[..MAGIC.len() + 1]), None);
-        assert_eq!(Request::recover_id(b"hello"), None);
+        assert_eq!(Request::recover_head(&other), None);
+        assert_eq!(Request::recover_head(&get[..MAGIC.len() + 1]), None);
+        assert_eq!(Request::recover_head(&get[..MAGIC.len() + 1 + 16]), None, "a token without an id");
+        assert_eq!(Request::recover_head(b"hello"), None);
         assert!(Reply::decode(WELCOME).is_none(), "the welcome is no reply");
+    }
+
+    /// Items at their largest: every field a `u64` of ten varint bytes.
+    fn widest(key_len: usize) -> (Vec<u8>, Buffer) {
+        (vec![b'k'; key_len], Buffer { kind: MemKind::File, addr: u64::MAX, len: u64::MAX, dev: u64::MAX })
+    }
+
+    #[test]
+    fn each_batch_of_the_widest_items_fits_a_notification_as_request_and_reply() {
+        for key_len in [1, 100, MAX_KEY] {
+            let n = MAX_NOTIF / key_len + 10;
+            let runs = notification_batches(std::iter::repeat(key_len).take(n));
+            assert!(runs.len() > 1, "{key_len}: {n} items take more than one request");
+            assert_eq!(runs.first().map(|r| r.start), Some(0));
+            assert!(runs.windows(2).all(|w| w[0].end == w[1].start), "the runs cover every item in order");
+            assert_eq!(runs.last().map(|r| r.end), Some(n));
+            let longest = runs.iter().map(ExactSizeIterator::len).max().unwrap();
+            let put = Request::Put { first_id: u64::MAX, ttl_ms: u64::MAX, items: vec![widest(key_len); longest] };
+            assert!(put.encode(&TOKEN).len() <= MAX_NOTIF, "{key_len}: a request of {longest} items");
+            let found = Outcome::Found { len: u64::MAX, version: u64::MAX };
+            let reply = Reply { first_id: u64::MAX, outcomes: vec![found; longest] };
+            assert!(reply.encode().len() <= MAX_NOTIF, "{key_len}: a reply of {longest} items");
+        }
+        assert!(notification_batches([]).is_empty());
+        assert_eq!(notification_batches([MAX_NOTIF, 1]), vec![0..1, 1..2], "a key past the limit goes alone");
     }
 
     #[test]
