@@ -441,8 +441,8 @@ impl StoredObject {
 #[derive(Default)]
 struct StoreState {
     objects: HashMap<String, Arc<StoredObject>>,
-    /// The objects' keys by last use (arrival, or `get`).
-    recency: Recency,
+    /// The objects' keys by last use (arrival, or `get`): kept by evicting stores only.
+    recency: Option<Recency>,
     bytes: u64,
     /// Objects dropped to make room since the start.
     evicted: u64,
@@ -452,6 +452,25 @@ struct StoreState {
     ended: bool,
     /// Why the store stopped taking objects in.
     failure: Option<Error>,
+}
+
+impl StoreState {
+    /// Marks `key` used, where the store keeps the order.
+    fn touch(&mut self, key: &str) {
+        if let Some(recency) = &mut self.recency {
+            recency.touch(key);
+        }
+    }
+
+    /// Lets go of the object held under `key`.
+    fn remove(&mut self, key: &str) -> Option<Arc<StoredObject>> {
+        let object = self.objects.remove(key)?;
+        if let Some(recency) = &mut self.recency {
+            recency.forget(key);
+        }
+        self.bytes -= object.len();
+        Some(object)
+    }
 }
 
 struct Shared {
@@ -495,7 +514,7 @@ impl StoreReceiver {
     }
 
     fn start(channel: ChannelReceiver, capacity: Option<u64>, evict: bool) -> StoreReceiver {
-        let state = Mutex::new(StoreState::default());
+        let state = Mutex::new(StoreState { recency: evict.then(Recency::new), ..StoreState::default() });
         let shared = Arc::new(Shared { state, changed: Condvar::new(), capacity, evict });
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let worker = {
@@ -514,7 +533,7 @@ impl StoreReceiver {
     pub fn get(&self, key: &str) -> Option<Arc<StoredObject>> {
         let mut st = self.shared.state.lock();
         let object = st.objects.get(key).cloned()?;
-        st.recency.touch(key);
+        st.touch(key);
         Some(object)
     }
 
@@ -526,7 +545,7 @@ impl StoreReceiver {
         let mut st = self.shared.state.lock();
         let held = st.objects.contains_key(key);
         if held {
-            st.recency.touch(key);
+            st.touch(key);
         }
         held
     }
@@ -540,10 +559,7 @@ impl StoreReceiver {
     /// when the key is unknown.
     pub fn remove(&self, key: &str) -> Option<Arc<StoredObject>> {
         let mut st = self.shared.state.lock();
-        let object = st.objects.remove(key)?;
-        st.recency.forget(key);
-        st.bytes -= object.len();
-        Some(object)
+        st.remove(key)
     }
 
     pub fn keys(&self) -> Vec<String> {
@@ -729,8 +745,8 @@ fn make_room(shared: &Shared, batch: &[Received]) -> Result<()> {
     let need = after - capacity;
     // The batch's own keys are counted as replaced already; an object held elsewhere
     // (a reader's `Arc`) would keep its memory.
-    let victims = shared.evict.then(|| {
-        st.recency.victims(need, |key| {
+    let victims = st.recency.as_ref().map(|recency| {
+        recency.victims(need, |key| {
             let object = st.objects.get(key).expect("the store orders the keys it holds");
             (!in_batch.contains_key(key) && Arc::strong_count(object) == 1).then(|| object.len())
         })
@@ -746,10 +762,7 @@ fn make_room(shared: &Shared, batch: &[Received]) -> Result<()> {
     };
     let mut evicted = Vec::with_capacity(victims.len());
     for key in &victims {
-        let object = st.objects.remove(key).expect("victims are held");
-        st.recency.forget(key);
-        st.bytes -= object.len();
-        evicted.push(object);
+        evicted.push(st.remove(key).expect("victims are held"));
     }
     st.evicted += evicted.len() as u64;
     let (freed, held) = (evicted.iter().map(|o| o.len()).sum::<u64>(), st.objects.len());
@@ -770,7 +783,7 @@ fn file(shared: &Shared, batch: &mut Vec<Received>) -> Result<()> {
         let (key, meta) = (std::mem::take(&mut object.key), std::mem::take(&mut object.meta));
         let stored = Arc::new(StoredObject { key: key.clone(), meta, sender: object.sender, data });
         let mut st = shared.state.lock();
-        st.recency.touch(&key);
+        st.touch(&key);
         if let Some(old) = st.objects.insert(key, stored) {
             st.bytes -= old.len();
         }
