@@ -397,13 +397,6 @@ impl Kernel {
         concurrency(shape, self.device.multiprocessors, self.resident_per_sm(shape))
     }
 
-    /// Launches the default shape over `count` items at device address `table`, on the
-    /// device's stream.
-    pub fn launch(&self, table: u64, count: usize) -> Result<()> {
-        // SAFETY: the device's own stream lives as long as the process.
-        unsafe { self.launch_on(self.device.stream(), table, count, &LaunchShape::default()) }
-    }
-
     /// Launches `shape` over `count` items at device address `table`, on `stream`.
     ///
     /// # Safety
