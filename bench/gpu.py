@@ -142,22 +142,28 @@ def copy_engines(target, local, quick):
 
 
 def oneshot(agent, name, local, base, quick):
+    """128 x 32 MiB WRITE, the request created and posted each time (`transfer`), with
+    the remote blocks in order and in a random order: bench/peers/nixl_p2p.py runs the
+    same two lists through NIXL."""
     import freight
 
     block, count = 32 * MIB, 128
     ldesc = freight.DescList([(local.data_ptr() + i * block, block, 0) for i in range(count)], kind="VRAM")
-    order = list(range(count))
-    random.Random(2).shuffle(order)
-    rdesc = freight.DescList([(base + j * block, block, 0) for j in order], kind="VRAM")
-    times = []
-    for i in range(3 if quick else 10):
-        t = time.perf_counter()
-        req = agent.transfer("WRITE", ldesc, name, rdesc)
-        req.wait(timeout=60)
-        if i:
-            times.append(time.perf_counter() - t)
-    p50, _ = stats(times)
-    return [row("oneshot", "WRITE", block, count, block * count / p50 / 1e9)]
+    shuffled = list(range(count))
+    random.Random(2).shuffle(shuffled)
+    rows = []
+    for order_name, order in (("sequential", range(count)), ("random", shuffled)):
+        rdesc = freight.DescList([(base + j * block, block, 0) for j in order], kind="VRAM")
+        times = []
+        for i in range(3 if quick else 10):
+            t = time.perf_counter()
+            req = agent.transfer("WRITE", ldesc, name, rdesc)
+            req.wait(timeout=60)
+            if i:
+                times.append(time.perf_counter() - t)
+        p50, _ = stats(times)
+        rows.append(row("oneshot", "WRITE", block, count, block * count / p50 / 1e9, order=order_name))
+    return rows
 
 
 def latency(agent, name, local, base, target, quick):

@@ -15,7 +15,7 @@ Each creates a NIXL agent with the UCX backend (UCX_TLS=cuda_ipc,cuda_copy,tcp u
             iterations
   oneshot   128 x 32 MiB WRITE, each time: prep_xfer_dlist (both sides), make_prepped_xfer,
             post, wait (also reported: the same through initialize_xfer, as row
-            "oneshot_initialize_xfer")
+            "oneshot_initialize_xfer"); in each --order, like bw
   lat4k     one 4 KiB VRAM->VRAM WRITE, post to DONE at the initiator: p50 and p99
   notif4k   one 4 KiB WRITE carrying a notification: from the post at the initiator to
             the moment the target's get_new_notifs returns it (CLOCK_MONOTONIC, which both
@@ -88,8 +88,9 @@ def plan(cfg: dict) -> list[dict]:
                 rows.append(new_row("bw", op, block, min(count, cfg["bytes"] // block), order=order))
     blk, cnt = ONESHOT
     cnt = min(cnt, cfg["bytes"] // blk)
-    rows.append(new_row("oneshot", "WRITE", blk, cnt))
-    rows.append(new_row("oneshot_initialize_xfer", "WRITE", blk, cnt))
+    for order in cfg["orders"]:
+        rows.append(new_row("oneshot", "WRITE", blk, cnt, order=order))
+        rows.append(new_row("oneshot_initialize_xfer", "WRITE", blk, cnt, order=order))
     rows.append(new_row("lat4k", "WRITE", 4 * KIB, 1))
     rows.append(new_row("notif4k", "WRITE", 4 * KIB, 1))
     blk, cnt = HOST_CASE
@@ -339,18 +340,23 @@ class Initiator:
         return {"gbps": round(block * count / t / 1e9, 3), "iters": len(ts),
                 "median_ms": round(t * 1e3, 4), "prep_ms": round(prep_ms, 3)}
 
-    def oneshot(self, block: int, count: int, api: str) -> dict:
+    def oneshot(self, block: int, count: int, api: str, random_order: bool) -> dict:
+        """The request created (both lists prepared) and posted each time; with
+        random_order the remote blocks are visited in a random permutation."""
         np, ag = self.np, self.agent
         offs = np.arange(count, dtype=np.uint64) * np.uint64(block)
-        ld, rd = descs(self.lbase, offs, block), descs(self.rbase, offs, block)
         idx = np.arange(count, dtype=np.int32)
+        ridx = self.rng.permutation(count).astype(np.int32) if random_order else idx
+        ld = descs(self.lbase, offs, block)
+        # initialize_xfer pairs the lists entry by entry: the remote one is permuted itself.
+        rd = descs(self.rbase, offs if api == "prepped" else offs[ridx], block)
 
         def once() -> float:
             t0 = time.perf_counter()
             if api == "prepped":
                 lh = ag.prep_xfer_dlist("NIXL_INIT_AGENT", ld, self.vseg)
                 rh = ag.prep_xfer_dlist(self.remote, rd, self.vseg)
-                xh = ag.make_prepped_xfer("WRITE", lh, idx, rh, idx)
+                xh = ag.make_prepped_xfer("WRITE", lh, idx, rh, ridx)
                 handles = (xh, lh, rh)
             else:
                 xh = ag.initialize_xfer("WRITE", ag.get_xfer_descs(ld, self.vseg),
@@ -473,9 +479,10 @@ class Initiator:
                                                      block, count, order == "random"))
         blk, cnt = ONESHOT
         cnt = min(cnt, size // blk)
-        self.case(rows[("oneshot", "WRITE", blk, cnt, None)], lambda: self.oneshot(blk, cnt, "prepped"))
-        self.case(rows[("oneshot_initialize_xfer", "WRITE", blk, cnt, None)],
-                  lambda: self.oneshot(blk, cnt, "initialize_xfer"))
+        for order in cfg["orders"]:
+            for test, api in (("oneshot", "prepped"), ("oneshot_initialize_xfer", "initialize_xfer")):
+                self.case(rows[(test, "WRITE", blk, cnt, order)],
+                          lambda: self.oneshot(blk, cnt, api, order == "random"))
         self.case(rows[("lat4k", "WRITE", 4 * KIB, 1, None)], self.latency)
         # the parent completes this row from both sides' timestamps
         notif = dict(rows[("notif4k", "WRITE", 4 * KIB, 1, None)])

@@ -14,6 +14,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crossbeam_channel::{Receiver, RecvTimeoutError};
+use freight_core::cuda::driver::CopyBatch;
 use freight_core::{interrupt, Desc, DescList, Error, MemKind, Result};
 use serde::{Deserialize, Serialize};
 
@@ -259,6 +260,15 @@ impl Received {
     /// space stays taken until this object is dropped: drop it once the bytes are
     /// where they belong, and a sender draining the pipe knows they are.
     pub fn take_owned(&mut self) -> Result<Owned> {
+        let mut batch = CopyBatch::default();
+        let owned = self.take_owned_queued(&mut batch)?;
+        batch.finish()?;
+        Ok(owned)
+    }
+
+    /// [`Received::take_owned`], a copy out of a GPU's pipe buffer only queued on
+    /// `batch`: the object (its pipe space) and the result must outlive the batch.
+    pub fn take_owned_queued(&mut self, batch: &mut CopyBatch) -> Result<Owned> {
         let (kind, addr, dev) = self.location();
         let len = self.len;
         match std::mem::replace(&mut self.data, Data::Gone) {
@@ -269,7 +279,7 @@ impl Received {
             Data::View { message, offset } => {
                 self.data = Data::View { message, offset };
                 let mut copy = Owned::like(kind, dev, len)?;
-                copy.fill_from(0, kind, addr, len)?;
+                copy.fill_from_queued(batch, 0, kind, addr, len)?;
                 Ok(copy)
             }
             Data::Gone => Err(Error::InvalidState("the object's bytes were taken already".into())),

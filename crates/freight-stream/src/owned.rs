@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::sync::OnceLock;
 
-use freight_core::cuda::driver::{copy_sync, DeviceBuffer};
+use freight_core::cuda::driver::{CopyBatch, DeviceBuffer};
 use freight_core::cuda::Device;
 use freight_core::{Error, MemKind, Result};
 use parking_lot::Mutex;
@@ -155,9 +155,24 @@ impl Owned {
     /// Copies `len` bytes from `src` (of `src_kind`, on this memory's GPU if any) to
     /// `offset` of this memory.
     pub fn fill_from(&mut self, offset: u64, src_kind: MemKind, src: u64, len: u64) -> Result<()> {
+        let mut batch = CopyBatch::default();
+        self.fill_from_queued(&mut batch, offset, src_kind, src, len)?;
+        batch.finish()
+    }
+
+    /// [`Owned::fill_from`], a copy that involves a GPU queued on `batch` (this memory
+    /// and `src` must outlive it).
+    pub fn fill_from_queued(
+        &mut self,
+        batch: &mut CopyBatch,
+        offset: u64,
+        src_kind: MemKind,
+        src: u64,
+        len: u64,
+    ) -> Result<()> {
         debug_assert!(offset + len <= self.len());
         let (kind, dst, dev) = self.location();
-        copy_bytes(src_kind, dev, kind, dst + offset, src, len)
+        queue_copy(batch, src_kind, dev, kind, dst + offset, src, len)
     }
 }
 
@@ -172,13 +187,30 @@ impl Drop for Owned {
 /// Copies between host and device memory in any direction, synchronously. `dev` is the
 /// GPU of whichever side is on one.
 pub fn copy_bytes(src_kind: MemKind, dev: u64, dst_kind: MemKind, dst: u64, src: u64, len: u64) -> Result<()> {
+    let mut batch = CopyBatch::default();
+    queue_copy(&mut batch, src_kind, dev, dst_kind, dst, src, len)?;
+    batch.finish()
+}
+
+/// [`copy_bytes`], but a copy that involves a GPU is only queued on `batch`: both ranges
+/// must stay valid until it is finished (or dropped). Host to host copies at once.
+pub fn queue_copy(
+    batch: &mut CopyBatch,
+    src_kind: MemKind,
+    dev: u64,
+    dst_kind: MemKind,
+    dst: u64,
+    src: u64,
+    len: u64,
+) -> Result<()> {
     if src_kind != MemKind::Vram && dst_kind != MemKind::Vram {
         // SAFETY: the caller vouches for `dst`; `src` is live memory of a message or an
         // object, `len` bytes long.
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, len as usize) };
         return Ok(());
     }
-    copy_sync(Device::get(dev as usize)?, dst, src, len as usize)
+    // SAFETY: the caller keeps both ranges alive until the batch is waited for.
+    unsafe { batch.copy(Device::get(dev as usize)?, dst, src, len as usize) }
 }
 
 #[cfg(test)]

@@ -5,7 +5,8 @@
 //! commit returns once the receiver holds every object in it, so a decode instance told
 //! "done" by the prefill instance finds every key. The receiver copies each object out
 //! of its pipe buffer into memory of its own (the same kind: GPU objects stay on the
-//! GPU), which frees the buffer for the next objects at once; `get`, `contains` and
+//! GPU; a batch's copies are queued together and waited for once), which frees the
+//! buffer for the next objects at once; `get`, `contains` and
 //! `remove` work on that store while more objects stream in.
 //!
 //! A full batch of puts (the channel's batch size) goes out at once, without waiting
@@ -35,6 +36,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use freight_core::cuda::driver::CopyBatch;
 use freight_core::{interrupt, Error, Result};
 use parking_lot::{Condvar, Mutex};
 use serde::Serialize;
@@ -773,28 +775,41 @@ fn make_room(shared: &Shared, batch: &[Received]) -> Result<()> {
     Ok(())
 }
 
-/// Copies a batch's objects out of the pipe buffers into the store, taking them out of
-/// `batch` one by one: on failure, the one that failed and those after it are left.
+/// Copies a batch's objects out of the pipe buffers into the store, then files them,
+/// taking them out of `batch`: on failure, the one that failed and those after it are
+/// left. The copies of the whole batch are queued together and waited for once.
 fn file(shared: &Shared, batch: &mut Vec<Received>) -> Result<()> {
-    batch.reverse();
-    while let Some(object) = batch.last_mut() {
-        let len = object.len();
-        let data = object.take_owned()?;
+    let mut copies = CopyBatch::default();
+    let mut taken = Vec::with_capacity(batch.len());
+    let mut failure = None;
+    for object in batch.iter_mut() {
+        match object.take_owned_queued(&mut copies) {
+            Ok(data) => taken.push(data),
+            Err(e) => {
+                failure = Some(e);
+                break;
+            }
+        }
+    }
+    copies.finish()?;
+    let filed = taken.len();
+    let mut st = shared.state.lock();
+    for (object, data) in batch.iter_mut().zip(taken) {
         let (key, meta) = (std::mem::take(&mut object.key), std::mem::take(&mut object.meta));
+        let len = data.len();
         let stored = Arc::new(StoredObject { key: key.clone(), meta, sender: object.sender, data });
-        let mut st = shared.state.lock();
         st.touch(&key);
         if let Some(old) = st.objects.insert(key, stored) {
             st.bytes -= old.len();
         }
         st.bytes += len;
         st.received += 1;
-        shared.changed.notify_all();
-        drop(st);
-        // Only now may its pipe space go back: a sender's commit waits for that.
-        drop(batch.pop());
     }
-    Ok(())
+    shared.changed.notify_all();
+    drop(st);
+    // Only now may their pipe space go back: a sender's commit waits for that.
+    batch.drain(..filed);
+    failure.map_or(Ok(()), Err)
 }
 
 #[cfg(test)]

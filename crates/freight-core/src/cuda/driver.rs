@@ -355,6 +355,56 @@ pub fn copy_sync(device: &Device, dst: u64, src: u64, len: usize) -> Result<()> 
     stream.synchronize()
 }
 
+/// Copies queued on the same streams as [`copy_sync`]'s and waited for together: a
+/// receiver copying a batch of objects out of its buffers waits once, not once per
+/// object. Dropped before [`CopyBatch::finish`], it still waits, so no copy it queued
+/// outlives the caller's hold on the memory.
+#[derive(Default)]
+pub struct CopyBatch {
+    /// GPUs with copies queued and not yet waited for.
+    queued_on: Vec<&'static Device>,
+}
+
+impl CopyBatch {
+    /// Queues a copy of `len` bytes from `src` to `dst` on `device`'s copy stream.
+    ///
+    /// # Safety
+    ///
+    /// Both ranges must stay valid until the batch is finished or dropped.
+    pub unsafe fn copy(&mut self, device: &'static Device, dst: u64, src: u64, len: usize) -> Result<()> {
+        let _ctx = device.bind()?;
+        // SAFETY: as the caller vouches; the driver checks the pointers.
+        unsafe { device.sync_stream()?.copy(dst, src, len)? };
+        if !self.queued_on.iter().any(|d| d.ordinal == device.ordinal) {
+            self.queued_on.push(device);
+        }
+        Ok(())
+    }
+
+    /// Waits until every queued copy is complete; the first failure is returned after
+    /// every GPU was waited for.
+    pub fn finish(mut self) -> Result<()> {
+        self.wait()
+    }
+
+    fn wait(&mut self) -> Result<()> {
+        let mut outcome = Ok(());
+        for device in self.queued_on.drain(..) {
+            let waited = device.bind().and_then(|_ctx| device.sync_stream()?.synchronize());
+            outcome = outcome.and(waited);
+        }
+        outcome
+    }
+}
+
+impl Drop for CopyBatch {
+    fn drop(&mut self) {
+        if let Err(e) = self.wait() {
+            tracing::warn!(error = %e, "waiting for copies of a dropped batch failed");
+        }
+    }
+}
+
 /// A stream of freight's own on the GPU current when it was made. Non-blocking: its work
 /// never queues behind the legacy default stream, where PyTorch runs its kernels (the
 /// caller orders its own work before handing memory to freight).
