@@ -33,6 +33,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use freight_core::{Agent, Error, MemKind, Result};
 use freight_stream::{Outgoing, StoreReceiver, StoreSender, StoredObject};
@@ -77,6 +78,20 @@ pub struct StoreReport {
     pub new_chunks: usize,
     /// Bytes copied out of the KV memory.
     pub bytes: u64,
+    /// Where the store's time went.
+    pub times: StoreTimes,
+}
+
+/// A store's time in its three parts (together, about all of it): what to tune follows
+/// from which one is large.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StoreTimes {
+    /// Copying chunks out of the KV memory into the tiers, and waiting for those copies.
+    pub gathering: Duration,
+    /// Handing chunks to the remote sink and sending full batches and sealed commits.
+    pub sending: Duration,
+    /// Waiting for the remote peer to hold commits.
+    pub waiting_for_peer: Duration,
 }
 
 pub struct CacheEngine {
@@ -100,6 +115,14 @@ pub struct CacheEngine {
     /// Sealed commits that may await the peer while the engine goes on.
     commits_in_flight: usize,
     remote_in: Option<StoreReceiver>,
+    /// The time of the store under way, so far.
+    times: StoreTimes,
+}
+
+/// Which part of a store's time a call on the sink counts in.
+enum Part {
+    Sending,
+    Waiting,
 }
 
 /// Sealed commits allowed to await the peer, unless told otherwise.
@@ -149,6 +172,7 @@ impl CacheEngine {
             unsealed: Vec::new(),
             sealed: VecDeque::new(),
             commits_in_flight: DEFAULT_COMMITS_IN_FLIGHT,
+            times: StoreTimes::default(),
             remote_in: None,
         })
     }
@@ -262,9 +286,12 @@ impl CacheEngine {
     /// locally only, instead of failing (and, putting last chunk first, keeping only the
     /// tails of prompts).
     pub fn store(&mut self, tokens: &[u32], kv: &KvMemory) -> Result<StoreReport> {
+        self.times = StoreTimes::default();
         let stored = self.store_queued(tokens, kv);
         let stored = self.settled(stored);
-        self.or_forget(stored)
+        let mut report = self.or_forget(stored)?;
+        report.times = self.times;
+        Ok(report)
     }
 
     /// [`CacheEngine::store`], but moves into host memory may still be in flight.
@@ -322,18 +349,23 @@ impl CacheEngine {
         if let Some(gpu) = staged.filter(|g| !self.queued_on.contains(g)) {
             self.queued_on.push(gpu);
         }
-        move_runs(kv, chunk, runs, direction)?;
+        let started = Instant::now();
+        let moved = move_runs(kv, chunk, runs, direction);
+        self.times.gathering += started.elapsed();
+        moved?;
         Ok(staged.is_some())
     }
 
     /// Waits for the moves this engine queued. When one failed, the chunks they were
     /// gathering are forgotten: their slots may hold other bytes.
     fn wait_moves(&mut self) -> Result<()> {
+        let started = Instant::now();
         let mut waited = Ok(());
         for gpu in std::mem::take(&mut self.queued_on) {
             let r = staging::wait(gpu);
             waited = waited.and(r);
         }
+        self.times.gathering += started.elapsed();
         let landing = std::mem::take(&mut self.landing);
         if let Err(e) = &waited {
             tracing::warn!(error = %e, chunks = landing.len(), "moves into the cache failed; their chunks are dropped");
@@ -457,7 +489,7 @@ impl CacheEngine {
         self.tiers[tier].pin(key.hash);
         self.unsealed.push((tier, key.hash));
         self.sent.insert(key.hash);
-        let queued = self.sink().queue(object);
+        let queued = self.timed(Part::Sending, |sink| sink.queue(object));
         self.or_forget(queued)?;
         if self.unsealed.len() >= self.seal_every() {
             self.seal_remote()?;
@@ -467,6 +499,18 @@ impl CacheEngine {
 
     fn sink(&mut self) -> &mut StoreSender {
         self.remote_out.as_mut().expect("only called with a sink")
+    }
+
+    /// `f` on the sink, its time counted as `part` of the store's.
+    fn timed<T>(&mut self, part: Part, f: impl FnOnce(&mut StoreSender) -> T) -> T {
+        let started = Instant::now();
+        let out = f(self.sink());
+        let spent = started.elapsed();
+        match part {
+            Part::Sending => self.times.sending += spent,
+            Part::Waiting => self.times.waiting_for_peer += spent,
+        }
+        out
     }
 
     /// Chunks per commit: the sink's commit size, or fewer, so that the commits in
@@ -482,7 +526,7 @@ impl CacheEngine {
     /// Sends the chunks put since the last commit as one, then waits for the oldest
     /// commits while more than allowed are in flight.
     fn seal_remote(&mut self) -> Result<()> {
-        let sealed = self.sink().seal();
+        let sealed = self.timed(Part::Sending, StoreSender::seal);
         if self.or_forget(sealed)? {
             self.sealed.push_back(std::mem::take(&mut self.unsealed));
         }
@@ -493,7 +537,7 @@ impl CacheEngine {
     }
 
     fn wait_oldest_remote(&mut self) -> Result<()> {
-        let held = self.sink().wait_oldest();
+        let held = self.timed(Part::Waiting, StoreSender::wait_oldest);
         if self.or_forget(held)?.is_some() {
             self.unpin_oldest();
         }
@@ -505,7 +549,7 @@ impl CacheEngine {
         if self.sealed.is_empty() {
             return Ok(());
         }
-        let held = self.sink().poll();
+        let held = self.timed(Part::Waiting, StoreSender::poll);
         for _ in 0..self.or_forget(held)?.len() {
             self.unpin_oldest();
         }
@@ -521,8 +565,11 @@ impl CacheEngine {
 
     /// Sends whatever is not committed and waits until the peer holds every chunk put.
     fn commit_remote(&mut self) -> Result<()> {
-        let Some(sink) = self.remote_out.as_mut() else { return Ok(()) };
-        let committed = sink.commit();
+        if self.remote_out.is_none() {
+            return Ok(());
+        }
+        // It sends what is left too, but mostly waits.
+        let committed = self.timed(Part::Waiting, StoreSender::commit);
         self.or_forget(committed)?;
         self.unpin_all();
         Ok(())

@@ -19,7 +19,7 @@ pub mod slots;
 pub mod staging;
 pub mod tier;
 
-pub use engine::{CacheConfig, CacheEngine, KvMemory, StoreReport, DEFAULT_COMMITS_IN_FLIGHT};
+pub use engine::{CacheConfig, CacheEngine, KvMemory, StoreReport, StoreTimes, DEFAULT_COMMITS_IN_FLIGHT};
 pub use key::{chunk_keys, ChunkKey};
 pub use layout::{KvLayout, KvShape, Run};
 pub use memory::Place;

@@ -234,7 +234,12 @@ fn prefill_to_decode(require: TransportKind, host_chunks: u64, in_flight: usize)
     let tokens = prompt(150, 5);
     let mut kv = Kv::contiguous(160);
     kv.fill(&tokens);
-    prefill.store(&tokens, &kv.memory()).unwrap();
+    let started = std::time::Instant::now();
+    let times = prefill.store(&tokens, &kv.memory()).unwrap().times;
+    let whole = started.elapsed();
+    // It gathered, sent and waited for the peer, and those parts fit in the whole.
+    assert!(!times.gathering.is_zero() && !times.sending.is_zero() && !times.waiting_for_peer.is_zero(), "{times:?}");
+    assert!(times.gathering + times.sending + times.waiting_for_peer <= whole, "{times:?} in {whole:?}");
     // `store` returns once the peer holds every chunk.
     assert_eq!(decode.lookup(&tokens), 150);
     let mut out = Kv::paged(8, 24, (0..19).rev().collect());

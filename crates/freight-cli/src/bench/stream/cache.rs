@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use freight_cache::{CacheConfig, CacheEngine, KvLayout, KvMemory, KvShape, Place};
+use freight_cache::{CacheConfig, CacheEngine, KvLayout, KvMemory, KvShape, Place, StoreTimes};
 use freight_core::{Agent, MemKind};
 use freight_stream::{ChannelReceiver, ChannelSender, PipeReceiver, PipeSender, StoreReceiver, StoreSender};
 use serde::{Deserialize, Serialize};
@@ -185,8 +185,8 @@ impl Prefill {
     }
 
     /// Stores round `r`'s prompt from `kv` and returns the seconds until the receiver
-    /// held every chunk.
-    pub fn round(&mut self, kv: &Memory, shape: &Shape, r: usize) -> CliResult<f64> {
+    /// held every chunk, and where the engine's time went.
+    pub fn round(&mut self, kv: &Memory, shape: &Shape, r: usize) -> CliResult<(f64, StoreTimes)> {
         let tokens = tokens_of(r, shape, spec(shape));
         let memory = kv_memory(kv, shape)?;
         let start = Instant::now();
@@ -198,7 +198,7 @@ impl Prefill {
                 report.new_chunks, shape.num_objs
             )));
         }
-        Ok(secs)
+        Ok((secs, report.times))
     }
 
     pub fn close(self) -> CliResult<()> {

@@ -3,6 +3,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use freight_cache::StoreTimes;
 use freight_core::{Agent, DescList};
 use freight_stream::{ChannelSender, CommitStats, Outgoing, PipeConfig, PipeSender, StoreSender};
 use serde_json::json;
@@ -24,6 +25,8 @@ struct RoundResult {
     work_secs: f64,
     /// storage: the round's commits.
     commits: Vec<CommitStats>,
+    /// cache-engine: where the sender's engine spent the round.
+    engine_times: Option<StoreTimes>,
 }
 
 pub fn run(product: Product, a: &StreamArgs, addr: &str) -> CliResult<()> {
@@ -173,8 +176,17 @@ fn send_round(
         Sink::Channel(_) => shape.batch_size,
         Sink::Cache(prefill) => {
             // One store of the whole prompt: it returns once the receiver holds it.
-            let secs = prefill.round(source, shape, r)?;
-            return Ok(RoundResult { round, secs, work_secs: 0.0, commits });
+            let (secs, times) = prefill.round(source, shape, r)?;
+            say(
+                json,
+                &format!(
+                    "Sender's engine: gathering {:.4} s, sending {:.4} s, waiting for the receiver {:.4} s",
+                    times.gathering.as_secs_f64(),
+                    times.sending.as_secs_f64(),
+                    times.waiting_for_peer.as_secs_f64()
+                ),
+            );
+            return Ok(RoundResult { round, secs, work_secs: 0.0, commits, engine_times: Some(times) });
         }
     };
     let start = Instant::now();
@@ -209,7 +221,13 @@ fn send_round(
         i = end;
     }
     sink.end_round(&mut commits, json)?;
-    Ok(RoundResult { round, secs: start.elapsed().as_secs_f64(), work_secs: work.as_secs_f64(), commits })
+    Ok(RoundResult {
+        round,
+        secs: start.elapsed().as_secs_f64(),
+        work_secs: work.as_secs_f64(),
+        commits,
+        engine_times: None,
+    })
 }
 
 /// The path the pipe took: the transport and why.
@@ -267,6 +285,11 @@ fn report(
                 "gbps": gbps(bytes, r.secs),
                 "sender_work_seconds": r.work_secs,
                 "commits": r.commits.iter().map(commit_json).collect::<Vec<_>>(),
+                "engine_seconds": r.engine_times.map(|t| json!({
+                    "gathering": t.gathering.as_secs_f64(),
+                    "sending": t.sending.as_secs_f64(),
+                    "waiting_for_receiver": t.waiting_for_peer.as_secs_f64(),
+                })),
             })).collect::<Vec<_>>(),
             "throughput_gbps": { "mean": mean, "std": std, "rounds": main },
             "transfer_only_seconds": transfer_only,
