@@ -6,7 +6,9 @@ use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 
-use freight_core::cuda::driver::DeviceBuffer;
+use freight_core::cuda::bounce::PinnedBuffer;
+use freight_core::cuda::driver::{DeviceBuffer, Event, Stream};
+use freight_core::cuda::kernel::Item;
 use freight_core::cuda::Device;
 use freight_core::{Error, Result};
 
@@ -70,6 +72,53 @@ impl Grown {
             self.0 = Some(DeviceBuffer::alloc(device, n.next_power_of_two())?);
         }
         Ok(self.0.as_ref().expect("just made"))
+    }
+}
+
+/// The batched copy kernel's work items on their way to a GPU. They are written into
+/// pinned host memory, so that their upload is queued on the kernel's stream: from
+/// pageable memory the driver would stage it while the host waits, which costs a chunk
+/// of thousands of items about as much as its copy.
+pub(crate) struct ItemTable {
+    table: Grown,
+    host: Option<PinnedBuffer>,
+    /// Recorded after the last upload: the host may overwrite `host` then.
+    sent: Event,
+}
+
+impl ItemTable {
+    pub(crate) fn new(device: &'static Device) -> Result<ItemTable> {
+        Ok(ItemTable { table: Grown::default(), host: None, sent: Event::new(device)? })
+    }
+
+    /// Bytes of the device table there is now.
+    pub(crate) fn len(&self) -> u64 {
+        self.table.len()
+    }
+
+    /// Queues the upload of `items` on `stream` and returns the device table's address.
+    /// Kernels queued earlier on `stream` may still read the table; anything else that
+    /// reads it must be done with it (a larger table replaces it).
+    pub(crate) fn upload(&mut self, device: &'static Device, stream: &Stream, items: &[Item]) -> Result<u64> {
+        let bytes = std::mem::size_of_val(items);
+        // The previous upload from the pinned buffer must have left it.
+        self.sent.synchronize()?;
+        let table = self.table.reserve(device, bytes as u64)?.addr();
+        if !matches!(&self.host, Some(h) if h.len() >= bytes) {
+            self.host = None;
+            self.host = Some(PinnedBuffer::new(device, bytes.next_power_of_two())?);
+        }
+        let host = self.host.as_ref().expect("just made").as_ptr();
+        let _ctx = device.bind()?;
+        // SAFETY: `Item` is three u64s, `repr(C)`; the pinned buffer holds `bytes`, and
+        // its previous upload is done (waited for above). The device table's earlier
+        // readers are queued ahead on the same stream, or done (see above).
+        unsafe {
+            std::ptr::copy_nonoverlapping(items.as_ptr().cast::<u8>(), host, bytes);
+            stream.copy(table, host as u64, bytes)?;
+        }
+        stream.record(&self.sent)?;
+        Ok(table)
     }
 }
 

@@ -11,7 +11,6 @@
 //! the next chunk while this one crosses PCIe, and the caller waits once, at the end
 //! ([`wait`]).
 
-use freight_core::cuda::bounce::PinnedBuffer;
 use freight_core::cuda::driver::{Event, Stream};
 use freight_core::cuda::kernel::{items_of, Item, Kernel, LaunchShape};
 use freight_core::cuda::Device;
@@ -19,7 +18,7 @@ use freight_core::Result;
 
 use crate::layout::Run;
 use crate::memory::{Direction, Place};
-use crate::per_gpu::{Grown, PerGpu};
+use crate::per_gpu::{Grown, ItemTable, PerGpu};
 
 /// Bytes of a segment: small enough that the one kernel left unhidden is short (a few
 /// microseconds), large enough that the copy engine moves each piece at full speed and
@@ -102,12 +101,7 @@ struct Segment {
 /// One scratch chunk and the item table of the move that uses it.
 struct Buffer {
     scratch: Grown,
-    table: Grown,
-    /// The table on its way to the GPU: pinned, so that its copy is queued on the
-    /// kernels' stream instead of staged while the host waits.
-    table_host: Option<PinnedBuffer>,
-    /// Recorded after the table's upload: the host may overwrite `table_host` then.
-    table_sent: Event,
+    table: ItemTable,
     /// Recorded after the last work that uses the scratch chunk.
     released: Event,
 }
@@ -130,13 +124,7 @@ impl Stager {
     fn new(device: &'static Device) -> Result<Stager> {
         let buffers = (0..BUFFERS)
             .map(|_| {
-                Ok(Buffer {
-                    scratch: Grown::default(),
-                    table: Grown::default(),
-                    table_host: None,
-                    table_sent: Event::new(device)?,
-                    released: Event::new(device)?,
-                })
+                Ok(Buffer { scratch: Grown::default(), table: ItemTable::new(device)?, released: Event::new(device)? })
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Stager {
@@ -183,7 +171,7 @@ impl Stager {
             plan.push(Segment { start, len: SEGMENT_BYTES.min(len - start), first, count: items.len() - first });
         }
         debug_assert_eq!(items.len(), item_count);
-        let table = self.upload(b, &items)?;
+        let table = self.buffers[b].table.upload(device, &self.kernels, &items)?;
         // The scratch chunk's previous move must be done with it: a wait on the GPU,
         // not here.
         let released = &self.buffers[b].released;
@@ -227,31 +215,6 @@ impl Stager {
             Direction::Gather => self.copies.record(released),
             Direction::Scatter => self.kernels.record(released),
         }
-    }
-
-    /// Queues the upload of `items` into buffer `b`'s table on the kernels' stream;
-    /// returns the table's device address.
-    fn upload(&mut self, b: usize, items: &[Item]) -> Result<u64> {
-        let device = self.device;
-        let bytes = std::mem::size_of_val(items);
-        let buffer = &mut self.buffers[b];
-        // The previous upload from this pinned table must have left it.
-        buffer.table_sent.synchronize()?;
-        let table = buffer.table.reserve(device, bytes as u64)?.addr();
-        if !matches!(&buffer.table_host, Some(t) if t.len() >= bytes) {
-            buffer.table_host = None;
-            buffer.table_host = Some(PinnedBuffer::new(device, bytes.next_power_of_two())?);
-        }
-        let host = buffer.table_host.as_ref().expect("just made").as_ptr();
-        // SAFETY: `Item` is three u64s, `repr(C)`; the pinned buffer holds `bytes`, and
-        // its previous upload is done (waited for above). The device table's previous
-        // readers are kernels queued earlier on the same stream.
-        unsafe {
-            std::ptr::copy_nonoverlapping(items.as_ptr().cast::<u8>(), host, bytes);
-            self.kernels.copy(table, host as u64, bytes)?;
-        }
-        self.kernels.record(&buffer.table_sent)?;
-        Ok(table)
     }
 
     /// Waits for everything queued on both streams.
