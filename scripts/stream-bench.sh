@@ -41,6 +41,8 @@ bench cache-engine cache-engine --num-chunks "$N" --kv-layers "$LAYERS" "${commo
 bench cache-engine-paged cache-engine --num-chunks "$N" --kv-layers "$LAYERS" --block-size 16 "${common[@]}"
 # The same with each commit waited for as soon as it is sealed: what overlapping commits gains.
 bench cache-engine-serial cache-engine --num-chunks "$N" --kv-layers "$LAYERS" --commits-in-flight 0 "${common[@]}"
+# And with two commits awaiting the receiver: whether a deeper pipeline than the default gains.
+bench cache-engine-deep cache-engine --num-chunks "$N" --kv-layers "$LAYERS" --commits-in-flight 2 "${common[@]}"
 bench cache-local cache-engine --role local --num-chunks "$N" --kv-layers "$LAYERS" --num-rounds "$ROUNDS" --device "$DEVICE"
 bench pipe-work pipe --num-objs "$N" --obj-size "$OBJ" --simulate-work --num-rounds 2 --buffer-size "$BUFFER" \
     --device "$DEVICE" ${TRANSPORT:+--transport "$TRANSPORT"}
@@ -48,7 +50,8 @@ bench pipe-work pipe --num-objs "$N" --obj-size "$OBJ" --simulate-work --num-rou
 import json, os, sys
 out = sys.argv[1]
 print("\n| benchmark | result |\n| --- | --- |")
-for name in ["pipe", "channel", "storage", "cache-engine", "cache-engine-paged", "cache-engine-serial", "pipe-work",
+for name in ["pipe", "channel", "storage", "cache-engine", "cache-engine-paged", "cache-engine-serial",
+             "cache-engine-deep", "pipe-work",
              "cache-local"]:
     path = os.path.join(out, f"stream-{name}.json")
     try:
