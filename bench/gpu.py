@@ -233,14 +233,18 @@ def host_device(agent, quick):
 def over_network(quick, transport="tcp", target_gpu="1"):
     """GPU memory over a network transport (loopback), beside host memory over the same
     transport: 32 x 32 MiB each way. tcp stages GPU memory through pinned buffers on
-    both sides; fabric (libfabric's tcp provider) through its rails' pinned buffers here
-    and the landing buffers the target lends there."""
+    both sides; fabric (libfabric's tcp provider, or the one FREIGHT_FABRIC_PROVIDER
+    names) registers it with the provider where it can (FI_HMEM), else stages it
+    through its rails' pinned buffers here and the landing buffers the target lends
+    there."""
     import torch
     import freight
 
     if transport == "fabric":
         # The target process inherits these, and so opens the same provider.
-        os.environ.update({"FREIGHT_FABRIC_PROVIDER": "tcp", "FREIGHT_FABRIC_DOMAINS": "lo"})
+        os.environ.setdefault("FREIGHT_FABRIC_PROVIDER", "tcp")
+        if os.environ["FREIGHT_FABRIC_PROVIDER"] == "tcp":
+            os.environ.setdefault("FREIGHT_FABRIC_DOMAINS", "lo")
     block, count = 32 * MIB, 32
     rows = []
     with freight.Agent(f"{transport}-initiator", freight.AgentConfig(require=transport)) as agent:
@@ -307,7 +311,10 @@ def main() -> None:
         sys.exit(f"no GPU: {why}")
     if args.only:
         rows = one_gpu(args.only, args.quick)
-        doc = {"tool": f"bench/gpu.py --only {args.only}", "machine": {"gpu": torch.cuda.get_device_name(0),
+        tool = f"bench/gpu.py --only {args.only}"
+        if args.only == "fabric":
+            tool += f" (provider {os.environ['FREIGHT_FABRIC_PROVIDER']})"
+        doc = {"tool": tool, "machine": {"gpu": torch.cuda.get_device_name(0),
                "host": platform.node(), "torch": torch.__version__}, "rows": rows}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=1))

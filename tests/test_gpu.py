@@ -356,21 +356,25 @@ def test_gpu_to_a_peers_host_memory_and_back(op):
 
 @needs_gpu
 @pytest.mark.parametrize("op", ["WRITE", "READ"])
-@pytest.mark.parametrize("transport", ["tcp", "fabric"])
-def test_gpu_memory_on_either_side_of_a_network_transport(transport, op, monkeypatch):
+@pytest.mark.parametrize("transport,provider", [("tcp", None), ("fabric", "tcp"), ("fabric", "shm")])
+def test_gpu_memory_on_either_side_of_a_network_transport(transport, provider, op, monkeypatch):
     """VRAM here <-> the peer's host memory, host memory here <-> the peer's VRAM, and
-    VRAM to VRAM, forced onto a network transport, which stages GPU memory through
-    pinned host memory: tcp on both sides; fabric (libfabric's tcp provider) through its
-    rails' buffers here and the landing buffers the peer lends there, with 1 MiB
-    operations, so that a request needs more of them than there are buffers."""
+    VRAM to VRAM, forced onto a network transport: tcp stages GPU memory through pinned
+    host memory on both sides; fabric registers it with the provider where it can
+    (FI_HMEM), else stages it through its rails' buffers here and the landing buffers
+    the peer lends there, with 1 MiB operations, so that a request needs more of them
+    than there are buffers. libfabric's tcp provider offers no FI_HMEM; its shm provider
+    does, and where libfabric was built without CUDA (Debian's) its GPU registrations
+    fail: the rails then fall back to staging, and every byte still arrives."""
     cfg = freight.AgentConfig(require=transport)
     if transport == "fabric":
         why = libfabric_missing()
         if why:
             pytest.skip(why)
         # The peer processes inherit these, and so open the same provider.
-        monkeypatch.setenv("FREIGHT_FABRIC_PROVIDER", "tcp")
-        monkeypatch.setenv("FREIGHT_FABRIC_DOMAINS", "lo")
+        monkeypatch.setenv("FREIGHT_FABRIC_PROVIDER", provider)
+        if provider == "tcp":
+            monkeypatch.setenv("FREIGHT_FABRIC_DOMAINS", "lo")
         cfg = freight.AgentConfig(require=transport, fabric_chunk_size=1 * MIB)
     size = 24 * MIB
     copies = [(0, 0, 8 * MIB), (8 * MIB + 3, 9 * MIB + 1, 70001), (10 * MIB, 16 * MIB, 5 * MIB), (20 * MIB, 22 * MIB, 1)]
@@ -387,14 +391,21 @@ def test_gpu_memory_on_either_side_of_a_network_transport(transport, op, monkeyp
                     agent.register(seg)
                     local = torch.from_numpy(seg)
                 path = agent.path_to(name)
-                assert path.transport == transport and "staged" in path.reason, path
+                assert path.transport == transport, path
+                if provider != "shm":
+                    assert "staged" in path.reason, path
+                elif here == "VRAM":
+                    # Registered with the provider as it was registered here: the path
+                    # says whether that worked (FI_HMEM) or the rails stage it.
+                    assert "GPU memory here registered with the provider (FI_HMEM)" in path.reason \
+                        or "GPU memory here staged through pinned host buffers" in path.reason, path
                 if transport == "fabric":
                     assert ("landing buffers" in path.reason) == (there == "VRAM"), path
                 seed_source(op, local, peer, 6)
                 rdev = TORCH_GPUS - 1 if there == "VRAM" else 0
                 for _ in range(2):  # twice: the second time with connections, keys and buffers in place
                     transfer_copies(agent, name, op, (local.data_ptr(), here, 0), (peer.base, there, rdev), copies)
-                check_destination(op, local, peer, 6, copies, f"{here} {op} {there} over {transport}")
+                check_destination(op, local, peer, 6, copies, f"{here} {op} {there} over {transport} {provider}")
         finally:
             peer.close()
 

@@ -1,7 +1,7 @@
 """The fabric transport between two real processes, chosen the way deployments switch
 backends: FREIGHT_TRANSPORT=fabric and FREIGHT_FABRIC_PROVIDER, with libfabric's tcp
-provider (Debian's libfabric1; no RDMA hardware needed). Skipped where libfabric is not
-installed."""
+and shm providers (Debian's libfabric1; no RDMA hardware needed). Skipped where libfabric
+is not installed."""
 
 from __future__ import annotations
 
@@ -48,11 +48,21 @@ def fabric_env(monkeypatch):
         monkeypatch.setenv(k, v)
 
 
+# The name each provider goes by in path reasons.
+PROVIDER_NAMES = {"tcp": "tcp;ofi_rxm", "shm": "shm"}
+
+
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("provider", ["tcp", "shm"])
 @pytest.mark.parametrize("docked", [False, True], ids=["direct", "through-the-peers-docks"])
-def test_a_write_and_a_read_across_processes(fabric_env, docked):
+def test_a_write_and_a_read_across_processes(fabric_env, monkeypatch, provider, docked):
     """Direct one-sided operations, and the same through the landing buffers the target
-    lends (the way its GPU memory goes), here forced for its host memory."""
+    lends (the way its GPU memory goes), here forced for its host memory. The shm
+    provider's addresses are strings that hold the process id, so two processes' differ
+    in length when their ids do."""
+    monkeypatch.setenv("FREIGHT_FABRIC_PROVIDER", provider)
+    if provider == "shm":
+        monkeypatch.delenv("FREIGHT_FABRIC_DOMAINS")
     target = subprocess.Popen([sys.executable, "-c", TARGET, str(SIZE)], stdout=subprocess.PIPE, text=True,
                               env=dict(os.environ))
     try:
@@ -61,7 +71,8 @@ def test_a_write_and_a_read_across_processes(fabric_env, docked):
         assert agent.connect(hello["listen"]) == "target"
         path = agent.path_to("target")
         assert path.transport == "fabric", path
-        assert path.reason.startswith("required by FREIGHT_TRANSPORT=fabric") and "tcp;ofi_rxm" in path.reason, path
+        assert path.reason.startswith("required by FREIGHT_TRANSPORT=fabric"), path
+        assert f"provider {PROVIDER_NAMES[provider]}," in path.reason, path
 
         src = np.random.default_rng(1).integers(0, 256, SIZE, dtype=np.uint8)
         agent.register(src)

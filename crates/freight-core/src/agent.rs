@@ -252,7 +252,20 @@ impl Agent {
     fn register_as(&self, kind: MemKind, addr: u64, len: u64, dev: u64, access: Access) -> Result<u64> {
         self.inner.check_open()?;
         let export = if kind == MemKind::Vram { gpu::export_region(addr, len, dev)? } else { None };
-        self.inner.registry.register_gpu(kind, addr, len, dev, export, access)
+        let key = self.inner.registry.register_gpu(kind, addr, len, dev, export, access)?;
+        self.register_gpu_with_fabric(key, false);
+        Ok(key)
+    }
+
+    /// Registers GPU memory with the fabric's provider now, where it offers `FI_HMEM`:
+    /// the cost is paid here rather than by the first transfer, and `path_to` knows
+    /// from here on whether it worked (else the rails stage GPU memory, as they do for
+    /// a provider without `FI_HMEM`).
+    fn register_gpu_with_fabric(&self, key: u64, private: bool) {
+        let Some(fabric) = self.inner.fabric.as_ref().filter(|f| f.gpu_direct()) else { return };
+        if let Some(region) = self.inner.registry.get(key).filter(|r| r.info.kind == MemKind::Vram) {
+            fabric.register_gpu(&region.info, private);
+        }
     }
 
     /// Registers private memory: like [`Agent::register`], but no peer may ever target
@@ -275,7 +288,9 @@ impl Agent {
         if kind == MemKind::Vram {
             gpu::check_region(addr, len, dev)?;
         }
-        self.inner.registry.register_private(kind, addr, len, dev)
+        let key = self.inner.registry.register_private(kind, addr, len, dev)?;
+        self.register_gpu_with_fabric(key, true);
+        Ok(key)
     }
 
     /// Deregisters a region; fails with `RegionBusy` while a transfer uses it. Peers that
@@ -687,6 +702,7 @@ impl AgentInner {
                     description: f.describe(),
                     hardware: f.is_hardware(),
                     delivery_complete: f.delivery_complete,
+                    gpu_direct: f.gpu_direct(),
                 }),
                 None => Err(format!(
                     "not open on this agent (it opens where {}=fabric or {} names a provider)",

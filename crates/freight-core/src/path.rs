@@ -120,6 +120,9 @@ pub struct FabricFacts {
     /// Whether writes complete once delivered: staging into the peer's landing buffers
     /// (its GPU memory) needs it.
     pub delivery_complete: bool,
+    /// Whether the provider registers this agent's GPU memory as it is (`FI_HMEM`);
+    /// else it is staged through pinned host buffers.
+    pub gpu_direct: bool,
 }
 
 /// The chosen transport and the reason, as reported to users and logs.
@@ -200,12 +203,20 @@ fn can_serve(t: TransportKind, policy: &PathPolicy, f: &PathFacts) -> std::resul
                         fabric.description
                     ));
                 }
-                " (the peer's in landing buffers it lends: FI_HMEM is not used)"
+                "; the peer's GPU memory registered by its provider where it can (FI_HMEM), else staged in \
+                 landing buffers it lends"
             } else {
                 ""
             };
             let host = if f.same_host { "same host" } else { "peer on another host" };
-            Ok(format!("{host}, one-sided RDMA through libfabric, {}{staged}{docks}", fabric.description))
+            let here = match f.local_kind {
+                MemKind::Vram if fabric.gpu_direct => "; GPU memory here registered with the provider (FI_HMEM)",
+                MemKind::Vram => {
+                    "; GPU memory here staged through pinned host buffers (the provider cannot register it)"
+                }
+                _ => "",
+            };
+            Ok(format!("{host}, one-sided RDMA through libfabric, {}{here}{docks}", fabric.description))
         }
         TransportKind::Tcp => Ok(if f.same_host {
             format!("same host, but neither cuda nor shm can serve this path{staged}")
@@ -371,6 +382,7 @@ mod tests {
             description: "provider tcp;ofi_rxm, 1 rail (lo)".into(),
             hardware: false,
             delivery_complete: true,
+            gpu_direct: false,
         };
         let remote = PathFacts { same_host: false, fabric: Ok(software.clone()), ..facts() };
         let remote = PathFacts { peer_transports: vec!["fabric".into(), "tcp".into()], ..remote };
@@ -381,14 +393,26 @@ mod tests {
         let p = choose(&pol, &remote).unwrap();
         assert_eq!(p.transport, TransportKind::Fabric);
         assert!(p.reason.contains("one-sided RDMA") && p.reason.contains("tcp;ofi_rxm"), "{}", p.reason);
-        let hardware =
-            FabricFacts { description: "provider efa, 4 rails".into(), hardware: true, delivery_complete: true };
-        let p = choose(&policy(), &PathFacts { fabric: Ok(hardware), ..remote.clone() }).unwrap();
+        let hardware = FabricFacts {
+            description: "provider efa, 4 rails".into(),
+            hardware: true,
+            delivery_complete: true,
+            gpu_direct: true,
+        };
+        let p = choose(&policy(), &PathFacts { fabric: Ok(hardware.clone()), ..remote.clone() }).unwrap();
         assert_eq!(p.transport, TransportKind::Fabric);
-        // Local GPU memory is staged, the peer's through its landing buffers where writes
+        // Local GPU memory is registered where the provider can, else staged; the peer's
+        // is registered by the peer, or staged in its landing buffers where writes
         // complete on delivery; nothing without an open transport on both sides.
         let gpu = PathFacts { local_kind: MemKind::Vram, ..remote.clone() };
-        assert!(choose(&pol, &gpu).unwrap().reason.contains("staged through pinned host buffers"));
+        let reason = choose(&pol, &gpu).unwrap().reason;
+        assert!(reason.contains("here staged through pinned host buffers"), "{reason}");
+        let direct = PathFacts { fabric: Ok(hardware), ..gpu.clone() };
+        let reason = choose(&pol, &direct).unwrap().reason;
+        assert!(
+            reason.contains("here registered with the provider (FI_HMEM)") && !reason.contains("staged"),
+            "{reason}"
+        );
         let no_cuda = PathFacts { staging: Err("CUDA is not available".into()), ..gpu };
         assert!(choose(&pol, &no_cuda).unwrap_err().to_string().contains("CUDA is not available"));
         let remote_gpu = PathFacts { remote_kind: MemKind::Vram, ..remote.clone() };

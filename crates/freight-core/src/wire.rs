@@ -19,7 +19,8 @@ use crate::metadata::HostIdentity;
 /// 4: the fabric exchange (`Role::Fabric`, `Fabric*` frames).
 /// 5: landing buffers lent for staging over the fabric (`FabricDocks`, `FabricLand`...).
 /// 6: a control connection opens with the target's live regions (`LiveRegions`).
-pub const PROTOCOL_VERSION: u16 = 6;
+/// 7: GPU memory a fabric target registers (`FI_HMEM`) has keys (`FabricKeysReply`).
+pub const PROTOCOL_VERSION: u16 = 7;
 /// Headers larger than this are a protocol violation (metadata replies are the largest).
 /// Each kind of frame has a smaller bound of its own (see [`HEADER_LIMITS`]).
 pub const MAX_HEADER: usize = 130 << 20;
@@ -131,9 +132,11 @@ pub enum Frame {
     FabricKeys {
         regions: Vec<u64>,
     },
-    /// One key per target rail for each region asked, in order; or why not.
+    /// For each region asked, in order: one key per target rail, or `None` for GPU
+    /// memory the target's provider cannot register (reached through its docks); or why
+    /// not.
     FabricKeysReply {
-        keys: Vec<Vec<u64>>,
+        keys: Vec<Option<Vec<u64>>>,
         error: Option<String>,
     },
     /// Opens a relay connection of the fabric exchange: the initiator asks to borrow
@@ -773,7 +776,7 @@ mod tests {
             Frame::FabricHello { provider: "p".repeat(256) },
             Frame::FabricWelcome { provider: "p".repeat(256), rails: vec![vec![0; 256]; 32], virt_addr: true },
             Frame::FabricKeys { regions: vec![n; 100_000] },
-            Frame::FabricKeysReply { keys: vec![vec![n; 8]; 100_000], error: reason.clone() },
+            Frame::FabricKeysReply { keys: vec![Some(vec![n; 8]); 100_000], error: reason.clone() },
             Frame::FabricDocks { count: u32::MAX, size: n },
             Frame::FabricDocksReply { docks: vec![(n, vec![n; 32]); 64], error: reason.clone() },
             Frame::FabricLand { token: n, dock: u32::MAX, seg },

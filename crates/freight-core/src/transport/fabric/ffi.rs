@@ -22,10 +22,14 @@ pub const FI_TRANSMIT: u64 = 1 << 11;
 pub const FI_REMOTE_READ: u64 = 1 << 12;
 pub const FI_REMOTE_WRITE: u64 = 1 << 13;
 pub const FI_DELIVERY_COMPLETE: u64 = 1 << 28;
+/// The provider can reach device memory (GPU) registered with an `iface`.
+pub const FI_HMEM: u64 = 1 << 47;
 pub const FI_CONTEXT2: u64 = 1 << 52;
 pub const FI_CONTEXT: u64 = 1 << 59;
 
 pub const FI_EP_RDM: u32 = 3;
+/// `addr_format`: a NUL-terminated string ("fi_shm://..."), of any length.
+pub const FI_ADDR_STR: u32 = 9;
 pub const FI_THREAD_SAFE: u32 = 1;
 pub const FI_AV_TABLE: u32 = 2;
 pub const FI_CQ_FORMAT_CONTEXT: u32 = 1;
@@ -38,6 +42,12 @@ pub const FI_MR_LOCAL: c_int = 1 << 2;
 pub const FI_MR_VIRT_ADDR: c_int = 1 << 4;
 pub const FI_MR_ALLOCATED: c_int = 1 << 5;
 pub const FI_MR_PROV_KEY: c_int = 1 << 6;
+/// Device memory must be registered, and its `desc` passed, to be used at all.
+pub const FI_MR_HMEM: c_int = 1 << 10;
+
+/// `enum fi_hmem_iface`: what kind of memory a registration names.
+pub const FI_HMEM_SYSTEM: u32 = 0;
+pub const FI_HMEM_CUDA: u32 = 1;
 
 pub const FI_EAGAIN: isize = 11;
 pub const FI_ETIMEDOUT: isize = 110;
@@ -46,8 +56,10 @@ pub const FI_ETIMEDOUT: isize = 110;
 pub const FI_ECANCELED: isize = 125;
 pub const FI_EAVAIL: isize = 259;
 
-/// The API version this code is written against (1.9 has everything it uses).
-pub const API_VERSION: u32 = (1 << 16) | 9;
+/// The API version this code is written against. 1.11 has everything it uses; below
+/// 1.10 the core would register any memory as host memory, whatever its `iface`, and a
+/// provider would then touch GPU memory as if it were host memory.
+pub const API_VERSION: u32 = (1 << 16) | 11;
 
 // -- structures --------------------------------------------------------------------------
 
@@ -158,9 +170,33 @@ pub struct FiOpsDomain {
 #[repr(C)]
 pub struct FiOpsMr {
     pub size: usize,
-    #[allow(clippy::type_complexity)]
-    pub reg:
-        unsafe extern "C" fn(*mut Fid, *const c_void, usize, u64, u64, u64, u64, *mut *mut FidMr, *mut c_void) -> c_int,
+    pub reg: Unused,
+    pub regv: Unused,
+    pub regattr: unsafe extern "C" fn(*mut Fid, *const FiMrAttr, u64, *mut *mut FidMr) -> c_int,
+}
+
+/// `struct iovec`.
+#[repr(C)]
+pub struct IoVec {
+    pub base: *mut c_void,
+    pub len: usize,
+}
+
+/// `struct fi_mr_attr` as of 1.17. Later versions append fields, which the library
+/// reads only from callers that declare a later API version.
+#[repr(C)]
+pub struct FiMrAttr {
+    pub mr_iov: *const IoVec,
+    pub iov_count: usize,
+    pub access: u64,
+    pub offset: u64,
+    pub requested_key: u64,
+    pub context: *mut c_void,
+    pub auth_key_size: usize,
+    pub auth_key: *mut u8,
+    pub iface: u32,
+    /// The union of device ids (`cuda`, `ze`...): the CUDA ordinal for `FI_HMEM_CUDA`.
+    pub device: u64,
 }
 
 #[repr(C)]
@@ -389,6 +425,11 @@ mod fabric_abi {
         assert_eq!(offset_of!(FiDomainAttr, mr_mode), 36);
         assert_eq!(offset_of!(FiFabricAttr, prov_name), 16);
         assert_eq!(offset_of!(FidDomain, mr), 32);
+        assert_eq!(offset_of!(FiOpsMr, regattr), 24);
+        assert_eq!(offset_of!(FiMrAttr, requested_key), 32);
+        assert_eq!(offset_of!(FiMrAttr, iface), 64);
+        assert_eq!(offset_of!(FiMrAttr, device), 72);
+        assert_eq!(size_of::<FiMrAttr>(), 80);
         assert_eq!(offset_of!(FidMr, key), 32);
         assert_eq!(offset_of!(FidEp, cm), 32);
         assert_eq!(offset_of!(FidEp, rma), 48);

@@ -6,11 +6,12 @@
 //!    open, another provider). The initiator pairs its rail `i` with the target's rail
 //!    `i mod n`, and adds those addresses to its rails' address vectors.
 //! 2. `FabricKeys { regions }` -> `FabricKeysReply { keys }`: the keys of regions the
-//!    initiator is about to use, registered by the target on first request. Private and
+//!    initiator is about to use, registered by the target on first request, or none for
+//!    GPU memory the target's provider cannot register (no `FI_HMEM`). Private and
 //!    unknown regions are refused alike.
 //!
 //! A second connection, the relay, is opened when a request first names memory the
-//! provider cannot reach one-sided: `FabricDocks` borrows the target's landing
+//! provider cannot reach one-sided (a region that came without keys): `FabricDocks` borrows the target's landing
 //! buffers, then `FabricLand`/`FabricLift` -> `FabricDocked` move chunks between them and
 //! the target's memory ([`super::relay`], [`super::dock`]).
 //!
@@ -46,8 +47,9 @@ pub struct FabricLink {
     /// How many rails the peer has: each of its regions has a key per rail.
     peer_rails: usize,
     virt_addr: bool,
-    /// Region -> its key on each of the peer's rails.
-    keys: RwLock<HashMap<u64, Vec<u64>>>,
+    /// Region -> its key on each of the peer's rails, or `None`: reached through the
+    /// peer's docks.
+    keys: RwLock<HashMap<u64, Option<Vec<u64>>>>,
     /// Why the peer is gone, once the watcher saw the exchange close.
     dead: Arc<Mutex<Option<String>>>,
     /// Set when this side closes the exchange (the watcher then leaves quietly).
@@ -70,14 +72,10 @@ impl FabricLink {
                         rails.len()
                     )));
                 }
-                // The provider reads an address of its own length from what we pass it:
-                // a peer's must be as long as ours.
-                let ours = fabric.workers[0].rail.address.len();
-                if let Some(bad) = rails.iter().find(|a| a.len() != ours) {
-                    return Err(Error::Protocol(format!(
-                        "fabric: peer '{peer}' sent a rail address of {} bytes where {provider} uses {ours}",
-                        bad.len()
-                    )));
+                // The provider reads what we pass it as an address of its own format.
+                let rail = &fabric.workers[0].rail;
+                if let Some(why) = rails.iter().find_map(|a| rail.check_peer_address(a).err()) {
+                    return Err(Error::Protocol(format!("fabric: peer '{peer}' sent {why} ({provider})")));
                 }
                 (rails, virt_addr)
             }
@@ -161,8 +159,9 @@ impl FabricLink {
         self.virt_addr
     }
 
-    /// The keys of `regions`, asking the peer for those not yet known (one round trip).
-    pub fn keys(&self, regions: &[u64]) -> Result<HashMap<u64, Vec<u64>>> {
+    /// The keys of `regions` (`None` for those the peer stages), asking the peer for
+    /// those not yet known (one round trip).
+    pub fn keys(&self, regions: &[u64]) -> Result<HashMap<u64, Option<Vec<u64>>>> {
         let missing: Vec<u64> = {
             let known = self.keys.read();
             regions.iter().copied().filter(|r| !known.contains_key(r)).collect()
@@ -177,7 +176,7 @@ impl FabricLink {
             let peer_rails = self.peer_rails;
             match asked {
                 Ok(Some(Frame::FabricKeysReply { keys, error: None }))
-                    if keys.len() == missing.len() && keys.iter().all(|k| k.len() == peer_rails) =>
+                    if keys.len() == missing.len() && keys.iter().flatten().all(|k| k.len() == peer_rails) =>
                 {
                     self.keys.write().extend(missing.into_iter().zip(keys));
                 }
@@ -337,17 +336,18 @@ fn docked(token: u64, done: Result<()>, from: &str) -> Frame {
     Frame::FabricDocked { token, error: done.err().map(|e| e.to_string()) }
 }
 
-/// The rails' keys of host-memory regions a peer may reach. Only host memory gets one:
-/// GPU memory goes through the docks (its address is no pointer the provider may touch
-/// here), and a file region's address is an offset, not memory.
-fn region_keys(registry: &Registry, fabric: &Fabric, regions: &[u64]) -> Result<Vec<Vec<u64>>> {
+/// The rails' keys of regions a peer may reach: host memory, and GPU memory where the
+/// provider registers it (`FI_HMEM`); other GPU memory has none, and goes through the
+/// docks. A file region's address is an offset, not memory: refused.
+fn region_keys(registry: &Registry, fabric: &Fabric, regions: &[u64]) -> Result<Vec<Option<Vec<u64>>>> {
     regions
         .iter()
         .map(|&k| match registry.get(k) {
             Some(r) if r.is_private() => Err(Error::UnknownRegion(k)),
-            Some(r) if r.info.kind == MemKind::Dram => fabric.keys(&r.info),
+            Some(r) if r.info.kind == MemKind::Dram => fabric.keys(&r.info).map(Some),
+            Some(r) if r.info.kind == MemKind::Vram => Ok(fabric.gpu_keys(&r.info)),
             Some(r) => Err(Error::InvalidArgument(format!(
-                "region {k} is {:?} memory: the fabric gives keys to host memory only",
+                "region {k} is {:?} memory: the fabric reaches host and GPU memory only",
                 r.info.kind
             ))),
             None => Err(Error::UnknownRegion(k)),
@@ -409,11 +409,15 @@ mod tests {
                     let other = ask(&mut client, Frame::FabricHello { provider: "efa".into() });
                     assert!(matches!(other, Some(Frame::Refused { reason }) if reason.contains("not 'efa'")));
                     let keys = ask(&mut client, Frame::FabricKeys { regions: vec![open] });
-                    assert!(matches!(keys, Some(Frame::FabricKeysReply { keys, error: None }) if keys[0].len() == 1));
+                    assert!(
+                        matches!(&keys, Some(Frame::FabricKeysReply { keys, error: None })
+                            if matches!(&keys[..], [Some(k)] if k.len() == 1)),
+                        "{keys:?}"
+                    );
                     let file = ask(&mut client, Frame::FabricKeys { regions: vec![open, on_file] });
                     assert!(
                         matches!(&file, Some(Frame::FabricKeysReply { keys, error: Some(e) })
-                            if keys.is_empty() && e.contains("host memory only")),
+                            if keys.is_empty() && e.contains("host and GPU memory only")),
                         "{file:?}"
                     );
                     for region in [hidden, 999] {
@@ -429,6 +433,39 @@ mod tests {
                 let ended = served.join().unwrap();
                 assert!(matches!(ended, Err(Error::Protocol(m)) if m.contains("unexpected")));
             });
+        }
+    }
+
+    /// GPU memory the target's provider cannot register gets no keys: peers reach it
+    /// through the docks. A provider without `FI_HMEM` (Debian's tcp) is not asked; one
+    /// that offers it (Debian's shm, though built without CUDA) is, and after its first
+    /// refusal the rails stage GPU memory for good. The "GPU memory" here is an address
+    /// no provider can register as such, whatever its build.
+    #[test]
+    fn gpu_memory_the_provider_cannot_register_has_no_keys() {
+        let mut tried = 0;
+        for provider in ["tcp", "shm"] {
+            let domains = if provider == "tcp" { vec!["lo".to_string()] } else { Vec::new() };
+            let cfg = FabricConfig { provider: Some(provider.into()), domains, ..FabricConfig::default() };
+            let Ok(fabric) = Fabric::open(&cfg) else {
+                eprintln!("SKIPPED {provider}: libfabric's {provider} provider is not available");
+                continue;
+            };
+            tried += 1;
+            let registry = Registry::new();
+            let host = vec![0u8; 4096];
+            let open = registry.register(MemKind::Dram, host.as_ptr() as u64, 4096, 0).unwrap();
+            let gpu = registry.register(MemKind::Vram, 0x7f00_0000_0000, 1 << 20, 0).unwrap();
+            let offered = fabric.gpu_direct();
+            let keys = region_keys(&registry, &fabric, &[open, gpu]).unwrap();
+            assert!(matches!(&keys[..], [Some(k), None] if k.len() == 1), "{provider}: {keys:?}");
+            assert!(!fabric.gpu_direct(), "{provider}: a refused GPU registration leaves the rails staging");
+            // Asked again, the rails do not try again.
+            assert_eq!(region_keys(&registry, &fabric, &[gpu]).unwrap(), vec![None]);
+            eprintln!("{provider}: FI_HMEM offered: {offered}");
+        }
+        if tried == 0 {
+            eprintln!("SKIPPED: neither the tcp nor the shm provider of libfabric is available");
         }
     }
 
@@ -570,11 +607,11 @@ mod tests {
         let short = Frame::FabricWelcome { provider: provider.clone(), rails: vec![vec![7]], virt_addr: false };
         let addr = fake_target(short, vec![]);
         let e = FabricLink::connect(TcpStream::connect(addr).unwrap(), &fabric, "target", no_dial()).err().unwrap();
-        assert!(matches!(&e, Error::Protocol(m) if m.contains("rail address of 1 bytes")), "{e}");
+        assert!(matches!(&e, Error::Protocol(m) if m.contains("an address of 1 bytes")), "{e}");
 
         let welcome = Frame::FabricWelcome { provider, rails: fabric.addresses(), virt_addr: false };
-        let no_keys = Frame::FabricKeysReply { keys: vec![vec![]], error: None };
-        let good = Frame::FabricKeysReply { keys: vec![vec![5]], error: None };
+        let no_keys = Frame::FabricKeysReply { keys: vec![Some(vec![])], error: None };
+        let good = Frame::FabricKeysReply { keys: vec![Some(vec![5])], error: None };
         let addr = fake_target(welcome, vec![no_keys, good]);
         let link = FabricLink::connect(TcpStream::connect(addr).unwrap(), &fabric, "target", no_dial()).unwrap();
         let e = link.keys(&[1]).unwrap_err();

@@ -42,7 +42,7 @@ use crate::transport::{staged, OpKind};
 use crate::wire::Seg;
 use ffi::Lib;
 use progress::{Done, Work, Worker};
-use rail::{DomainInfo, InfoList, Rail};
+use rail::{DomainInfo, InfoList, Rail, Wants};
 use relay::{Job, Part};
 
 pub use link::{serve_fabric, FabricLink};
@@ -100,6 +100,30 @@ impl FabricConfig {
 /// asked for by name. Any other provider drives RDMA hardware.
 const SOFTWARE_PROVIDERS: [&str; 5] = ["tcp", "sockets", "udp", "shm", "net"];
 
+/// The domains of `provider` again, asked to reach GPU memory too (`FI_HMEM`), where
+/// it offers all of `names` so; else `list` as it is. Asked only of the provider
+/// already chosen, so that asking never changes which provider serves.
+fn with_gpu_memory(
+    lib: &'static Lib,
+    list: InfoList,
+    provider: &str,
+    names: &[String],
+    delivery_complete: bool,
+) -> InfoList {
+    let wants = Wants { delivery_complete, gpu_memory: true };
+    match InfoList::discover(lib, Some(provider), wants) {
+        Ok(gpu) if names.iter().all(|n| gpu.domains().iter().any(|d| &d.domain == n)) => {
+            tracing::debug!(%provider, "the provider offers FI_HMEM: GPU memory is registered with it");
+            gpu
+        }
+        Ok(_) => list,
+        Err(e) => {
+            tracing::debug!(%provider, error = %e, "GPU memory is staged");
+            list
+        }
+    }
+}
+
 /// An agent's open fabric transport: its rails and their threads.
 pub struct Fabric {
     /// The provider as libfabric names it ("tcp;ofi_rxm").
@@ -117,9 +141,10 @@ impl Fabric {
         cfg.validate()?;
         let lib = Lib::get().map_err(|e| Error::TransportUnavailable(format!("fabric: {e}")))?;
         let provider = cfg.provider.as_deref();
-        let (list, delivery_complete) = match InfoList::discover(lib, provider, true) {
+        let wants = |delivery_complete| Wants { delivery_complete, gpu_memory: false };
+        let (list, delivery_complete) = match InfoList::discover(lib, provider, wants(true)) {
             Ok(list) => (list, true),
-            Err(first) => match InfoList::discover(lib, provider, false) {
+            Err(first) => match InfoList::discover(lib, provider, wants(false)) {
                 Ok(list) => {
                     tracing::warn!(error = %first, "the provider cannot complete writes on delivery; notifications wait for transmit completion only");
                     (list, false)
@@ -130,9 +155,10 @@ impl Fabric {
         let first = list
             .domains()
             .first()
-            .map(|d| d.domain.clone())
+            .cloned()
             .ok_or_else(|| Error::TransportUnavailable("fabric: the provider offers no domain".into()))?;
-        let names = if cfg.domains.is_empty() { vec![first] } else { cfg.domains.clone() };
+        let names = if cfg.domains.is_empty() { vec![first.domain.clone()] } else { cfg.domains.clone() };
+        let list = with_gpu_memory(lib, list, &first.provider, &names, delivery_complete);
         let mut workers = Vec::with_capacity(names.len());
         for (i, name) in names.iter().enumerate() {
             let rail = Arc::new(Rail::open(&list, name)?);
@@ -140,14 +166,15 @@ impl Fabric {
         }
         let provider = workers[0].rail.info.provider.clone();
         // Peers address every rail the same way (one provider, one addressing, one
-        // address length): rails that differ would have their operations misread.
+        // address format): rails that differ would have their operations misread.
         if let Some(odd) = workers.iter().find(|w| {
             w.rail.info.provider != provider
                 || w.rail.virt_addr != workers[0].rail.virt_addr
-                || w.rail.address.len() != workers[0].rail.address.len()
+                || w.rail.addr_format != workers[0].rail.addr_format
+                || w.rail.check_peer_address(&workers[0].rail.address).is_err()
         }) {
             return Err(Error::InvalidArgument(format!(
-                "fabric: domain '{}' ({}) differs from domain '{}' ({}) in its provider, addressing or address length: \
+                "fabric: domain '{}' ({}) differs from domain '{}' ({}) in its provider, addressing or address format: \
                  every rail must be alike (name the provider, or domains of one kind)",
                 odd.rail.info.domain, odd.rail.info.provider, workers[0].rail.info.domain, provider
             )));
@@ -197,6 +224,27 @@ impl Fabric {
         self.workers.iter().map(|w| w.rail.registration(region, false).map(|m| m.key)).collect()
     }
 
+    /// [`Fabric::keys`] of a GPU region, or `None` where some rail must stage GPU
+    /// memory (then peers reach it through the docks).
+    pub fn gpu_keys(&self, region: &RegionInfo) -> Option<Vec<u64>> {
+        self.workers.iter().map(|w| w.rail.gpu_registration(region, false).map(|m| m.key)).collect()
+    }
+
+    /// Registers a GPU region with every rail ahead of its first use, where they
+    /// register GPU memory (see [`Rail::gpu_registration`]; a failure turns them to
+    /// staging).
+    pub fn register_gpu(&self, region: &RegionInfo, private: bool) {
+        for w in &self.workers {
+            w.rail.gpu_registration(region, private);
+        }
+    }
+
+    /// Whether GPU memory is registered with every rail rather than staged
+    /// (`FI_HMEM`; until a registration fails, see [`Rail::gpu_registration`]).
+    pub fn gpu_direct(&self) -> bool {
+        self.workers.iter().all(|w| w.rail.gpu_direct())
+    }
+
     /// Drops a region's registrations; whether it had any.
     pub fn forget(&self, key: u64) -> bool {
         self.workers.iter().fold(false, |had, w| w.rail.forget(key) | had)
@@ -224,12 +272,14 @@ impl Fabric {
         let read = op == OpKind::Read;
         let mut direct: Vec<Vec<Planned>> = vec![Vec::new(); self.workers.len()];
         let mut docked: Vec<Part> = Vec::new();
-        let through_docks = |r: &RegionInfo| r.kind == MemKind::Vram || self.stage_remote_host;
+        // The peer's keys for the regions named, where it registered them (GPU memory
+        // it must stage has none: it goes through its docks, as all memory does when
+        // `stage_remote_host` says so).
         let mut reached: Vec<u64> = ops.iter().map(|o| o.remote_region).collect();
         reached.sort_unstable();
         reached.dedup();
-        reached.retain(|&k| remote(k).is_some_and(|r| !through_docks(&r)));
-        let keys = if reached.is_empty() { Default::default() } else { link.keys(&reached)? };
+        reached.retain(|&k| remote(k).is_some());
+        let keys = if reached.is_empty() || self.stage_remote_host { Default::default() } else { link.keys(&reached)? };
         for (i, chunk) in chunk_ops(ops, self.chunk_size, 1).into_iter().enumerate() {
             let o = chunk.segs[0];
             let rail = i % self.workers.len();
@@ -238,19 +288,22 @@ impl Fabric {
                 peer: link.peer().to_string(),
                 reason: format!("region {} was deregistered by its owner", o.remote_region),
             })?;
-            // GPU memory passes through the rail's staging buffers; host memory is
-            // registered as it is.
-            let (gpu, desc) = if lr.kind == MemKind::Vram {
-                (Some(staged::gpu_of(&lr)?), 0)
-            } else {
-                (None, self.workers[rail].rail.registration(&lr, private)?.desc as usize)
+            // Host memory is registered as it is, GPU memory too where the provider
+            // can (FI_HMEM); else it passes through the rail's staging buffers.
+            let here = &self.workers[rail].rail;
+            let (gpu, desc) = match lr.kind {
+                MemKind::Vram => match here.gpu_registration(&lr, private) {
+                    Some(mr) => (None, mr.desc as usize),
+                    None => (Some(staged::gpu_of(&lr)?), 0),
+                },
+                _ => (None, here.registration(&lr, private)?.desc as usize),
             };
-            if through_docks(&rr) {
+            let Some(Some(peer_keys)) = keys.get(&o.remote_region) else {
                 let seg = Seg { region: o.remote_region, addr: o.remote_addr, len: o.len };
                 let part = Part { read, local: o.local_addr, len: o.len, gpu, desc, rail, seg };
                 docked.extend(part.split(relay::dock_size(self.chunk_size)));
                 continue;
-            }
+            };
             let (dest, remote_rail) = link.route(rail);
             direct[rail].push(Planned {
                 local: o.local_addr,
@@ -259,7 +312,7 @@ impl Fabric {
                 desc,
                 dest,
                 remote: if link.virt_addr() { o.remote_addr } else { o.remote_addr - rr.addr },
-                key: keys[&o.remote_region][remote_rail],
+                key: peer_keys[remote_rail],
             });
         }
         // Opened now, so that a peer that cannot lend docks fails the request's making.
@@ -349,6 +402,7 @@ pub fn available() -> std::result::Result<String, String> {
 /// libfabric cannot be loaded.
 pub fn discover_domains() -> std::result::Result<(String, String, Vec<DomainInfo>), String> {
     let lib = Lib::get()?;
-    let domains = InfoList::discover(lib, None, false).map(|l| l.domains()).unwrap_or_default();
+    let wants = Wants { delivery_complete: false, gpu_memory: false };
+    let domains = InfoList::discover(lib, None, wants).map(|l| l.domains()).unwrap_or_default();
     Ok((lib.name.clone(), lib.version_text(), domains))
 }

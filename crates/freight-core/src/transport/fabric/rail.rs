@@ -5,17 +5,27 @@
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void, CString};
 use std::ptr::{null, null_mut};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use parking_lot::RwLock;
 
 use super::ffi::*;
 use crate::error::{Error, Result};
-use crate::memory::RegionInfo;
+use crate::memory::{MemKind, RegionInfo};
 
 /// A list of `fi_info` from `fi_getinfo`, freed on drop.
 pub struct InfoList {
     lib: &'static Lib,
     head: *mut FiInfo,
+}
+
+/// What freight asks of a provider beyond one-sided reads and writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Wants {
+    /// Writes complete only once delivered (notifications and docks rely on it).
+    pub delivery_complete: bool,
+    /// GPU memory can be registered and reached one-sided (`FI_HMEM`).
+    pub gpu_memory: bool,
 }
 
 /// What `fi_getinfo` says about one domain a provider offers.
@@ -33,8 +43,8 @@ fn fabric_error(lib: &Lib, call: &str, code: isize) -> Error {
 
 impl InfoList {
     /// The domains of `provider` (any provider when `None`) that offer reliable
-    /// datagram endpoints with one-sided reads and writes.
-    pub fn discover(lib: &'static Lib, provider: Option<&str>, delivery_complete: bool) -> Result<InfoList> {
+    /// datagram endpoints with one-sided reads and writes, and what else `wants` asks.
+    pub fn discover(lib: &'static Lib, provider: Option<&str>, wants: Wants) -> Result<InfoList> {
         // SAFETY: fi_dupinfo(NULL) allocates an empty hints structure with its attribute
         // structures; the fields set below exist in every 1.x version; fi_freeinfo frees
         // the strdup'd provider name with the rest.
@@ -50,7 +60,12 @@ impl InfoList {
             let domain = &mut *(*hints).domain_attr;
             domain.mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
             domain.threading = FI_THREAD_SAFE;
-            if delivery_complete {
+            if wants.gpu_memory {
+                (*hints).caps |= FI_HMEM;
+                // Every buffer is registered and its desc passed already (FI_MR_LOCAL).
+                domain.mr_mode |= FI_MR_HMEM;
+            }
+            if wants.delivery_complete {
                 (*(*hints).tx_attr).op_flags = FI_DELIVERY_COMPLETE;
             }
             if let Some(p) = provider {
@@ -63,8 +78,9 @@ impl InfoList {
             if rc != 0 {
                 let which = provider.map_or("any provider".to_string(), |p| format!("provider '{p}'"));
                 return Err(Error::TransportUnavailable(format!(
-                    "fabric: {which} offers no reliable datagram endpoint with RMA{}: {}",
-                    if delivery_complete { " and delivery-complete writes" } else { "" },
+                    "fabric: {which} offers no reliable datagram endpoint with RMA{}{}: {}",
+                    if wants.delivery_complete { " and delivery-complete writes" } else { "" },
+                    if wants.gpu_memory { " and GPU memory (FI_HMEM)" } else { "" },
                     lib.error_text(rc as isize)
                 )));
             }
@@ -115,6 +131,37 @@ impl Drop for InfoList {
     }
 }
 
+/// Where registered memory lives, as the provider is told (`fi_mr_attr.iface`).
+#[derive(Debug, Clone, Copy)]
+enum Memory {
+    Host,
+    /// GPU memory of the CUDA device with this ordinal.
+    Gpu(u64),
+}
+
+/// Longest string address taken from a peer (the shm provider's are tens of bytes).
+const MAX_STR_ADDRESS: usize = 1024;
+
+/// See [`Rail::check_peer_address`]: `ours` is the length of this rail's own address.
+fn address_fits(format: u32, ours: usize, theirs: &[u8]) -> std::result::Result<(), String> {
+    if format != FI_ADDR_STR {
+        return if theirs.len() == ours {
+            Ok(())
+        } else {
+            Err(format!("an address of {} bytes where the provider uses {ours}", theirs.len()))
+        };
+    }
+    // A string address names the peer's process (the shm provider's hold its pid), so
+    // lengths differ; the provider reads up to the first NUL.
+    match theirs.iter().position(|&b| b == 0) {
+        Some(end) if end + 1 == theirs.len() && end > 0 && theirs.len() <= MAX_STR_ADDRESS => Ok(()),
+        _ => Err(format!(
+            "a string address of {} bytes that is not one NUL-terminated string of at most {MAX_STR_ADDRESS}",
+            theirs.len()
+        )),
+    }
+}
+
 /// A registration of local memory with one domain.
 pub struct Mr {
     fid: *mut FidMr,
@@ -157,6 +204,8 @@ pub struct Rail {
     ep: *mut FidEp,
     /// This endpoint's address, for peers.
     pub address: Vec<u8>,
+    /// How the provider writes addresses (`FI_ADDR_STR`, `FI_SOCKADDR_IN`...).
+    pub addr_format: u32,
     pub info: DomainInfo,
     /// Remote addresses are virtual addresses (else offsets into the registration).
     pub virt_addr: bool,
@@ -164,6 +213,9 @@ pub struct Rail {
     pub max_msg: u64,
     /// The completion queue has a wait object: an idle thread may sleep on it.
     pub waitable: bool,
+    /// The provider offered `FI_HMEM`, and no GPU registration has failed yet: GPU
+    /// memory is registered as it is rather than staged.
+    gpu_direct: AtomicBool,
     /// Registration cache: region key -> registration.
     mrs: RwLock<HashMap<u64, std::sync::Arc<Mr>>>,
 }
@@ -191,10 +243,12 @@ impl Rail {
             cq: null_mut(),
             ep: null_mut(),
             address: Vec::new(),
+            addr_format: 0,
             info: described,
             virt_addr: false,
             max_msg: 0,
             waitable: false,
+            gpu_direct: AtomicBool::new(false),
             mrs: RwLock::new(HashMap::new()),
         };
         // SAFETY: the calls follow libfabric's documented order; each object is stored
@@ -232,8 +286,10 @@ impl Rail {
             check("fi_getname", ((*(*rail.ep).cm).getname)(ep_fid, buf.as_mut_ptr().cast(), &mut len))?;
             buf.truncate(len);
             rail.address = buf;
+            rail.addr_format = (*info).addr_format;
             rail.virt_addr = (*(*info).domain_attr).mr_mode & FI_MR_VIRT_ADDR != 0;
             rail.max_msg = (*(*info).ep_attr).max_msg_size as u64;
+            rail.gpu_direct = AtomicBool::new((*info).caps & FI_HMEM != 0);
         }
         Ok(rail)
     }
@@ -247,11 +303,47 @@ impl Rail {
         self.lib.error_text(code)
     }
 
+    /// Whether GPU memory is registered with this rail rather than staged.
+    pub fn gpu_direct(&self) -> bool {
+        self.gpu_direct.load(Ordering::Relaxed)
+    }
+
+    /// The registration of GPU memory `region` (see [`Rail::registration`]), or `None`
+    /// where it must be staged: the provider offers no `FI_HMEM`, or registering GPU
+    /// memory failed once (a libfabric built without CUDA still offers `FI_HMEM` for
+    /// other devices, and answers so). After one failure the rail stages all GPU
+    /// memory: a provider that cannot register one allocation cannot register the next.
+    pub fn gpu_registration(&self, region: &RegionInfo, private: bool) -> Option<std::sync::Arc<Mr>> {
+        if !self.gpu_direct() {
+            return None;
+        }
+        match self.registration(region, private) {
+            Ok(mr) => Some(mr),
+            Err(e) => {
+                if self.gpu_direct.swap(false, Ordering::Relaxed) {
+                    tracing::warn!(domain = %self.info.domain, provider = %self.info.provider, error = %e,
+                        "the provider offers FI_HMEM but cannot register GPU memory: staging it instead");
+                }
+                None
+            }
+        }
+    }
+
     /// The registration of `region`, made on first use. A read-only region's lets no
     /// peer write it, a private region's lets no peer reach it at all (the provider
-    /// refuses the access).
+    /// refuses the access). GPU memory only where the provider offered `FI_HMEM`.
     pub fn registration(&self, region: &RegionInfo, private: bool) -> Result<std::sync::Arc<Mr>> {
         let (key, addr, len) = (region.key, region.addr, region.len);
+        let memory = match region.kind {
+            MemKind::Vram if !self.gpu_direct() => {
+                return Err(Error::TransportUnavailable(format!(
+                    "fabric: provider {} cannot register GPU memory (region {key})",
+                    self.info.provider
+                )))
+            }
+            MemKind::Vram => Memory::Gpu(region.dev),
+            _ => Memory::Host,
+        };
         if let Some(mr) = self.mrs.read().get(&key) {
             return Ok(mr.clone());
         }
@@ -266,7 +358,7 @@ impl Rail {
             (false, true) => READ_ONLY_ACCESS,
             (false, false) => FULL_ACCESS,
         };
-        let mr = std::sync::Arc::new(unsafe { self.register_with(addr, len, key, access) }?);
+        let mr = std::sync::Arc::new(unsafe { self.register_with(addr, len, key, access, memory) }?);
         mrs.insert(key, mr.clone());
         Ok(mr)
     }
@@ -277,7 +369,7 @@ impl Rail {
     /// # Safety
     /// The memory stays mapped until the registration is dropped.
     pub unsafe fn register(&self, addr: u64, len: u64, key: u64) -> Result<Mr> {
-        self.register_with(addr, len, key, FULL_ACCESS)
+        self.register_with(addr, len, key, FULL_ACCESS, Memory::Host)
     }
 
     /// [`Rail::register`] for memory that is only ever the local side of this agent's
@@ -286,20 +378,37 @@ impl Rail {
     /// # Safety
     /// As [`Rail::register`].
     pub unsafe fn register_local(&self, addr: u64, len: u64, key: u64) -> Result<Mr> {
-        self.register_with(addr, len, key, LOCAL_ACCESS)
+        self.register_with(addr, len, key, LOCAL_ACCESS, Memory::Host)
     }
 
     /// [`Rail::register`] with the given access rights.
     ///
     /// # Safety
     /// As [`Rail::register`].
-    unsafe fn register_with(&self, addr: u64, len: u64, key: u64, access: u64) -> Result<Mr> {
+    unsafe fn register_with(&self, addr: u64, len: u64, key: u64, access: u64, memory: Memory) -> Result<Mr> {
+        let iov = IoVec { base: addr as *mut c_void, len: len as usize };
+        let (iface, device) = match memory {
+            Memory::Host => (FI_HMEM_SYSTEM, 0),
+            // The union's `int cuda`: the low half of the u64 on little-endian machines.
+            Memory::Gpu(ordinal) => (FI_HMEM_CUDA, ordinal),
+        };
+        let attr = FiMrAttr {
+            mr_iov: &iov,
+            iov_count: 1,
+            access,
+            offset: 0,
+            requested_key: key,
+            context: null_mut(),
+            auth_key_size: 0,
+            auth_key: null_mut(),
+            iface,
+            device,
+        };
         let mut fid: *mut FidMr = null_mut();
-        let reg = (*(*self.domain).mr).reg;
-        let rc =
-            reg(&mut (*self.domain).fid, addr as *const c_void, len as usize, access, 0, key, 0, &mut fid, null_mut());
+        let regattr = (*(*self.domain).mr).regattr;
+        let rc = regattr(&mut (*self.domain).fid, &attr, 0, &mut fid);
         if rc != 0 {
-            return Err(self.error("fi_mr_reg", rc as isize));
+            return Err(self.error("fi_mr_regattr", rc as isize));
         }
         Ok(Mr { fid, desc: (*fid).mem_desc, key: (*fid).key })
     }
@@ -307,6 +416,12 @@ impl Rail {
     /// Drops the registration of region `key` (peers' accesses fail from now on).
     pub fn forget(&self, key: u64) -> bool {
         self.mrs.write().remove(&key).is_some()
+    }
+
+    /// Whether `theirs`, a peer's endpoint address, is one this rail's provider may be
+    /// handed: it reads an address of its own fixed length, or a string up to its NUL.
+    pub fn check_peer_address(&self, theirs: &[u8]) -> std::result::Result<(), String> {
+        address_fits(self.addr_format, self.address.len(), theirs)
     }
 
     /// Adds a peer's endpoint address; returns its handle for operations.
@@ -406,5 +521,27 @@ impl Drop for Rail {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fixed-length address must be as long as ours; a string address may be of any
+    /// length but must be one NUL-terminated string (the provider reads up to the NUL).
+    #[test]
+    fn peer_addresses_are_checked_against_the_provider_s_format() {
+        const FI_SOCKADDR_IN: u32 = 2;
+        assert!(address_fits(FI_SOCKADDR_IN, 16, &[1; 16]).is_ok());
+        let e = address_fits(FI_SOCKADDR_IN, 16, &[1; 17]).unwrap_err();
+        assert!(e.contains("17 bytes where the provider uses 16"), "{e}");
+        assert!(address_fits(FI_ADDR_STR, 17, b"fi_shm://1234567\0").is_ok());
+        assert!(address_fits(FI_ADDR_STR, 17, b"fi_shm://123456\0").is_ok());
+        for bad in [&b"fi_shm://123"[..], b"fi_\0shm\0", b"\0", b""] {
+            let e = address_fits(FI_ADDR_STR, 17, bad).unwrap_err();
+            assert!(e.contains("not one NUL-terminated string"), "{bad:?}: {e}");
+        }
+        assert!(address_fits(FI_ADDR_STR, 17, &[[b'a'; MAX_STR_ADDRESS].as_slice(), b"\0"].concat()).is_err());
     }
 }

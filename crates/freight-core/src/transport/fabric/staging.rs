@@ -1,5 +1,5 @@
-//! GPU memory over a fabric rail, where the provider cannot register it (no `FI_HMEM`
-//! in freight yet): the rail's thread copies each operation's GPU bytes into a pinned
+//! GPU memory over a fabric rail, where the provider cannot register it (no `FI_HMEM`,
+//! or a libfabric built without CUDA: see `Rail::gpu_registration`): the rail's thread copies each operation's GPU bytes into a pinned
 //! buffer registered with the rail before a write, and out of it after a read. A rail
 //! keeps a few such buffers, so that copying the next operation overlaps the network
 //! moving the previous ones.
