@@ -232,6 +232,9 @@ fn doctor_describes_this_machine_as_json_and_refuses_a_root_without_sysfs() {
     }
     let fabric = &r["libfabric"];
     assert!(fabric["library"].is_string() || fabric["note"].as_str().unwrap().contains("not installed"), "{fabric}");
+    // Providers offering GPU memory are among those offering RDMA.
+    let providers = fabric["providers"].as_array().unwrap();
+    assert!(fabric["gpu_memory_providers"].as_array().unwrap().iter().all(|p| providers.contains(p)), "{fabric}");
 
     let human = freight(&["doctor"]);
     assert!(human.status.success());

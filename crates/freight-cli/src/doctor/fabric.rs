@@ -16,16 +16,25 @@ pub struct Fabric {
     /// Their domains as "provider/domain" (for the tcp provider, one per interface):
     /// what `FREIGHT_FABRIC_DOMAINS` may name.
     pub domains: Vec<String>,
+    /// Of those providers, the ones that offer GPU memory (`FI_HMEM`). A libfabric built
+    /// without CUDA may still list some (for other devices): freight then finds out at
+    /// the first registration, and stages GPU memory.
+    pub gpu_memory_providers: Vec<String>,
     /// Why there is nothing to report, where there is not.
     pub note: Option<String>,
 }
 
 pub fn probe() -> Fabric {
     match fabric::discover_domains() {
-        Err(why) => {
-            Fabric { library: None, version: None, providers: Vec::new(), domains: Vec::new(), note: Some(why) }
-        }
-        Ok((library, version, found)) => {
+        Err(why) => Fabric {
+            library: None,
+            version: None,
+            providers: Vec::new(),
+            domains: Vec::new(),
+            gpu_memory_providers: Vec::new(),
+            note: Some(why),
+        },
+        Ok((library, version, found, with_gpu_memory)) => {
             let mut providers: Vec<String> = Vec::new();
             let mut domains: Vec<String> = Vec::new();
             for d in found {
@@ -37,8 +46,14 @@ pub fn probe() -> Fabric {
                     domains.push(name);
                 }
             }
+            let mut gpu_memory_providers: Vec<String> = Vec::new();
+            for d in with_gpu_memory {
+                if providers.contains(&d.provider) && !gpu_memory_providers.contains(&d.provider) {
+                    gpu_memory_providers.push(d.provider);
+                }
+            }
             let note = providers.is_empty().then(|| "no provider offers RDMA reads and writes here".to_string());
-            Fabric { library: Some(library), version: Some(version), providers, domains, note }
+            Fabric { library: Some(library), version: Some(version), providers, domains, gpu_memory_providers, note }
         }
     }
 }

@@ -171,9 +171,11 @@ fn render(r: &Report) -> String {
     let _ = match (&f.library, &f.version) {
         (Some(lib), Some(v)) => writeln!(
             w,
-            "\nlibfabric  {v} ({lib}); providers with RDMA reads and writes: {}\n           domains: {}",
+            "\nlibfabric  {v} ({lib}); providers with RDMA reads and writes: {}\n           domains: {}\n           \
+             offering GPU memory (FI_HMEM): {}",
             if f.providers.is_empty() { "none".into() } else { f.providers.join(", ") },
-            if f.domains.is_empty() { "none".into() } else { f.domains.join(", ") }
+            if f.domains.is_empty() { "none".into() } else { f.domains.join(", ") },
+            if f.gpu_memory_providers.is_empty() { "none".into() } else { f.gpu_memory_providers.join(", ") }
         ),
         _ => writeln!(w, "\nlibfabric  {}", or_dash(f.note.as_ref())),
     };

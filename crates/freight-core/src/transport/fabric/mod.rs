@@ -396,13 +396,16 @@ pub fn available() -> std::result::Result<String, String> {
     Lib::get().map(Lib::version_text)
 }
 
-/// What `freight doctor` reports: the library's name and version, and the domains its
+/// What `freight doctor` reports: the library's name and version, the domains its
 /// providers offer for freight's use (reliable datagram endpoints with one-sided reads
-/// and writes; none where libfabric is installed but offers nothing suitable), or why
-/// libfabric cannot be loaded.
-pub fn discover_domains() -> std::result::Result<(String, String, Vec<DomainInfo>), String> {
+/// and writes; none where libfabric is installed but offers nothing suitable), and of
+/// those the ones that also offer GPU memory (`FI_HMEM`); or why libfabric cannot be
+/// loaded.
+pub fn discover_domains() -> std::result::Result<(String, String, Vec<DomainInfo>, Vec<DomainInfo>), String> {
     let lib = Lib::get()?;
-    let wants = Wants { delivery_complete: false, gpu_memory: false };
-    let domains = InfoList::discover(lib, None, wants).map(|l| l.domains()).unwrap_or_default();
-    Ok((lib.name.clone(), lib.version_text(), domains))
+    let found = |gpu_memory| {
+        let wants = Wants { delivery_complete: false, gpu_memory };
+        InfoList::discover(lib, None, wants).map(|l| l.domains()).unwrap_or_default()
+    };
+    Ok((lib.name.clone(), lib.version_text(), found(false), found(true)))
 }
