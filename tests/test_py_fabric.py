@@ -115,3 +115,19 @@ def test_a_provider_that_does_not_exist_is_refused_at_start(fabric_env, monkeypa
     a.add_peer(b.metadata())
     path = a.path_to("b")
     assert path.transport == "tcp" and "fabric: the peer does not serve it" in path.reason, path
+
+
+def test_registering_gpu_memory_with_the_provider_can_be_turned_off(fabric_env, monkeypatch):
+    """fabric_gpu_direct (and FREIGHT_FABRIC_GPU_DIRECT, which overrides it) are checked:
+    a value that is not a bool, or an environment value that means neither on nor off,
+    is refused by name; a good one starts the agent."""
+    with pytest.raises(TypeError, match="fabric_gpu_direct must be a bool"):
+        freight.AgentConfig(fabric_gpu_direct="no")
+    monkeypatch.setenv("FREIGHT_FABRIC_GPU_DIRECT", "maybe")
+    with pytest.raises(freight.InvalidArgumentError, match="FREIGHT_FABRIC_GPU_DIRECT='maybe'"):
+        freight.Agent("a")
+    for value in ("0", "off", "1"):
+        monkeypatch.setenv("FREIGHT_FABRIC_GPU_DIRECT", value)
+        with freight.Agent("a", freight.AgentConfig(fabric_gpu_direct=False)) as a, freight.Agent("b") as b:
+            a.add_peer(b.metadata())
+            assert a.path_to("b").transport == "fabric"

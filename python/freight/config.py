@@ -112,9 +112,14 @@ class AgentConfig:
         Largest single RDMA operation in bytes; larger copies are split and dealt to the
         rails in turn (default 4 MiB).
     fabric_stage_remote_host:
-        Send the peer's host memory through the landing buffers the peer lends, as its
-        GPU memory always goes (the provider cannot register GPU memory): for tests of
-        that path without GPUs, and to compare it with the direct one.
+        Send the peer's host memory through the landing buffers the peer lends, as GPU
+        memory goes that the peer's provider cannot register: for tests of that path
+        without GPUs, and to compare it with the direct one.
+    fabric_gpu_direct:
+        Register GPU memory with the provider where it offers ``FI_HMEM`` (default);
+        False stages it through pinned host buffers always, to compare the two or where
+        the provider's own GPU path is slower. ``FREIGHT_FABRIC_GPU_DIRECT=0`` (or
+        ``off``) overrides it.
     shm_threads:
         Copy threads for large shm transfers (None: number of cores, at most 8).
     shm_inline_bytes:
@@ -169,6 +174,7 @@ class AgentConfig:
     fabric_domains: Sequence[str] = ()
     fabric_chunk_size: int = 4 << 20
     fabric_stage_remote_host: bool = False
+    fabric_gpu_direct: bool = True
     shm_threads: Optional[int] = None
     shm_inline_bytes: Optional[int] = None
     cuda_copy_engine_min_host: Optional[int] = None
@@ -224,6 +230,8 @@ class AgentConfig:
         put("fabric_chunk_size", _int("fabric_chunk_size", self.fabric_chunk_size, 1))
         if not isinstance(self.fabric_stage_remote_host, bool):
             raise _type_error("fabric_stage_remote_host", "a bool", self.fabric_stage_remote_host)
+        if not isinstance(self.fabric_gpu_direct, bool):
+            raise _type_error("fabric_gpu_direct", "a bool", self.fabric_gpu_direct)
         if self.shm_threads is not None:
             put("shm_threads", _int("shm_threads", self.shm_threads, 1))
         if self.shm_inline_bytes is not None:
@@ -282,6 +290,7 @@ class AgentConfig:
             "fabric_domains": list(self.fabric_domains),
             "fabric_chunk_size": self.fabric_chunk_size,
             "fabric_stage_remote_host": self.fabric_stage_remote_host,
+            "fabric_gpu_direct": self.fabric_gpu_direct,
             "shm_threads": self.shm_threads,
             "shm_inline_bytes": self.shm_inline_bytes,
             "cuda_copy_engine_min_host": self.cuda_copy_engine_min_host,

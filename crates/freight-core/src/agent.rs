@@ -128,8 +128,7 @@ fn open_fabric(agent: &str, config: &AgentConfig, policy: &PathPolicy) -> Result
     if !policy.enabled.contains(&TransportKind::Fabric) {
         return Ok(None);
     }
-    let env = |name| std::env::var(name).ok();
-    let cfg = config.fabric.with_env(env(fabric::PROVIDER_ENV).as_deref(), env(fabric::DOMAINS_ENV).as_deref());
+    let cfg = config.fabric.with_env(|name| std::env::var(name).ok())?;
     let required = policy.require == Some(TransportKind::Fabric);
     if !required && cfg.provider.is_none() {
         return Ok(None);
@@ -702,7 +701,7 @@ impl AgentInner {
                     description: f.describe(),
                     hardware: f.is_hardware(),
                     delivery_complete: f.delivery_complete,
-                    gpu_direct: f.gpu_direct(),
+                    gpu_staged: f.gpu_staged_why(),
                 }),
                 None => Err(format!(
                     "not open on this agent (it opens where {}=fabric or {} names a provider)",

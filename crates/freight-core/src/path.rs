@@ -120,9 +120,9 @@ pub struct FabricFacts {
     /// Whether writes complete once delivered: staging into the peer's landing buffers
     /// (its GPU memory) needs it.
     pub delivery_complete: bool,
-    /// Whether the provider registers this agent's GPU memory as it is (`FI_HMEM`);
-    /// else it is staged through pinned host buffers.
-    pub gpu_direct: bool,
+    /// Why this agent's GPU memory is staged through pinned host buffers, where it is;
+    /// `None`: the provider registers it as it is (`FI_HMEM`).
+    pub gpu_staged: Option<String>,
 }
 
 /// The chosen transport and the reason, as reported to users and logs.
@@ -209,12 +209,10 @@ fn can_serve(t: TransportKind, policy: &PathPolicy, f: &PathFacts) -> std::resul
                 ""
             };
             let host = if f.same_host { "same host" } else { "peer on another host" };
-            let here = match f.local_kind {
-                MemKind::Vram if fabric.gpu_direct => "; GPU memory here registered with the provider (FI_HMEM)",
-                MemKind::Vram => {
-                    "; GPU memory here staged through pinned host buffers (the provider cannot register it)"
-                }
-                _ => "",
+            let here = match (f.local_kind, &fabric.gpu_staged) {
+                (MemKind::Vram, None) => "; GPU memory here registered with the provider (FI_HMEM)".to_string(),
+                (MemKind::Vram, Some(why)) => format!("; GPU memory here staged through pinned host buffers ({why})"),
+                _ => String::new(),
             };
             Ok(format!("{host}, one-sided RDMA through libfabric, {}{here}{docks}", fabric.description))
         }
@@ -382,7 +380,7 @@ mod tests {
             description: "provider tcp;ofi_rxm, 1 rail (lo)".into(),
             hardware: false,
             delivery_complete: true,
-            gpu_direct: false,
+            gpu_staged: Some("the provider offers no FI_HMEM".into()),
         };
         let remote = PathFacts { same_host: false, fabric: Ok(software.clone()), ..facts() };
         let remote = PathFacts { peer_transports: vec!["fabric".into(), "tcp".into()], ..remote };
@@ -397,7 +395,7 @@ mod tests {
             description: "provider efa, 4 rails".into(),
             hardware: true,
             delivery_complete: true,
-            gpu_direct: true,
+            gpu_staged: None,
         };
         let p = choose(&policy(), &PathFacts { fabric: Ok(hardware.clone()), ..remote.clone() }).unwrap();
         assert_eq!(p.transport, TransportKind::Fabric);
@@ -406,7 +404,10 @@ mod tests {
         // complete on delivery; nothing without an open transport on both sides.
         let gpu = PathFacts { local_kind: MemKind::Vram, ..remote.clone() };
         let reason = choose(&pol, &gpu).unwrap().reason;
-        assert!(reason.contains("here staged through pinned host buffers"), "{reason}");
+        assert!(
+            reason.contains("here staged through pinned host buffers (the provider offers no FI_HMEM)"),
+            "{reason}"
+        );
         let direct = PathFacts { fabric: Ok(hardware), ..gpu.clone() };
         let reason = choose(&pol, &direct).unwrap().reason;
         assert!(

@@ -130,6 +130,7 @@ impl PyAgent {
         transports = vec!["shm".to_string(), "tcp".to_string()], require = None,
         tcp_streams = 4, tcp_chunk_size = 1 << 20, tcp_window = 8, tcp_local_addrs = Vec::new(), tcp_zerocopy = true, tcp_pin = "numa".to_string(),
         fabric_provider = None, fabric_domains = Vec::new(), fabric_chunk_size = 4 << 20, fabric_stage_remote_host = false,
+        fabric_gpu_direct = true,
         shm_threads = None, shm_inline_bytes = None, cuda_copy_engine_min_host = None,
         cuda_copy_engine_min_peer = None, cuda_kernel_item_bytes = None, cuda_kernel_blocks_per_sm = None,
         cuda_kernel_threads = None, cuda_kernel_mode = None, cuda_completion = None, peer_timeout = 30.0,
@@ -153,6 +154,7 @@ impl PyAgent {
         fabric_domains: Vec<String>,
         fabric_chunk_size: u64,
         fabric_stage_remote_host: bool,
+        fabric_gpu_direct: bool,
         shm_threads: Option<usize>,
         shm_inline_bytes: Option<u64>,
         cuda_copy_engine_min_host: Option<u64>,
@@ -199,6 +201,7 @@ impl PyAgent {
                 domains: fabric_domains,
                 chunk_size: fabric_chunk_size,
                 stage_remote_host: fabric_stage_remote_host,
+                gpu_direct: fabric_gpu_direct,
             },
             shm: ShmConfig {
                 threads: shm_threads.unwrap_or(shm_default.threads),

@@ -460,6 +460,9 @@ mod tests {
             let keys = region_keys(&registry, &fabric, &[open, gpu]).unwrap();
             assert!(matches!(&keys[..], [Some(k), None] if k.len() == 1), "{provider}: {keys:?}");
             assert!(!fabric.gpu_direct(), "{provider}: a refused GPU registration leaves the rails staging");
+            let why = fabric.gpu_staged_why().unwrap();
+            let expected = if offered { "the provider refused GPU memory" } else { "offers no FI_HMEM" };
+            assert!(why.contains(expected), "{provider}: {why}");
             // Asked again, the rails do not try again.
             assert_eq!(region_keys(&registry, &fabric, &[gpu]).unwrap(), vec![None]);
             eprintln!("{provider}: FI_HMEM offered: {offered}");

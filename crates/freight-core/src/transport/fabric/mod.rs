@@ -51,6 +51,8 @@ pub use link::{serve_fabric, FabricLink};
 pub const PROVIDER_ENV: &str = "FREIGHT_FABRIC_PROVIDER";
 /// Comma-separated domains to use as rails (for the tcp provider: interface names).
 pub const DOMAINS_ENV: &str = "FREIGHT_FABRIC_DOMAINS";
+/// `0` (or `off`, `false`) stages GPU memory even where the provider offers `FI_HMEM`.
+pub const GPU_DIRECT_ENV: &str = "FREIGHT_FABRIC_GPU_DIRECT";
 
 /// Tunables of the fabric transport.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -63,28 +65,48 @@ pub struct FabricConfig {
     pub domains: Vec<String>,
     /// Largest single operation; larger copies are split and spread over the rails.
     pub chunk_size: u64,
-    /// Stage the peer's host memory through its landing buffers too, as its GPU memory
-    /// always is: to test that path without GPUs, and to measure what it costs.
+    /// Stage the peer's host memory through its landing buffers too, as GPU memory the
+    /// peer cannot register is: to test that path without GPUs, and to measure what it
+    /// costs.
     pub stage_remote_host: bool,
+    /// Register GPU memory with the provider where it offers `FI_HMEM` (else it is
+    /// staged). Off: staged always, to compare the two, or where a provider's own GPU
+    /// path is slower than staging.
+    pub gpu_direct: bool,
 }
 
 impl Default for FabricConfig {
     fn default() -> Self {
-        FabricConfig { provider: None, domains: Vec::new(), chunk_size: 4 << 20, stage_remote_host: false }
+        FabricConfig {
+            provider: None,
+            domains: Vec::new(),
+            chunk_size: 4 << 20,
+            stage_remote_host: false,
+            gpu_direct: true,
+        }
     }
 }
 
 impl FabricConfig {
-    /// The configuration with [`PROVIDER_ENV`] and [`DOMAINS_ENV`] applied.
-    pub fn with_env(&self, provider: Option<&str>, domains: Option<&str>) -> FabricConfig {
+    /// The configuration with [`PROVIDER_ENV`], [`DOMAINS_ENV`] and [`GPU_DIRECT_ENV`]
+    /// applied, as `env` reads them.
+    pub fn with_env(&self, env: impl Fn(&str) -> Option<String>) -> Result<FabricConfig> {
         let mut cfg = self.clone();
-        if let Some(p) = provider.map(str::trim).filter(|p| !p.is_empty()) {
-            cfg.provider = Some(p.to_string());
+        let set = |name| env(name).map(|v| v.trim().to_string()).filter(|v| !v.is_empty());
+        if let Some(p) = set(PROVIDER_ENV) {
+            cfg.provider = Some(p);
         }
-        if let Some(d) = domains.map(str::trim).filter(|d| !d.is_empty()) {
+        if let Some(d) = set(DOMAINS_ENV) {
             cfg.domains = d.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
         }
-        cfg
+        if let Some(v) = set(GPU_DIRECT_ENV) {
+            cfg.gpu_direct = match v.to_ascii_lowercase().as_str() {
+                "1" | "on" | "true" | "yes" => true,
+                "0" | "off" | "false" | "no" => false,
+                _ => return Err(invalid(format!("{GPU_DIRECT_ENV}='{v}': expected 1 or 0 (on/off, true/false)"))),
+            };
+        }
+        Ok(cfg)
     }
 
     pub fn validate(&self) -> Result<()> {
@@ -134,6 +156,8 @@ pub struct Fabric {
     /// and the peer's docks could not be landed).
     pub delivery_complete: bool,
     stage_remote_host: bool,
+    /// The configuration turned registering GPU memory off.
+    gpu_turned_off: bool,
 }
 
 impl Fabric {
@@ -158,7 +182,8 @@ impl Fabric {
             .cloned()
             .ok_or_else(|| Error::TransportUnavailable("fabric: the provider offers no domain".into()))?;
         let names = if cfg.domains.is_empty() { vec![first.domain.clone()] } else { cfg.domains.clone() };
-        let list = with_gpu_memory(lib, list, &first.provider, &names, delivery_complete);
+        let list =
+            if cfg.gpu_direct { with_gpu_memory(lib, list, &first.provider, &names, delivery_complete) } else { list };
         let mut workers = Vec::with_capacity(names.len());
         for (i, name) in names.iter().enumerate() {
             let rail = Arc::new(Rail::open(&list, name)?);
@@ -186,6 +211,7 @@ impl Fabric {
             chunk_size: cfg.chunk_size.min(max_msg),
             delivery_complete,
             stage_remote_host: cfg.stage_remote_host,
+            gpu_turned_off: !cfg.gpu_direct,
         };
         tracing::info!(transport = %fabric.describe(), chunk_size = fabric.chunk_size, lib = %lib.version_text(), "fabric transport open");
         Ok(fabric)
@@ -242,7 +268,15 @@ impl Fabric {
     /// Whether GPU memory is registered with every rail rather than staged
     /// (`FI_HMEM`; until a registration fails, see [`Rail::gpu_registration`]).
     pub fn gpu_direct(&self) -> bool {
-        self.workers.iter().all(|w| w.rail.gpu_direct())
+        !self.gpu_turned_off && self.workers.iter().all(|w| w.rail.gpu_direct())
+    }
+
+    /// Why GPU memory here is staged, where it is (for `path_to`).
+    pub fn gpu_staged_why(&self) -> Option<String> {
+        if self.gpu_turned_off {
+            return Some(format!("registering it is turned off: {GPU_DIRECT_ENV}=0 or fabric_gpu_direct=False"));
+        }
+        self.workers.iter().find_map(|w| w.rail.gpu_staged_why())
     }
 
     /// Drops a region's registrations; whether it had any.
@@ -408,4 +442,62 @@ pub fn discover_domains() -> std::result::Result<(String, String, Vec<DomainInfo
         InfoList::discover(lib, None, wants).map(|l| l.domains()).unwrap_or_default()
     };
     Ok((lib.name.clone(), lib.version_text(), found(false), found(true)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env_of(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let map: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        move |name| map.get(name).cloned()
+    }
+
+    /// The environment names the provider and domains, and may turn FI_HMEM off; blank
+    /// values leave the configuration alone, and a value that means neither on nor off
+    /// is refused by name.
+    #[test]
+    fn the_environment_overrides_the_configuration() {
+        let base = FabricConfig::default();
+        assert_eq!(base.with_env(env_of(&[])).unwrap(), base);
+        let cfg = base
+            .with_env(env_of(&[(PROVIDER_ENV, " efa "), (DOMAINS_ENV, "a, b,,c"), (GPU_DIRECT_ENV, "Off")]))
+            .unwrap();
+        assert_eq!(cfg.provider.as_deref(), Some("efa"));
+        assert_eq!(cfg.domains, ["a", "b", "c"]);
+        assert!(!cfg.gpu_direct);
+        let back = cfg.with_env(env_of(&[(PROVIDER_ENV, "  "), (GPU_DIRECT_ENV, "1")])).unwrap();
+        assert_eq!(back.provider.as_deref(), Some("efa"));
+        assert!(back.gpu_direct);
+        let e = base.with_env(env_of(&[(GPU_DIRECT_ENV, "maybe")])).unwrap_err();
+        assert!(e.to_string().contains("FREIGHT_FABRIC_GPU_DIRECT='maybe'"), "{e}");
+    }
+
+    /// The rails register GPU memory exactly where the provider offers FI_HMEM (Debian's
+    /// shm provider does) and the configuration does not turn it off.
+    #[test]
+    fn gpu_memory_is_registered_where_offered_unless_turned_off() {
+        let Ok(lib) = Lib::get() else {
+            eprintln!("SKIPPED: libfabric is not installed");
+            return;
+        };
+        let wants = Wants { delivery_complete: true, gpu_memory: true };
+        let offered = InfoList::discover(lib, Some("shm"), wants).is_ok();
+        for gpu_direct in [true, false] {
+            let cfg = FabricConfig { provider: Some("shm".into()), gpu_direct, ..FabricConfig::default() };
+            let Ok(fabric) = Fabric::open(&cfg) else {
+                eprintln!("SKIPPED: libfabric's shm provider is not available");
+                return;
+            };
+            assert_eq!(fabric.gpu_direct(), offered && gpu_direct, "offered: {offered}, configured: {gpu_direct}");
+            let why = fabric.gpu_staged_why();
+            assert_eq!(why.is_none(), fabric.gpu_direct(), "{why:?}");
+            if !gpu_direct {
+                assert!(why.unwrap().contains("turned off"));
+            } else if !offered {
+                assert!(why.unwrap().contains("offers no FI_HMEM"));
+            }
+        }
+    }
 }

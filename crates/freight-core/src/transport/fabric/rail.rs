@@ -7,7 +7,7 @@ use std::ffi::{c_int, c_void, CString};
 use std::ptr::{null, null_mut};
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
 
 use super::ffi::*;
 use crate::error::{Error, Result};
@@ -216,6 +216,8 @@ pub struct Rail {
     /// The provider offered `FI_HMEM`, and no GPU registration has failed yet: GPU
     /// memory is registered as it is rather than staged.
     gpu_direct: AtomicBool,
+    /// Why the provider refused GPU memory, once it did.
+    gpu_refusal: Mutex<Option<String>>,
     /// Registration cache: region key -> registration.
     mrs: RwLock<HashMap<u64, std::sync::Arc<Mr>>>,
 }
@@ -249,6 +251,7 @@ impl Rail {
             max_msg: 0,
             waitable: false,
             gpu_direct: AtomicBool::new(false),
+            gpu_refusal: Mutex::new(None),
             mrs: RwLock::new(HashMap::new()),
         };
         // SAFETY: the calls follow libfabric's documented order; each object is stored
@@ -308,6 +311,14 @@ impl Rail {
         self.gpu_direct.load(Ordering::Relaxed)
     }
 
+    /// Why this rail stages GPU memory, where it does.
+    pub fn gpu_staged_why(&self) -> Option<String> {
+        if self.gpu_direct() {
+            return None;
+        }
+        Some(self.gpu_refusal.lock().clone().unwrap_or_else(|| "the provider offers no FI_HMEM".into()))
+    }
+
     /// The registration of GPU memory `region` (see [`Rail::registration`]), or `None`
     /// where it must be staged: the provider offers no `FI_HMEM`, or registering GPU
     /// memory failed once (a libfabric built without CUDA still offers `FI_HMEM` for
@@ -320,6 +331,7 @@ impl Rail {
         match self.registration(region, private) {
             Ok(mr) => Some(mr),
             Err(e) => {
+                self.gpu_refusal.lock().get_or_insert_with(|| format!("the provider refused GPU memory: {e}"));
                 if self.gpu_direct.swap(false, Ordering::Relaxed) {
                     tracing::warn!(domain = %self.info.domain, provider = %self.info.provider, error = %e,
                         "the provider offers FI_HMEM but cannot register GPU memory: staging it instead");
