@@ -369,6 +369,12 @@ pub struct EngineOpts {
     /// rails in turn [engine default: 4MiB].
     #[arg(long, value_name = "SIZE", value_parser = parse_positive_size)]
     pub fabric_chunk_size: Option<u64>,
+
+    /// fabric: stage GPU memory through pinned host buffers even where the provider
+    /// could register it (FI_HMEM), to compare the two [FREIGHT_FABRIC_GPU_DIRECT=0
+    /// does the same; default: registered where the provider offers FI_HMEM].
+    #[arg(long)]
+    pub fabric_stage_gpu: bool,
 }
 
 pub fn parse_chunk_size(s: &str) -> Result<u64, String> {
@@ -411,6 +417,9 @@ impl EngineOpts {
         if let Some(n) = self.fabric_chunk_size {
             v.extend(["--fabric-chunk-size".to_string(), n.to_string()]);
         }
+        if self.fabric_stage_gpu {
+            v.push("--fabric-stage-gpu".into());
+        }
         v
     }
 
@@ -430,6 +439,7 @@ impl EngineOpts {
             provider: self.fabric_provider.clone(),
             domains: self.fabric_domains.clone(),
             chunk_size: self.fabric_chunk_size.unwrap_or(FabricConfig::default().chunk_size),
+            gpu_direct: !self.fabric_stage_gpu,
             ..FabricConfig::default()
         }
     }
@@ -544,10 +554,11 @@ mod tests {
             fabric_provider: Some("tcp".into()),
             fabric_domains: vec!["a1".into(), "a2".into()],
             fabric_chunk_size: Some(1 << 20),
+            fabric_stage_gpu: true,
         };
         assert!(o.to_args().join(" ").ends_with(
             "--no-zerocopy --local-addrs 10.0.0.1,10.0.1.1 --pin 2,3 --fabric-provider tcp --fabric-domains a1,a2 \
-             --fabric-chunk-size 1048576"
+             --fabric-chunk-size 1048576 --fabric-stage-gpu"
         ));
         let c = o.agent_config("127.0.0.1:0", o.transport.require());
         assert!(!c.tcp.zerocopy);
@@ -555,6 +566,7 @@ mod tests {
         assert_eq!(c.tcp.pin, Pinning::Cores(vec![2, 3]));
         assert_eq!(c.fabric.provider.as_deref(), Some("tcp"));
         assert_eq!((c.fabric.domains.len(), c.fabric.chunk_size), (2, 1 << 20));
+        assert!(!c.fabric.gpu_direct);
         assert_eq!(
             (c.tcp.streams, c.tcp.chunk_size, c.tcp.window, c.shm.threads),
             (2, 4096, TcpConfig::default().window, 1)

@@ -34,10 +34,10 @@ pub fn probe() -> Fabric {
             gpu_memory_providers: Vec::new(),
             note: Some(why),
         },
-        Ok((library, version, found, with_gpu_memory)) => {
+        Ok(found) => {
             let mut providers: Vec<String> = Vec::new();
             let mut domains: Vec<String> = Vec::new();
-            for d in found {
+            for d in found.domains {
                 if !providers.contains(&d.provider) {
                     providers.push(d.provider.clone());
                 }
@@ -47,13 +47,20 @@ pub fn probe() -> Fabric {
                 }
             }
             let mut gpu_memory_providers: Vec<String> = Vec::new();
-            for d in with_gpu_memory {
+            for d in found.gpu_memory_domains {
                 if providers.contains(&d.provider) && !gpu_memory_providers.contains(&d.provider) {
                     gpu_memory_providers.push(d.provider);
                 }
             }
             let note = providers.is_empty().then(|| "no provider offers RDMA reads and writes here".to_string());
-            Fabric { library: Some(library), version: Some(version), providers, domains, gpu_memory_providers, note }
+            Fabric {
+                library: Some(found.library),
+                version: Some(found.version),
+                providers,
+                domains,
+                gpu_memory_providers,
+                note,
+            }
         }
     }
 }

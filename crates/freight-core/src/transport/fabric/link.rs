@@ -11,9 +11,10 @@
 //!    unknown regions are refused alike.
 //!
 //! A second connection, the relay, is opened when a request first names memory the
-//! provider cannot reach one-sided (a region that came without keys): `FabricDocks` borrows the target's landing
-//! buffers, then `FabricLand`/`FabricLift` -> `FabricDocked` move chunks between them and
-//! the target's memory ([`super::relay`], [`super::dock`]).
+//! provider cannot reach one-sided (a region that came without keys): `FabricDocks`
+//! borrows the target's landing buffers, then `FabricLand`/`FabricLift` ->
+//! `FabricDocked` move chunks between them and the target's memory ([`super::relay`],
+//! [`super::dock`]).
 //!
 //! The connection stays open for later key requests, and a thread watches it: the
 //! target's agent closes it when it closes, and the kernel when the process dies. Then

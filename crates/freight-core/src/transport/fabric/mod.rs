@@ -133,8 +133,12 @@ fn with_gpu_memory(
     delivery_complete: bool,
 ) -> InfoList {
     let wants = Wants { delivery_complete, gpu_memory: true };
+    let offers_all = |gpu: &InfoList| {
+        let domains = gpu.domains();
+        names.iter().all(|n| domains.iter().any(|d| &d.domain == n))
+    };
     match InfoList::discover(lib, Some(provider), wants) {
-        Ok(gpu) if names.iter().all(|n| gpu.domains().iter().any(|d| &d.domain == n)) => {
+        Ok(gpu) if offers_all(&gpu) => {
             tracing::debug!(%provider, "the provider offers FI_HMEM: GPU memory is registered with it");
             gpu
         }
@@ -156,8 +160,6 @@ pub struct Fabric {
     /// and the peer's docks could not be landed).
     pub delivery_complete: bool,
     stage_remote_host: bool,
-    /// The configuration turned registering GPU memory off.
-    gpu_turned_off: bool,
 }
 
 impl Fabric {
@@ -187,6 +189,12 @@ impl Fabric {
         let mut workers = Vec::with_capacity(names.len());
         for (i, name) in names.iter().enumerate() {
             let rail = Arc::new(Rail::open(&list, name)?);
+            if !cfg.gpu_direct {
+                // Never asked of the provider; this also holds should it offer it unasked.
+                rail.stage_gpu_memory(format!(
+                    "registering it is turned off: {GPU_DIRECT_ENV}=0 or fabric_gpu_direct=False"
+                ));
+            }
             workers.push(Worker::start(rail, i, cfg.chunk_size)?);
         }
         let provider = workers[0].rail.info.provider.clone();
@@ -211,7 +219,6 @@ impl Fabric {
             chunk_size: cfg.chunk_size.min(max_msg),
             delivery_complete,
             stage_remote_host: cfg.stage_remote_host,
-            gpu_turned_off: !cfg.gpu_direct,
         };
         tracing::info!(transport = %fabric.describe(), chunk_size = fabric.chunk_size, lib = %lib.version_text(), "fabric transport open");
         Ok(fabric)
@@ -268,14 +275,11 @@ impl Fabric {
     /// Whether GPU memory is registered with every rail rather than staged
     /// (`FI_HMEM`; until a registration fails, see [`Rail::gpu_registration`]).
     pub fn gpu_direct(&self) -> bool {
-        !self.gpu_turned_off && self.workers.iter().all(|w| w.rail.gpu_direct())
+        self.workers.iter().all(|w| w.rail.gpu_direct())
     }
 
     /// Why GPU memory here is staged, where it is (for `path_to`).
     pub fn gpu_staged_why(&self) -> Option<String> {
-        if self.gpu_turned_off {
-            return Some(format!("registering it is turned off: {GPU_DIRECT_ENV}=0 or fabric_gpu_direct=False"));
-        }
         self.workers.iter().find_map(|w| w.rail.gpu_staged_why())
     }
 
@@ -430,18 +434,32 @@ pub fn available() -> std::result::Result<String, String> {
     Lib::get().map(Lib::version_text)
 }
 
-/// What `freight doctor` reports: the library's name and version, the domains its
-/// providers offer for freight's use (reliable datagram endpoints with one-sided reads
-/// and writes; none where libfabric is installed but offers nothing suitable), and of
-/// those the ones that also offer GPU memory (`FI_HMEM`); or why libfabric cannot be
-/// loaded.
-pub fn discover_domains() -> std::result::Result<(String, String, Vec<DomainInfo>, Vec<DomainInfo>), String> {
+/// What `freight doctor` reports of libfabric (see [`discover_domains`]).
+pub struct Discovered {
+    /// The name it was loaded by ("libfabric.so.1").
+    pub library: String,
+    /// "1.17".
+    pub version: String,
+    /// The domains its providers offer for freight's use (reliable datagram endpoints
+    /// with one-sided reads and writes; none where it offers nothing suitable).
+    pub domains: Vec<DomainInfo>,
+    /// Those that also offer GPU memory (`FI_HMEM`).
+    pub gpu_memory_domains: Vec<DomainInfo>,
+}
+
+/// What libfabric offers here, or why it cannot be loaded.
+pub fn discover_domains() -> std::result::Result<Discovered, String> {
     let lib = Lib::get()?;
     let found = |gpu_memory| {
         let wants = Wants { delivery_complete: false, gpu_memory };
         InfoList::discover(lib, None, wants).map(|l| l.domains()).unwrap_or_default()
     };
-    Ok((lib.name.clone(), lib.version_text(), found(false), found(true)))
+    Ok(Discovered {
+        library: lib.name.clone(),
+        version: lib.version_text(),
+        domains: found(false),
+        gpu_memory_domains: found(true),
+    })
 }
 
 #[cfg(test)]

@@ -216,7 +216,7 @@ pub struct Rail {
     /// The provider offered `FI_HMEM`, and no GPU registration has failed yet: GPU
     /// memory is registered as it is rather than staged.
     gpu_direct: AtomicBool,
-    /// Why the provider refused GPU memory, once it did.
+    /// Why GPU memory is staged, once [`Rail::stage_gpu_memory`] said so.
     gpu_refusal: Mutex<Option<String>>,
     /// Registration cache: region key -> registration.
     mrs: RwLock<HashMap<u64, std::sync::Arc<Mr>>>,
@@ -311,6 +311,13 @@ impl Rail {
         self.gpu_direct.load(Ordering::Relaxed)
     }
 
+    /// From now on GPU memory is staged, for `why` (the first reason given is kept).
+    /// Whether this turned the rail: it registered GPU memory until now.
+    pub fn stage_gpu_memory(&self, why: String) -> bool {
+        self.gpu_refusal.lock().get_or_insert(why);
+        self.gpu_direct.swap(false, Ordering::Relaxed)
+    }
+
     /// Why this rail stages GPU memory, where it does.
     pub fn gpu_staged_why(&self) -> Option<String> {
         if self.gpu_direct() {
@@ -331,8 +338,7 @@ impl Rail {
         match self.registration(region, private) {
             Ok(mr) => Some(mr),
             Err(e) => {
-                self.gpu_refusal.lock().get_or_insert_with(|| format!("the provider refused GPU memory: {e}"));
-                if self.gpu_direct.swap(false, Ordering::Relaxed) {
+                if self.stage_gpu_memory(format!("the provider refused GPU memory: {e}")) {
                     tracing::warn!(domain = %self.info.domain, provider = %self.info.provider, error = %e,
                         "the provider offers FI_HMEM but cannot register GPU memory: staging it instead");
                 }
