@@ -249,7 +249,7 @@ class CacheEngine:
         A failure that broke the remote sink's stream raises (the peer lacks chunks), and
         the engine lets go of the sink: later calls cache locally only."""
         args = self._kv(kv, block_table, block_size, writable=False)
-        chunks, new_chunks, nbytes = self._raw.store(_tokens(tokens), **args)
+        chunks, new_chunks, nbytes = self._raw.store(_tokens(tokens), args)
         return {"chunks": chunks, "new_chunks": new_chunks, "bytes": nbytes}
 
     def retrieve(self, tokens: Any, kv: Any, *, block_table: Any = None, block_size: Optional[int] = None) -> int:
@@ -260,7 +260,7 @@ class CacheEngine:
         key, or in GPU memory other than ``gpu``'s, which is all GPU memory where ``gpu``
         is None) ends the prefix there, as in :meth:`lookup`."""
         args = self._kv(kv, block_table, block_size, writable=True)
-        return self._raw.retrieve(_tokens(tokens), **args)
+        return self._raw.retrieve(_tokens(tokens), args)
 
     def lookup(self, tokens: Any) -> int:
         """Tokens of the longest prefix of ``tokens`` whose chunks are stored (in any

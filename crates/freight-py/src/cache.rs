@@ -1,7 +1,7 @@
 //! The cache engine's binding (`freight_cache`), wrapped by `freight.CacheEngine`.
 //!
-//! Python checks the KV tensor (dtype, shape, device) and passes its memory as (kind,
-//! address, length, device) with the layout; `store` and `retrieve` copy with the GIL
+//! Python checks the KV tensor (dtype, shape, device) and passes its memory as a dict
+//! of (kind, address, length, device) and the layout; `store` and `retrieve` copy with the GIL
 //! released. A store sender or receiver given to the engine is handed over: the engine
 //! owns it from then on, and keeps its Python object (and what that keeps) alive.
 
@@ -35,34 +35,49 @@ fn tokens_arg(tokens: &PyReadonlyArray1<'_, u32>) -> PyResult<Vec<u32>> {
     Ok(tokens.as_slice().map_err(|_| invalid("the tokens must be a contiguous array"))?.to_vec())
 }
 
-/// The caller's KV memory: (kind, addr, length, device), and its layout: contiguous
-/// with room for `tokens` tokens, or paged.
-#[allow(clippy::too_many_arguments)]
-fn kv_arg(
-    kind: &str,
+/// The caller's KV memory as `freight.CacheEngine` describes it, in a dict: where it
+/// lies (kind, addr, len, dev) and its layout: `kv_tokens` for contiguous memory, or
+/// `block_size`, `num_blocks` and `block_table` for paged memory.
+#[derive(FromPyObject)]
+#[pyo3(from_item_all)]
+struct KvArgs<'py> {
+    kind: String,
     addr: u64,
     len: u64,
     dev: u64,
-    tokens: Option<u64>,
+    #[pyo3(default)]
+    kv_tokens: Option<u64>,
+    #[pyo3(default)]
     block_size: Option<u64>,
+    #[pyo3(default)]
     num_blocks: Option<u64>,
-    block_table: Option<PyReadonlyArray1<'_, u64>>,
-) -> PyResult<KvMemory> {
-    let place = match parse_kind(kind)? {
-        MemKind::Dram => Place::host(addr),
-        MemKind::Vram => Place::gpu(addr, dev),
-        other => return Err(invalid(format!("KV memory must be host or GPU memory, got {}", other.as_str()))),
-    };
-    let layout = match (tokens, block_size, num_blocks, block_table) {
-        (Some(tokens), None, None, None) => KvLayout::Contiguous { tokens },
-        (None, Some(block_size), Some(num_blocks), Some(table)) => KvLayout::Paged {
-            block_size,
-            num_blocks,
-            block_table: table.as_slice().map_err(|_| invalid("the block table must be a contiguous array"))?.to_vec(),
-        },
-        _ => return Err(invalid("give the KV memory's token count, or its block size, block count and block table")),
-    };
-    Ok(KvMemory { place, len, layout })
+    #[pyo3(default)]
+    block_table: Option<PyReadonlyArray1<'py, u64>>,
+}
+
+impl KvArgs<'_> {
+    fn memory(&self) -> PyResult<KvMemory> {
+        let place = match parse_kind(&self.kind)? {
+            MemKind::Dram => Place::host(self.addr),
+            MemKind::Vram => Place::gpu(self.addr, self.dev),
+            other => return Err(invalid(format!("KV memory must be host or GPU memory, got {}", other.as_str()))),
+        };
+        let layout = match (self.kv_tokens, self.block_size, self.num_blocks, &self.block_table) {
+            (Some(tokens), None, None, None) => KvLayout::Contiguous { tokens },
+            (None, Some(block_size), Some(num_blocks), Some(table)) => KvLayout::Paged {
+                block_size,
+                num_blocks,
+                block_table: table
+                    .as_slice()
+                    .map_err(|_| invalid("the block table must be a contiguous array"))?
+                    .to_vec(),
+            },
+            _ => {
+                return Err(invalid("give the KV memory's token count, or its block size, block count and block table"))
+            }
+        };
+        Ok(KvMemory { place, len: self.len, layout })
+    }
 }
 
 impl PyCacheEngine {
@@ -141,48 +156,25 @@ impl PyCacheEngine {
         })
     }
 
-    /// Stores the KV cache of `tokens` from the KV memory; returns (chunks, new
+    /// Stores the KV cache of `tokens` from the KV memory `kv`; returns (chunks, new
     /// chunks, bytes copied).
-    #[pyo3(signature = (tokens, kind, addr, len, dev, kv_tokens = None, block_size = None, num_blocks = None, block_table = None))]
-    #[allow(clippy::too_many_arguments)]
     fn store(
         &self,
         py: Python<'_>,
         tokens: PyReadonlyArray1<'_, u32>,
-        kind: &str,
-        addr: u64,
-        len: u64,
-        dev: u64,
-        kv_tokens: Option<u64>,
-        block_size: Option<u64>,
-        num_blocks: Option<u64>,
-        block_table: Option<PyReadonlyArray1<'_, u64>>,
+        kv: KvArgs<'_>,
     ) -> PyResult<(usize, usize, u64)> {
         let tokens = tokens_arg(&tokens)?;
-        let kv = kv_arg(kind, addr, len, dev, kv_tokens, block_size, num_blocks, block_table)?;
+        let kv = kv.memory()?;
         let r = self.with(py, |e| e.store(&tokens, &kv))?;
         Ok((r.chunks, r.new_chunks, r.bytes))
     }
 
-    /// Copies the longest stored prefix of `tokens` into the KV memory; returns its
-    /// length in tokens.
-    #[pyo3(signature = (tokens, kind, addr, len, dev, kv_tokens = None, block_size = None, num_blocks = None, block_table = None))]
-    #[allow(clippy::too_many_arguments)]
-    fn retrieve(
-        &self,
-        py: Python<'_>,
-        tokens: PyReadonlyArray1<'_, u32>,
-        kind: &str,
-        addr: u64,
-        len: u64,
-        dev: u64,
-        kv_tokens: Option<u64>,
-        block_size: Option<u64>,
-        num_blocks: Option<u64>,
-        block_table: Option<PyReadonlyArray1<'_, u64>>,
-    ) -> PyResult<usize> {
+    /// Copies the longest stored prefix of `tokens` into the KV memory `kv`; returns
+    /// its length in tokens.
+    fn retrieve(&self, py: Python<'_>, tokens: PyReadonlyArray1<'_, u32>, kv: KvArgs<'_>) -> PyResult<usize> {
         let tokens = tokens_arg(&tokens)?;
-        let kv = kv_arg(kind, addr, len, dev, kv_tokens, block_size, num_blocks, block_table)?;
+        let kv = kv.memory()?;
         self.with(py, |e| e.retrieve(&tokens, &kv))
     }
 
