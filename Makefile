@@ -2,7 +2,7 @@
 VENV := .venv
 export CARGO_TARGET_DIR ?= $(CURDIR)/target
 
-.PHONY: demo test gpu-test wheel bench fmt lint setup
+.PHONY: demo test gpu-test wheel bench fmt lint setup fuzz
 
 setup:
 	bash scripts/setup.sh
@@ -26,6 +26,11 @@ wheel:
 bench: setup
 	cargo build --release -p freight-cli
 	python3 bench/engine.py --machine "$$(hostname)" --freight $(CARGO_TARGET_DIR)/release/freight
+
+# a short pass of every fuzz target (nightly and cargo-fuzz, installed if missing;
+# FUZZ_SECONDS each, default 30): docs/fuzzing.md
+fuzz:
+	bash scripts/fuzz.sh $(or $(FUZZ_SECONDS),30)
 
 fmt:
 	cargo fmt --all

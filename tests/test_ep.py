@@ -7,6 +7,7 @@ there is no GPU or no PyTorch). Several ranks may share one GPU.
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -118,6 +119,25 @@ def test_a_taken_rank_and_a_wrong_world_are_refused():
     with pytest.raises(freight.InvalidArgumentError):
         ep.Group.join(2, 2, address, timeout=5)
     first.leave()
+    server.close()
+
+
+def test_a_rank_server_with_a_token_lets_in_only_the_ranks_that_have_it(spawn):
+    """The blobs ranks swap (CUDA IPC handles) open their GPU memory: a stranger that
+    reaches the rank server must not join in place of a rank."""
+    address = _free_address()
+    server = ep.RankServer(address, 2, "ep-secret")
+    with pytest.raises(freight.RemoteRejectedError, match="requires a token"):
+        ep.Group.join(0, 2, address, timeout=5)
+    with pytest.raises(freight.RemoteRejectedError, match="requires a token"):
+        ep.Group.join(0, 2, address, timeout=5, token="a-guess")
+    # Ranks in their own processes find the token in their environment.
+    env = {**os.environ, ep.TOKEN_ENV: "ep-secret"}
+    procs = [spawn(RANK, r, 2, address, "leave", env=env) for r in range(2)]
+    for p in procs:
+        (line,) = _lines(p, 1)
+        assert line["gathered"] == ["rank-0", "rank-1"]
+        assert p.wait(timeout=30) == 0, p.stderr.read()
     server.close()
 
 

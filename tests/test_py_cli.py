@@ -104,3 +104,39 @@ def test_bench_ep_without_what_it_needs_says_so_once(tmp_path, torch_source, mes
     assert p.returncode == 2, (p.stdout, p.stderr)
     assert p.stderr.startswith(f"freight bench ep: {message}") and p.stderr.count("\n") == 1, p.stderr
     assert "ranks passed" not in p.stdout, p.stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_benchmark_target_with_an_agent_token_serves_only_initiators_that_present_it():
+    env = dict(os.environ, FREIGHT_AGENT_TOKEN="bench-t0ken")
+    target = subprocess.Popen([sys.executable, "-m", "freight", "bench", "p2p", "--role", "target", "--listen",
+                               "127.0.0.1:0"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              stdin=subprocess.DEVNULL, text=True)
+    try:
+        line = target.stdout.readline()
+        assert "listening on" in line, (line, target.stderr.read() if target.poll() is not None else "")
+        addr = line.split("listening on ")[1].split(" (pid")[0].split(", ")[0]
+        initiator = ("bench", "p2p", "--connect", addr, "--transport", "tcp", "--block-sizes", "64KiB",
+                     "--batch-sizes", "1", "--iters", "5", "--json")
+        plain = {k: v for k, v in os.environ.items() if k != "FREIGHT_AGENT_TOKEN"}
+        for given in ((), ("--agent-token", "a-guess")):
+            refused = run(*initiator, *given, env=plain)
+            assert refused.returncode != 0, refused.stdout
+            assert "requires a token" in refused.stdout + refused.stderr, (refused.stdout, refused.stderr)
+        done = run(*initiator, "--agent-token", "bench-t0ken", env=plain)
+        assert done.returncode == 0, done.stderr
+        assert all(row["verified"] for row in json.loads(done.stdout)["rows"])
+        empty = run(*initiator, "--agent-token", "", env=plain)
+        assert empty.returncode == 2 and "empty token" in empty.stderr, empty.stderr
+    finally:
+        target.kill()
+        target.wait(timeout=10)
+        target.stdout.close()
+        target.stderr.close()
+    # A benchmark that starts its own target hands the token on (never on a command line).
+    spawned = run("bench", "p2p", "--transport", "tcp", "--block-sizes", "64KiB", "--batch-sizes", "1", "--iters",
+                  "5", "--json", env=env)
+    assert spawned.returncode == 0, spawned.stderr
+    assert all(row["verified"] for row in json.loads(spawned.stdout)["rows"])
+    piped = run("bench", "pipe", "--num-objs", "4", "--obj-size", "256KiB", "--buffer-size", "1MiB", env=env)
+    assert piped.returncode == 0, piped.stderr

@@ -259,7 +259,13 @@ def test_config_validation():
     with pytest.raises(TypeError):
         freight.AgentConfig(listen=8080)
     with pytest.raises(TypeError):
-        freight.AgentConfig(metadata_token=123)
+        freight.AgentConfig(token=123)
+    with pytest.raises(freight.InvalidArgumentError, match="empty"):
+        freight.AgentConfig(token="")
+    with pytest.raises(TypeError):
+        freight.AgentConfig(serve_metadata="no")
+    with pytest.warns(DeprecationWarning, match="now AgentConfig.token"):
+        assert freight.AgentConfig(metadata_token="old").token == b"old"
     with pytest.raises(TypeError):
         freight.AgentConfig(tcp_zerocopy="no")
     with pytest.raises(freight.InvalidArgumentError):

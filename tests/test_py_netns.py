@@ -23,7 +23,8 @@ from conftest import libfabric_missing
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NETNS = ROOT / "scripts" / "netns.sh"
 PREFIX = f"ft{os.getpid() % 100000}"
-ENV = dict(os.environ, FREIGHT_NETNS=PREFIX)
+# The target listens beyond loopback: with a token, as such a listener should.
+ENV = dict(os.environ, FREIGHT_NETNS=PREFIX, FREIGHT_AGENT_TOKEN="netns-token")
 
 
 def _why_not() -> str:

@@ -213,7 +213,7 @@ def test_write_with_notification_then_read_back(spawn, initiator, transport, exc
     size = 3 << 20
     config = {"require": transport}
     if exchange == "listener":
-        config["metadata_token"] = "s3cret"
+        config["token"] = "s3cret"
     t = Target(spawn, agent, inbox, "target", size, config=config, listen=exchange == "listener")
     if exchange == "metadata":
         t.add()

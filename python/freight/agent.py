@@ -224,11 +224,14 @@ class Agent:
         secret that authorises access to them) as bytes. Give it to peers only."""
         return self._core.metadata()
 
-    def add_peer(self, metadata: Union[bytes, bytearray, memoryview]) -> str:
+    def add_peer(self, metadata: Union[bytes, bytearray, memoryview], token: Optional[BytesLike] = None) -> str:
         """Adds (or replaces) a peer from its metadata bytes; returns its name.
         :class:`freight.MetadataError` for bytes that are not valid metadata.
-        Replacing a peer (e.g. a restarted process with new metadata) closes the old
-        connections; requests prepared against the old one fail."""
+        ``token`` is the peer's :attr:`AgentConfig.token`, where it has one: every
+        connection to the peer presents it (without it they fail with
+        :class:`freight.AuthError`). Replacing a peer (e.g. a restarted process with
+        new metadata) closes the old connections; requests prepared against the old
+        one fail."""
         if isinstance(metadata, str):
             raise TypeError("metadata must be bytes (use bytes.fromhex() for hex text)")
         if not isinstance(metadata, (bytes, bytearray, memoryview)):
@@ -236,7 +239,7 @@ class Agent:
                 "metadata must be bytes, bytearray or memoryview (what the peer's Agent.metadata() returned), "
                 f"got {type(metadata).__name__}"
             )
-        return self._core.add_peer(bytes(metadata))
+        return self._core.add_peer(bytes(metadata), None if token is None else to_bytes(token, "token"))
 
     def remove_peer(self, name: str) -> None:
         """Forgets a peer and closes its connections (:class:`freight.UnknownPeerError`
@@ -245,13 +248,15 @@ class Agent:
 
     def connect(self, addr: str, token: Optional[BytesLike] = None) -> str:
         """Fetches a peer's metadata from its listener at ``"ip:port"`` and adds the peer;
-        returns its name. ``token`` must match the peer's ``metadata_token`` if it has
-        one (else :class:`freight.AuthError`)."""
+        returns its name. ``token`` must match the peer's :attr:`AgentConfig.token` if it
+        has one (else :class:`freight.AuthError`), and is presented on every connection
+        to the peer from then on. A peer whose listener serves no metadata
+        (``serve_metadata=False``) refuses with :class:`freight.AuthError`."""
         return self._core.connect(addr, None if token is None else to_bytes(token, "token"))
 
     def refresh_peer(self, name: str, token: Optional[BytesLike] = None) -> None:
         """Re-reads a known peer's metadata from its listener (to see regions it
-        registered since)."""
+        registered since), with ``token``, or else the token it was added with."""
         self._core.refresh_peer(name, None if token is None else to_bytes(token, "token"))
 
     def path_to(self, peer: str) -> Path:
@@ -280,11 +285,14 @@ class Agent:
         """Removes this agent's entry from an :class:`freight.EtcdDirectory`."""
         directory.withdraw(self.name)
 
-    def add_peer_from_etcd(self, directory: EtcdDirectory, name: str, timeout: float = 10.0) -> str:
+    def add_peer_from_etcd(self, directory: EtcdDirectory, name: str, timeout: float = 10.0,
+                           token: Optional[BytesLike] = None) -> str:
         """Waits up to ``timeout`` seconds for ``name`` to appear in ``directory``, adds it
         as a peer and returns its name (:class:`freight.TimeoutError` if it does not
-        appear)."""
-        return self.add_peer(directory.wait_for(name, timeout))
+        appear). Whoever can read the directory reads the peer's secret: give the peer a
+        token (its :attr:`AgentConfig.token`, passed here) where that is more than the
+        peer's own processes."""
+        return self.add_peer(directory.wait_for(name, timeout), token=token)
 
     # ------------------------------------------------------------------ transfers
 

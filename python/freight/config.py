@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
@@ -20,6 +21,17 @@ _KERNEL_MAX_BLOCKS_PER_SM = 32
 _KERNEL_MIN_ITEM_BYTES = 1024
 _KERNEL_MODES = ("warp", "block")
 _COMPLETIONS = ("event", "poll")
+
+
+def _token(field: str, value: Any) -> Optional[bytes]:
+    """A token as bytes (str is taken as UTF-8)."""
+    if value is None or isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
+    raise _type_error(field, "None, bytes or str", value)
 
 
 def _type_error(field: str, expected: str, value: Any) -> TypeError:
@@ -155,9 +167,19 @@ class AgentConfig:
         fail with :class:`freight.PeerDisconnectedError`).
     connect_timeout:
         Seconds allowed for connecting and for each handshake.
+    token:
+        When set (bytes, or str encoded as UTF-8), every connection to this agent must
+        present it: metadata requests (:meth:`Agent.connect`), notifications and
+        transfers alike. Peers give it to :meth:`Agent.connect` or
+        :meth:`Agent.add_peer`. Unset, any process that reaches the listener may fetch
+        the metadata, whose secret opens every registered region to it (see
+        docs/engine.md, "Security model").
+    serve_metadata:
+        Whether the listener answers metadata requests (:meth:`Agent.connect`). Turn it
+        off where the metadata travels another way only (:meth:`Agent.metadata` handed
+        over by the application): then the listener hands out no secret at all.
     metadata_token:
-        When set (bytes, or str encoded as UTF-8), peers fetching this agent's metadata
-        from its listener (:meth:`Agent.connect`) must present it.
+        The former name of ``token`` (accepted, with a ``DeprecationWarning``).
     """
 
     listen: str = "127.0.0.1:0"
@@ -186,6 +208,8 @@ class AgentConfig:
     cuda_completion: Optional[str] = None
     peer_timeout: float = 30.0
     connect_timeout: float = 5.0
+    token: Optional[Union[bytes, str]] = None
+    serve_metadata: bool = True
     metadata_token: Optional[Union[bytes, str]] = None
 
     def __post_init__(self) -> None:
@@ -259,15 +283,21 @@ class AgentConfig:
             put("cuda_completion", _choice("cuda_completion", self.cuda_completion, _COMPLETIONS))
         put("peer_timeout", _seconds("peer_timeout", self.peer_timeout))
         put("connect_timeout", _seconds("connect_timeout", self.connect_timeout))
-        token = self.metadata_token
-        if token is not None:
-            if isinstance(token, str):
-                token = token.encode()
-            elif isinstance(token, (bytearray, memoryview)):
-                token = bytes(token)
-            elif not isinstance(token, bytes):
-                raise _type_error("metadata_token", "None, bytes or str", token)
-            put("metadata_token", token)
+
+        token = _token("token", self.token)
+        if self.metadata_token is not None:
+            warnings.warn("AgentConfig.metadata_token is now AgentConfig.token (required on every connection)",
+                          DeprecationWarning, stacklevel=3)
+            old = _token("metadata_token", self.metadata_token)
+            if token is not None and token != old:
+                raise InvalidArgumentError("AgentConfig: token and metadata_token are both given, and differ")
+            token = old
+            put("metadata_token", None)
+        if token is not None and not token:
+            raise InvalidArgumentError("AgentConfig.token is empty, which every peer presents: give a non-empty one, or None")
+        put("token", token)
+        if not isinstance(self.serve_metadata, bool):
+            raise _type_error("serve_metadata", "a bool", self.serve_metadata)
 
     def replace(self, **changes: Any) -> "AgentConfig":
         """A copy with some fields changed (validated again)."""
@@ -302,5 +332,6 @@ class AgentConfig:
             "cuda_completion": self.cuda_completion,
             "peer_timeout": self.peer_timeout,
             "connect_timeout": self.connect_timeout,
-            "metadata_token": self.metadata_token,
+            "token": self.token,
+            "serve_metadata": self.serve_metadata,
         }

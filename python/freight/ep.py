@@ -30,6 +30,8 @@ Needs PyTorch and a GPU; importing this module needs neither.
 from __future__ import annotations
 
 import dataclasses
+import os
+import secrets
 import socket
 from typing import Any, List, Optional, Sequence, Tuple
 
@@ -37,6 +39,8 @@ from . import _native
 from .errors import InvalidArgumentError, InvalidStateError
 
 DEFAULT_TIMEOUT_S = 60.0
+#: Where ranks find the rank server's token when none is passed to :meth:`Group.join`.
+TOKEN_ENV = "FREIGHT_EP_TOKEN"
 
 RankServer = _native.EpRankServer
 
@@ -48,10 +52,15 @@ class Group:
         self._native = native
 
     @classmethod
-    def join(cls, rank: int, world: int, server: str, timeout: float = DEFAULT_TIMEOUT_S) -> "Group":
-        """Joins through the rank server at ``server`` (``"host:port"``); ranks may start
-        before the server and in any order (each retries until ``timeout``)."""
-        return cls(_native.EpGroup.join_server(server, rank, world, timeout))
+    def join(cls, rank: int, world: int, server: str, timeout: float = DEFAULT_TIMEOUT_S,
+             token: Optional[str] = None) -> "Group":
+        """Joins through the rank server at ``server`` (``"host:port"``), presenting the
+        server's ``token`` where it has one (by default ``FREIGHT_EP_TOKEN`` from the
+        environment); ranks may start before the server and in any order (each retries
+        until ``timeout``)."""
+        if token is None:
+            token = os.environ.get(TOKEN_ENV) or None
+        return cls(_native.EpGroup.join_server(server, rank, world, timeout, token))
 
     @classmethod
     def join_etcd(
@@ -69,13 +78,16 @@ class Group:
 
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         server = None
-        box: List[Optional[str]] = [None]
+        # The server listens on every interface: a token, which only the group's ranks
+        # learn (through the process group), keeps strangers from joining.
+        box: List[Optional[str]] = [None, None]
         if rank == 0:
-            server = RankServer("0.0.0.0:0", world)
+            token = secrets.token_hex(16)
+            server = RankServer("0.0.0.0:0", world, token)
             port = server.address.rsplit(":", 1)[1]
-            box[0] = f"{_reachable_address()}:{port}"
+            box[:] = [f"{_reachable_address()}:{port}", token]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-        joined = cls.join(rank, world, box[0], timeout)
+        joined = cls.join(rank, world, box[0], timeout, token=box[1])
         joined._server = server  # lives as long as the group
         return joined
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -375,13 +376,15 @@ def run(args) -> int:
     if missing:
         print(f"freight bench ep: {missing}", file=sys.stderr)
         return 2
-    server = ep.RankServer("127.0.0.1:0", args.num_processes)
+    # Only the ranks started here may join: they get the token through their environment.
+    token = secrets.token_hex(16)
+    server = ep.RankServer("127.0.0.1:0", args.num_processes, token)
     nccl_port = _free_port()
     procs = []
     for rank in range(args.num_processes):
         cmd = [sys.executable, "-m", "freight.ep_bench", f"--rank={rank}", f"--server={server.address}",
                f"--nccl-port={nccl_port}"] + _forward(args)
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, ep.TOKEN_ENV: token}))
     results, failures = [], []
     for rank, p in enumerate(procs):
         out, _ = p.communicate()

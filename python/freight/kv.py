@@ -404,6 +404,13 @@ class Client:
         (see above)."""
         return self._raw.live
 
+    @property
+    def engine_addresses(self) -> List[str]:
+        """Where this client's engine agent listens: the addresses the server's agent
+        dials to move values (``"ip:port"``). It answers no metadata request there, and
+        where the server has a token it requires that token on every connection."""
+        return self._raw.engine_addresses
+
     # -- writes
 
     def put(self, key: Key, value: Any, ttl: float = 0.0) -> int:

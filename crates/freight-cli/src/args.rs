@@ -375,6 +375,24 @@ pub struct EngineOpts {
     /// does the same; default: registered where the provider offers FI_HMEM].
     #[arg(long)]
     pub fabric_stage_gpu: bool,
+
+    /// A token that this command's engine agents require on every connection and
+    /// present to each other (read from FREIGHT_AGENT_TOKEN when not given here, so
+    /// that it stays out of `ps`; processes this command starts get it the same way).
+    /// Give both ends of a benchmark the same one. `serve` and `kv-bench` take none:
+    /// their data-plane agents make tokens of their own (docs/kv.md, "Trust").
+    #[arg(long, env = AGENT_TOKEN_ENV, hide_env_values = true, value_parser = parse_agent_token)]
+    pub agent_token: Option<String>,
+}
+
+/// Where [`EngineOpts::agent_token`] is read from, and handed to child processes.
+pub const AGENT_TOKEN_ENV: &str = "FREIGHT_AGENT_TOKEN";
+
+fn parse_agent_token(s: &str) -> Result<String, String> {
+    if s.is_empty() {
+        return Err("an empty token would let every peer in: give a non-empty one, or none".into());
+    }
+    Ok(s.to_string())
 }
 
 pub fn parse_chunk_size(s: &str) -> Result<u64, String> {
@@ -423,6 +441,12 @@ impl EngineOpts {
         v
     }
 
+    /// The environment a child process started alike needs: the token, kept out of
+    /// its command line.
+    pub fn child_env(&self) -> Vec<(&'static str, String)> {
+        self.agent_token.iter().map(|t| (AGENT_TOKEN_ENV, t.clone())).collect()
+    }
+
     fn fabric_args(&self) -> Vec<String> {
         let mut v = Vec::new();
         if let Some(p) = &self.fabric_provider {
@@ -461,6 +485,7 @@ impl EngineOpts {
             },
             shm: ShmConfig { threads: self.shm_threads.unwrap_or(shm.threads), ..shm },
             fabric: self.fabric_config(),
+            token: self.agent_token.as_ref().map(|t| t.as_bytes().to_vec()),
             ..AgentConfig::default()
         }
     }
@@ -555,7 +580,10 @@ mod tests {
             fabric_domains: vec!["a1".into(), "a2".into()],
             fabric_chunk_size: Some(1 << 20),
             fabric_stage_gpu: true,
+            agent_token: Some("t0ken".into()),
         };
+        assert!(!o.to_args().iter().any(|a| a.contains("t0ken")), "the token stays off command lines");
+        assert_eq!(o.child_env(), [(AGENT_TOKEN_ENV, "t0ken".to_string())]);
         assert!(o.to_args().join(" ").ends_with(
             "--no-zerocopy --local-addrs 10.0.0.1,10.0.1.1 --pin 2,3 --fabric-provider tcp --fabric-domains a1,a2 \
              --fabric-chunk-size 1048576 --fabric-stage-gpu"
@@ -567,6 +595,8 @@ mod tests {
         assert_eq!(c.fabric.provider.as_deref(), Some("tcp"));
         assert_eq!((c.fabric.domains.len(), c.fabric.chunk_size), (2, 1 << 20));
         assert!(!c.fabric.gpu_direct);
+        assert_eq!(c.token.as_deref(), Some(&b"t0ken"[..]));
+        assert!(parse_agent_token("").is_err());
         assert_eq!(
             (c.tcp.streams, c.tcp.chunk_size, c.tcp.window, c.shm.threads),
             (2, 4096, TcpConfig::default().window, 1)

@@ -46,20 +46,30 @@ pub struct TargetProcess {
 
 impl TargetProcess {
     /// Starts a target process; `extra` are more of its options (`--fabric-provider`...).
-    pub fn spawn(self_command: &[String], log_level: Option<&str>, extra: &[String]) -> CliResult<TargetProcess> {
+    pub fn spawn(
+        self_command: &[String],
+        log_level: Option<&str>,
+        extra: &[String],
+        env: &[(&str, String)],
+    ) -> CliResult<TargetProcess> {
         let mut args: Vec<String> = [target::SUBCOMMAND, "--listen", "127.0.0.1:0"].map(String::from).to_vec();
         args.extend_from_slice(extra);
-        TargetProcess::spawn_with(self_command, &args, log_level)
+        TargetProcess::spawn_with(self_command, &args, log_level, env)
     }
 
-    /// Starts this CLI again with `args`; the child must print a
-    /// [`target::listen_line`] first.
-    pub fn spawn_with(self_command: &[String], args: &[String], log_level: Option<&str>) -> CliResult<TargetProcess> {
+    /// Starts this CLI again with `args` and `env` added to its environment (see
+    /// `EngineOpts::child_env`); the child must print a [`target::listen_line`] first.
+    pub fn spawn_with(
+        self_command: &[String],
+        args: &[String],
+        log_level: Option<&str>,
+        env: &[(&str, String)],
+    ) -> CliResult<TargetProcess> {
         let (prog, rest) = self_command
             .split_first()
             .ok_or_else(|| CliError::runtime("no command to start the target process with"))?;
         let mut cmd = std::process::Command::new(prog);
-        cmd.args(rest).args(args);
+        cmd.args(rest).args(args).envs(env.iter().map(|(k, v)| (k, v)));
         if let Some(level) = log_level {
             cmd.args(["--log-level", level]);
         }
@@ -166,10 +176,11 @@ pub struct Link<'a> {
 }
 
 impl<'a> Link<'a> {
-    /// Fetches the target's metadata from its listener at `addr`.
+    /// Fetches the target's metadata from its listener at `addr`, presenting this
+    /// agent's token (the target has the same one, where there is one).
     pub fn open(agent: &'a Agent, addr: &str, process: Option<&'a TargetProcess>) -> CliResult<Link<'a>> {
         let peer = agent
-            .connect(addr, None)
+            .connect(addr, agent.config().token.as_deref())
             .map_err(|e| CliError::runtime(format!("cannot reach the target at {addr}: {e}")))?;
         Ok(Link { agent, peer, process, pending: VecDeque::new() })
     }

@@ -143,7 +143,7 @@ impl Target<'_> {
         let mut last = String::from("the initiator sent no address to answer on");
         let mut connected = None;
         for a in reply_to {
-            match self.agent.connect(a, None) {
+            match self.agent.connect(a, self.agent.config().token.as_deref()) {
                 Ok(name) => {
                     connected = Some(name);
                     break;

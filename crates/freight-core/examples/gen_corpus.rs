@@ -101,7 +101,8 @@ fn main() {
         from_name: "a".into(),
         from_id: 1,
         target_id: 2,
-        token: vec![9; 16],
+        secret: vec![9; 16],
+        token: Vec::new(),
     });
     fs::write(w.join("ok-hello"), &hello).unwrap();
     fs::write(

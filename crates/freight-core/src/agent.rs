@@ -54,9 +54,20 @@ pub struct AgentConfig {
     pub peer_timeout: Duration,
     /// Bound on connecting and on each handshake.
     pub connect_timeout: Duration,
-    /// When set, listener metadata requests must present this token.
-    pub metadata_token: Option<Vec<u8>>,
+    /// When set, every connection to this agent must present this token: metadata
+    /// requests, control, data and fabric connections alike (compared in constant
+    /// time). Unset, anyone who can reach the listener may ask for the metadata, whose
+    /// secret opens every other connection: see docs/engine.md, "Security model".
+    pub token: Option<Vec<u8>>,
+    /// Whether the listener answers metadata requests ([`Agent::connect`]). Off for an
+    /// agent whose metadata travels another way only, as the KV server's and clients'
+    /// do (over their authenticated control plane): then nothing on the listener hands
+    /// out the secret, token or no token.
+    pub serve_metadata: bool,
 }
+
+/// The longest access token (it travels in every hello).
+pub const MAX_TOKEN: usize = 4096;
 
 impl Default for AgentConfig {
     fn default() -> Self {
@@ -71,7 +82,8 @@ impl Default for AgentConfig {
             fabric: FabricConfig::default(),
             peer_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(5),
-            metadata_token: None,
+            token: None,
+            serve_metadata: true,
         }
     }
 }
@@ -97,6 +109,14 @@ impl AgentConfig {
         }
         if self.peer_timeout.is_zero() || self.connect_timeout.is_zero() {
             return Err(invalid("timeouts must be positive"));
+        }
+        match self.token.as_deref() {
+            // A peer that presents none presents the empty token: it would match.
+            Some([]) => return Err(invalid("an empty token lets every peer in: give a non-empty one, or none")),
+            Some(t) if t.len() > MAX_TOKEN => {
+                return Err(invalid(format!("the token is {} bytes; at most {MAX_TOKEN} are allowed", t.len())))
+            }
+            _ => {}
         }
         self.fabric.validate()?;
         self.cuda.validate()
@@ -332,6 +352,13 @@ impl Agent {
     /// and connected refreshes its regions in place; metadata of a restarted peer (a new
     /// agent id) or of one whose connection broke replaces it.
     pub fn add_peer(&self, metadata: &[u8]) -> Result<String> {
+        self.add_peer_with_token(metadata, None)
+    }
+
+    /// [`Agent::add_peer`] for a peer that requires an access token (its
+    /// `AgentConfig::token`): every connection to it presents `token`. Metadata of a
+    /// known peer given with a token replaces the token it had.
+    pub fn add_peer_with_token(&self, metadata: &[u8], token: Option<&[u8]>) -> Result<String> {
         self.inner.check_open()?;
         let md = AgentMetadata::decode(metadata)?;
         let name = md.name.clone();
@@ -343,12 +370,15 @@ impl Agent {
         if let Some(known) = known {
             if known.md.agent_id == md.agent_id && known.check_alive().is_ok() {
                 known.replace_regions(&md.regions)?;
+                if let Some(t) = token {
+                    known.set_token(t);
+                }
                 tracing::debug!(agent = %self.inner.name, peer = %name, regions = md.regions.len(), "refreshed peer");
                 return Ok(name);
             }
         }
         let same_host = self.inner.host.same_host(&md.host);
-        let peer = Arc::new(Peer::new(md, same_host));
+        let peer = Arc::new(Peer::new(md, same_host, token));
         let old = self.inner.peers.write().insert(name.clone(), peer);
         if let Some(old) = old {
             old.shutdown("replaced by new metadata");
@@ -393,16 +423,21 @@ impl Agent {
         v
     }
 
-    /// Fetches a peer's metadata from its listener at `addr` and adds it.
+    /// Fetches a peer's metadata from its listener at `addr` and adds it; `token` is
+    /// the peer's access token, where it has one, and is presented on every
+    /// connection to it from then on.
     pub fn connect(&self, addr: &str, token: Option<&[u8]>) -> Result<String> {
         self.inner.check_open()?;
         let bytes = net::fetch_metadata(addr, token.unwrap_or_default(), self.inner.config.connect_timeout)?;
-        self.add_peer(&bytes)
+        self.add_peer_with_token(&bytes, token)
     }
 
-    /// Re-reads a known peer's metadata from its listener (to see regions it added).
+    /// Re-reads a known peer's metadata from its listener (to see regions it added),
+    /// with `token`, or else the token it was added with.
     pub fn refresh_peer(&self, name: &str, token: Option<&[u8]>) -> Result<()> {
         let peer = self.inner.peer(name)?;
+        let known = peer.token();
+        let token = token.or((!known.is_empty()).then_some(&known[..]));
         let mut last = Error::TransportUnavailable(format!("peer '{name}' advertises no address"));
         for a in &peer.md.addresses {
             match self.connect(a, token) {
@@ -672,7 +707,13 @@ impl AgentInner {
 
     fn dial_context(&self) -> DialContext {
         DialContext {
-            intro: Introduction { from_name: self.name.clone(), from_id: self.id, target_id: 0, token: Vec::new() },
+            intro: Introduction {
+                from_name: self.name.clone(),
+                from_id: self.id,
+                target_id: 0,
+                secret: Vec::new(),
+                token: Vec::new(),
+            },
             timeout: self.config.connect_timeout,
             peer_timeout: self.config.peer_timeout,
             host: self.host.clone(),

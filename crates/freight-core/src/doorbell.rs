@@ -102,7 +102,7 @@ pub struct Doorbell {
     /// Reported already (a corrupt ring stays corrupt, and every drain says so).
     broken: AtomicBool,
     // The consumer points into the mapping: dropped after it (field order).
-    _mapping: Mapping,
+    mapping: Mapping,
 }
 
 impl Doorbell {
@@ -129,12 +129,7 @@ impl Doorbell {
         // SAFETY: the mapping is `len` bytes, page-aligned, and outlives the consumer
         // (field order); the sender writes only the producer's side.
         let ring = unsafe { Consumer::attach(mapping.as_ptr(), mapping.len(), MAX_NOTIF)? };
-        Ok(Doorbell {
-            from: from.to_string(),
-            ring: Mutex::new(ring),
-            broken: AtomicBool::new(false),
-            _mapping: mapping,
-        })
+        Ok(Doorbell { from: from.to_string(), ring: Mutex::new(ring), broken: AtomicBool::new(false), mapping })
     }
 
     /// Tells the sender whether a thread of this agent is asleep waiting for
@@ -168,7 +163,20 @@ impl Doorbell {
     }
 
     fn drain_locked(&self, ring: &mut Consumer, queue: &NotifQueue) -> Result<usize> {
-        ring.drain(|msg| queue.push(Notification { from: self.from.clone(), msg })).inspect_err(|e| {
+        let mut taken = Vec::new();
+        let drained = ring.drain(|msg| taken.push(msg)).and_then(|n| {
+            // Read from pages that faulted, the messages are zeros, not the sender's.
+            match self.mapping.faulted() {
+                false => Ok(n),
+                true => Err(Error::Protocol("the memory of the sender's outbox faulted (its file shrank?)".into())),
+            }
+        });
+        if drained.is_ok() {
+            for msg in taken {
+                queue.push(Notification { from: self.from.clone(), msg });
+            }
+        }
+        drained.inspect_err(|e| {
             if !self.broken.swap(true, Ordering::Relaxed) {
                 tracing::error!(from = %self.from, error = %e, "the sender's notification outbox is corrupt; dropping the connection");
             }

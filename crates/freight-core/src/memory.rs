@@ -89,6 +89,11 @@ pub struct SharedLocation {
     pub offset: u64,
 }
 
+/// The seals every shared segment carries, and a peer's must carry to be mapped: its
+/// size can neither shrink (which would take pages from under a mapping: a fault on the
+/// next access) nor grow.
+pub const SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+
 fn segment_table() -> &'static Mutex<BTreeMap<u64, std::sync::Weak<SharedSegment>>> {
     static TABLE: OnceLock<Mutex<BTreeMap<u64, std::sync::Weak<SharedSegment>>>> = OnceLock::new();
     TABLE.get_or_init(|| Mutex::new(BTreeMap::new()))
@@ -96,6 +101,12 @@ fn segment_table() -> &'static Mutex<BTreeMap<u64, std::sync::Weak<SharedSegment
 
 impl SharedSegment {
     /// Allocates `len` bytes of zeroed, page-aligned, shareable host memory.
+    ///
+    /// The memfd is sealed at its size (`F_SEAL_SHRINK`, `F_SEAL_GROW`, then
+    /// `F_SEAL_SEAL`): a peer that maps it can rely on every page staying there, and
+    /// peers refuse to map a segment without those seals (see `transport::shm`), so a
+    /// process that would pull its memory away from under a peer's mapping cannot
+    /// offer it.
     pub fn allocate(len: usize) -> Result<Arc<SharedSegment>> {
         if len == 0 {
             return Err(invalid("cannot allocate a zero-length shared segment"));
@@ -105,21 +116,25 @@ impl SharedSegment {
         let name = std::ffi::CString::new(SharedSegment::memfd_name(id)).expect("no NUL");
         // SAFETY: plain syscalls on a fresh descriptor; every failure is checked.
         unsafe {
-            let fd = libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC);
+            let fd = libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING);
             if fd < 0 {
                 return Err(Error::Io(format!("memfd_create: {}", std::io::Error::last_os_error())));
             }
-            if libc::ftruncate(fd, len as libc::off_t) != 0 {
+            let fail = |what: String| {
                 let e = std::io::Error::last_os_error();
                 libc::close(fd);
-                return Err(Error::Io(format!("ftruncate({len}): {e}")));
+                Err(Error::Io(format!("{what}: {e}")))
+            };
+            if libc::ftruncate(fd, len as libc::off_t) != 0 {
+                return fail(format!("ftruncate({len})"));
+            }
+            if libc::fcntl(fd, libc::F_ADD_SEALS, SEALS | libc::F_SEAL_SEAL) != 0 {
+                return fail("sealing a shared segment (fcntl F_ADD_SEALS)".into());
             }
             let ptr =
                 libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0);
             if ptr == libc::MAP_FAILED {
-                let e = std::io::Error::last_os_error();
-                libc::close(fd);
-                return Err(Error::Io(format!("mmap({len}): {e}")));
+                return fail(format!("mmap({len})"));
             }
             let seg = Arc::new(SharedSegment { id, fd, ptr: ptr as *mut u8, len });
             segment_table().lock().insert(seg.addr(), Arc::downgrade(&seg));

@@ -9,12 +9,15 @@ use socket2::{Domain, SockRef, Socket, TcpKeepalive, Type};
 use crate::error::{Error, Result};
 use crate::wire::{self, Frame, Role, PROTOCOL_VERSION};
 
-/// Who is calling and whom they expect to reach.
+/// Who is calling and whom they expect to reach, with what proves that they may.
 #[derive(Debug, Clone)]
 pub struct Introduction {
     pub from_name: String,
     pub from_id: u64,
     pub target_id: u64,
+    /// The target's secret, from its metadata.
+    pub secret: Vec<u8>,
+    /// The target's access token, where it has one (empty otherwise).
     pub token: Vec<u8>,
 }
 
@@ -97,6 +100,7 @@ fn dial_one(
         from_name: intro.from_name.clone(),
         from_id: intro.from_id,
         target_id: intro.target_id,
+        secret: intro.secret.clone(),
         token: intro.token.clone(),
     };
     stream.write_all(&wire::encode(&hello))?;
@@ -129,6 +133,7 @@ pub fn fetch_metadata(addr: &str, token: &[u8], timeout: Duration) -> Result<Vec
         from_name: String::new(),
         from_id: 0,
         target_id: 0,
+        secret: Vec::new(),
         token: token.to_vec(),
     };
     stream.write_all(&wire::encode(&hello))?;
@@ -161,9 +166,11 @@ pub fn tune(stream: &TcpStream, peer_timeout: Duration) -> Result<()> {
     Ok(())
 }
 
-/// Constant-time comparison, so that a secret cannot be guessed byte by byte.
+/// Whether two secrets (tokens, keys) are equal, compared in time independent of where
+/// they differ, so that one cannot be guessed byte by byte. Every secret of the project
+/// is compared with this.
 pub fn same_secret(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    subtle::ConstantTimeEq::ct_eq(a, b).into()
 }
 
 #[cfg(test)]

@@ -273,7 +273,13 @@ impl Consumer {
         if cap != raw.cap {
             return Err(bad(format!("the header says {cap} bytes, the memory holds {}", raw.cap)));
         }
+        // The producer laid the header out, so the starting position is as trustworthy
+        // as the producer: records start at multiples of 8, and a word read from
+        // anywhere else could run past the ring's end.
         let tail = raw.consumer().load(Ordering::Acquire);
+        if tail % 8 != 0 {
+            return Err(bad(format!("the consumer's position {tail} is not a multiple of 8")));
+        }
         Ok(Consumer { raw, tail, partial: Vec::new(), max_message, broken: None })
     }
 
@@ -522,6 +528,20 @@ mod tests {
             assert!(Consumer::attach(mem.base(), mem.len() - 64, 100).is_err(), "capacity disagrees");
             Consumer::attach(mem.base(), mem.len(), 100).unwrap();
         }
+    }
+
+    #[test]
+    fn a_ring_whose_consumer_position_is_not_aligned_is_refused() {
+        let mut mem = Mem::new(1024);
+        let (p, _) = mem.pair(100);
+        // One byte before the end: a word read there would take 3 bytes past the ring.
+        p.raw.consumer().store(1024 - 1, Ordering::Release);
+        p.raw.producer().store(1024 + 8, Ordering::Release);
+        // SAFETY: the memory outlives the attempt.
+        let e = unsafe { Consumer::attach(mem.base(), mem.len(), 100) }.err().expect("refused");
+        assert!(e.to_string().contains("not a multiple of 8"), "{e}");
+        p.raw.consumer().store(1024, Ordering::Release);
+        unsafe { Consumer::attach(mem.base(), mem.len(), 100) }.expect("an aligned position is taken");
     }
 
     #[test]

@@ -41,6 +41,10 @@ pub struct Peer {
     revoked: Mutex<HashSet<u64>>,
     pub shm: ShmPeer,
     pub cuda: CudaPeer,
+    /// The access token this agent presents to the peer on every connection (empty:
+    /// none), where the peer requires one (see `AgentConfig::token`); given with its
+    /// metadata, and replaced when metadata comes again with another.
+    token: RwLock<Vec<u8>>,
     /// The connections made so far. Held only to look at or swap them, never while one
     /// is dialled: checking the peer's health, or using a link it has, does not wait
     /// for a dial (which may take the connect timeout).
@@ -269,12 +273,13 @@ impl ControlLink {
 }
 
 impl Peer {
-    pub fn new(md: AgentMetadata, same_host: bool) -> Peer {
+    pub fn new(md: AgentMetadata, same_host: bool, token: Option<&[u8]>) -> Peer {
         Peer {
+            token: RwLock::new(token.unwrap_or_default().to_vec()),
             name: md.name.clone(),
             regions: RwLock::new(RemoteRegions::new(&md.regions)),
             revoked: Mutex::default(),
-            shm: ShmPeer::new(md.host.pid),
+            shm: ShmPeer::new(&md.name, md.host.pid),
             cuda: CudaPeer::default(),
             md,
             same_host,
@@ -287,6 +292,16 @@ impl Peer {
 
     fn disconnected(&self, reason: impl Into<String>) -> Error {
         disconnected(&self.name, reason)
+    }
+
+    /// A dial that failed: refused for want of the right token or secret stays an
+    /// authentication error (retrying cannot help, the credentials must change);
+    /// anything else is a disconnection, described by `why`.
+    fn dial_failed(&self, e: Error, why: impl FnOnce(&Error) -> String) -> Error {
+        match e {
+            Error::Auth(m) => Error::Auth(format!("peer '{}': {m}", self.name)),
+            e => self.disconnected(why(&e)),
+        }
     }
 
     pub fn connection_stats(&self) -> ConnectionStats {
@@ -369,7 +384,7 @@ impl Peer {
         let intro = self.intro(ctx);
         let started = Instant::now();
         let stream = net::dial(&self.md.addresses, None, Role::Control, &intro, ctx.timeout, ctx.peer_timeout)
-            .map_err(|e| self.disconnected(format!("cannot open control connection: {e}")))?;
+            .map_err(|e| self.dial_failed(e, |e| format!("cannot open control connection: {e}")))?;
         // A peer that stops reading fails a notification instead of blocking it (and
         // everything waiting for the writer) for ever.
         stream.set_write_timeout(Some(ctx.peer_timeout))?;
@@ -458,8 +473,23 @@ impl Peer {
         self.close_unused_imports(&self.regions.read());
     }
 
+    /// The token presented to the peer (empty: none).
+    pub fn token(&self) -> Vec<u8> {
+        self.token.read().clone()
+    }
+
+    /// Presents `token` on the connections opened from now on.
+    pub fn set_token(&self, token: &[u8]) {
+        *self.token.write() = token.to_vec();
+    }
+
     fn intro(&self, ctx: &DialContext) -> Introduction {
-        Introduction { target_id: self.md.agent_id, token: self.md.secret.to_vec(), ..ctx.intro.clone() }
+        Introduction {
+            target_id: self.md.agent_id,
+            secret: self.md.secret.to_vec(),
+            token: self.token.read().clone(),
+            ..ctx.intro.clone()
+        }
     }
 
     /// Reads what the peer sends back on the control link until it closes.
@@ -523,7 +553,7 @@ impl Peer {
             let bind = (!local_addrs.is_empty()).then(|| local_addrs[i % local_addrs.len()]);
             let addrs = net::dial_order(&self.md.addresses, i, bind);
             let s = net::dial(&addrs, bind, Role::Data { index: i as u32 }, &intro, ctx.timeout, ctx.peer_timeout)
-                .map_err(|e| self.disconnected(format!("cannot open data stream {i}: {e}")))?;
+                .map_err(|e| self.dial_failed(e, |e| format!("cannot open data stream {i}: {e}")))?;
             sockets.push(s);
         }
         let health = Arc::new(Health::default());
@@ -548,7 +578,7 @@ impl Peer {
     fn dial_fabric(&self, ctx: &DialContext, fabric: &Arc<Fabric>) -> Result<Arc<FabricLink>> {
         let started = Instant::now();
         let stream = net::dial(&self.md.addresses, None, Role::Fabric, &self.intro(ctx), ctx.timeout, ctx.peer_timeout)
-            .map_err(|e| self.disconnected(format!("cannot open the fabric exchange: {e}")))?;
+            .map_err(|e| self.dial_failed(e, |e| format!("cannot open the fabric exchange: {e}")))?;
         stream.set_read_timeout(Some(ctx.peer_timeout))?;
         let dial: crate::transport::fabric::link::Dial = {
             let (addresses, intro, timeout) = (self.md.addresses.clone(), self.intro(ctx), ctx.timeout);

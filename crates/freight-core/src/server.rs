@@ -37,6 +37,39 @@ pub struct Server {
     next_id: AtomicU64,
     /// Connections whose hello is still awaited.
     handshakes: Arc<AtomicUsize>,
+    /// Warnings about refused connections, at most one a second: a stranger hammering
+    /// the listener must not flood the log (nor block on a log nobody drains).
+    refusals: Throttle,
+}
+
+/// Lets an event be logged at most once per [`Throttle::EVERY`], counting those it
+/// held back in between, so that the next line can say how many there were.
+struct Throttle {
+    start: std::time::Instant,
+    /// Milliseconds after `start` of the last event let through (`u64::MAX`: none yet).
+    last: AtomicU64,
+    held_back: AtomicU64,
+}
+
+impl Throttle {
+    const EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
+    fn new() -> Throttle {
+        Throttle { start: std::time::Instant::now(), last: AtomicU64::new(u64::MAX), held_back: AtomicU64::new(0) }
+    }
+
+    /// `Some(n)`: log this event, and say that `n` events like it were held back since
+    /// the last one logged; `None`: hold this one back.
+    fn let_through(&self, now: std::time::Instant) -> Option<u64> {
+        let at = now.saturating_duration_since(self.start).as_millis() as u64;
+        let last = self.last.load(Ordering::Relaxed);
+        let due = last == u64::MAX || at.saturating_sub(last) >= Self::EVERY.as_millis() as u64;
+        if due && self.last.compare_exchange(last, at, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
+            return Some(self.held_back.swap(0, Ordering::AcqRel));
+        }
+        self.held_back.fetch_add(1, Ordering::Relaxed);
+        None
+    }
 }
 
 /// Most connections that may be awaiting their hello at once. Beyond that a new
@@ -177,6 +210,7 @@ impl Default for Server {
             inboxes: Inboxes::default(),
             next_id: AtomicU64::default(),
             handshakes: Arc::default(),
+            refusals: Throttle::new(),
         }
     }
 }
@@ -185,12 +219,37 @@ impl Default for Server {
 pub fn listen(agent: &Arc<AgentInner>, addr: &str) -> Result<SocketAddr> {
     let listener = TcpListener::bind(addr).map_err(|e| Error::Io(format!("cannot listen on {addr}: {e}")))?;
     let bound = listener.local_addr()?;
+    warn_if_exposed(&agent.name, bound, &agent.config);
     let accept = listener.try_clone()?;
     agent.server.listeners.lock().push((bound, listener));
     let weak = Arc::downgrade(agent);
     thread::Builder::new().name("freight-accept".into()).spawn(move || accept_loop(accept, weak))?;
     tracing::info!(agent = %agent.name, %bound, "listening");
     Ok(bound)
+}
+
+/// A listener that other hosts can reach and no token guards is worth a warning: who
+/// may connect, and what they get.
+fn warn_if_exposed(agent: &str, bound: SocketAddr, config: &crate::agent::AgentConfig) {
+    if bound.ip().is_loopback() || config.token.is_some() {
+        return;
+    }
+    if config.serve_metadata {
+        tracing::warn!(
+            agent,
+            %bound,
+            "listening beyond loopback without a token: anyone who reaches this address can ask for this \
+             agent's metadata, whose secret lets them read and write every region it registers \
+             (give it a token: AgentConfig.token; or listen on loopback)"
+        );
+    } else {
+        tracing::warn!(
+            agent,
+            %bound,
+            "listening beyond loopback without a token: connections are guarded by the secret alone, which \
+             crosses the network in the clear (give it a token: AgentConfig.token)"
+        );
+    }
 }
 
 fn accept_loop(listener: TcpListener, agent: Weak<AgentInner>) {
@@ -214,7 +273,13 @@ fn accept_loop(listener: TcpListener, agent: Weak<AgentInner>) {
             return;
         }
         let Some(handshake) = Handshake::begin(&a.server.handshakes) else {
-            tracing::warn!(most = MAX_HANDSHAKES, "too many connections awaiting their hello; dropped a new one");
+            if let Some(held_back) = a.server.refusals.let_through(std::time::Instant::now()) {
+                tracing::warn!(
+                    most = MAX_HANDSHAKES,
+                    held_back,
+                    "too many connections awaiting their hello; dropped a new one"
+                );
+            }
             let _ = stream.shutdown(Shutdown::Both);
             continue;
         };
@@ -247,9 +312,18 @@ fn serving(agent: &Weak<AgentInner>) -> Result<Arc<AgentInner>> {
 }
 
 fn serve_connection(mut stream: TcpStream, agent: &Weak<AgentInner>, id: u64, handshake: Handshake) -> Result<()> {
-    let (timeout, peer_timeout, metadata_token, secret, my_id) = {
+    let (timeout, peer_timeout, access, serve_metadata, secret, my_id) = {
         let a = serving(agent)?;
-        (a.config.connect_timeout, a.config.peer_timeout, a.config.metadata_token.clone(), a.secret, a.id)
+        let c = &a.config;
+        (c.connect_timeout, c.peer_timeout, c.token.clone(), c.serve_metadata, a.secret, a.id)
+    };
+    // Logged, at most once a second: whoever fails to authenticate.
+    let refused = |why: &str, from_name: &str, role: Role, stream: &TcpStream| {
+        let Some(a) = agent.upgrade() else { return };
+        if let Some(held_back) = a.server.refusals.let_through(std::time::Instant::now()) {
+            let from = stream.peer_addr().ok();
+            tracing::warn!(?from_name, ?from, ?role, held_back, "refused a connection: {why}");
+        }
     };
     tune(&stream, peer_timeout)?;
     // Unauthenticated so far: a bounded hello that must arrive whole within the connect
@@ -257,7 +331,7 @@ fn serve_connection(mut stream: TcpStream, agent: &Weak<AgentInner>, id: u64, ha
     stream.set_write_timeout(Some(peer_timeout))?;
     let hello = wire::read_frame_within(&mut Deadline::after(&stream, timeout), wire::MAX_HELLO)?;
     drop(handshake);
-    let Some(Frame::Hello { version, role, from_name, target_id, token, .. }) = hello else {
+    let Some(Frame::Hello { version, role, from_name, target_id, secret: presented, token, .. }) = hello else {
         return refuse(&mut stream, "expected a hello");
     };
     if version != PROTOCOL_VERSION {
@@ -266,19 +340,26 @@ fn serve_connection(mut stream: TcpStream, agent: &Weak<AgentInner>, id: u64, ha
             &format!("protocol version {version} is not supported (this agent speaks {PROTOCOL_VERSION})"),
         );
     }
+    // The token first, whatever the connection is for: without it nothing is answered,
+    // not even the metadata (whose secret opens the other connections).
+    if let Some(t) = access {
+        if !same_secret(&t, &token) {
+            refused("without this agent's token", &from_name, role, &stream);
+            let why = if token.is_empty() { "no token was presented" } else { "the token presented is wrong" };
+            return refuse(&mut stream, &format!("this agent requires a token and {why}"));
+        }
+    }
     if role == Role::Metadata {
-        if let Some(t) = metadata_token {
-            if !same_secret(&t, &token) {
-                return refuse(&mut stream, "wrong metadata token");
-            }
+        if !serve_metadata {
+            return refuse(&mut stream, "this agent does not hand out its metadata on its listener");
         }
         let a = serving(agent)?;
         let bytes = a.metadata_bytes();
         drop(a);
         return wire::write_frame(&mut stream, &Frame::Metadata { bytes }, &[]);
     }
-    if !same_secret(&secret, &token) {
-        tracing::warn!(from = %from_name, "refused a connection with a wrong secret");
+    if !same_secret(&secret, &presented) {
+        refused("a wrong secret", &from_name, role, &stream);
         return refuse(&mut stream, "wrong secret");
     }
     if target_id != my_id {
@@ -445,6 +526,18 @@ mod tests {
         assert!(Handshake::begin(&count).is_some());
         drop(held);
         assert_eq!(count.load(Ordering::Acquire), 0);
+    }
+
+    #[test]
+    fn refusals_are_logged_once_a_second_with_a_count_of_the_rest() {
+        let t = Throttle::new();
+        let at = |ms: u64| t.start + Duration::from_millis(ms);
+        assert_eq!(t.let_through(at(0)), Some(0), "the first one is logged");
+        assert_eq!(t.let_through(at(10)), None);
+        assert_eq!(t.let_through(at(999)), None);
+        assert_eq!(t.let_through(at(1000)), Some(2), "a second later, with the two held back");
+        assert_eq!(t.let_through(at(1500)), None);
+        assert_eq!(t.let_through(at(5000)), Some(1));
     }
 
     #[test]

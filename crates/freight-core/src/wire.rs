@@ -20,7 +20,9 @@ use crate::metadata::HostIdentity;
 /// 5: landing buffers lent for staging over the fabric (`FabricDocks`, `FabricLand`...).
 /// 6: a control connection opens with the target's live regions (`LiveRegions`).
 /// 7: GPU memory a fabric target registers (`FI_HMEM`) has keys (`FabricKeysReply`).
-pub const PROTOCOL_VERSION: u16 = 7;
+/// 8: a hello carries the target's secret and its access token apart (`Hello::secret`,
+///    `Hello::token`): an agent with a token wants it on every connection.
+pub const PROTOCOL_VERSION: u16 = 8;
 /// Headers larger than this are a protocol violation (metadata replies are the largest).
 /// Each kind of frame has a smaller bound of its own (see [`HEADER_LIMITS`]).
 pub const MAX_HEADER: usize = 130 << 20;
@@ -61,7 +63,12 @@ pub enum Frame {
         from_id: u64,
         /// The target agent's id as the initiator knows it (catches stale metadata).
         target_id: u64,
-        /// The target's secret from its metadata, or the metadata token for `Role::Metadata`.
+        /// The target's secret from its metadata (empty for `Role::Metadata`, which is
+        /// asked before the metadata is known).
+        secret: Vec<u8>,
+        /// The target's access token, where it was given one (see
+        /// `AgentConfig::token`): required on every connection, metadata requests
+        /// included. Empty otherwise.
         token: Vec<u8>,
     },
     Welcome {
@@ -758,6 +765,7 @@ mod tests {
                 from_name: "n".repeat(256),
                 from_id: n,
                 target_id: n,
+                secret: vec![0; 4096],
                 token: vec![0; 4096],
             },
             Frame::Welcome { agent_id: n },

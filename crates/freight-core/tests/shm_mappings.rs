@@ -151,7 +151,7 @@ fn only_the_named_segment_is_mapped() {
     let new_key = b.register(MemKind::Dram, new.addr(), MIB as u64, 0).unwrap();
     let fresh = region(&b.metadata(), new_key);
 
-    let peer = ShmPeer::new(std::process::id());
+    let peer = ShmPeer::new("peer", std::process::id());
     let e = peer.probe(&stale).unwrap_err();
     assert!(matches!(e, Error::TransportUnavailable(_)), "{e}");
     let m = e.to_string();
@@ -171,18 +171,22 @@ fn only_the_named_segment_is_mapped() {
     // Right name, wrong length: not that segment either (a fresh view each time: no cache).
     let mut longer = fresh.clone();
     longer.shared.as_mut().unwrap().segment_len += 4096;
-    assert!(ShmPeer::new(std::process::id()).probe(&longer).is_err());
+    assert!(ShmPeer::new("peer", std::process::id()).probe(&longer).is_err());
     let mut shorter = fresh.clone();
     shorter.len = 4096;
     shorter.shared.as_mut().unwrap().segment_len = 8192;
-    assert!(ShmPeer::new(std::process::id()).probe(&shorter).unwrap_err().to_string().contains("not the advertised"));
+    assert!(ShmPeer::new("peer", std::process::id())
+        .probe(&shorter)
+        .unwrap_err()
+        .to_string()
+        .contains("not the advertised"));
     // A descriptor that is no memfd (stdin, say), or none at all.
     let mut stdin = fresh.clone();
     stdin.shared.as_mut().unwrap().fd = 0;
-    assert!(ShmPeer::new(std::process::id()).probe(&stdin).is_err());
+    assert!(ShmPeer::new("peer", std::process::id()).probe(&stdin).is_err());
     let mut closed = fresh.clone();
     closed.shared.as_mut().unwrap().fd = 1 << 20;
-    assert!(ShmPeer::new(std::process::id()).probe(&closed).is_err());
+    assert!(ShmPeer::new("peer", std::process::id()).probe(&closed).is_err());
 }
 
 /// The leak: mappings of segments whose regions the peer revoked are let go, except
@@ -197,7 +201,7 @@ fn mappings_of_revoked_segments_are_let_go_once_unused() {
     let k2 = b.register(MemKind::Dram, two.addr(), MIB as u64, 0).unwrap();
     let md = AgentMetadata::decode(&b.metadata()).unwrap();
     let mut regions = RemoteRegions::new(&md.regions);
-    let peer = ShmPeer::new(std::process::id());
+    let peer = ShmPeer::new("peer", std::process::id());
     for r in regions.iter() {
         peer.probe(r).unwrap();
     }
@@ -269,4 +273,31 @@ fn an_agent_unmaps_a_segment_its_peer_revoked_and_freed() {
         assert!(Instant::now() < deadline, "segment {segment} is still mapped here (revocation seen: {})", revoked());
         std::thread::sleep(Duration::from_millis(5));
     }
+}
+
+/// The owner swaps a registered segment's descriptor for a file of its own making: the
+/// same memfd name, the same length, but no seals, so that it could shrink it under our
+/// mapping and crash us at the next copy. It is refused, and nothing is cached.
+#[test]
+fn a_look_alike_segment_without_seals_is_not_mapped() {
+    let _serial = serial();
+    let b = Agent::new("owner", AgentConfig::default()).unwrap();
+    let seg = b.alloc(MIB).unwrap();
+    let key = b.register(MemKind::Dram, seg.addr(), MIB as u64, 0).unwrap();
+    let info = region(&b.metadata(), key);
+    let name = std::ffi::CString::new(SharedSegment::memfd_name(info.shared.unwrap().segment)).unwrap();
+    // SAFETY: plain syscalls on descriptors this test owns; the segment's own mapping
+    // stays valid when its descriptor is replaced (its Drop then closes the look-alike).
+    unsafe {
+        let fake = libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC);
+        assert!(fake >= 0);
+        assert_eq!(libc::ftruncate(fake, MIB as libc::off_t), 0);
+        assert_eq!(libc::dup2(fake, seg.fd()), seg.fd());
+        libc::close(fake);
+    }
+    let peer = ShmPeer::new("owner", std::process::id());
+    let e = peer.probe(&info).unwrap_err();
+    assert!(matches!(e, Error::TransportUnavailable(_)), "{e}");
+    assert!(e.to_string().contains("not sealed against shrinking"), "{e}");
+    assert_eq!(peer.mapped_segments(), 0);
 }

@@ -44,7 +44,8 @@ fn data_stream(target: &Agent) -> TcpStream {
         from_name: "stalling".into(),
         from_id: 7,
         target_id: md.agent_id,
-        token: md.secret.to_vec(),
+        secret: md.secret.to_vec(),
+        token: Vec::new(),
     };
     raw.write_all(&wire::encode(&hello)).unwrap();
     match wire::read_frame(&mut raw).unwrap() {

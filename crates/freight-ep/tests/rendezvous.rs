@@ -186,7 +186,7 @@ fn assert_barrier_times_out_naming_the_unjoined_rank<G: Group>(r0: &G, timeout: 
 // rank server
 
 fn join_all(server: SocketAddr, world: usize) -> Vec<ServerGroup> {
-    join_concurrently(world, |r| ServerGroup::join(server, r, world, JOIN))
+    join_concurrently(world, |r| ServerGroup::join(server, r, world, JOIN, None))
 }
 
 #[test]
@@ -197,12 +197,12 @@ fn ranks_join_in_any_order_even_before_the_server_starts() {
     // Ranks 2 and 0 start first and keep retrying; the server comes up 300 ms later; rank 1 last.
     let early: Vec<_> = [2, 0]
         .into_iter()
-        .map(|r| thread::spawn(move || (r, ServerGroup::join(addr, r, world, JOIN).unwrap())))
+        .map(|r| thread::spawn(move || (r, ServerGroup::join(addr, r, world, JOIN, None).unwrap())))
         .collect();
     thread::sleep(Duration::from_millis(300));
-    let server = RankServer::start(addr, world).unwrap();
+    let server = RankServer::start(addr, world, None).unwrap();
     assert_eq!(server.addr(), addr);
-    let late = ServerGroup::join(addr, 1, world, JOIN).unwrap();
+    let late = ServerGroup::join(addr, 1, world, JOIN, None).unwrap();
     let mut groups: Vec<_> = early.into_iter().map(|h| h.join().unwrap()).collect();
     groups.push((1, late));
     groups.sort_by_key(|(r, _)| *r);
@@ -221,7 +221,7 @@ fn ranks_join_in_any_order_even_before_the_server_starts() {
 
 #[test]
 fn all_gather_returns_blobs_in_rank_order_over_many_rounds() {
-    let server = RankServer::start(loopback(), 4).unwrap();
+    let server = RankServer::start(loopback(), 4, None).unwrap();
     let groups = join_all(server.addr(), 4);
     assert_all_gather_returns_blobs_in_rank_order(&groups, 6);
     assert_none_dead_then_leave(&groups);
@@ -229,7 +229,7 @@ fn all_gather_returns_blobs_in_rank_order_over_many_rounds() {
 
 #[test]
 fn barrier_waits_for_the_slowest_rank() {
-    let server = RankServer::start(loopback(), 3).unwrap();
+    let server = RankServer::start(loopback(), 3, None).unwrap();
     let groups = join_all(server.addr(), 3);
     let started = Instant::now();
     let waited = on_each(&groups, |g| {
@@ -249,7 +249,7 @@ fn barrier_waits_for_the_slowest_rank() {
 
 #[test]
 fn a_dropped_rank_is_reported_dead_quickly() {
-    let server = RankServer::start(loopback(), 3).unwrap();
+    let server = RankServer::start(loopback(), 3, None).unwrap();
     let survivors = assert_dropped_rank_is_reported(join_all(server.addr(), 3), Duration::from_secs(1));
     for g in &survivors {
         // Later collectives fail at once, and late hooks fire at once.
@@ -263,7 +263,7 @@ fn a_dropped_rank_is_reported_dead_quickly() {
 
 #[test]
 fn a_clean_leave_is_not_a_death() {
-    let server = RankServer::start(loopback(), 2).unwrap();
+    let server = RankServer::start(loopback(), 2, None).unwrap();
     let stayer = assert_clean_leave_is_not_a_death(join_all(server.addr(), 2), Duration::from_millis(200));
     assert_eq!(stayer.dead(), None);
     stayer.leave().unwrap();
@@ -273,7 +273,7 @@ fn a_clean_leave_is_not_a_death() {
 
 #[test]
 fn the_server_hosts_a_new_group_after_every_rank_has_gone() {
-    let server = RankServer::start(loopback(), 2).unwrap();
+    let server = RankServer::start(loopback(), 2, None).unwrap();
     for _run in 0..2 {
         let groups = join_all(server.addr(), 2);
         let got = on_each(&groups, |g| g.all_gather(&[g.rank() as u8], COLLECTIVE).unwrap());
@@ -286,34 +286,34 @@ fn the_server_hosts_a_new_group_after_every_rank_has_gone() {
 
 #[test]
 fn a_taken_rank_is_rejected() {
-    let server = RankServer::start(loopback(), 2).unwrap();
-    let _first = ServerGroup::join(server.addr(), 0, 2, JOIN).unwrap();
-    let peer = assert_rejected(ServerGroup::join(server.addr(), 0, 2, JOIN), "rank 0 is already taken");
+    let server = RankServer::start(loopback(), 2, None).unwrap();
+    let _first = ServerGroup::join(server.addr(), 0, 2, JOIN, None).unwrap();
+    let peer = assert_rejected(ServerGroup::join(server.addr(), 0, 2, JOIN, None), "rank 0 is already taken");
     assert_eq!(peer, "rank server");
 }
 
 #[test]
 fn a_world_size_mismatch_is_rejected() {
-    let server = RankServer::start(loopback(), 2).unwrap();
-    let peer = assert_rejected(ServerGroup::join(server.addr(), 0, 3, JOIN), "world size 3");
+    let server = RankServer::start(loopback(), 2, None).unwrap();
+    let peer = assert_rejected(ServerGroup::join(server.addr(), 0, 3, JOIN, None), "world size 3");
     assert_eq!(peer, "rank server");
 }
 
 #[test]
 fn invalid_ranks_and_worlds_are_refused_locally() {
-    let server = RankServer::start(loopback(), 2).unwrap();
+    let server = RankServer::start(loopback(), 2, None).unwrap();
     for (rank, world) in [(2, 2), (5, 2), (0, 0)] {
-        let res = ServerGroup::join(server.addr(), rank, world, JOIN);
+        let res = ServerGroup::join(server.addr(), rank, world, JOIN, None);
         assert!(matches!(res, Err(Error::InvalidArgument(_))), "rank {rank} world {world}");
     }
-    assert!(matches!(RankServer::start(loopback(), 0), Err(Error::InvalidArgument(_))));
+    assert!(matches!(RankServer::start(loopback(), 0, None), Err(Error::InvalidArgument(_))));
 }
 
 #[test]
 fn a_collective_times_out_naming_the_missing_rank() {
-    let server = RankServer::start(loopback(), 3).unwrap();
-    let r0 = ServerGroup::join(server.addr(), 0, 3, JOIN).unwrap();
-    let r1 = ServerGroup::join(server.addr(), 1, 3, JOIN).unwrap();
+    let server = RankServer::start(loopback(), 3, None).unwrap();
+    let r0 = ServerGroup::join(server.addr(), 0, 3, JOIN, None).unwrap();
+    let r1 = ServerGroup::join(server.addr(), 1, 3, JOIN, None).unwrap();
     let short = Duration::from_millis(300);
     // Collective 0: rank 2 has not joined.
     let msg = assert_barrier_times_out_naming_the_unjoined_rank(&r0, short);
@@ -324,7 +324,7 @@ fn a_collective_times_out_naming_the_missing_rank() {
 
     // Rank 2 joins late: its collective 0 completes at once (the others' timed-out
     // contributions still count), then it skips collective 1, which times out for the others.
-    let r2 = ServerGroup::join(server.addr(), 2, 3, JOIN).unwrap();
+    let r2 = ServerGroup::join(server.addr(), 2, 3, JOIN, None).unwrap();
     r2.barrier(short).unwrap();
     let res = on_each(&[&r0, &r1], |g| g.barrier(short));
     for r in res {
@@ -345,18 +345,18 @@ fn a_collective_times_out_naming_the_missing_rank() {
 fn an_interrupted_join_or_collective_ends_at_once_and_the_group_stays_in_step() {
     let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
     let started = Instant::now();
-    let res = freight_core::interrupt::interruptible(|| true, || ServerGroup::join(addr, 0, 1, LONG));
+    let res = freight_core::interrupt::interruptible(|| true, || ServerGroup::join(addr, 0, 1, LONG, None));
     assert!(matches!(res, Err(Error::Interrupted(_))), "{:?}", res.err());
     assert!(started.elapsed() < Duration::from_secs(2));
 
-    let server = RankServer::start(loopback(), 2).unwrap();
-    let r0 = ServerGroup::join(server.addr(), 0, 2, JOIN).unwrap();
+    let server = RankServer::start(loopback(), 2, None).unwrap();
+    let r0 = ServerGroup::join(server.addr(), 0, 2, JOIN, None).unwrap();
     let started = Instant::now();
     let res = freight_core::interrupt::interruptible(|| true, || r0.barrier(LONG));
     assert!(matches!(res, Err(Error::Interrupted(_))), "{res:?}");
     assert!(started.elapsed() < Duration::from_secs(2));
     // As after a timeout, the interrupted collective is spent and the numbering holds.
-    let r1 = ServerGroup::join(server.addr(), 1, 2, JOIN).unwrap();
+    let r1 = ServerGroup::join(server.addr(), 1, 2, JOIN, None).unwrap();
     r1.barrier(COLLECTIVE).unwrap();
     let got = on_each(&[&r0, &r1], |g| g.all_gather(&[g.rank() as u8], COLLECTIVE).unwrap());
     assert!(got.iter().all(|blobs| blobs == &vec![vec![0], vec![1]]));
@@ -366,14 +366,14 @@ fn an_interrupted_join_or_collective_ends_at_once_and_the_group_stays_in_step() 
 fn a_join_times_out_when_no_server_appears() {
     let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
     let started = Instant::now();
-    let res = ServerGroup::join(addr, 0, 1, Duration::from_millis(300));
+    let res = ServerGroup::join(addr, 0, 1, Duration::from_millis(300), None);
     assert!(matches!(res, Err(Error::Timeout(_))), "{:?}", res.err());
     assert!(started.elapsed() < Duration::from_secs(2));
 }
 
 #[test]
 fn a_stopped_server_fails_collectives_at_once() {
-    let server = RankServer::start(loopback(), 2).unwrap();
+    let server = RankServer::start(loopback(), 2, None).unwrap();
     let groups = join_all(server.addr(), 2);
     let hook = counting_hook(&groups[0]);
     let (tx, rx) = mpsc::channel();
@@ -510,4 +510,23 @@ fn etcd_join_fails_within_its_timeout_when_etcd_is_down() {
     let res = EtcdGroup::join_with(&[endpoint], "nobody", 0, 1, Duration::from_millis(500), &fast());
     assert!(matches!(res, Err(Error::Etcd(_) | Error::Timeout(_))), "{:?}", res.err());
     assert!(started.elapsed() < Duration::from_secs(4), "{:?}", started.elapsed());
+}
+
+/// The blobs the ranks swap open their GPU memory to whoever holds them: a server with
+/// a token lets in only the ranks that present it, and says why to the others.
+#[test]
+fn a_server_with_a_token_lets_in_only_ranks_that_present_it() {
+    let server = RankServer::start(loopback(), 2, Some("ep-token")).unwrap();
+    for presented in [None, Some("guess")] {
+        let e = ServerGroup::join(server.addr(), 0, 2, JOIN, presented).err().expect("refused");
+        assert!(e.to_string().contains("requires a token"), "{e}");
+    }
+    let addr = server.addr();
+    let r1 = thread::spawn(move || ServerGroup::join(addr, 1, 2, JOIN, Some("ep-token")).unwrap());
+    let r0 = ServerGroup::join(addr, 0, 2, JOIN, Some("ep-token")).unwrap();
+    let r1 = r1.join().unwrap();
+    let t = thread::spawn(move || r1.all_gather(b"one", JOIN).unwrap());
+    assert_eq!(r0.all_gather(b"zero", JOIN).unwrap(), vec![b"zero".to_vec(), b"one".to_vec()]);
+    t.join().unwrap();
+    assert!(matches!(RankServer::start(loopback(), 2, Some("")), Err(Error::InvalidArgument(_))));
 }

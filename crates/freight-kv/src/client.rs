@@ -154,7 +154,7 @@ impl Client {
         }
         let name = format!("{}-{}-{:08x}", config.name, std::process::id(), rand::random::<u32>());
         let remote = crate::reach::beyond_loopback(crate::reach::url_host(&config.server));
-        let engine = crate::reach::open_to_other_hosts(config.engine.clone(), remote);
+        let engine = crate::reach::data_plane(config.engine.clone(), remote);
         let agent = Arc::new(Agent::new(&name, engine)?);
         let len = usize::try_from(config.buffer_bytes)
             .map_err(|_| Error::InvalidArgument(format!("a buffer of {} bytes is too large", config.buffer_bytes)))?;
@@ -227,6 +227,7 @@ impl Client {
             agent_metadata: self.agent.metadata(),
             client_name: self.name.clone(),
             wire_version: wire::VERSION.into(),
+            agent_token: self.agent.config().token.clone().unwrap_or_default(),
         };
         let left = deadline.saturating_duration_since(Instant::now());
         let call = self.rpc.hello(hello);
@@ -247,7 +248,14 @@ impl Client {
                 wire::VERSION
             )));
         }
-        let server = self.agent.add_peer(&reply.server_metadata)?;
+        if reply.agent_token.is_empty() {
+            return Err(Error::Protocol(format!(
+                "the KV server at {} names no token for its agent (a server older than this client, whose \
+                 data-plane agents each require one): use the same freight release on both sides",
+                self.url
+            )));
+        }
+        let server = self.agent.add_peer_with_token(&reply.server_metadata, Some(&reply.agent_token))?;
         if server != reply.server_agent {
             return Err(Error::Protocol(format!(
                 "the server's metadata names agent {server:?}, its hello {:?}",
@@ -310,6 +318,13 @@ impl Client {
 
     pub fn buffer_bytes(&self) -> u64 {
         self.buffer.len() as u64
+    }
+
+    /// Where this client's engine agent listens: the addresses the server's agent dials
+    /// to move values. It answers no metadata request there, and with a server token
+    /// it requires that token on every connection (see docs/kv.md, "Trust").
+    pub fn engine_addresses(&self) -> Vec<String> {
+        self.agent.addresses()
     }
 
     /// Stores `value` under `key`, expiring after `ttl` (zero: never). Returns the
@@ -1002,6 +1017,7 @@ mod tests {
                         agent_metadata: agent.metadata(),
                         client_name: "old".into(),
                         wire_version: version,
+                        ..HelloRequest::default()
                     };
                     rpc.hello(hello).await
                 })

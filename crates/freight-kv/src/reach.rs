@@ -1,9 +1,20 @@
-//! Where a data plane's engine listens. The server moves every value with one-sided
-//! transfers, so its agent dials the client's and the client's dials the server's: an
-//! agent left on the default loopback listener is unreachable for a peer on another
-//! host. An agent that talks to (or is reached through) a non-loopback address listens
-//! on every interface instead, unless its configuration chose a listener (one equal to
-//! the default counts as not chosen).
+//! Where a data plane's engine listens, and whom it lets in.
+//!
+//! Where: the server moves every value with one-sided transfers, so its agent dials
+//! the client's and the client's dials the server's: an agent left on the default
+//! loopback listener is unreachable for a peer on another host. An agent that talks to
+//! (or is reached through) a non-loopback address listens on every interface instead,
+//! unless its configuration chose a listener (one equal to the default counts as not
+//! chosen).
+//!
+//! Whom: the two sides hand each other their agents' metadata over the control plane
+//! (in `Hello`), which authenticates with the server's token where it has one. So the
+//! agents never answer metadata requests on their listeners (which anyone who reaches
+//! them could make, and whose answer holds the secret that opens every connection).
+//! Each agent also requires a token of its own on every connection, a random one that
+//! only the other side learns, in that same `Hello`: a process that reaches a client's
+//! listener gets nothing from it, whether or not the server has a token, and neither
+//! does another client of the same server.
 
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 
@@ -12,8 +23,22 @@ use freight_core::AgentConfig;
 /// Every interface, any port.
 const EVERYWHERE: &str = "0.0.0.0:0";
 
+/// The configuration of a data plane's agent: `engine` with a listener that peers on
+/// other hosts can reach where they may come, no metadata on its listener, and a fresh
+/// random token (see [`agent_token`]) required on every connection, in place of any
+/// token the engine's configuration had.
+pub fn data_plane(engine: AgentConfig, other_hosts: bool) -> AgentConfig {
+    AgentConfig { serve_metadata: false, token: Some(agent_token()), ..open_to_other_hosts(engine, other_hosts) }
+}
+
+/// A random token for one data-plane agent: 32 random bytes, as hex (printable, so
+/// that it reads plainly in a debugger and travels in any field).
+fn agent_token() -> Vec<u8> {
+    rand::random::<[u8; 32]>().iter().map(|b| format!("{b:02x}")).collect::<String>().into_bytes()
+}
+
 /// `engine` with a listener that peers on other hosts can reach, where they may come.
-pub fn open_to_other_hosts(mut engine: AgentConfig, other_hosts: bool) -> AgentConfig {
+fn open_to_other_hosts(mut engine: AgentConfig, other_hosts: bool) -> AgentConfig {
     let chosen = engine.listen != AgentConfig::default().listen;
     if other_hosts && !chosen {
         engine.listen = EVERYWHERE.into();
@@ -52,5 +77,20 @@ mod tests {
         assert_eq!(open_to_other_hosts(default.clone(), false).listen, default.listen);
         let chosen = AgentConfig { listen: "10.0.0.1:7000".into(), ..AgentConfig::default() };
         assert_eq!(open_to_other_hosts(chosen, true).listen, "10.0.0.1:7000");
+    }
+
+    #[test]
+    fn a_data_plane_agent_serves_no_metadata_and_requires_a_token_of_its_own() {
+        let own = AgentConfig { token: Some(b"engine's own".to_vec()), ..AgentConfig::default() };
+        let first = data_plane(own.clone(), false);
+        let second = data_plane(own, true);
+        for plane in [&first, &second] {
+            assert!(!plane.serve_metadata);
+            let token = plane.token.as_deref().expect("a data-plane agent has a token");
+            assert_eq!(token.len(), 64);
+            assert!(token.iter().all(u8::is_ascii_hexdigit), "{token:?}");
+        }
+        assert_ne!(first.token, second.token, "each agent has a token of its own");
+        assert_eq!(second.listen, EVERYWHERE);
     }
 }

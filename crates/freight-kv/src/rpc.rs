@@ -40,7 +40,7 @@ impl Interceptor for TokenCheck {
         let Some(token) = &self.token else { return Ok(request) };
         let given = request.metadata().get(AUTHORIZATION).and_then(|v| v.to_str().ok()).unwrap_or("");
         let given = given.strip_prefix("Bearer ").unwrap_or("");
-        if constant_time_eq(given.as_bytes(), token.as_bytes()) {
+        if freight_core::same_secret(given.as_bytes(), token.as_bytes()) {
             Ok(request)
         } else {
             Err(Status::unauthenticated("missing or wrong token (the server was started with one)"))
@@ -74,12 +74,6 @@ impl Interceptor for TokenSend {
         }
         Ok(request)
     }
-}
-
-/// Compares in time independent of where the inputs differ, so a token cannot be
-/// guessed byte by byte.
-pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 pub(crate) struct Control {
@@ -133,7 +127,7 @@ impl KvControl for Control {
         let r = request.into_inner();
         check_version(r.wire_version)?;
         let shared = self.shared.clone();
-        let opened = blocking(move || shared.hello(&r.agent_metadata)).await?;
+        let opened = blocking(move || shared.hello(&r.agent_metadata, &r.agent_token)).await?;
         tracing::debug!(client_id = opened.id, agent = %opened.agent, name = %r.client_name, "hello");
         Ok(Response::new(HelloReply {
             client_id: opened.id,
@@ -142,6 +136,7 @@ impl KvControl for Control {
             pool_bytes: self.shared.pool_bytes(),
             session_token: opened.token.to_vec(),
             wire_version: crate::wire::VERSION.into(),
+            agent_token: self.shared.agent.config().token.clone().unwrap_or_default(),
         }))
     }
 

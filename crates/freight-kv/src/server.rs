@@ -95,6 +95,8 @@ struct Session {
     token: [u8; 16],
     /// The client's agent instance: another agent of the same name is another client.
     agent_id: u64,
+    /// The token the client's agent requires, as its hello named it.
+    agent_token: Vec<u8>,
 }
 
 /// Clients that said hello, by their agent's name.
@@ -109,10 +111,10 @@ impl Clients {
         self.by_name.len()
     }
 
-    fn add(&mut self, name: String, agent_id: u64) -> (u64, [u8; 16]) {
+    fn add(&mut self, name: String, agent_id: u64, agent_token: Vec<u8>) -> (u64, [u8; 16]) {
         self.next_id += 1;
         let token = rand::random();
-        self.by_name.insert(name, Session { id: self.next_id, token, agent_id });
+        self.by_name.insert(name, Session { id: self.next_id, token, agent_id, agent_token });
         (self.next_id, token)
     }
 
@@ -120,7 +122,7 @@ impl Clients {
     pub(crate) fn sender(&self, name: &str, token: &wire::SessionToken) -> Sender {
         match self.by_name.get(name) {
             None => Sender::NoSession,
-            Some(s) if crate::rpc::constant_time_eq(&s.token, token) => Sender::Session(s.id),
+            Some(s) if freight_core::same_secret(&s.token, token) => Sender::Session(s.id),
             Some(_) => Sender::Impostor,
         }
     }
@@ -129,7 +131,7 @@ impl Clients {
     fn find(&self, id: u64, token: &[u8]) -> Option<String> {
         self.by_name
             .iter()
-            .find(|(_, s)| s.id == id && crate::rpc::constant_time_eq(&s.token, token))
+            .find(|(_, s)| s.id == id && freight_core::same_secret(&s.token, token))
             .map(|(name, _)| name.clone())
     }
 }
@@ -171,10 +173,18 @@ impl Shared {
         self.pool.len() as u64
     }
 
-    /// Opens a session for the agent whose metadata this is, and connects to it. Blocks
-    /// for as long as connecting takes (the engine's connect timeout at most).
-    pub(crate) fn hello(&self, metadata: &[u8]) -> Result<Opened> {
+    /// Opens a session for the agent whose metadata this is, and connects to it with
+    /// the token it requires. Blocks for as long as connecting takes (the engine's
+    /// connect timeout at most).
+    pub(crate) fn hello(&self, metadata: &[u8], agent_token: &[u8]) -> Result<Opened> {
         let md = freight_core::metadata::AgentMetadata::decode(metadata)?;
+        if agent_token.is_empty() {
+            return Err(Error::InvalidArgument(
+                "the client's hello names no token for its agent (a client older than this server, whose \
+                 data-plane agents each require one): use the same freight release on both sides"
+                    .into(),
+            ));
+        }
         let name = md.name;
         let (id, token) = {
             // Peers change only under this lock, so that a sweep of dead clients cannot
@@ -189,12 +199,12 @@ impl Shared {
                     )));
                 }
             }
-            self.agent.add_peer(metadata)?;
+            self.agent.add_peer_with_token(metadata, Some(agent_token))?;
             // The same agent saying hello again (a reconnect): its old session ends. Its
             // reservations stay with the transfers that fill them: the worker commits or
             // aborts each when its transfer settles (freeing one sooner could let another
             // value take the slot while the old copy still writes into it).
-            clients.add(name.clone(), md.agent_id)
+            clients.add(name.clone(), md.agent_id, agent_token.to_vec())
         };
         // Connected here rather than by the data-plane worker at its first reply or
         // transfer, which would hold up every other client meanwhile; a client the
@@ -220,14 +230,16 @@ impl Shared {
         let clients = self.clients.lock();
         // The session first: metadata of an agent without one is not taken as a peer.
         let owner = clients.find(client, token);
-        let same_agent = clients.by_name.get(&md.name).is_some_and(|s| s.agent_id == md.agent_id);
-        if owner.as_deref() != Some(md.name.as_str()) || !same_agent {
-            return Err(Error::InvalidArgument(format!(
+        let session = clients.by_name.get(&md.name).filter(|s| s.agent_id == md.agent_id);
+        match session {
+            Some(session) if owner.as_deref() == Some(md.name.as_str()) => {
+                self.agent.add_peer_with_token(metadata, Some(&session.agent_token)).map(|_| ())
+            }
+            _ => Err(Error::InvalidArgument(format!(
                 "client {client} has no session with this server for agent {} and this token",
                 md.name
-            )));
+            ))),
         }
-        self.agent.add_peer(metadata).map(|_| ())
     }
 
     /// Ends the session with this id and token (nothing happens if there is none).
@@ -345,7 +357,7 @@ impl Server {
         // Distinct servers of one process (tests start several) need distinct agent names.
         let name = format!("freight-kv-server-{}-{:08x}", std::process::id(), rand::random::<u32>());
         // Clients the control plane serves on other hosts must reach the data plane too.
-        let engine = crate::reach::open_to_other_hosts(config.engine.clone(), !listen.ip().is_loopback());
+        let engine = crate::reach::data_plane(config.engine.clone(), !listen.ip().is_loopback());
         let agent = Arc::new(Agent::new(&name, engine)?);
         let len = usize::try_from(config.memory_bytes)
             .map_err(|_| Error::InvalidArgument(format!("{} bytes of memory is too many", config.memory_bytes)))?;
@@ -805,6 +817,25 @@ mod tests {
         Agent::new(name, AgentConfig::default()).unwrap()
     }
 
+    /// The agent token these tests' hellos name: their agents require none, and an
+    /// agent without a token ignores the one presented.
+    const UNCHECKED: &[u8] = b"unchecked";
+
+    /// `client` takes the server's agent as a peer, with the token that agent requires
+    /// (a client learns it in its hello).
+    fn dial_server(client: &Agent, s: &Server) -> Result<String> {
+        client.add_peer_with_token(&s.shared.agent.metadata(), s.shared.agent.config().token.as_deref())
+    }
+
+    #[test]
+    fn a_hello_that_names_no_agent_token_opens_no_session() {
+        let s = server();
+        let client = agent(&format!("tokenless-{}", rand::random::<u32>()));
+        let e = s.shared.hello(&client.metadata(), b"").err().unwrap();
+        assert!(matches!(&e, Error::InvalidArgument(m) if m.contains("no token for its agent")), "{e}");
+        assert_eq!(sessions(&s), 0);
+    }
+
     fn sessions(s: &Server) -> usize {
         s.shared.clients.lock().len()
     }
@@ -859,8 +890,8 @@ mod tests {
     fn a_request_that_does_not_decode_is_answered_at_once_when_its_id_can_be_read() {
         let s = server();
         let client = agent(&format!("raw-{}", rand::random::<u32>()));
-        let opened = s.shared.hello(&client.metadata()).unwrap();
-        let server_agent = client.add_peer(&s.shared.agent.metadata()).unwrap();
+        let opened = s.shared.hello(&client.metadata(), UNCHECKED).unwrap();
+        let server_agent = dial_server(&client, &s).unwrap();
         client.notify(&server_agent, malformed(41, &opened.token)).unwrap();
         let reply = replies_until(&client, 41).pop().unwrap();
         assert!(
@@ -876,7 +907,7 @@ mod tests {
     fn requests_without_their_sessions_token_are_not_answered() {
         let s = server();
         let victim = agent(&format!("victim-{}", rand::random::<u32>()));
-        let opened = s.shared.hello(&victim.metadata()).unwrap();
+        let opened = s.shared.hello(&victim.metadata(), UNCHECKED).unwrap();
         let mut w = worker(&s);
         let forged = [0; 16];
         w.take(from(&opened.agent, malformed(41, &forged)), false);
@@ -912,13 +943,13 @@ mod tests {
     fn a_sweep_keeps_a_client_that_said_hello_again_meanwhile() {
         let s = server();
         let client = agent(&format!("sweep-{}", rand::random::<u32>()));
-        let first = s.shared.hello(&client.metadata()).unwrap();
+        let first = s.shared.hello(&client.metadata(), UNCHECKED).unwrap();
         // Its connection breaks: the sweep finds it dead...
         s.shared.agent.remove_peer(&first.agent).unwrap();
         let dead = s.shared.dead_sessions();
         assert_eq!(dead, vec![(first.agent.clone(), first.id)]);
         // ...but before it ends the session, the client says hello again.
-        let second = s.shared.hello(&client.metadata()).unwrap();
+        let second = s.shared.hello(&client.metadata(), UNCHECKED).unwrap();
         s.shared.drop_if_still_dead(&dead);
         assert_eq!(sessions(&s), 1, "the new session stays");
         assert!(s.shared.agent.check_peer(&second.agent).is_ok(), "and so does its peer");
@@ -933,7 +964,7 @@ mod tests {
     fn only_the_session_token_ends_or_refreshes_a_session() {
         let s = server();
         let client = agent(&format!("token-{}", rand::random::<u32>()));
-        let opened = s.shared.hello(&client.metadata()).unwrap();
+        let opened = s.shared.hello(&client.metadata(), UNCHECKED).unwrap();
         let wrong = [0u8; 16];
         s.shared.goodbye(opened.id, &wrong);
         assert_eq!(sessions(&s), 1, "a goodbye with another token ends nothing");
@@ -950,14 +981,14 @@ mod tests {
         let s = server();
         let name = format!("twin-{}", rand::random::<u32>());
         let (one, other) = (agent(&name), agent(&name));
-        let first = s.shared.hello(&one.metadata()).unwrap();
-        let e = s.shared.hello(&other.metadata()).err().unwrap();
+        let first = s.shared.hello(&one.metadata(), UNCHECKED).unwrap();
+        let e = s.shared.hello(&other.metadata(), UNCHECKED).err().unwrap();
         assert!(matches!(&e, Error::InvalidArgument(m) if m.contains("already has a live session")), "{e}");
         assert!(s.shared.clients.lock().find(first.id, &first.token).is_some(), "the live session stays");
         // The same agent again is a reconnect; and once the first is gone, the name is free.
-        let again = s.shared.hello(&one.metadata()).unwrap();
+        let again = s.shared.hello(&one.metadata(), UNCHECKED).unwrap();
         s.shared.agent.remove_peer(&again.agent).unwrap();
-        s.shared.hello(&other.metadata()).unwrap();
+        s.shared.hello(&other.metadata(), UNCHECKED).unwrap();
         assert_eq!(sessions(&s), 1);
     }
 
@@ -972,9 +1003,9 @@ mod tests {
         let victim = agent(&name);
         let secret = victim.alloc(4096).unwrap();
         victim.register(MemKind::Dram, secret.addr(), 4096, 0).unwrap();
-        let opened = s.shared.hello(&victim.metadata()).unwrap();
+        let opened = s.shared.hello(&victim.metadata(), UNCHECKED).unwrap();
         let impostor = agent(&name);
-        let server_agent = impostor.add_peer(&s.shared.agent.metadata()).unwrap();
+        let server_agent = dial_server(&impostor, &s).unwrap();
         let put = |key: &[u8], first_id, token| {
             let buffer = wire::Buffer { kind: MemKind::Dram, addr: secret.addr(), len: 4096, dev: 0 };
             wire::Request::Put { first_id, ttl_ms: 0, items: vec![(key.to_vec(), buffer)] }.encode(token)
@@ -999,7 +1030,7 @@ mod tests {
         let config = ServerConfig { engine: engine.clone(), ..test_config() };
         let s = Server::start(config).unwrap();
         let client = Agent::new(&format!("dialled-{}", rand::random::<u32>()), engine).unwrap();
-        let opened = s.shared.hello(&client.metadata()).unwrap();
+        let opened = s.shared.hello(&client.metadata(), UNCHECKED).unwrap();
         let stats = s.shared.agent.connection_stats(&opened.agent).unwrap();
         assert_eq!((stats.control_connections, stats.tcp_connections), (1, 1), "{stats:?}");
     }
@@ -1011,7 +1042,7 @@ mod tests {
         let metadata = gone.metadata();
         gone.close();
         let started = Instant::now();
-        let e = s.shared.hello(&metadata).err().unwrap();
+        let e = s.shared.hello(&metadata, UNCHECKED).err().unwrap();
         assert!(matches!(&e, Error::PeerDisconnected { reason, .. } if reason.contains("cannot reach")), "{e}");
         assert!(started.elapsed() < Duration::from_secs(10));
         assert_eq!(sessions(&s), 0, "no session is left behind");

@@ -401,3 +401,46 @@ fn a_get_into_gpu_memory_without_cuda_says_why_and_the_client_goes_on() {
     assert!(err.to_string().to_lowercase().contains("cuda"), "{err}");
     assert_eq!(c.get(b"k").unwrap(), Some(value(3, 100)));
 }
+
+/// A process that never presented the server's token finds the client's data-plane
+/// listener (it can see the port) and asks it for the agent's metadata, whose secret
+/// would let it read and write the client's receive buffer: nothing is handed out, with
+/// the server's token or without (another client holds that one too), and the client's
+/// values stay whole. A client that presents a token to a server without one (it was
+/// in its environment) works as any other.
+#[test]
+fn a_clients_data_plane_hands_nothing_to_a_stranger() {
+    use freight_core::Agent;
+    let kv = Some("kv-secret".to_string());
+    for (server_token, token) in [(None, None), (None, kv.clone()), (kv.clone(), kv.clone())] {
+        let s = Server::start(ServerConfig {
+            listen: "127.0.0.1:0".into(),
+            memory_bytes: 16 << 20,
+            token: server_token,
+            ..Default::default()
+        })
+        .unwrap();
+        let mut c = Client::connect(ClientConfig {
+            server: s.url(),
+            buffer_bytes: 1 << 20,
+            token: token.clone(),
+            ..Default::default()
+        })
+        .unwrap();
+        let v = value(7, 4096);
+        c.put(b"k", &v, Duration::ZERO).unwrap();
+        let stranger = Agent::new("stranger", AgentConfig::default()).unwrap();
+        for addr in c.engine_addresses() {
+            for presented in [None, token.as_deref().map(str::as_bytes), Some(&b"guess"[..])] {
+                match stranger.connect(&addr, presented) {
+                    Err(Error::Auth(m)) => {
+                        assert!(m.contains("does not hand out its metadata") || m.contains("requires a token"), "{m}")
+                    }
+                    other => panic!("the client's listener answered a stranger ({presented:?}): {other:?}"),
+                }
+            }
+        }
+        assert!(stranger.peers().is_empty());
+        assert_eq!(c.get(b"k").unwrap().as_deref(), Some(&v[..]), "the client works on");
+    }
+}

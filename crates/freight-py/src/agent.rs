@@ -134,7 +134,7 @@ impl PyAgent {
         shm_threads = None, shm_inline_bytes = None, cuda_copy_engine_min_host = None,
         cuda_copy_engine_min_peer = None, cuda_kernel_item_bytes = None, cuda_kernel_blocks_per_sm = None,
         cuda_kernel_threads = None, cuda_kernel_mode = None, cuda_completion = None, peer_timeout = 30.0,
-        connect_timeout = 5.0, metadata_token = None,
+        connect_timeout = 5.0, token = None, serve_metadata = true,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -166,7 +166,8 @@ impl PyAgent {
         cuda_completion: Option<String>,
         peer_timeout: f64,
         connect_timeout: f64,
-        metadata_token: Option<Vec<u8>>,
+        token: Option<Vec<u8>>,
+        serve_metadata: bool,
     ) -> PyResult<Self> {
         if transports.is_empty() {
             return Err(invalid("at least one transport must be enabled"));
@@ -234,7 +235,8 @@ impl PyAgent {
             },
             peer_timeout: seconds(peer_timeout, "peer_timeout")?,
             connect_timeout: seconds(connect_timeout, "connect_timeout")?,
-            metadata_token,
+            token,
+            serve_metadata,
         };
         let inner = Arc::new(py.detach(|| Agent::new(&name, config)).or_raise()?);
         Ok(PyAgent {
@@ -398,8 +400,10 @@ impl PyAgent {
     }
 
     /// Adds (or replaces) a peer from its metadata bytes; returns its name.
-    fn add_peer(&self, py: Python<'_>, metadata: Vec<u8>) -> PyResult<String> {
-        py.detach(|| self.inner.add_peer(&metadata)).or_raise()
+    /// Adds a peer from its metadata; `token`: the peer's access token, if it has one.
+    #[pyo3(signature = (metadata, token = None))]
+    fn add_peer(&self, py: Python<'_>, metadata: Vec<u8>, token: Option<Vec<u8>>) -> PyResult<String> {
+        py.detach(|| self.inner.add_peer_with_token(&metadata, token.as_deref())).or_raise()
     }
 
     /// Forgets a peer and closes its connections.

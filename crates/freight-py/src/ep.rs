@@ -23,7 +23,8 @@ fn socket_address(address: &str) -> PyResult<std::net::SocketAddr> {
 }
 
 /// A rank server for `world` ranks, listening on `address` ("host:port", port 0 for any
-/// free one) until closed or dropped. Ranks join with `Group.join`.
+/// free one) until closed or dropped; with `token`, only ranks that present it may join.
+/// Ranks join with `Group.join`.
 #[pyclass(name = "EpRankServer", module = "freight.ep")]
 pub struct PyRankServer {
     inner: Option<RankServer>,
@@ -33,9 +34,10 @@ pub struct PyRankServer {
 #[pymethods]
 impl PyRankServer {
     #[new]
-    fn new(py: Python<'_>, address: &str, world: usize) -> PyResult<Self> {
+    #[pyo3(signature = (address, world, token = None))]
+    fn new(py: Python<'_>, address: &str, world: usize, token: Option<String>) -> PyResult<Self> {
         let at = socket_address(address)?;
-        let server = py.detach(|| RankServer::start(at, world)).or_raise()?;
+        let server = py.detach(|| RankServer::start(at, world, token.as_deref())).or_raise()?;
         let address = server.addr().to_string();
         Ok(PyRankServer { inner: Some(server), address })
     }
@@ -61,12 +63,21 @@ pub struct PyGroup {
 
 #[pymethods]
 impl PyGroup {
-    /// Joins through the rank server at `address`, retrying until `timeout` seconds.
+    /// Joins through the rank server at `address`, retrying until `timeout` seconds, with
+    /// the server's `token` where it has one.
     #[staticmethod]
-    fn join_server(py: Python<'_>, address: &str, rank: usize, world: usize, timeout: f64) -> PyResult<Self> {
+    #[pyo3(signature = (address, rank, world, timeout, token = None))]
+    fn join_server(
+        py: Python<'_>,
+        address: &str,
+        rank: usize,
+        world: usize,
+        timeout: f64,
+        token: Option<String>,
+    ) -> PyResult<Self> {
         let at = socket_address(address)?;
         let timeout = seconds(timeout, "timeout")?;
-        let group = interrupt::detach(py, || ServerGroup::join(at, rank, world, timeout))?;
+        let group = interrupt::detach(py, || ServerGroup::join(at, rank, world, timeout, token.as_deref()))?;
         Ok(PyGroup { inner: Arc::new(group) })
     }
 

@@ -338,6 +338,13 @@ impl PyKvClient {
         py.detach(|| lock(&self.inner).as_ref().is_some_and(Client::usable))
     }
 
+    /// Where the client's engine agent listens (the server's agent dials it); empty once
+    /// closed.
+    #[getter]
+    fn engine_addresses(&self, py: Python<'_>) -> Vec<String> {
+        py.detach(|| lock(&self.inner).as_ref().map(Client::engine_addresses).unwrap_or_default())
+    }
+
     /// Stores `value` (a contiguous uint8 array) under `key`; returns its version.
     fn put(&self, py: Python<'_>, key: &[u8], value: PyReadonlyArray1<'_, u8>, ttl: f64) -> PyResult<u64> {
         let ttl = ttl_arg(ttl)?;

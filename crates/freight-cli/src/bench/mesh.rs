@@ -202,7 +202,8 @@ pub fn run_member(a: &MemberArgs) -> CliResult<()> {
     let prepared = agent.prepare_local(&local)?;
     let mut requests = Vec::new();
     for p in peers.iter().filter(|p| p.index != a.index) {
-        let peer = agent.add_peer(&p.metadata)?;
+        // The members share this command's token, where it has one.
+        let peer = agent.add_peer_with_token(&p.metadata, agent.config().token.as_deref())?;
         let kind = MemKind::parse(&p.kind)?;
         let slot = Desc { addr: p.slots + a.index as u64 * a.block, len: a.block, dev: p.gpu.unwrap_or(0) as u64 };
         let remote = agent.prepare_remote(&peer, &DescList::from_descs(kind, [slot])?)?;
@@ -352,7 +353,7 @@ pub fn run(
         if gpus > 0 {
             cmd.args(["--gpu", &(i % gpus).to_string()]);
         }
-        cmd.args(engine.to_args());
+        cmd.args(engine.to_args()).envs(engine.child_env());
         if let Some(level) = &ctx.log_level {
             cmd.args(["--log-level", level]);
         }

@@ -10,6 +10,7 @@ use std::thread;
 use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
+use crate::fault::Guard;
 use crate::memory::{RegionInfo, SharedLocation, SharedSegment};
 use crate::plan::{split_by_bytes, Op};
 use crate::request::{Finisher, Tracker};
@@ -38,10 +39,11 @@ impl Default for ShmConfig {
     }
 }
 
-/// A peer's segment mapped into this process.
+/// A peer's segment mapped into this process, watched for faults (see [`crate::fault`]).
 pub struct Mapping {
     ptr: *mut u8,
     len: usize,
+    guard: Guard,
 }
 
 unsafe impl Send for Mapping {}
@@ -49,6 +51,8 @@ unsafe impl Sync for Mapping {}
 
 impl Drop for Mapping {
     fn drop(&mut self) {
+        // Unwatched before it is unmapped: what is mapped there next is not the peer's.
+        self.guard.release();
         if crate::cuda::pinned::any() {
             crate::cuda::pinned::release(crate::cuda::pinned::Owner::Memory(self.addr()));
         }
@@ -72,6 +76,12 @@ impl Mapping {
 
     pub fn as_ptr(&self) -> *mut u8 {
         self.ptr
+    }
+
+    /// Whether an access to the mapping faulted (the peer's memory went away under it):
+    /// since then it holds zeros, and whatever used it must fail (see [`crate::fault`]).
+    pub fn faulted(&self) -> bool {
+        self.guard.faulted()
     }
 
     /// Opens the peer's segment through /proc and maps it, once the descriptor it opened
@@ -123,6 +133,8 @@ impl Mapping {
                 )));
             }
         }
+        // Seals first: once they hold, the size read next stays what it is.
+        check_sealed(file.as_raw_fd()).map_err(unavailable)?;
         // SAFETY: fstat into a zeroed struct, on a descriptor we own.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         if unsafe { libc::fstat(file.as_raw_fd(), &mut st) } != 0 {
@@ -136,9 +148,13 @@ impl Mapping {
             // A segment never changes size: another length is another file.
             return Err(unavailable(format!("the segment is {size} bytes, not the advertised {len}")));
         }
-        let len = len as usize;
-        // SAFETY: maps a file we hold open; the result is checked. The mapping outlives
-        // the descriptor, which is closed when `file` drops.
+        Mapping::map_file(&file, len as usize).map_err(|e| unavailable(e.to_string()))
+    }
+
+    /// Maps `len` bytes of `file`, shared, read/write, watched for faults. The mapping
+    /// outlives the descriptor.
+    fn map_file(file: &impl std::os::fd::AsRawFd, len: usize) -> std::io::Result<Mapping> {
+        // SAFETY: maps a file the caller holds open; the result is checked.
         let ptr = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
@@ -150,14 +166,44 @@ impl Mapping {
             )
         };
         if ptr == libc::MAP_FAILED {
-            return Err(unavailable(std::io::Error::last_os_error().to_string()));
+            return Err(std::io::Error::last_os_error());
         }
-        Ok(Mapping { ptr: ptr as *mut u8, len })
+        Ok(Mapping { ptr: ptr as *mut u8, len, guard: Guard::watch(ptr as *mut u8, len) })
     }
+}
+
+/// Refuses a peer's file unless it is shared memory (tmpfs: not hugetlbfs, whose pages
+/// may run out at a fault, nor any other file system) sealed at its size
+/// ([`crate::memory::SEALS`]): otherwise its owner could shrink it while this process
+/// maps it, and the next access here would fault.
+fn check_sealed(fd: libc::c_int) -> std::result::Result<(), String> {
+    // SAFETY: fstatfs into a zeroed struct and fcntl, on a descriptor the caller owns.
+    let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::fstatfs(fd, &mut fs) } != 0 {
+        return Err(format!("fstatfs: {}", std::io::Error::last_os_error()));
+    }
+    // The field's type differs between libc targets; the magic number fits any of them.
+    #[allow(clippy::unnecessary_cast)]
+    let tmpfs = fs.f_type as i64 == libc::TMPFS_MAGIC as i64;
+    if !tmpfs {
+        return Err(format!("it is not plain shared memory (file system type {:#x})", fs.f_type));
+    }
+    let seals = unsafe { libc::fcntl(fd, libc::F_GET_SEALS) };
+    if seals < 0 {
+        return Err(format!("its seals cannot be read: {}", std::io::Error::last_os_error()));
+    }
+    if seals & crate::memory::SEALS != crate::memory::SEALS {
+        return Err("it is not sealed against shrinking and growing (F_SEAL_SHRINK, F_SEAL_GROW), so its \
+                    owner could pull its pages from under this mapping: refused"
+            .into());
+    }
+    Ok(())
 }
 
 /// The shm view of one peer: its segments, mapped on first use and cached.
 pub struct ShmPeer {
+    /// The peer's name, for errors.
+    name: String,
     pid: u32,
     maps: Mutex<HashMap<u64, Arc<Mapping>>>,
 }
@@ -169,20 +215,26 @@ pub struct ShmProgram {
     /// (one piece: run inline on the posting thread).
     pieces: Vec<Arc<[Copy]>>,
     inline: bool,
-    _maps: Vec<Arc<Mapping>>,
+    /// The peer's segments the copies go to or come from: kept mapped, and looked at
+    /// for faults after each piece.
+    maps: Vec<Arc<Mapping>>,
     bytes: u64,
+    peer: String,
 }
 
 /// (local pointer, remote pointer, length).
 type Copy = (usize, usize, usize);
 
 impl ShmPeer {
-    pub fn new(pid: u32) -> ShmPeer {
-        ShmPeer { pid, maps: Mutex::new(HashMap::new()) }
+    pub fn new(name: &str, pid: u32) -> ShmPeer {
+        ShmPeer { name: name.to_string(), pid, maps: Mutex::new(HashMap::new()) }
     }
 
     fn mapping(&self, loc: &SharedLocation) -> Result<Arc<Mapping>> {
         let mut maps = self.maps.lock();
+        // A mapping that faulted holds zeros, not the peer's memory: map it afresh (and
+        // be refused, where the peer's file is no longer what it was).
+        maps.retain(|_, m| !m.faulted());
         if let Some(m) = maps.get(&loc.segment) {
             // A segment never changes size: metadata that says otherwise is not about
             // the segment mapped, and its offsets must not be taken into this mapping.
@@ -305,7 +357,7 @@ impl ShmPeer {
         } else {
             split_by_bytes(&copies, n).iter().map(|p| to_copies(p)).collect()
         };
-        Ok(ShmProgram { pieces, inline, _maps: maps, bytes })
+        Ok(ShmProgram { pieces, inline, maps, bytes, peer: self.name.clone() })
     }
 }
 
@@ -320,7 +372,27 @@ impl ShmProgram {
         self.bytes
     }
 
-    fn run(copies: &[Copy], op: OpKind) {
+    /// Runs one piece, then fails it where the peer's memory faulted under it (its
+    /// bytes were not the peer's: see [`crate::fault`]).
+    fn run(&self, copies: &[Copy], op: OpKind) -> Result<()> {
+        ShmProgram::copy(copies, op);
+        match self.maps.iter().find(|m| m.faulted()) {
+            None => Ok(()),
+            Some(m) => {
+                tracing::error!(peer = %self.peer, bytes = m.len(), "the peer's shared memory faulted under a copy");
+                Err(Error::PeerDisconnected {
+                    peer: self.peer.clone(),
+                    reason: format!(
+                        "its shared memory ({} bytes mapped) faulted during a copy: the peer took its pages away \
+                         (a file shrunk under the mapping?); nothing it held was trusted",
+                        m.len()
+                    ),
+                })
+            }
+        }
+    }
+
+    fn copy(copies: &[Copy], op: OpKind) {
         for &(local, remote, len) in copies {
             let (src, dst) = match op {
                 OpKind::Write => (local, remote),
@@ -346,20 +418,136 @@ impl CopyPool {
     ) -> Result<()> {
         tracker.begin(program.pieces.len() as u64, finisher)?;
         if program.inline {
-            ShmProgram::run(&program.pieces[0], op);
+            let done = program.run(&program.pieces[0], op);
             fence(Ordering::SeqCst);
-            tracker.finish_part(Ok(()));
+            tracker.finish_part(done);
             return Ok(());
         }
         self.submit(program.pieces.iter().map(|piece| {
-            let (t, piece, keep) = (tracker.clone(), piece.clone(), program.clone());
+            let (t, piece, program) = (tracker.clone(), piece.clone(), program.clone());
             Box::new(move || {
-                ShmProgram::run(&piece, op);
+                let done = program.run(&piece, op);
                 fence(Ordering::SeqCst);
-                drop(keep);
-                t.finish_part(Ok(()));
+                drop(program);
+                t.finish_part(done);
             }) as Task
         }));
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::{FromRawFd, OwnedFd};
+    use std::time::Duration;
+
+    /// A memfd without seals, as a hostile peer would offer one, filled with `byte`.
+    fn unsealed(len: usize, byte: u8) -> OwnedFd {
+        // SAFETY: plain syscalls, checked; the descriptor is owned from here.
+        unsafe {
+            let fd = libc::memfd_create(c"hostile".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING);
+            assert!(fd >= 0);
+            let file = OwnedFd::from_raw_fd(fd);
+            assert_eq!(libc::ftruncate(fd, len as libc::off_t), 0);
+            let fill = vec![byte; len];
+            assert_eq!(libc::pwrite(fd, fill.as_ptr().cast(), len, 0), len as isize);
+            file
+        }
+    }
+
+    fn shrink(file: &OwnedFd) {
+        // SAFETY: the file is ours.
+        assert_eq!(unsafe { libc::ftruncate(std::os::fd::AsRawFd::as_raw_fd(file), 0) }, 0);
+    }
+
+    /// The peer's memory vanishes under a copy that the pool runs (inline, and spread
+    /// over threads): the request fails naming the peer, and this process lives on.
+    #[test]
+    fn a_copy_from_peer_memory_that_went_away_fails_that_request_only() {
+        for (len, inline) in [(64 << 10, true), (4 << 20, false)] {
+            let file = unsealed(len, 9);
+            let m = Arc::new(Mapping::map_file(&file, len).unwrap());
+            let mut local = vec![0u8; len];
+            let pieces: Vec<Arc<[Copy]>> = if inline {
+                vec![Arc::from(vec![(local.as_mut_ptr() as usize, m.addr() as usize, len)])]
+            } else {
+                let half = len / 2;
+                let (l, r) = (local.as_mut_ptr() as usize, m.addr() as usize);
+                vec![Arc::from(vec![(l, r, half)]), Arc::from(vec![(l + half, r + half, half)])]
+            };
+            let program = Arc::new(ShmProgram {
+                pieces,
+                inline,
+                maps: vec![m.clone()],
+                bytes: len as u64,
+                peer: "hostile".into(),
+            });
+            let pool = CopyPool::new(2).unwrap();
+            let run = |program: &Arc<ShmProgram>| {
+                let tracker = Arc::new(Tracker::new());
+                pool.execute(program, OpKind::Read, &tracker, Box::new(|r| r)).unwrap();
+                tracker.wait(Some(Duration::from_secs(20)))
+            };
+            assert_eq!(run(&program), crate::request::Status::Done, "the peer's memory, whole");
+            assert!(local.iter().all(|&b| b == 9));
+            shrink(&file);
+            match run(&program) {
+                crate::request::Status::Error(Error::PeerDisconnected { peer, reason }) => {
+                    assert_eq!(peer, "hostile");
+                    assert!(reason.contains("faulted"), "{reason}");
+                }
+                other => panic!("a copy from vanished memory ended as {other:?}"),
+            }
+            assert!(m.faulted());
+        }
+    }
+
+    #[test]
+    fn a_faulted_mapping_leaves_the_cache_and_is_not_mapped_again_unsealed() {
+        let file = unsealed(1 << 20, 1);
+        let m = Arc::new(Mapping::map_file(&file, 1 << 20).unwrap());
+        let peer = ShmPeer::new("hostile", std::process::id());
+        peer.maps.lock().insert(7, m.clone());
+        shrink(&file);
+        // SAFETY: the mapping is live; the fault is what is tested.
+        unsafe { std::ptr::read_volatile(m.as_ptr().add(4096)) };
+        assert!(m.faulted());
+        let loc =
+            SharedLocation { segment: 7, fd: std::os::fd::AsRawFd::as_raw_fd(&file), segment_len: 1 << 20, offset: 0 };
+        assert!(peer.mapping(&loc).is_err(), "the file is not a sealed segment: refused, not cached again");
+        assert_eq!(peer.mapped_segments(), 0);
+    }
+
+    #[test]
+    fn files_without_seals_or_not_in_shared_memory_are_refused() {
+        let file = unsealed(4096, 0);
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&file);
+        let e = Mapping::open_fd(std::process::id(), fd, 4096).err().expect("refused");
+        assert!(e.to_string().contains("not sealed against shrinking"), "{e}");
+        // Sealed against shrinking only: the size may still grow, and segments never do.
+        // SAFETY: fcntl on our own descriptor.
+        assert_eq!(unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) }, 0);
+        assert!(Mapping::open_fd(std::process::id(), fd, 4096).is_err());
+        assert_eq!(unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_GROW) }, 0);
+        Mapping::open_fd(std::process::id(), fd, 4096).expect("sealed shared memory maps");
+        // A regular file, sealed or not, is no shared memory.
+        let path = std::env::temp_dir().join(format!("freight-not-shm-{}", std::process::id()));
+        std::fs::write(&path, [0u8; 4096]).unwrap();
+        let regular = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
+        let e = Mapping::open_fd(std::process::id(), std::os::fd::AsRawFd::as_raw_fd(&regular), 4096).err().unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert!(e.to_string().contains("not plain shared memory") || e.to_string().contains("sealed"), "{e}");
+    }
+
+    #[test]
+    fn segments_are_sealed_at_their_size() {
+        let seg = SharedSegment::allocate(8192).unwrap();
+        // SAFETY: fcntl and ftruncate on the segment's own descriptor.
+        let seals = unsafe { libc::fcntl(seg.fd(), libc::F_GET_SEALS) };
+        assert_eq!(seals & crate::memory::SEALS, crate::memory::SEALS);
+        assert_ne!(seals & libc::F_SEAL_SEAL, 0, "no seal can be added (nor taken) later");
+        assert_ne!(unsafe { libc::ftruncate(seg.fd(), 0) }, 0, "a segment cannot shrink");
+        assert_ne!(unsafe { libc::ftruncate(seg.fd(), 1 << 20) }, 0, "nor grow");
     }
 }

@@ -67,16 +67,23 @@ struct State {
 }
 
 impl ServerGroup {
-    /// Joins as `rank` of `world` through the rank server at `server`. Keeps trying to
-    /// connect until `timeout`, so ranks and server may start in any order; returns once the
-    /// server has accepted this rank, without waiting for the others (the first collective
-    /// does that).
-    pub fn join(server: SocketAddr, rank: usize, world: usize, timeout: Duration) -> Result<ServerGroup> {
+    /// Joins as `rank` of `world` through the rank server at `server`, presenting its
+    /// `token` where it has one. Keeps trying to connect until `timeout`, so ranks and
+    /// server may start in any order; returns once the server has accepted this rank,
+    /// without waiting for the others (the first collective does that).
+    pub fn join(
+        server: SocketAddr,
+        rank: usize,
+        world: usize,
+        timeout: Duration,
+        token: Option<&str>,
+    ) -> Result<ServerGroup> {
         check_rank(rank, world)?;
         let deadline = Instant::now() + timeout;
         let stream = connect(server, deadline, timeout)?;
         let mut reader = BufReader::new(stream.try_clone()?);
-        let welcome = handshake(&stream, &mut reader, rank, world, deadline, timeout);
+        let join = Join { rank, world, token: token.unwrap_or_default() };
+        let welcome = handshake(&stream, &mut reader, &join, deadline, timeout);
         let server_world = match welcome {
             Ok(w) => w,
             Err(e) => {
@@ -323,16 +330,24 @@ fn connect(server: SocketAddr, deadline: Instant, timeout: Duration) -> Result<T
     }
 }
 
+/// Who joins, with what.
+struct Join<'a> {
+    rank: usize,
+    world: usize,
+    token: &'a str,
+}
+
 /// Sends the join and reads the answer; returns the server's world size.
 fn handshake(
     stream: &TcpStream,
     reader: &mut BufReader<TcpStream>,
-    rank: usize,
-    world: usize,
+    join: &Join<'_>,
     deadline: Instant,
     timeout: Duration,
 ) -> Result<usize> {
-    (&*stream).write_all(&encode(&ToServer::Join { proto: PROTOCOL, rank, world })?)?;
+    let Join { rank, world, token } = *join;
+    let msg = ToServer::Join { proto: PROTOCOL, rank, world, token: token.to_owned() };
+    (&*stream).write_all(&encode(&msg)?)?;
     let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
     stream.set_read_timeout(Some(left))?;
     let mut line = Vec::new();

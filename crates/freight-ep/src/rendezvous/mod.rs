@@ -31,6 +31,42 @@ pub use client::ServerGroup;
 pub use etcd::{EtcdGroup, EtcdOptions};
 pub use server::RankServer;
 
+/// The rank server's decoders, as the fuzz targets drive them (`crates/freight-fuzz`):
+/// what ranks and the server send each other is read by these and nothing else. Each
+/// takes any bytes, and panics only where an invariant breaks.
+#[doc(hidden)]
+pub mod fuzzing {
+    use super::wire::{self, ToRank, ToServer};
+
+    /// Decodes `line` as a message to the server and as one to a rank; whatever decodes
+    /// encodes to a line that decodes to the same message.
+    pub fn message(line: &[u8]) {
+        if let Ok(m) = wire::decode::<ToServer>(line) {
+            let again = wire::encode(&m).expect("a decoded message encodes");
+            assert_eq!(wire::decode::<ToServer>(&again[..again.len() - 1]).expect("and decodes again"), m);
+        }
+        if let Ok(m) = wire::decode::<ToRank>(line) {
+            let again = wire::encode(&m).expect("a decoded message encodes");
+            assert_eq!(wire::decode::<ToRank>(&again[..again.len() - 1]).expect("and decodes again"), m);
+        }
+        if let Ok(text) = std::str::from_utf8(line) {
+            if let Ok(bytes) = wire::base64_decode(text) {
+                assert_eq!(wire::base64_decode(&wire::base64_encode(&bytes)).as_deref(), Ok(&bytes[..]));
+            }
+        }
+    }
+
+    /// Cuts `bytes` into lines as a connection's reader does, and decodes each.
+    pub fn stream(bytes: &[u8]) {
+        let mut reader = std::io::BufReader::new(bytes);
+        let mut line = Vec::new();
+        while let Ok(true) = wire::read_line(&mut reader, &mut line) {
+            assert!(line.len() <= wire::MAX_LINE && !line.contains(&b'\n'));
+            message(&line);
+        }
+    }
+}
+
 /// Called with `(rank, reason)` of the first rank found dead, or with
 /// [`RENDEZVOUS_LOST`] for the rank where the rendezvous itself was lost first.
 pub type DeathHook = Box<dyn Fn(usize, &str) + Send + Sync>;

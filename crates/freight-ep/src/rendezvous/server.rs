@@ -38,6 +38,8 @@ pub struct RankServer {
 }
 
 struct Shared {
+    /// What every join must present, where the server was given one.
+    token: Option<String>,
     stop: AtomicBool,
     hub: Mutex<Hub>,
     conns: Mutex<Conns>,
@@ -60,10 +62,17 @@ struct Conns {
 
 impl RankServer {
     /// Binds `addr` (port 0 picks a free one; see [`addr`](Self::addr)) and serves groups of
-    /// `world` ranks.
-    pub fn start(addr: SocketAddr, world: usize) -> Result<RankServer> {
+    /// `world` ranks. With a `token`, only a rank that presents it may join: the blobs the
+    /// ranks swap (CUDA IPC handles) open their GPU memory to whoever holds them, so a
+    /// server that other processes can reach needs one (see docs/ep.md, "Trust").
+    pub fn start(addr: SocketAddr, world: usize, token: Option<&str>) -> Result<RankServer> {
         if world == 0 {
             return Err(Error::InvalidArgument("rank server for world size 0".into()));
+        }
+        if token == Some("") {
+            return Err(Error::InvalidArgument(
+                "an empty token lets every rank in: give a non-empty one, or none".into(),
+            ));
         }
         let listener =
             TcpListener::bind(addr).map_err(|e| Error::Io(format!("cannot bind the rank server to {addr}: {e}")))?;
@@ -71,6 +80,7 @@ impl RankServer {
         listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
         let shared = Arc::new(Shared {
+            token: token.map(str::to_owned),
             stop: AtomicBool::new(false),
             hub: Mutex::new(Hub { collector: Collector::new(world), writers: HashMap::new() }),
             conns: Mutex::new(Conns::default()),
@@ -183,10 +193,15 @@ fn serve(shared: &Shared, id: u64, stream: TcpStream, peer: SocketAddr) {
         }
     };
     let mut line = Vec::new();
-    let (rank, world, proto) = match handshake(&stream, &mut reader, &mut line) {
+    let (rank, world, proto) = match handshake(&stream, &mut reader, &mut line, shared.token.as_deref()) {
         Ok(join) => join,
         Err(e) => {
             tracing::warn!(%peer, error = %e, "dropping a connection that did not join");
+            if let Error::Auth(reason) = e {
+                if let Ok(msg) = encode(&ToRank::Rejected { reason }) {
+                    let _ = (&stream).write_all(&msg);
+                }
+            }
             let _ = stream.shutdown(Shutdown::Both);
             return;
         }
@@ -261,8 +276,15 @@ fn serve(shared: &Shared, id: u64, stream: TcpStream, peer: SocketAddr) {
     let _ = stream.shutdown(Shutdown::Both);
 }
 
-/// Reads the join; nothing else is accepted first, and not after [`JOIN_WAIT`].
-fn handshake(stream: &TcpStream, reader: &mut BufReader<TcpStream>, line: &mut Vec<u8>) -> Result<(usize, usize, u32)> {
+/// Reads the join; nothing else is accepted first, and not after [`JOIN_WAIT`]. A join
+/// without the server's token (where it has one) is refused before anything about it
+/// is looked at.
+fn handshake(
+    stream: &TcpStream,
+    reader: &mut BufReader<TcpStream>,
+    line: &mut Vec<u8>,
+    token: Option<&str>,
+) -> Result<(usize, usize, u32)> {
     stream.set_read_timeout(Some(JOIN_WAIT))?;
     if !read_line(reader, line)? {
         return Err(Error::Protocol("connection closed before joining".into()));
@@ -270,7 +292,15 @@ fn handshake(stream: &TcpStream, reader: &mut BufReader<TcpStream>, line: &mut V
     let msg = decode::<ToServer>(line)?;
     stream.set_read_timeout(None)?;
     match msg {
-        ToServer::Join { proto, rank, world } => Ok((rank, world, proto)),
+        ToServer::Join { proto, rank, world, token: presented } => {
+            if let Some(t) = token {
+                if !freight_core::same_secret(t.as_bytes(), presented.as_bytes()) {
+                    let why = if presented.is_empty() { "none was presented" } else { "the one presented is wrong" };
+                    return Err(Error::Auth(format!("this rank server requires a token and {why}")));
+                }
+            }
+            Ok((rank, world, proto))
+        }
         other => Err(Error::Protocol(format!("expected a join first, got {other:?}"))),
     }
 }

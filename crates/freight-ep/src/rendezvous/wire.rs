@@ -8,7 +8,8 @@ use freight_core::{Error, Result};
 use serde::{Deserialize, Serialize};
 
 /// Bumped on any incompatible change; a join with another version is rejected.
-pub(crate) const PROTOCOL: u32 = 1;
+/// 2: a join carries the server's token (empty where it has none).
+pub(crate) const PROTOCOL: u32 = 2;
 
 /// Longest accepted line. Blobs are small (IPC handles, host names); this only stops a
 /// broken or hostile peer from making the other side buffer without bound.
@@ -18,8 +19,8 @@ pub(crate) const MAX_LINE: usize = 64 << 20;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub(crate) enum ToServer {
-    /// First message on a connection.
-    Join { proto: u32, rank: usize, world: usize },
+    /// First message on a connection; `token` is the server's (empty: none).
+    Join { proto: u32, rank: usize, world: usize, token: String },
     /// This rank's contribution to collective `seq` (0, 1, 2... per rank, in order).
     Gather {
         seq: u64,
@@ -221,8 +222,8 @@ mod tests {
             assert_eq!(line.iter().filter(|&&b| b == b'\n').count(), 1);
             assert_eq!(decode::<ToRank>(&line[..line.len() - 1]).unwrap(), msg);
         }
-        let join = encode(&ToServer::Join { proto: PROTOCOL, rank: 1, world: 2 }).unwrap();
-        assert_eq!(join, b"{\"op\":\"join\",\"proto\":1,\"rank\":1,\"world\":2}\n");
+        let join = encode(&ToServer::Join { proto: PROTOCOL, rank: 1, world: 2, token: "t".into() }).unwrap();
+        assert_eq!(join, b"{\"op\":\"join\",\"proto\":2,\"rank\":1,\"world\":2,\"token\":\"t\"}\n");
         let gather = encode(&ToServer::Gather { seq: 0, blob: b"hi".to_vec() }).unwrap();
         assert_eq!(gather, b"{\"op\":\"gather\",\"seq\":0,\"blob\":\"aGk=\"}\n");
     }

@@ -356,14 +356,15 @@ impl Drop for RecvEnd {
     }
 }
 
-/// Makes sure this agent can talk back to the sender (for credits).
+/// Makes sure this agent can talk back to the sender (for credits), presenting its own
+/// token (the two ends of a pipe share one, where they have one).
 fn know_peer(agent: &Agent, peer: &str, addresses: &[String]) -> Result<()> {
     if agent.peers().iter().any(|p| p == peer) {
         return Ok(());
     }
     let mut last = Error::TransportUnavailable(format!("the sender '{peer}' gave no address to answer at"));
     for a in addresses {
-        match agent.connect(a, None) {
+        match agent.connect(a, agent.config().token.as_deref()) {
             Ok(name) if name == peer => return Ok(()),
             Ok(name) => last = Error::Protocol(format!("{a} is agent '{name}', not the sender '{peer}'")),
             Err(e) => last = e,

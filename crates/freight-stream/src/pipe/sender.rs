@@ -51,11 +51,12 @@ struct SendState {
 
 impl PipeSender {
     /// Opens a pipe to the agent listening at `addr` (which must accept it with
-    /// [`super::PipeListener::accept`] within `config.timeout`).
+    /// [`super::PipeListener::accept`] within `config.timeout`). The two ends of a pipe
+    /// share a token, where they have one: this agent presents its own.
     pub fn connect(agent: &Arc<Agent>, addr: &str, config: &PipeConfig) -> Result<PipeSender> {
         config.validate()?;
         let router = Router::of(agent);
-        let peer = agent.connect(addr, None)?;
+        let peer = agent.connect(addr, agent.config().token.as_deref())?;
         let pipe = rand::random::<u64>();
         let inbox = router.subscribe(&peer, pipe);
         let opened = Self::open(&router, &peer, pipe, &inbox, config);

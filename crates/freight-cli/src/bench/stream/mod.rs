@@ -323,7 +323,7 @@ fn spawn_receiver(product: Product, a: &StreamArgs, ctx: &Context) -> CliResult<
     args.extend(["--buffer-size".into(), a.buffer_size.to_string()]);
     args.extend(["--timeout".into(), format!("{}us", a.timeout.as_micros())]);
     args.extend(a.engine.to_args());
-    TargetProcess::spawn_with(&ctx.self_command, &args, ctx.log_level.as_deref())
+    TargetProcess::spawn_with(&ctx.self_command, &args, ctx.log_level.as_deref(), &a.engine.child_env())
 }
 
 impl Product {

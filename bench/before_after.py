@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""The same figures from two builds of freight, interleaved in one run: what a change
+costs, if anything.
+
+    python3 bench/before_after.py --before /path/to/old/freight --after target/release/freight \\
+        --machine "2-vCPU VM" --out bench/results/before-after.json
+
+Rounds alternate the builds (before, after, before, after, ...), so that whatever the
+machine does meanwhile hits both alike. Each figure is the median of its rounds; beside
+it, the spread of the rounds (lowest to highest), and after/before. A figure counts as
+"within noise" when the after median lies inside the before rounds' spread widened by
+5% (or the other way round).
+
+The figures are those of docs/bench-engine.md (shm) and docs/kv.md (the KV server),
+with the KV server started with a token, as a deployment runs it:
+  shm    4 KiB WRITE, post to done, p50 (us); WRITE bandwidth at 256 KiB and 8 MiB blocks
+  kv     GET ops/s and p50 (us) of 4 KiB and 64 KiB values, 4 client threads, over shm
+         and over tcp (bench/kv.py's freight run: the median of three runs a round)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import kv  # noqa: E402  (bench/kv.py: its freight_run)
+from reporting import host_machine, logger, run_json  # noqa: E402
+
+log = logger("before-after")
+TOKEN = "before-after-token"
+
+
+def shm_figures(freight: str) -> dict:
+    lat = run_json([freight, "bench", "p2p", "--transport", "shm", "--block-sizes", "4KiB", "--batch-sizes", "1",
+                    "--iters", "20000", "--json"])
+    bw = run_json([freight, "bench", "p2p", "--transport", "shm", "--block-sizes", "256KiB,8MiB", "--batch-sizes",
+                   "1", "--json"])
+    for doc in (lat, bw):
+        if "error" in doc:
+            sys.exit(f"{freight}: {doc['error']}")
+    rows = {r["block_size"]: r for r in bw["rows"]}
+    return {
+        "shm 4 KiB WRITE post-to-done p50 (us)": lat["rows"][0]["transfer_us"]["p50"],
+        "shm WRITE 256 KiB blocks (GB/s)": rows[256 << 10]["gbps"],
+        "shm WRITE 8 MiB blocks (GB/s)": rows[8 << 20]["gbps"],
+    }
+
+
+def kv_figures(freight: str, scale: float) -> dict:
+    out = {}
+    # freight_run starts `freight serve` and runs kv-bench against it; both get the token.
+    command = [freight]
+    for name, size, keys in (("4 KiB", 4096, 50000), ("64 KiB", 65536, 10000)):
+        keys = max(100, int(keys * scale))
+        for transport in ("shm", "tcp"):
+            r = kv.freight_run(command, size, keys, transport)
+            out[f"kv {name} GET over {transport} (ops/s)"] = r["ops_per_sec"]
+            out[f"kv {name} GET over {transport} p50 (us)"] = r["p50_us"]
+    return out
+
+
+def judge(before: list, after: list, higher_is_better: bool) -> dict:
+    b, a = statistics.median(before), statistics.median(after)
+    lo, hi = min(before), max(before)
+    within = lo * 0.95 <= a <= hi * 1.05 or min(after) * 0.95 <= b <= max(after) * 1.05
+    return {
+        "before": b, "after": a, "ratio": a / b if b else None,
+        "before_rounds": before, "after_rounds": after,
+        "within_noise": within,
+        "better_or_equal": (a >= b) if higher_is_better else (a <= b),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--before", required=True, help="the freight binary before the change")
+    ap.add_argument("--after", required=True, help="the freight binary after it")
+    ap.add_argument("--machine", required=True, help="the machine, in words")
+    ap.add_argument("--out", type=Path, help="JSON file to write")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of each build (default 3)")
+    ap.add_argument("--scale", type=float, default=0.5, help="multiplies the KV runs' numbers of keys")
+    ap.add_argument("--only", choices=["shm", "kv"], action="append", help="one suite (repeatable)")
+    args = ap.parse_args()
+    suites = args.only or ["shm", "kv"]
+    # The KV runs of bench/kv.py with the server's token: `freight serve` and `freight
+    # kv-bench` both read it from the environment.
+    os.environ["FREIGHT_KV_TOKEN"] = TOKEN
+    started = time.time()
+    rounds: dict = {"before": [], "after": []}
+    for r in range(args.rounds):
+        for side in ("before", "after"):
+            binary = getattr(args, side)
+            log(f"round {r + 1}/{args.rounds}: {side} ({binary})")
+            figures = {}
+            if "shm" in suites:
+                figures.update(shm_figures(binary))
+            if "kv" in suites:
+                figures.update(kv_figures(binary, args.scale))
+            rounds[side].append(figures)
+    names = list(rounds["before"][0])
+    table = {}
+    for name in names:
+        higher = not name.endswith("(us)")
+        table[name] = judge([f[name] for f in rounds["before"]], [f[name] for f in rounds["after"]], higher)
+    doc = {
+        "tool": "bench/before_after.py",
+        "machine": {"label": args.machine, **host_machine()},
+        "before": args.before, "after": args.after, "rounds": args.rounds, "kv_scale": args.scale,
+        "kv_token": True,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "seconds": round(time.time() - started),
+        "figures": table,
+    }
+    if args.out:
+        args.out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"{'figure':48} {'before':>10} {'after':>10} {'after/before':>12}  within noise")
+    for name, t in table.items():
+        print(f"{name:48} {t['before']:>10.4g} {t['after']:>10.4g} {t['ratio']:>12.3f}  {'yes' if t['within_noise'] else 'NO'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
