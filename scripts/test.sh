@@ -63,6 +63,16 @@ say "cargo test --workspace --release"
 cargo test --workspace --release
 record cargo-test $?
 
+# vLLM for CPUs, for the vLLM connector's tests (tests/test_vllm.py): built once and
+# cached outside the checkout (scripts/vllm-env.sh), so later runs take it as it is.
+say "vllm virtualenv"
+if FREIGHT_VLLM_VENV="$(bash "$ROOT/scripts/vllm-env.sh")"; then
+    export FREIGHT_VLLM_VENV
+    record vllm-env 0
+else
+    record vllm-env 1
+fi
+
 say "pytest"
 "$ROOT/.venv/bin/python" -m pytest -q tests
 rc=$?

@@ -1,0 +1,70 @@
+"""FreightConnector's settings: ``kv_connector_extra_config`` of vLLM's
+``--kv-transfer-config``, with environment variables for what should stay off command
+lines."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from ..errors import InvalidArgumentError
+
+# The token both instances' agents require and present (kept out of `ps`).
+TOKEN_ENV = "FREIGHT_VLLM_TOKEN"
+
+KNOWN = ("listen", "token", "lease_seconds", "connect_timeout")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """``listen``: where a worker's freight agent listens (default ``127.0.0.1:0``,
+    one host; ``0.0.0.0:0`` or an address of a NIC across hosts). ``token``: what both
+    instances' agents require on every connection (default: ``FREIGHT_VLLM_TOKEN``;
+    without one, any local process can reach the KV cache, see docs/vllm.md).
+    ``lease_seconds``: how long a prefill instance keeps a finished request's blocks
+    for a decode instance that has not read them (default 120). ``connect_timeout``:
+    seconds a decode worker waits for the prefill worker's listener (default 10)."""
+
+    role: str
+    listen: str = "127.0.0.1:0"
+    token: Optional[str] = None
+    lease_seconds: float = 120.0
+    connect_timeout: float = 10.0
+
+    @classmethod
+    def from_extra(cls, role: str, extra: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> "Settings":
+        unknown = sorted(set(extra) - set(KNOWN))
+        if unknown:
+            raise InvalidArgumentError(
+                f"kv_connector_extra_config: unknown setting(s) {unknown} for FreightConnector (known: {list(KNOWN)})"
+            )
+        if role not in ("kv_producer", "kv_consumer", "kv_both"):
+            raise InvalidArgumentError(f"kv_role {role!r}: FreightConnector is kv_producer, kv_consumer or kv_both")
+        token = extra.get("token", environ.get(TOKEN_ENV) or None)
+        if token is not None and (not isinstance(token, str) or not token):
+            raise InvalidArgumentError("FreightConnector's token must be a non-empty string")
+        try:
+            lease = float(extra.get("lease_seconds", cls.lease_seconds))
+            timeout = float(extra.get("connect_timeout", cls.connect_timeout))
+        except (TypeError, ValueError) as e:
+            raise InvalidArgumentError(f"kv_connector_extra_config: {e}") from e
+        if lease <= 0 or timeout <= 0:
+            raise InvalidArgumentError("lease_seconds and connect_timeout must be positive")
+        listen = extra.get("listen", cls.listen)
+        if not isinstance(listen, str) or ":" not in listen:
+            raise InvalidArgumentError(f"listen {listen!r}: give HOST:PORT (port 0: any)")
+        return cls(role=role, listen=listen, token=token, lease_seconds=lease, connect_timeout=timeout)
+
+    @classmethod
+    def from_vllm(cls, vllm_config: Any) -> "Settings":
+        kv = vllm_config.kv_transfer_config
+        return cls.from_extra(kv.kv_role, dict(kv.kv_connector_extra_config or {}))
+
+    @property
+    def produces(self) -> bool:
+        return self.role in ("kv_producer", "kv_both")
+
+    @property
+    def consumes(self) -> bool:
+        return self.role in ("kv_consumer", "kv_both")

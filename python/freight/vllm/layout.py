@@ -1,0 +1,145 @@
+"""Where a vLLM instance's KV blocks lie, and whether two instances lay them out alike.
+
+Pure functions over plain numbers (no vLLM, no torch), so that they are tested
+without either. A layer's KV cache is one tensor whose first dimension is the block
+(every attention backend vLLM ships lays blocks outermost: on CPUs
+``[num_blocks, kv_heads, block_size, 2 * head_size]``, K rows before V rows inside a
+block; on GPUs a permutation of the inner three): block ``b`` of a layer is then one
+run of bytes, ``block_bytes`` long, at ``base + b * block_stride``. Whole blocks are
+what moves, never token slots, so the inner order matters only in that both sides
+must share it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+# Raised when the other side's layout (or this side's tensors) cannot be worked with.
+from ..errors import InvalidArgumentError
+
+
+@dataclass(frozen=True)
+class LayerBlocks:
+    """One layer's blocks: block ``b`` is ``block_bytes`` at ``base + b * stride``."""
+
+    name: str
+    base: int
+    stride: int
+    block_bytes: int
+    num_blocks: int
+
+
+def layer_blocks(name: str, data_ptr: int, shape: Sequence[int], strides: Sequence[int],
+                 element_size: int, num_blocks: Optional[int] = None) -> LayerBlocks:
+    """A layer's blocks from its tensor's pointer, shape and strides (in elements).
+
+    The tensor must hold each block densely (its inner dimensions, in whatever order,
+    fill ``strides[0]`` elements exactly): otherwise a block is not one run of bytes
+    and cannot move as one. ``num_blocks``, where known (vLLM's KV cache config says
+    it), must be the first dimension: a leading dimension of another meaning (K and V
+    apart, as older vLLM laid them) would look dense too."""
+    if len(shape) < 2 or len(shape) != len(strides):
+        raise InvalidArgumentError(f"KV cache {name}: shape {tuple(shape)} has no block dimension before the rest")
+    if num_blocks is not None and shape[0] != num_blocks:
+        raise InvalidArgumentError(
+            f"KV cache {name}: shape {tuple(shape)} starts with {shape[0]}, not the {num_blocks} blocks allocated: "
+            "blocks must be the outermost dimension"
+        )
+    inner = 1
+    for n in shape[1:]:
+        inner *= n
+    reach = 1 + sum((n - 1) * s for n, s in zip(shape[1:], strides[1:]))
+    if strides[0] != inner or reach != inner:
+        raise InvalidArgumentError(
+            f"KV cache {name}: shape {tuple(shape)} with strides {tuple(strides)} does not hold each block "
+            f"densely (block stride {strides[0]}, {inner} elements a block): blocks must be the outermost dimension"
+        )
+    return LayerBlocks(name, data_ptr, strides[0] * element_size, inner * element_size, shape[0])
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What both sides must agree on for blocks to mean the same thing."""
+
+    model: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    kv_heads: int
+    head_size: int
+    block_bytes: int
+    # A layer's tensor shape without the block count, and its dimension order
+    # (strides sorted): equal shapes in another order hold other bytes.
+    block_shape: Tuple[int, ...]
+    dim_order: Tuple[int, ...]
+    tensor_parallel: int
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = asdict(self)
+        d["block_shape"] = list(self.block_shape)
+        d["dim_order"] = list(self.dim_order)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Geometry":
+        try:
+            return cls(
+                model=str(d["model"]), dtype=str(d["dtype"]), block_size=int(d["block_size"]),
+                num_layers=int(d["num_layers"]), kv_heads=int(d["kv_heads"]), head_size=int(d["head_size"]),
+                block_bytes=int(d["block_bytes"]), block_shape=tuple(int(x) for x in d["block_shape"]),
+                dim_order=tuple(int(x) for x in d["dim_order"]), tensor_parallel=int(d["tensor_parallel"]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise InvalidArgumentError(f"the prefill instance's KV geometry is malformed ({e!r}): {dict(d)!r}") from e
+
+
+def dim_order(strides: Sequence[int]) -> Tuple[int, ...]:
+    """Dimensions from outermost to innermost (by stride; ties keep their order)."""
+    return tuple(sorted(range(len(strides)), key=lambda i: -strides[i]))
+
+
+def mismatches(prefill: Geometry, decode: Geometry) -> List[str]:
+    """Every field on which the two differ, each naming both values; [] when alike."""
+    out = []
+    for field, p in prefill.to_dict().items():
+        d = decode.to_dict()[field]
+        if p != d:
+            out.append(f"{field}: prefill {p!r}, decode {d!r}")
+    return out
+
+
+def block_descs(layers: Sequence[LayerBlocks], block_ids: Sequence[int], device: int = 0) -> np.ndarray:
+    """``N x 3`` rows (address, length, device): every layer's blocks ``block_ids``,
+    layer by layer, in the order given (the engine merges neighbours into one copy)."""
+    ids = np.asarray(block_ids, dtype=np.uint64)
+    if len(layers) == 0 or ids.size == 0:
+        return np.zeros((0, 3), dtype=np.uint64)
+    for layer in layers:
+        if ids.size and int(ids.max()) >= layer.num_blocks:
+            raise InvalidArgumentError(
+                f"block {int(ids.max())} is past the {layer.num_blocks} blocks of KV cache {layer.name}"
+            )
+    rows = np.empty((len(layers) * ids.size, 3), dtype=np.uint64)
+    for i, layer in enumerate(layers):
+        part = rows[i * ids.size:(i + 1) * ids.size]
+        part[:, 0] = np.uint64(layer.base) + ids * np.uint64(layer.stride)
+        part[:, 1] = layer.block_bytes
+        part[:, 2] = device
+    return rows
+
+
+def regions(layers: Sequence[LayerBlocks]) -> List[Tuple[int, int]]:
+    """The address ranges ``(start, length)`` that hold every layer's blocks, merged
+    where layers touch or overlap (one allocation for all layers, as newer vLLM
+    makes): what to register, once each."""
+    spans = sorted((l.base, l.base + (l.num_blocks - 1) * l.stride + l.block_bytes) for l in layers)
+    merged: List[List[int]] = []
+    for start, end in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(s, e - s) for s, e in merged]

@@ -1,0 +1,233 @@
+"""FreightConnector in a vLLM worker process: the KV cache registered with a freight
+agent, blocks read from the prefill instance, and the prefill instance told when it
+may free them.
+
+A decode worker moves a request's blocks in one freight READ: every layer's blocks it
+lacks, from the prefill worker of its own tensor-parallel rank, with a notification
+that reaches the prefill worker once the bytes are here (so that it frees them). The
+READ runs while the scheduler serves other requests; ``finished`` reports it done (or
+its blocks as load errors, which vLLM recomputes or fails as its
+``kv_load_failure_policy`` says).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+import numpy as np
+
+import freight
+from freight import AgentConfig, DescList
+
+from .config import Settings
+from .layout import Geometry, LayerBlocks, block_descs, dim_order, layer_blocks, mismatches, regions
+from .params import Handoff, Place, done_message, parse_done
+from .scheduler import FreightMetadata, WorkerHandshake
+
+# A child of vLLM's logger: its messages come out with vLLM's, in its format.
+log = logging.getLogger("vllm.freight")
+
+# Notifications that name a request this worker does not (yet) hold blocks for are kept
+# this long: the decode side may be told before this side learns of the request.
+EARLY_ACK_SECONDS = 600.0
+
+
+class WorkerSide:
+    def __init__(self, vllm_config: Any, settings: Settings, kv_cache_config: Any = None) -> None:
+        self.config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.settings = settings
+        self.agent: Optional[freight.Agent] = None
+        self.layers: List[LayerBlocks] = []
+        self.kind = "DRAM"
+        self.device = 0
+        self.geometry: Optional[Geometry] = None
+        self.rank = 0
+        # Decode side: posted READs, by request id: (request, local blocks, posted at).
+        self.reading: Dict[str, Tuple[Any, List[int], float]] = {}
+        self.read_done: Set[str] = set()
+        self.load_errors: Set[int] = set()
+        self.peers: Dict[str, str] = {}  # prefill agent address -> its peer name here
+        # Prefill side: requests whose blocks wait for a decode instance, and until when.
+        self.holding: Dict[str, float] = {}
+        self.acked: Dict[str, float] = {}
+        self.seen_meta: Optional[int] = None
+
+    # ------------------------------------------------------------------ start
+
+    def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        self.rank = get_tensor_model_parallel_rank()
+        tensors = list(kv_caches.items())
+        if not tensors:
+            raise freight.InvalidArgumentError("FreightConnector: vLLM registered no KV cache")
+        first = tensors[0][1]
+        self.kind = "VRAM" if first.device.type == "cuda" else "DRAM"
+        self.device = (first.device.index or 0) if self.kind == "VRAM" else 0
+        allocated = getattr(self.kv_cache_config, "num_blocks", None)
+        self.layers = [layer_blocks(name, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.element_size(),
+                                    allocated) for name, t in tensors]
+        self.geometry = self._geometry(first)
+        engine_id = str(self.config.kv_transfer_config.engine_id)
+        name = f"vllm-{engine_id}-tp{self.rank}-{os.getpid()}"
+        token = self.settings.token.encode() if self.settings.token else None
+        if token is None:
+            log.warning("freight connector: no token (FREIGHT_VLLM_TOKEN or kv_connector_extra_config.token): any "
+                        "process that reaches %s can read and write this instance's KV cache",
+                        self.settings.listen)
+        self.agent = freight.Agent(name, AgentConfig(listen=self.settings.listen, token=token,
+                                                     connect_timeout=self.settings.connect_timeout))
+        for start, length in regions(self.layers):
+            self.agent.register((start, length, self.device), kind=self.kind)
+        log.info("freight connector: worker %d registered %d KV layers (%d blocks of %d bytes each) on %s, "
+                 "listening on %s", self.rank, len(self.layers), self.layers[0].num_blocks,
+                 self.layers[0].block_bytes, self.kind, ", ".join(self.agent.addresses))
+
+    def _geometry(self, first: Any) -> Geometry:
+        model = self.config.model_config
+        parallel = self.config.parallel_config
+        return Geometry(
+            model=str(model.model),
+            dtype=str(first.dtype).replace("torch.", ""),
+            block_size=int(self.config.cache_config.block_size),
+            num_layers=len(self.layers),
+            kv_heads=int(model.get_num_kv_heads(parallel)),
+            head_size=int(model.get_head_size()),
+            block_bytes=self.layers[0].block_bytes,
+            block_shape=tuple(int(n) for n in first.shape[1:]),
+            dim_order=dim_order(tuple(first.stride())),
+            tensor_parallel=int(parallel.tensor_parallel_size),
+        )
+
+    def handshake(self) -> WorkerHandshake:
+        assert self.agent is not None and self.geometry is not None
+        place = Place(agent_address=self.agent.addresses[0], agent_name=self.agent.name,
+                      layer_bases=[l.base for l in self.layers], layer_strides=[l.stride for l in self.layers])
+        return WorkerHandshake(place=place.to_dict(), geometry=self.geometry.to_dict())
+
+    # ------------------------------------------------------------- each step
+
+    def start_load(self, meta: FreightMetadata) -> None:
+        if self.seen_meta == id(meta):
+            return
+        self.seen_meta = id(meta)
+        now = time.monotonic()
+        for request_id, lease in meta.sends.items():
+            self.holding[request_id] = now + lease
+        for request_id, load in meta.loads.items():
+            try:
+                handoff = Handoff.from_params(load.params)
+                if load.awaited:
+                    self._read(request_id, load.local_blocks, handoff)
+                else:
+                    self._release(handoff)
+            except Exception as e:  # every failure of a load is the request's, never the worker's
+                if not load.awaited:
+                    log.warning("freight connector: cannot tell the prefill instance to free request %s's blocks "
+                                "(it frees them after its lease): %s", request_id, e)
+                    continue
+                log.error("freight connector: request %s cannot load its KV from the prefill instance: %s",
+                          request_id, e)
+                self.load_errors.update(load.local_blocks)
+                self.read_done.add(request_id)
+
+    def _read(self, request_id: str, local: List[int], handoff: Handoff) -> None:
+        assert self.agent is not None and self.geometry is not None
+        wrong = mismatches(handoff.geometry, self.geometry)
+        if wrong:
+            raise freight.InvalidArgumentError(
+                "the prefill instance's KV cache does not match this one's (" + "; ".join(wrong) + ")"
+            )
+        if self.rank >= len(handoff.ranks):
+            raise freight.InvalidArgumentError(
+                f"the prefill instance has {len(handoff.ranks)} worker(s), none of this one's rank {self.rank}")
+        place = handoff.ranks[self.rank]
+        peer = self._peer(place)
+        if len(handoff.block_ids) < len(local):
+            raise freight.InvalidArgumentError(
+                f"the prefill instance holds {len(handoff.block_ids)} blocks, this instance needs {len(local)}")
+        remote_ids = handoff.block_ids[len(handoff.block_ids) - len(local):]
+        remote_layers = [LayerBlocks(l.name, base, stride, l.block_bytes, 1 << 62)
+                         for l, base, stride in zip(self.layers, place.layer_bases, place.layer_strides)]
+        local_rows = block_descs(self.layers, local, self.device)
+        remote_rows = block_descs(remote_layers, remote_ids, self.device)
+        request = self.agent.transfer("READ", DescList(local_rows, self.kind), peer,
+                                      DescList(remote_rows, self.kind), notif=done_message(handoff.request_id))
+        self.reading[request_id] = (request, local, time.monotonic())
+
+    def _release(self, handoff: Handoff) -> None:
+        """Tells the prefill worker of this rank that its blocks are not wanted."""
+        assert self.agent is not None
+        if self.rank < len(handoff.ranks):
+            self.agent.notify(self._peer(handoff.ranks[self.rank]), done_message(handoff.request_id))
+
+    def _peer(self, place: Place) -> str:
+        assert self.agent is not None
+        known = self.peers.get(place.agent_address)
+        if known is not None:
+            return known
+        token = self.settings.token.encode() if self.settings.token else None
+        started = time.monotonic()
+        name = self.agent.connect(place.agent_address, token)
+        if name != place.agent_name:
+            raise freight.InvalidArgumentError(
+                f"{place.agent_address} is agent {name!r}, not the prefill worker {place.agent_name!r}")
+        path = self.agent.path_to(name)
+        log.info("freight connector: connected to prefill worker %s at %s in %.1f ms; transport %s (%s)",
+                 name, place.agent_address, (time.monotonic() - started) * 1e3, path.transport, path.reason)
+        self.peers[place.agent_address] = name
+        return name
+
+    def finished(self, finished_req_ids: Set[str], meta: Optional[FreightMetadata]) -> Tuple[Set[str], Set[str]]:
+        if meta is not None:
+            self.start_load(meta)
+        return self._sent(), self._received()
+
+    def _received(self) -> Set[str]:
+        done, self.read_done = self.read_done, set()
+        for request_id, (request, local, _posted) in list(self.reading.items()):
+            status = request.status()
+            if status == "PENDING":
+                continue
+            del self.reading[request_id]
+            if status == "ERROR":
+                log.error("freight connector: reading request %s's KV failed: %s", request_id, request.error)
+                self.load_errors.update(local)
+            done.add(request_id)
+        return done
+
+    def _sent(self) -> Set[str]:
+        assert self.agent is not None
+        now = time.monotonic()
+        for _peer, msg in self.agent.get_notifs():
+            request_id = parse_done(msg)
+            if request_id is not None:
+                self.acked[request_id] = now
+        done = set()
+        for request_id, until in list(self.holding.items()):
+            if request_id in self.acked:
+                del self.acked[request_id]
+            elif now > until:
+                log.warning("freight connector: no decode instance read request %s's KV within %.0f s; freeing "
+                            "its blocks", request_id, self.settings.lease_seconds)
+            else:
+                continue
+            del self.holding[request_id]
+            done.add(request_id)
+        for request_id, at in list(self.acked.items()):
+            if now - at > EARLY_ACK_SECONDS:
+                del self.acked[request_id]
+        return done
+
+    def take_load_errors(self) -> Set[int]:
+        errors, self.load_errors = self.load_errors, set()
+        return errors
+
+    def close(self) -> None:
+        if self.agent is not None:
+            self.agent.close()
+            self.agent = None

@@ -1,0 +1,135 @@
+"""FreightConnector in real vLLM: prefill and decode ``vllm serve`` instances on this
+machine's CPUs, a tiny model made here, the P/D proxy, and NixlConnector as a control.
+
+Needs the virtualenv of scripts/vllm-env.sh (scripts/test.sh builds it, or takes it
+from its cache, and names it in FREIGHT_VLLM_VENV); skipped, saying so, without it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import urllib.error
+from pathlib import Path
+from typing import Dict, Iterator, List, Tuple
+
+import pytest
+
+import vllm_serving as vs
+
+pytestmark = pytest.mark.skipif(vs.venv() is None, reason=f"no vLLM virtualenv ({vs.VENV_ENV} unset: scripts/test.sh "
+                                "builds one with scripts/vllm-env.sh)")
+
+PROMPT_WORDS = 150
+ANSWER_TOKENS = 12
+
+
+def make_model(out: Path, **shape: int) -> Path:
+    args = [str(vs.venv() / "bin" / "python"), str(Path(__file__).with_name("vllm_model.py")), str(out)]
+    for k, v in shape.items():
+        args += [f"--{k.replace('_', '-')}", str(v)]
+    subprocess.run(args, check=True, capture_output=True, timeout=300)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return make_model(tmp_path_factory.mktemp("model") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("vllm-logs")
+
+
+def by_source(metrics: Dict[str, float]) -> Dict[str, float]:
+    out = {}
+    for key, value in metrics.items():
+        if key.startswith("vllm:prompt_tokens_by_source_total{"):
+            source = key.split('source="')[1].split('"')[0]
+            out[source] = out.get(source, 0.0) + value
+    return out
+
+
+@pytest.fixture(scope="module", params=["freight", "nixl"])
+def pd(request, model, logs) -> Iterator[Tuple[str, vs.Instance, vs.Instance, vs.ProxyProcess]]:
+    """A prefill and a decode instance with one connector, and the proxy before them."""
+    name = request.param
+    prefill = vs.Instance(model, logs / f"{name}-prefill.log", name, "kv_producer")
+    decode = vs.Instance(model, logs / f"{name}-decode.log", name, "kv_consumer")
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        proxy = vs.ProxyProcess(prefill, decode, logs / f"{name}-proxy.log")
+    except Exception:
+        prefill.stop()
+        decode.stop()
+        raise
+    yield name, prefill, decode, proxy
+    proxy.stop()
+    prefill.stop()
+    decode.stop()
+
+
+@pytest.mark.timeout(900)
+def test_pd_output_equals_a_single_instances_and_the_prompt_is_loaded_not_computed(pd):
+    name, prefill, decode, proxy = pd
+    texts = vs.prompts(4, PROMPT_WORDS, seed=1)
+    before = by_source(decode.metrics())
+    got = [vs.complete(proxy.url, t, ANSWER_TOKENS)["choices"][0]["text"] for t in texts]
+    after = by_source(decode.metrics())
+    # The prefill instance alone, as an aggregated instance, is the reference: its KV
+    # of these prompts is its own.
+    want = [vs.complete(prefill.url, t, ANSWER_TOKENS)["choices"][0]["text"] for t in texts]
+    assert got == want, f"{name}: P/D output differs from a single instance's"
+    assert len(set(want)) > 1, "the model answers every prompt alike: the comparison would prove little"
+    external = after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0)
+    local = after.get("local_compute", 0) - before.get("local_compute", 0)
+    assert external > len(texts) * PROMPT_WORDS / 2, (name, before, after)
+    assert local <= len(texts), f"{name}: the decode instance computed {local} prompt tokens itself"
+    if name == "freight":
+        log = decode.text()
+        assert "freight connector: connected to prefill worker" in log and "transport" in log, decode.tail()
+
+
+@pytest.mark.timeout(600)
+def test_a_prefill_instance_killed_mid_request_fails_that_request_and_the_decode_instance_serves_on(model, logs):
+    prefill = vs.Instance(model, logs / "killed-prefill.log", "freight", "kv_producer").wait_ready()
+    decode = vs.Instance(model, logs / "killed-decode.log", "freight", "kv_consumer",
+                         extra={"connect_timeout": 5}).wait_ready()
+    try:
+        text = vs.prompts(1, PROMPT_WORDS, seed=7)[0]
+        # The proxy's first half: the prefill instance computes the prompt and says
+        # where its KV is; then it dies before the decode instance reads it.
+        first = vs.complete(prefill.url, text, 1, {"kv_transfer_params": {"do_remote_decode": True}})
+        params = first["kv_transfer_params"]
+        assert params["do_remote_prefill"] and params["freight"]["ranks"], params
+        prefill.kill()
+        with pytest.raises(urllib.error.HTTPError) as failed:
+            vs.complete(decode.url, text, ANSWER_TOKENS, {"kv_transfer_params": params})
+        assert failed.value.code >= 400
+        assert "cannot load its KV" in decode.text() or "reading request" in decode.text(), decode.tail()
+        # Later requests are served, with the prompt computed here.
+        later = vs.complete(decode.url, vs.prompts(1, 40, seed=8)[0], ANSWER_TOKENS)
+        assert later["choices"][0]["text"]
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+@pytest.mark.timeout(600)
+def test_a_decode_instance_of_another_model_is_refused_naming_both_values(model, logs, tmp_path):
+    other = make_model(tmp_path / "three-layers", layers=3)
+    prefill = vs.Instance(other, logs / "mismatch-prefill.log", "freight", "kv_producer").wait_ready()
+    decode = vs.Instance(model, logs / "mismatch-decode.log", "freight", "kv_consumer").wait_ready()
+    try:
+        text = vs.prompts(1, PROMPT_WORDS, seed=9)[0]
+        params = vs.complete(prefill.url, text, 1, {"kv_transfer_params": {"do_remote_decode": True}})[
+            "kv_transfer_params"]
+        with pytest.raises(urllib.error.HTTPError):
+            vs.complete(decode.url, text, ANSWER_TOKENS, {"kv_transfer_params": params})
+        log = decode.text()
+        assert "does not match" in log and "num_layers: prefill 3, decode 2" in log, decode.tail()
+    finally:
+        prefill.stop()
+        decode.stop()

@@ -1,0 +1,87 @@
+"""The vLLM connector's pure parts, without vLLM: where blocks lie, what the two
+instances must agree on, and the params a prefill instance hands on."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import freight
+from freight.vllm.layout import Geometry, block_descs, dim_order, layer_blocks, mismatches, regions
+from freight.vllm.params import Handoff, Place, done_message, parse_done
+
+# A CPU layer: [num_blocks, kv_heads, block_size, 2 * head_size] of bf16.
+CPU_SHAPE = (10, 4, 32, 128)
+CPU_STRIDES = (4 * 32 * 128, 32 * 128, 128, 1)
+
+
+def geometry(**changes) -> Geometry:
+    base = dict(model="tiny", dtype="bfloat16", block_size=32, num_layers=2, kv_heads=4, head_size=64,
+                block_bytes=4 * 32 * 128 * 2, block_shape=CPU_SHAPE[1:], dim_order=(0, 1, 2, 3), tensor_parallel=1)
+    base.update(changes)
+    return Geometry(**base)
+
+
+def test_a_dense_layer_is_one_run_of_bytes_per_block():
+    layer = layer_blocks("l0", 0x10000, CPU_SHAPE, CPU_STRIDES, 2)
+    assert (layer.base, layer.stride, layer.block_bytes, layer.num_blocks) == (0x10000, 32768, 32768, 10)
+    # Blocks outermost, inner dimensions permuted (a GPU backend's NHD order): still dense.
+    nhd = layer_blocks("l1", 0, (10, 4, 32, 128), (4 * 32 * 128, 128, 4 * 128, 1), 2)
+    assert nhd.block_bytes == 32768
+    assert dim_order((4 * 32 * 128, 128, 4 * 128, 1)) == (0, 2, 1, 3)
+
+
+@pytest.mark.parametrize("shape,strides", [
+    ((10, 4, 32, 128), (1, 10, 40, 1280)),          # blocks innermost
+    ((2, 10, 4, 32, 64), (10 * 4 * 32 * 64, 4 * 32 * 64, 32 * 64, 64, 1)),  # [2, blocks, ...]: K and V apart
+    ((10,), (1,)),
+], ids=["blocks-innermost", "k-and-v-apart", "one-dimension"])
+def test_a_layer_whose_blocks_are_not_one_run_is_refused_by_name(shape, strides):
+    with pytest.raises(freight.InvalidArgumentError, match="KV cache bad"):
+        layer_blocks("bad", 0, shape, strides, 2, num_blocks=10)
+
+
+def test_descriptors_cover_every_layers_blocks_in_order():
+    layers = [layer_blocks(f"l{i}", 0x100000 * (i + 1), CPU_SHAPE, CPU_STRIDES, 2) for i in range(2)]
+    rows = block_descs(layers, [3, 4, 7], device=0)
+    assert rows.shape == (6, 3) and rows.dtype == np.uint64
+    assert rows[:, 0].tolist() == [0x100000 + b * 32768 for b in (3, 4, 7)] + [0x200000 + b * 32768 for b in (3, 4, 7)]
+    assert set(rows[:, 1].tolist()) == {32768}
+    assert block_descs(layers, []).shape == (0, 3)
+    with pytest.raises(freight.InvalidArgumentError, match="past the 10 blocks"):
+        block_descs(layers, [10])
+
+
+def test_layers_in_one_allocation_are_registered_as_one_region():
+    apart = [layer_blocks(f"l{i}", 0x100000 * (i + 1), CPU_SHAPE, CPU_STRIDES, 2) for i in range(2)]
+    assert regions(apart) == [(0x100000, 10 * 32768), (0x200000, 10 * 32768)]
+    # Newer vLLM: views over one allocation, layers side by side.
+    shared = [layer_blocks(f"l{i}", 0x100000 + i * 10 * 32768, CPU_SHAPE, CPU_STRIDES, 2) for i in range(3)]
+    assert regions(shared) == [(0x100000, 30 * 32768)]
+
+
+def test_every_difference_between_the_instances_is_named_with_both_values():
+    assert mismatches(geometry(), geometry()) == []
+    wrong = mismatches(geometry(), geometry(num_layers=3, dtype="float16", tensor_parallel=2))
+    assert wrong == ["dtype: prefill 'bfloat16', decode 'float16'", "num_layers: prefill 2, decode 3",
+                     "tensor_parallel: prefill 1, decode 2"]
+
+
+def test_params_round_trip_and_anything_else_is_a_clear_error():
+    handoff = Handoff(request_id="cmpl-1", engine_id="e", block_ids=[5, 6],
+                      ranks=[Place("127.0.0.1:7000", "vllm-e-tp0", [1 << 20, 2 << 20], [32768, 32768])],
+                      geometry=geometry())
+    params = handoff.to_params()
+    assert params["do_remote_prefill"] is True and params["remote_block_ids"] == [5, 6]
+    assert Handoff.from_params(params) == handoff
+    with pytest.raises(freight.InvalidArgumentError, match="no 'freight' section"):
+        Handoff.from_params({"do_remote_prefill": True, "remote_block_ids": [1]})
+    with pytest.raises(freight.InvalidArgumentError, match="version 99"):
+        Handoff.from_params({**params, "freight": {**params["freight"], "version": 99}})
+    broken = {**params, "freight": {**params["freight"], "ranks": [{"agent_address": "x"}]}}
+    with pytest.raises(freight.InvalidArgumentError, match="malformed"):
+        Handoff.from_params(broken)
+    with pytest.raises(freight.InvalidArgumentError, match="geometry is malformed"):
+        Handoff.from_params({**params, "freight": {**params["freight"], "geometry": {"model": "x"}}})
+    assert parse_done(done_message("cmpl-1")) == "cmpl-1"
+    assert parse_done(b"something else") is None and parse_done(b"freight-vllm done \xff") is None

@@ -1,0 +1,191 @@
+"""Real vLLM instances for the connector's tests and benchmark: ``vllm serve`` started
+from the virtualenv of scripts/vllm-env.sh, the P/D proxy, and their metrics.
+
+Not a test module: tests/test_vllm.py and bench/vllm_pd.py use it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV_ENV = "FREIGHT_VLLM_VENV"
+TOKEN = "vllm-test-token"
+
+
+def venv() -> Optional[Path]:
+    """The vLLM virtualenv (scripts/test.sh builds it and names it here)."""
+    v = os.environ.get(VENV_ENV)
+    return Path(v) if v and (Path(v) / ".complete").exists() else None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def connector_config(connector: str, role: str, extra: Optional[Dict[str, Any]] = None) -> str:
+    if connector == "freight":
+        cfg: Dict[str, Any] = {"kv_connector": "FreightConnector", "kv_connector_module_path": "freight.vllm",
+                               "kv_role": role}
+    elif connector == "nixl":
+        cfg = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
+    else:
+        raise ValueError(connector)
+    if extra:
+        cfg["kv_connector_extra_config"] = extra
+    return json.dumps(cfg)
+
+
+class Instance:
+    """One ``vllm serve``; its output goes to ``log``."""
+
+    def __init__(self, model: Path, log: Path, connector: Optional[str] = None, role: Optional[str] = None,
+                 env: Optional[Dict[str, str]] = None, extra: Optional[Dict[str, Any]] = None,
+                 max_model_len: int = 2048) -> None:
+        v = venv()
+        assert v is not None, "no vLLM virtualenv"
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        cmd = [str(v / "bin" / "vllm"), "serve", str(model), "--port", str(self.port), "--host", "127.0.0.1",
+               "--block-size", "32", "--max-model-len", str(max_model_len), "--dtype", "bfloat16",
+               "--enforce-eager", "--max-num-seqs", "8", "--seed", "0", "--served-model-name", "tiny"]
+        if connector:
+            cmd += ["--kv-transfer-config", connector_config(connector, role or "kv_both", extra)]
+        full_env = dict(os.environ)
+        full_env.update({
+            "PYTHONPATH": str(ROOT / "python") + os.pathsep + full_env.get("PYTHONPATH", ""),
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "FREIGHT_VLLM_TOKEN": TOKEN,
+            # NIXL's side channel, one port per instance.
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            # Two instances share this machine's cores: vLLM's default pins each worker
+            # (and every thread it starts, freight's included) to one core, the same one.
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        })
+        full_env.update(env or {})
+        self.out = open(log, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT, env=full_env,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout: float = 300.0) -> "Instance":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"vllm serve not ready after {timeout:.0f} s:\n{self.tail()}")
+
+    def tail(self, lines: int = 60) -> str:
+        self.out.flush()
+        text = self.log.read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+    def text(self) -> str:
+        self.out.flush()
+        return self.log.read_text(errors="replace")
+
+    def metrics(self) -> Dict[str, float]:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            body = r.read().decode()
+        out: Dict[str, float] = {}
+        for line in body.splitlines():
+            if line.startswith("#"):
+                continue
+            m = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)$", line)
+            if m:
+                out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        self.out.close()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+
+class ProxyProcess:
+    def __init__(self, prefill: Instance, decode: Instance, log: Path) -> None:
+        v = venv()
+        assert v is not None
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.out = open(log, "w")
+        env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
+        self.proc = subprocess.Popen(
+            [str(v / "bin" / "python"), "-m", "freight.vllm.proxy", "--prefill", prefill.url, "--decode",
+             decode.url, "--port", str(self.port)], stdout=self.out, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2):
+                    return
+            except (urllib.error.URLError, ConnectionError, OSError):
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"the proxy exited:\n{log.read_text()}")
+                time.sleep(0.5)
+        raise RuntimeError("the proxy did not start")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.out.close()
+
+
+def complete(url: str, prompt: str, max_tokens: int, extra: Optional[Dict[str, Any]] = None,
+             timeout: float = 300.0) -> Dict[str, Any]:
+    """A greedy completion; raises urllib.error.HTTPError on an error status."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, **(extra or {})}
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def prompts(n: int, words: int, seed: int = 0) -> List[str]:
+    """``n`` distinct prompts of about ``words`` words each (no two share a first block)."""
+    import random
+
+    vocab = ("prefill decode block layer cache memory token value key transfer engine host device "
+             "request answer number one two three four five six seven eight nine ten").split()
+    rng = random.Random(seed)
+    return [f"{i} " + " ".join(rng.choice(vocab) for _ in range(words)) for i in range(n)]
+
+
+if __name__ == "__main__":
+    sys.exit("tests/vllm_serving.py is a helper of tests/test_vllm.py and bench/vllm_pd.py")
