@@ -90,6 +90,15 @@ def test_pd_output_equals_a_single_instances_and_the_prompt_is_loaded_not_comput
     if name == "freight":
         log = decode.text()
         assert "freight connector: connected to prefill worker" in log and "transport" in log, decode.tail()
+        # The connector's own numbers reach vLLM's Prometheus metrics.
+        metrics = decode.metrics()
+
+        def total(prefix: str) -> float:
+            return sum(v for k, v in metrics.items() if k.startswith(prefix))
+
+        assert total("vllm:freight_xfer_time_seconds_count") >= len(texts), metrics
+        assert total("vllm:freight_bytes_transferred_sum") >= len(texts) * PROMPT_WORDS * 1024, metrics
+        assert total("vllm:freight_handshake_seconds_count") >= 1, metrics
 
 
 @pytest.mark.timeout(600)

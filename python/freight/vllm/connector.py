@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from .config import Settings
 from .scheduler import SchedulerSide
+from .stats import FreightPromMetrics, FreightStats
 from .worker import WorkerSide
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -95,6 +96,19 @@ class FreightConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().take_load_errors()
+
+    def get_kv_connector_stats(self) -> Optional[FreightStats]:
+        # vLLM asks the scheduler's connector too; it records nothing.
+        return self._worker.take_stats() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[dict] = None) -> FreightStats:
+        return FreightStats(data=data) if data is not None else FreightStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict, labelnames: list,
+                           per_engine_labelvalues: dict) -> FreightPromMetrics:
+        return FreightPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -26,6 +26,7 @@ from .config import Settings
 from .layout import Geometry, LayerBlocks, block_descs, dim_order, layer_blocks, mismatches, regions
 from .params import Handoff, Place, done_message, parse_done
 from .scheduler import FreightMetadata, WorkerHandshake
+from .stats import FreightStats
 
 # A child of vLLM's logger: its messages come out with vLLM's, in its format.
 log = logging.getLogger("vllm.freight")
@@ -55,6 +56,7 @@ class WorkerSide:
         self.holding: Dict[str, float] = {}
         self.acked: Dict[str, float] = {}
         self.seen_meta: Optional[int] = None
+        self.stats = FreightStats()
 
     # ------------------------------------------------------------------ start
 
@@ -134,6 +136,7 @@ class WorkerSide:
                           request_id, e)
                 self.load_errors.update(load.local_blocks)
                 self.read_done.add(request_id)
+                self.stats.record_failure()
 
     def _read(self, request_id: str, local: List[int], handoff: Handoff) -> None:
         assert self.agent is not None and self.geometry is not None
@@ -176,9 +179,11 @@ class WorkerSide:
         if name != place.agent_name:
             raise freight.InvalidArgumentError(
                 f"{place.agent_address} is agent {name!r}, not the prefill worker {place.agent_name!r}")
+        took = time.monotonic() - started
+        self.stats.record_handshake(took)
         path = self.agent.path_to(name)
         log.info("freight connector: connected to prefill worker %s at %s in %.1f ms; transport %s (%s)",
-                 name, place.agent_address, (time.monotonic() - started) * 1e3, path.transport, path.reason)
+                 name, place.agent_address, took * 1e3, path.transport, path.reason)
         self.peers[place.agent_address] = name
         return name
 
@@ -189,7 +194,8 @@ class WorkerSide:
 
     def _received(self) -> Set[str]:
         done, self.read_done = self.read_done, set()
-        for request_id, (request, local, _posted) in list(self.reading.items()):
+        now = time.monotonic()
+        for request_id, (request, local, posted) in list(self.reading.items()):
             status = request.status()
             if status == "PENDING":
                 continue
@@ -197,6 +203,9 @@ class WorkerSide:
             if status == "ERROR":
                 log.error("freight connector: reading request %s's KV failed: %s", request_id, request.error)
                 self.load_errors.update(local)
+                self.stats.record_failure()
+            else:
+                self.stats.record_transfer(now - posted, request.nbytes)
             done.add(request_id)
         return done
 
@@ -222,6 +231,13 @@ class WorkerSide:
             if now - at > EARLY_ACK_SECONDS:
                 del self.acked[request_id]
         return done
+
+    def take_stats(self) -> Optional[FreightStats]:
+        """What was recorded since the last call (None: nothing)."""
+        if self.stats.is_empty():
+            return None
+        taken, self.stats = self.stats, FreightStats()
+        return taken
 
     def take_load_errors(self) -> Set[int]:
         errors, self.load_errors = self.load_errors, set()
