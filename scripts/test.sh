@@ -65,13 +65,17 @@ record cargo-test $?
 
 # vLLM for CPUs, for the vLLM connector's tests (tests/test_vllm.py): built once and
 # cached outside the checkout (scripts/vllm-env.sh), so later runs take it as it is.
-say "vllm virtualenv"
+# The newest supported vLLM runs every vLLM test; the older one (the GPU machines'
+# torch) the P/D comparisons, after the main run.
+say "vllm virtualenvs"
 if FREIGHT_VLLM_VENV="$(bash "$ROOT/scripts/vllm-env.sh")"; then
     export FREIGHT_VLLM_VENV
     record vllm-env 0
 else
     record vllm-env 1
 fi
+OLDER_VLLM_VENV="$(bash "$ROOT/scripts/vllm-env.sh" 0.26.0)"
+record vllm-env-0.26 $?
 
 say "pytest"
 "$ROOT/.venv/bin/python" -m pytest -q tests
@@ -80,6 +84,12 @@ if [ "$rc" -eq 5 ]; then
     say "pytest collected no tests: treating as failure"
 fi
 record pytest "$rc"
+
+if [ -n "$OLDER_VLLM_VENV" ]; then
+    say "pytest: P/D with vLLM 0.26"
+    FREIGHT_VLLM_VENV="$OLDER_VLLM_VENV" "$ROOT/.venv/bin/python" -m pytest -q tests/test_vllm.py -k pd_output
+    record pytest-vllm-0.26 $?
+fi
 
 summary
 exit "$failed"

@@ -88,6 +88,12 @@ say "torch $TORCH from PyPI, then vLLM's other requirements"
 "${PIP[@]}" install "torch==$TORCH"
 "${PIP[@]}" install -r "$WORK/requirements.txt" -c "$WORK/constraints.txt"
 "${PIP[@]}" install --no-deps "$WHEEL"
+# pip may pick a torchaudio built for another torch (it names none); that one fails to
+# load (transformers imports it), so take the one of this torch's version.
+if ! "$VENV/bin/python" -c 'import torchaudio' >/dev/null 2>&1; then
+    say "torchaudio does not load with torch $TORCH: installing torchaudio $TORCH"
+    "${PIP[@]}" install --no-deps "torchaudio==$TORCH"
+fi
 "${PIP[@]}" install -c "$WORK/constraints.txt" "nixl==$NIXL_VERSION" "nixl-cu13==$NIXL_VERSION" tokenizers pytest
 
 # The stand-in distribution named `vllm`.

@@ -7,11 +7,11 @@ from its cache, and names it in FREIGHT_VLLM_VENV); skipped, saying so, without 
 
 from __future__ import annotations
 
-import json
 import subprocess
+import time
 import urllib.error
 from pathlib import Path
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, Tuple
 
 import pytest
 
@@ -129,7 +129,9 @@ def test_a_prefill_instance_killed_mid_request_fails_that_request_and_the_decode
 @pytest.mark.timeout(600)
 def test_a_decode_instance_of_another_model_is_refused_naming_both_values(model, logs, tmp_path):
     other = make_model(tmp_path / "three-layers", layers=3)
-    prefill = vs.Instance(other, logs / "mismatch-prefill.log", "freight", "kv_producer").wait_ready()
+    # A short lease, for blocks that nobody asks for.
+    prefill = vs.Instance(other, logs / "mismatch-prefill.log", "freight", "kv_producer",
+                          extra={"lease_seconds": 3}).wait_ready()
     decode = vs.Instance(model, logs / "mismatch-decode.log", "freight", "kv_consumer").wait_ready()
     try:
         text = vs.prompts(1, PROMPT_WORDS, seed=9)[0]
@@ -139,6 +141,18 @@ def test_a_decode_instance_of_another_model_is_refused_naming_both_values(model,
             vs.complete(decode.url, text, ANSWER_TOKENS, {"kv_transfer_params": params})
         log = decode.text()
         assert "does not match" in log and "num_layers: prefill 3, decode 2" in log, decode.tail()
+        # The refused request tells the prefill instance to let its blocks go; blocks
+        # handed out for a request that never reaches a decode instance go when
+        # their lease ends.
+        vs.complete(prefill.url, vs.prompts(1, PROMPT_WORDS, seed=10)[0], 1,
+                    {"kv_transfer_params": {"do_remote_decode": True}})
+        deadline = time.monotonic() + 60
+        while "no decode instance read request" not in prefill.text():
+            assert time.monotonic() < deadline, prefill.tail()
+            time.sleep(1)
+        usage = {k: v for k, v in prefill.metrics().items() if k.startswith("vllm:kv_cache_usage_perc")}
+        assert usage and all(v == 0 for v in usage.values()), usage
+        assert vs.complete(prefill.url, text, ANSWER_TOKENS)["choices"][0]["text"]
     finally:
         prefill.stop()
         decode.stop()

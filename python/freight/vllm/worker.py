@@ -17,7 +17,6 @@ import os
 import time
 from typing import Any, Dict, List, Optional, Set, Tuple
 
-import numpy as np
 
 import freight
 from freight import AgentConfig, DescList
@@ -55,7 +54,8 @@ class WorkerSide:
         # Prefill side: requests whose blocks wait for a decode instance, and until when.
         self.holding: Dict[str, float] = {}
         self.acked: Dict[str, float] = {}
-        self.seen_meta: Optional[int] = None
+        # Whether this step's metadata was taken (vLLM calls start_load, then finished).
+        self.step_taken = False
         self.stats = FreightStats()
 
     # ------------------------------------------------------------------ start
@@ -114,11 +114,15 @@ class WorkerSide:
     # ------------------------------------------------------------- each step
 
     def start_load(self, meta: FreightMetadata) -> None:
-        if self.seen_meta == id(meta):
+        """Takes one step's metadata (once: ``finished`` takes it where vLLM did not
+        call this first)."""
+        if self.step_taken:
             return
-        self.seen_meta = id(meta)
+        self.step_taken = True
         now = time.monotonic()
         for request_id, lease in meta.sends.items():
+            log.debug("freight connector: holding request %s's blocks for a decode instance, %.0f s at most",
+                      request_id, lease)
             self.holding[request_id] = now + lease
         for request_id, load in meta.loads.items():
             try:
@@ -188,8 +192,10 @@ class WorkerSide:
         return name
 
     def finished(self, finished_req_ids: Set[str], meta: Optional[FreightMetadata]) -> Tuple[Set[str], Set[str]]:
+        """The end of a step: what was sent and received since the last one."""
         if meta is not None:
             self.start_load(meta)
+        self.step_taken = False
         return self._sent(), self._received()
 
     def _received(self) -> Set[str]:
