@@ -739,6 +739,19 @@ mod tests {
                 eprintln!("skipped: {ETCD} is missing");
                 return None;
             }
+            // The ports are free when picked, not when etcd binds them: a test running
+            // beside this one may take one meanwhile, and this etcd then exits (while
+            // the other one answers on the port). Another pair, then.
+            for _ in 0..5 {
+                if let Some(etcd) = Etcd::try_start() {
+                    return Some(etcd);
+                }
+            }
+            panic!("etcd did not start on any of 5 pairs of ports");
+        }
+
+        /// An etcd on ports picked now; `None` if it exited instead of serving them.
+        fn try_start() -> Option<Etcd> {
             let port = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
             let (client, peer) = (port(), port());
             let url = format!("http://127.0.0.1:{client}");
@@ -758,13 +771,23 @@ mod tests {
                 .stderr(std::process::Stdio::null())
                 .spawn()
                 .unwrap();
-            let etcd = Etcd { child, url, dir };
+            let mut etcd = Etcd { child, url, dir };
             let deadline = Instant::now() + Duration::from_secs(20);
             while std::net::TcpStream::connect(("127.0.0.1", client)).is_err() {
+                if etcd.exited() {
+                    return None;
+                }
                 assert!(Instant::now() < deadline, "etcd did not listen");
                 std::thread::sleep(Duration::from_millis(50));
             }
-            Some(etcd)
+            // A listener on the port is not proof that it is this etcd's: still alive
+            // a moment later, it is.
+            std::thread::sleep(Duration::from_millis(200));
+            (!etcd.exited()).then_some(etcd)
+        }
+
+        fn exited(&mut self) -> bool {
+            !matches!(self.child.try_wait(), Ok(None))
         }
 
         fn config(&self) -> EtcdConfig {
