@@ -13,7 +13,8 @@
 # stream benchmarks (scripts/stream-bench.sh), ONLY=... picks some of them; P2P=0 skips
 # the two-GPU transfer benchmarks (for a one-GPU machine); EP=0 skips the expert-parallel
 # benchmarks (run with 2 and 4 ranks where there are that many GPUs); TESTS=expr runs the
-# GPU tests that pytest -k expr selects, GPU_TESTS=0 none of them (benchmarks only).
+# GPU tests that pytest -k expr selects, GPU_TESTS=0 none of them (benchmarks only); VLLM=0
+# skips the vLLM connector benchmark (bench/vllm_gpu.py); KV=0 the KV server benchmarks.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-build/gpu-results}"
@@ -47,7 +48,7 @@ tests_rc=0
 if [ "${GPU_TESTS:-1}" = 1 ]; then
     log "GPU tests"
     # The KV client's tests that need PyTorch or a large memory run here too.
-    (cd tests && "$PY" -m pytest -q -rfs -p no:cacheprovider ${TESTS:+-k "$TESTS"} test_gpu.py test_ep.py \
+    (cd tests && "$PY" -m pytest -q -rfs -p no:cacheprovider ${TESTS:+-k "$TESTS"} test_gpu.py test_ep.py test_vllm_gpu.py \
         test_py_kv.py::test_torch_tensors_go_in_and_come_out_on_the_cpu_and_a_gpu \
         test_py_kv.py::test_a_value_larger_than_a_gigabyte_round_trips) 2>&1 | tee "$OUT/tests.log"
     tests_rc=${PIPESTATUS[0]}
@@ -118,8 +119,16 @@ if [ "${KV:-1}" = 1 ]; then
     bench_done "${PIPESTATUS[0]}" kv_gpu
 fi
 
+# FreightConnector's worker path (KV caches as vLLM lays them on GPUs) beside freight's
+# raw cuda transfer, two processes on GPU 0. VLLM=0 skips it.
+if [ "${VLLM:-1}" = 1 ]; then
+    log "vLLM connector worker path beside raw cuda"
+    timeout 300 "$PY" bench/vllm_gpu.py --machine "$machine" --out "$OUT/vllm_gpu.json" 2>&1 | tee "$OUT/vllm_gpu.log"
+    bench_done "${PIPESTATUS[0]}" vllm_gpu
+fi
+
 [ "${STREAM:-1}" = 1 ] && sed -n "/^. benchmark/,\$p" "$OUT/stream.log"
-for f in kv kv_gpu ep; do [ -f "$OUT/$f.log" ] && grep "^|" "$OUT/$f.log"; done
+for f in kv kv_gpu ep vllm_gpu; do [ -f "$OUT/$f.log" ] && grep "^|" "$OUT/$f.log"; done
 if [ "${P2P:-1}" = 1 ]; then
     "$PY" bench/gpu_report.py --freight "$OUT/freight.json" ${nixl_json:+--nixl "$nixl_json"} \
         --ceilings "$OUT/ceilings.json" --out-md "$OUT/report.md" --plot "$OUT/gpu.png" --machine "$machine"

@@ -87,7 +87,7 @@ record pytest "$rc"
 
 if [ -n "$OLDER_VLLM_VENV" ]; then
     say "pytest: P/D with vLLM 0.26"
-    FREIGHT_VLLM_VENV="$OLDER_VLLM_VENV" "$ROOT/.venv/bin/python" -m pytest -q tests/test_vllm.py -k pd_output
+    FREIGHT_VLLM_VENV="$OLDER_VLLM_VENV" "$ROOT/.venv/bin/python" -m pytest -q tests/test_vllm.py -k "pd_output and freight"
     record pytest-vllm-0.26 $?
 fi
 

@@ -43,6 +43,9 @@ args = json.loads(sys.argv[1])
 agent = freight.Agent(args["name"], freight.AgentConfig(**args.get("config", {})))
 size = args["size"]
 buf = agent.alloc(size) if args.get("shm", True) else np.zeros(size, dtype=np.uint8)
+if "seed" in args:
+    buf[:] = pattern(args["seed"], size)
+segment = agent.share_in_place(buf) if args.get("share_in_place") else None
 key = agent.register(buf)
 listen = agent.listen("127.0.0.1:0") if args.get("listen") else None
 directory = None
@@ -251,6 +254,70 @@ def test_write_with_notification_then_read_back(spawn, initiator, transport, exc
     np.testing.assert_array_equal(dst, pattern(2, size))
     assert req.transport == transport
     t.stop()
+
+
+@pytest.mark.timeout(120)
+def test_private_memory_shared_in_place_keeps_its_bytes_and_is_reached_through_shm(spawn, initiator):
+    """A target's ordinary numpy array (private memory, as a vLLM CPU KV cache is)
+    becomes shm-reachable in place: what it held before is read back through shm, and
+    the target sees through its own, unchanged array what the initiator writes."""
+    agent, inbox = initiator("shm")
+    size = (8 << 20) + 123  # neither the start nor the end need fall on a page
+    private = Target(spawn, agent, inbox, "private", size, shm=False, seed=3)
+    private.add()
+    dst = np.zeros(size, dtype=np.uint8)
+    agent.register(dst)
+    # Without it, the array is private memory: the shm path cannot reach it.
+    with pytest.raises(freight.FreightError):
+        agent.transfer("READ", [dst], "private", [(private.addr, size, 0)]).wait(TIMEOUT)
+    private.stop()
+
+    t = Target(spawn, agent, inbox, "in-place", size, shm=False, seed=3, share_in_place=True)
+    t.add()
+    info = freight.inspect_metadata(t.md)
+    assert [(r["addr"], r["length"], r["shared"]) for r in info["regions"]] == [(t.addr, size, True)]
+    req = agent.transfer("READ", [dst], "in-place", [(t.addr, size, 0)])
+    req.wait(TIMEOUT)
+    assert req.transport == "shm"
+    np.testing.assert_array_equal(dst, pattern(3, size))
+    src = agent.alloc(size)
+    agent.register(src)
+    src[:] = pattern(4, size)
+    rid, msg = t.check_msg(0, size, seed=4)
+    agent.transfer("WRITE", [src], "in-place", [(t.addr, size, 0)], notif=msg).wait(TIMEOUT)
+    assert inbox.reply("in-place", rid)["ok"]
+    t.stop()
+
+
+def test_share_in_place_refuses_what_it_cannot_share_and_keeps_what_it_shares():
+    with freight.Agent("sharer") as a:
+        buf = np.arange(3 << 20, dtype=np.uint32).view(np.uint8)
+        want = buf.copy()
+        seg = a.share_in_place(buf)
+        assert isinstance(seg, freight.SharedSegment) and seg.addr <= buf.ctypes.data
+        assert seg.addr + seg.nbytes >= buf.ctypes.data + buf.nbytes and seg.nbytes % 4096 == 0
+        np.testing.assert_array_equal(buf, want)
+        buf[7] = 99  # still ordinary memory to this process
+        assert buf[7] == 99
+        # Shared already: the same segment.
+        assert a.share_in_place(buf[4096:8192]).id == seg.id
+        shm = a.alloc(1 << 20)
+        assert a.share_in_place(shm).id == shm.base.id
+        # Partly inside a shared segment: refused, naming it.
+        beside = np.zeros(8 << 20, dtype=np.uint8)
+        half = a.share_in_place(beside[: 4 << 20])  # kept: dropped, it would end
+        with pytest.raises(freight.InvalidArgumentError, match="overlaps the shared segment"):
+            a.share_in_place(beside[(4 << 20) - 16:])
+        del half
+        with pytest.raises(freight.InvalidArgumentError, match="not mapped"):
+            a.share_in_place((4096, 4096, 0))
+        with pytest.raises(freight.InvalidArgumentError):
+            a.share_in_place(b"read-only bytes" * 1000)
+        # The segment outlives the handle while a region in it is registered.
+        key = a.register(buf)
+        del seg
+        assert a.registered_regions == 1
+        a.deregister(key)
 
 
 # --------------------------------------------------------------------------- many requests, reposts

@@ -11,7 +11,7 @@ import subprocess
 import time
 import urllib.error
 from pathlib import Path
-from typing import Dict, Iterator, Tuple
+from typing import Dict, Iterator, Optional
 
 import pytest
 
@@ -51,29 +51,51 @@ def by_source(metrics: Dict[str, float]) -> Dict[str, float]:
     return out
 
 
-@pytest.fixture(scope="module", params=["freight", "nixl"])
-def pd(request, model, logs) -> Iterator[Tuple[str, vs.Instance, vs.Instance, vs.ProxyProcess]]:
+class PD:
     """A prefill and a decode instance with one connector, and the proxy before them."""
-    name = request.param
-    prefill = vs.Instance(model, logs / f"{name}-prefill.log", name, "kv_producer")
-    decode = vs.Instance(model, logs / f"{name}-decode.log", name, "kv_consumer")
-    try:
-        prefill.wait_ready()
-        decode.wait_ready()
-        proxy = vs.ProxyProcess(prefill, decode, logs / f"{name}-proxy.log")
-    except Exception:
-        prefill.stop()
-        decode.stop()
-        raise
-    yield name, prefill, decode, proxy
-    proxy.stop()
-    prefill.stop()
-    decode.stop()
+
+    def __init__(self, model: Path, logs: Path, name: str, decode_extra: Optional[Dict[str, object]] = None) -> None:
+        self.name = name
+        self.prefill = vs.Instance(model, logs / f"{name}-prefill.log", name, "kv_producer")
+        self.decode = vs.Instance(model, logs / f"{name}-decode.log", name, "kv_consumer", extra=decode_extra)
+        self.proxy: Optional[vs.ProxyProcess] = None
+        try:
+            self.prefill.wait_ready()
+            self.decode.wait_ready()
+            self.proxy = vs.ProxyProcess(self.prefill, self.decode, logs / f"{name}-proxy.log")
+        except Exception:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        if self.proxy is not None:
+            self.proxy.stop()
+        self.prefill.stop()
+        self.decode.stop()
+
+
+@pytest.fixture(scope="module")
+def freight_pd(model, logs) -> Iterator[PD]:
+    """One FreightConnector pair for the module's tests (a vLLM instance takes most of
+    a minute to start on two cores); the last test kills its prefill instance."""
+    pd = PD(model, logs, "freight", decode_extra={"connect_timeout": 5})
+    yield pd
+    pd.stop()
+
+
+@pytest.fixture
+def nixl_pd(model, logs) -> Iterator[PD]:
+    pd = PD(model, logs, "nixl")
+    yield pd
+    pd.stop()
 
 
 @pytest.mark.timeout(900)
-def test_pd_output_equals_a_single_instances_and_the_prompt_is_loaded_not_computed(pd):
-    name, prefill, decode, proxy = pd
+@pytest.mark.parametrize("connector", ["freight", "nixl"])
+def test_pd_output_equals_a_single_instances_and_the_prompt_is_loaded_not_computed(connector, request):
+    pd: PD = request.getfixturevalue(f"{connector}_pd")
+    name, prefill, decode, proxy = pd.name, pd.prefill, pd.decode, pd.proxy
+    assert proxy is not None
     texts = vs.prompts(4, PROMPT_WORDS, seed=1)
     before = by_source(decode.metrics())
     got = [vs.complete(proxy.url, t, ANSWER_TOKENS)["choices"][0]["text"] for t in texts]
@@ -89,7 +111,9 @@ def test_pd_output_equals_a_single_instances_and_the_prompt_is_loaded_not_comput
     assert local <= len(texts), f"{name}: the decode instance computed {local} prompt tokens itself"
     if name == "freight":
         log = decode.text()
-        assert "freight connector: connected to prefill worker" in log and "transport" in log, decode.tail()
+        assert "freight connector: connected to prefill worker" in log, decode.tail()
+        # Both on this host, the KV cache shared in place: shm, not tcp.
+        assert "transport shm" in log, decode.tail()
         # The connector's own numbers reach vLLM's Prometheus metrics.
         metrics = decode.metrics()
 
@@ -102,37 +126,12 @@ def test_pd_output_equals_a_single_instances_and_the_prompt_is_loaded_not_comput
 
 
 @pytest.mark.timeout(600)
-def test_a_prefill_instance_killed_mid_request_fails_that_request_and_the_decode_instance_serves_on(model, logs):
-    prefill = vs.Instance(model, logs / "killed-prefill.log", "freight", "kv_producer").wait_ready()
-    decode = vs.Instance(model, logs / "killed-decode.log", "freight", "kv_consumer",
-                         extra={"connect_timeout": 5}).wait_ready()
-    try:
-        text = vs.prompts(1, PROMPT_WORDS, seed=7)[0]
-        # The proxy's first half: the prefill instance computes the prompt and says
-        # where its KV is; then it dies before the decode instance reads it.
-        first = vs.complete(prefill.url, text, 1, {"kv_transfer_params": {"do_remote_decode": True}})
-        params = first["kv_transfer_params"]
-        assert params["do_remote_prefill"] and params["freight"]["ranks"], params
-        prefill.kill()
-        with pytest.raises(urllib.error.HTTPError) as failed:
-            vs.complete(decode.url, text, ANSWER_TOKENS, {"kv_transfer_params": params})
-        assert failed.value.code >= 400
-        assert "cannot load its KV" in decode.text() or "reading request" in decode.text(), decode.tail()
-        # Later requests are served, with the prompt computed here.
-        later = vs.complete(decode.url, vs.prompts(1, 40, seed=8)[0], ANSWER_TOKENS)
-        assert later["choices"][0]["text"]
-    finally:
-        prefill.stop()
-        decode.stop()
-
-
-@pytest.mark.timeout(600)
-def test_a_decode_instance_of_another_model_is_refused_naming_both_values(model, logs, tmp_path):
+def test_a_decode_instance_of_another_model_is_refused_naming_both_values(freight_pd, logs, tmp_path):
     other = make_model(tmp_path / "three-layers", layers=3)
     # A short lease, for blocks that nobody asks for.
     prefill = vs.Instance(other, logs / "mismatch-prefill.log", "freight", "kv_producer",
                           extra={"lease_seconds": 3}).wait_ready()
-    decode = vs.Instance(model, logs / "mismatch-decode.log", "freight", "kv_consumer").wait_ready()
+    decode = freight_pd.decode
     try:
         text = vs.prompts(1, PROMPT_WORDS, seed=9)[0]
         params = vs.complete(prefill.url, text, 1, {"kv_transfer_params": {"do_remote_decode": True}})[
@@ -155,4 +154,23 @@ def test_a_decode_instance_of_another_model_is_refused_naming_both_values(model,
         assert vs.complete(prefill.url, text, ANSWER_TOKENS)["choices"][0]["text"]
     finally:
         prefill.stop()
-        decode.stop()
+
+
+@pytest.mark.timeout(600)
+def test_a_prefill_instance_killed_mid_request_fails_that_request_and_the_decode_instance_serves_on(freight_pd):
+    # Last of the module: it kills the shared pair's prefill instance.
+    prefill, decode = freight_pd.prefill, freight_pd.decode
+    text = vs.prompts(1, PROMPT_WORDS, seed=7)[0]
+    # The proxy's first half: the prefill instance computes the prompt and says where
+    # its KV is; then it dies before the decode instance reads it.
+    first = vs.complete(prefill.url, text, 1, {"kv_transfer_params": {"do_remote_decode": True}})
+    params = first["kv_transfer_params"]
+    assert params["do_remote_prefill"] and params["freight"]["ranks"], params
+    prefill.kill()
+    with pytest.raises(urllib.error.HTTPError) as failed:
+        vs.complete(decode.url, text, ANSWER_TOKENS, {"kv_transfer_params": params})
+    assert failed.value.code >= 400
+    assert "cannot load its KV" in decode.text() or "reading request" in decode.text(), decode.tail()
+    # Later requests are served, with the prompt computed here.
+    later = vs.complete(decode.url, vs.prompts(1, 40, seed=8)[0], ANSWER_TOKENS)
+    assert later["choices"][0]["text"]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import freight
-from freight.vllm.layout import Geometry, block_descs, dim_order, layer_blocks, mismatches, regions
+from freight.vllm.layout import Geometry, block_descs, dim_order, layer_blocks, mismatches, page_spans, regions
 from freight.vllm.params import Handoff, Place, done_message, parse_done
 
 # A CPU layer: [num_blocks, kv_heads, block_size, 2 * head_size] of bf16.
@@ -31,11 +31,23 @@ def test_a_dense_layer_is_one_run_of_bytes_per_block():
     assert dim_order((4 * 32 * 128, 128, 4 * 128, 1)) == (0, 2, 1, 3)
 
 
+def test_a_cross_layer_layout_has_blocks_further_apart_than_their_size():
+    # vLLM's BLNHC: block b of all 3 layers side by side, each layer a view at its offset.
+    block = 4 * 32 * 128
+    strides = (3 * block, 128, 4 * 128, 1)
+    layers = [layer_blocks(f"l{i}", 0x100000 + i * block * 2, (10, 4, 32, 128), strides, 2) for i in range(3)]
+    assert [(l.stride, l.block_bytes) for l in layers] == [(3 * block * 2, block * 2)] * 3
+    assert regions(layers) == [(0x100000, 30 * block * 2)]
+    rows = block_descs(layers, [2])
+    assert rows[:, 0].tolist() == [0x100000 + 2 * 3 * block * 2 + i * block * 2 for i in range(3)]
+
+
 @pytest.mark.parametrize("shape,strides", [
     ((10, 4, 32, 128), (1, 10, 40, 1280)),          # blocks innermost
     ((2, 10, 4, 32, 64), (10 * 4 * 32 * 64, 4 * 32 * 64, 32 * 64, 64, 1)),  # [2, blocks, ...]: K and V apart
     ((10,), (1,)),
-], ids=["blocks-innermost", "k-and-v-apart", "one-dimension"])
+    ((10, 4, 32, 128), (32 * 128, 10 * 32 * 128, 128, 1)),  # heads outside blocks (vLLM's LHBNC)
+], ids=["blocks-innermost", "k-and-v-apart", "one-dimension", "heads-outside-blocks"])
 def test_a_layer_whose_blocks_are_not_one_run_is_refused_by_name(shape, strides):
     with pytest.raises(freight.InvalidArgumentError, match="KV cache bad"):
         layer_blocks("bad", 0, shape, strides, 2, num_blocks=10)
@@ -85,3 +97,11 @@ def test_params_round_trip_and_anything_else_is_a_clear_error():
         Handoff.from_params({**params, "freight": {**params["freight"], "geometry": {"model": "x"}}})
     assert parse_done(done_message("cmpl-1")) == "cmpl-1"
     assert parse_done(b"something else") is None and parse_done(b"freight-vllm done \xff") is None
+
+
+def test_spans_that_meet_inside_a_page_are_shared_as_one_run_of_whole_pages():
+    # Two allocations a few bytes apart (one heap page holds the end of the first and
+    # the start of the second), and a third far away.
+    spans = [(0x10040, 0x3000), (0x13080, 0x1000), (0x40010, 0x10)]
+    assert page_spans(spans) == [(0x10000, 0x5000), (0x40000, 0x1000)]
+    assert page_spans([(0x2000, 0x1000)]) == [(0x2000, 0x1000)]

@@ -130,9 +130,34 @@ class Instance:
         self.out.close()
 
     def kill(self) -> None:
+        """SIGKILL to the instance's processes, and back once every one of them is dead
+        (its workers too, which tear down gigabytes of memory before they close their
+        sockets): only then do its peers learn of it at once."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while living(self.proc.pid):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"processes of group {self.proc.pid} still alive 30 s after SIGKILL")
+            time.sleep(0.05)
+
+
+def living(group: int) -> List[int]:
+    """The processes of process group ``group`` that are not dead (zombies are)."""
+    alive = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid pgrp ...: comm may hold spaces and parentheses.
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[2]) == group and fields[0] not in ("Z", "X"):
+            alive.append(int(entry.name))
+    return alive
 
 
 class ProxyProcess:

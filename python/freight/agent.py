@@ -18,6 +18,7 @@ Request = _native.Request
 PreparedLocal = _native.PreparedLocal
 PreparedRemote = _native.PreparedRemote
 EtcdDirectory = _native.EtcdDirectory
+SharedSegment = _native.SharedSegment
 
 BytesLike = Union[bytes, bytearray, memoryview, str]
 
@@ -136,6 +137,24 @@ class Agent:
         if nbytes <= 0:
             raise InvalidArgumentError(f"nbytes must be positive, got {nbytes}")
         return self._core.alloc(int(nbytes))
+
+    def share_in_place(self, obj: Any) -> SharedSegment:
+        """Makes host memory this process already has (a CPU tensor, a numpy array, any
+        writable buffer, or an ``(addr, length, 0)`` tuple) reachable by same-host peers
+        through shm, without moving it: its pages become pages of a shared segment at
+        the same addresses, bytes kept, so every pointer and view into it stays valid.
+        Register it afterwards (:meth:`register`); the segment lasts while the returned
+        :class:`freight.SharedSegment` or a region registered in it lives.
+
+        Whole pages are shared, so the bytes around the range in its first and last page
+        go with it: use it for memory that owns its pages (a large allocation; a vLLM KV
+        cache). Call it while nothing writes the memory. Memory already inside a shared
+        segment gets that segment. Raises :class:`freight.InvalidArgumentError` for
+        memory that is not private writable host memory of this process (file-backed,
+        read-only, GPU memory, unmapped) or that lies partly in a shared segment.
+        """
+        r = describe(obj, "DRAM", readonly_ok=False)
+        return self._core.share_in_place(r.addr, r.length)
 
     def register(self, obj: Any, kind: Optional[str] = None, *, readonly_ok: bool = False) -> int:
         """Registers memory so that transfers (local and remote) may touch it; returns

@@ -340,6 +340,13 @@ impl Agent {
         SharedSegment::allocate(len)
     }
 
+    /// Makes host memory this process already has reachable through shm, in place
+    /// (see [`SharedSegment::share_in_place`]); register it afterwards. The segment
+    /// lasts as long as the returned handle or a region registered in it.
+    pub fn share_in_place(&self, addr: u64, len: u64) -> Result<Arc<SharedSegment>> {
+        SharedSegment::share_in_place(addr, len)
+    }
+
     // -- metadata and peers ----------------------------------------------------------
 
     /// This agent's metadata, for peers: its addresses and its public regions (private
@@ -876,6 +883,10 @@ impl Request {
     }
     pub fn status(&self) -> Status {
         self.tracker.status()
+    }
+    /// How long the last round took, posted to done or failed (`None` while pending).
+    pub fn duration(&self) -> Option<Duration> {
+        self.tracker.duration()
     }
     /// Waits until done or failed, or `timeout` (then the status is still `Pending`).
     pub fn wait(&self, timeout: Option<Duration>) -> Status {

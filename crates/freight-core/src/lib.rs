@@ -12,6 +12,7 @@ pub mod desc;
 pub mod error;
 pub mod exchange;
 pub mod interrupt;
+mod maps;
 pub mod memory;
 pub mod metadata;
 pub mod notify;

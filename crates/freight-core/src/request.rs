@@ -41,6 +41,9 @@ struct State {
     first_error: Option<Error>,
     finisher: Option<Finisher>,
     on_settled: Option<SettledHook>,
+    /// When the current round began and when it became final.
+    began: Option<Instant>,
+    ended: Option<Instant>,
 }
 
 /// How long `wait` polls before it sleeps (see [`crate::poll`]): copies of a few hundred
@@ -70,6 +73,8 @@ impl Tracker {
                 first_error: None,
                 finisher: None,
                 on_settled: None,
+                began: None,
+                ended: None,
             }),
             cv: Condvar::new(),
             settled: AtomicBool::new(true),
@@ -86,6 +91,8 @@ impl Tracker {
             return Err(Error::InvalidState("a round needs at least one part".into()));
         }
         st.status = Status::Pending;
+        st.began = Some(Instant::now());
+        st.ended = None;
         self.settled.store(false, Ordering::Release);
         st.remaining = parts;
         st.first_error = None;
@@ -148,6 +155,7 @@ impl Tracker {
         let hook = {
             let mut st = self.state.lock();
             st.status = status;
+            st.ended = Some(Instant::now());
             self.settled.store(true, Ordering::Release);
             self.cv.notify_all();
             st.on_settled.take()
@@ -180,6 +188,13 @@ impl Tracker {
 
     pub fn status(&self) -> Status {
         self.state.lock().status.clone()
+    }
+
+    /// How long the last round took, from its start to its status becoming final
+    /// (`None` while it is pending, or before the first round).
+    pub fn duration(&self) -> Option<Duration> {
+        let st = self.state.lock();
+        Some(st.ended?.saturating_duration_since(st.began?))
     }
 
     /// Blocks until the round is final or `timeout` passes (then returns `Pending`).
@@ -244,6 +259,25 @@ mod tests {
         // Set after the round settled: runs at once.
         t.on_settled(hook(&t, &runs));
         assert_eq!(runs.load(Ordering::SeqCst), 3);
+    }
+
+    #[test]
+    fn a_rounds_duration_runs_from_its_start_to_its_end_and_is_none_meanwhile() {
+        let t = Tracker::new();
+        assert_eq!(t.duration(), None);
+        t.begin(1, Box::new(|r| r)).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        assert_eq!(t.duration(), None, "pending");
+        t.finish_part(Ok(()));
+        let first = t.duration().unwrap();
+        assert!(first >= Duration::from_millis(20) && first < Duration::from_secs(5), "{first:?}");
+        std::thread::sleep(Duration::from_millis(30));
+        assert_eq!(t.duration(), Some(first), "the clock stops when the round ends");
+        // A new round starts its own clock.
+        t.begin(1, Box::new(|r| r)).unwrap();
+        assert_eq!(t.duration(), None);
+        t.finish_part(Err(Error::Io("lost".into())));
+        assert!(t.duration().unwrap() < first);
     }
 
     #[test]

@@ -307,6 +307,14 @@ impl PyAgent {
         Ok(array)
     }
 
+    /// Lays a shared segment under `[addr, addr + length)` of this process's host
+    /// memory, keeping its bytes and addresses, so that same-host peers reach it
+    /// through shm once it is registered; returns the segment (`freight.SharedSegment`).
+    fn share_in_place(&self, py: Python<'_>, addr: u64, length: u64) -> PyResult<PySharedSegment> {
+        let seg = py.detach(|| self.inner.share_in_place(addr, length)).or_raise()?;
+        Ok(PySharedSegment { seg })
+    }
+
     /// Registers `[addr, addr + length)` of `kind` on `device`; returns the region key.
     /// `keep` (any object) is held until the region is deregistered. `read_only`: no
     /// transfer may write it (peers only read it).

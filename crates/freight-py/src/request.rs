@@ -47,6 +47,13 @@ impl PyRequest {
         status_str(&self.inner.status())
     }
 
+    /// Seconds the last round took, from posting it to its status becoming final
+    /// ("DONE" or "ERROR"); None while it is pending or before it was first posted.
+    #[getter]
+    fn duration(&self) -> Option<f64> {
+        self.inner.duration().map(|d| d.as_secs_f64())
+    }
+
     /// The exception that failed the last round, or None.
     #[getter]
     fn error(&self) -> Option<PyErr> {

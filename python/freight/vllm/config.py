@@ -13,7 +13,7 @@ from ..errors import InvalidArgumentError
 # The token both instances' agents require and present (kept out of `ps`).
 TOKEN_ENV = "FREIGHT_VLLM_TOKEN"
 
-KNOWN = ("listen", "token", "lease_seconds", "connect_timeout")
+KNOWN = ("listen", "token", "lease_seconds", "connect_timeout", "share_host_memory")
 
 
 @dataclass(frozen=True)
@@ -24,13 +24,16 @@ class Settings:
     without one, any local process can reach the KV cache, see docs/vllm.md).
     ``lease_seconds``: how long a prefill instance keeps a finished request's blocks
     for a decode instance that has not read them (default 120). ``connect_timeout``:
-    seconds a decode worker waits for the prefill worker's listener (default 10)."""
+    seconds a decode worker waits for the prefill worker's listener (default 10).
+    ``share_host_memory``: lay shared memory under a KV cache in host memory, in place,
+    so that same-host instances read it through shm (default true; false: tcp)."""
 
     role: str
     listen: str = "127.0.0.1:0"
     token: Optional[str] = None
     lease_seconds: float = 120.0
     connect_timeout: float = 10.0
+    share_host_memory: bool = True
 
     @classmethod
     def from_extra(cls, role: str, extra: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> "Settings":
@@ -54,7 +57,11 @@ class Settings:
         listen = extra.get("listen", cls.listen)
         if not isinstance(listen, str) or ":" not in listen:
             raise InvalidArgumentError(f"listen {listen!r}: give HOST:PORT (port 0: any)")
-        return cls(role=role, listen=listen, token=token, lease_seconds=lease, connect_timeout=timeout)
+        share = extra.get("share_host_memory", cls.share_host_memory)
+        if not isinstance(share, bool):
+            raise InvalidArgumentError(f"share_host_memory {share!r}: give true or false")
+        return cls(role=role, listen=listen, token=token, lease_seconds=lease, connect_timeout=timeout,
+                   share_host_memory=share)
 
     @classmethod
     def from_vllm(cls, vllm_config: Any) -> "Settings":

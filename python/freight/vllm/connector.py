@@ -24,9 +24,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from .config import Settings
-from .scheduler import SchedulerSide
+from .scheduler import FreightMetadata, SchedulerSide, WorkerHandshake
 from .stats import FreightPromMetrics, FreightStats
-from .worker import WorkerSide
+from .worker import Instance, WorkerSide
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -44,12 +44,14 @@ class FreightConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         settings = Settings.from_vllm(vllm_config)
+        self._config = vllm_config
+        self._kv_cache_config = kv_cache_config
         self._scheduler: Optional[SchedulerSide] = None
         self._worker: Optional[WorkerSide] = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(vllm_config, settings)
         else:
-            self._worker = WorkerSide(vllm_config, settings, kv_cache_config)
+            self._worker = WorkerSide(settings)
 
     # ------------------------------------------------------------ scheduler side
 
@@ -71,13 +73,15 @@ class FreightConnector(KVConnectorBase_V1):
     # --------------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: "dict[str, torch.Tensor]") -> None:
-        self._work().register_kv_caches(kv_caches)
+        self._work().register_kv_caches(kv_caches, self._instance())
 
-    def get_handshake_metadata(self):
-        return self._work().handshake()
+    def get_handshake_metadata(self) -> WorkerHandshake:
+        place, geometry = self._work().handshake()
+        return WorkerHandshake(place=place.to_dict(), geometry=geometry.to_dict())
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self._work().start_load(self._get_connector_metadata())
+        meta = self._step()
+        self._work().start_load(meta.loads, meta.sends)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # Loads finish before the request is scheduled (they are asynchronous).
@@ -91,15 +95,18 @@ class FreightConnector(KVConnectorBase_V1):
         return None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
-        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
-        return self._work().finished(finished_req_ids, meta)
+        if self.has_connector_metadata():
+            meta = self._step()
+            return self._work().finished(meta.loads, meta.sends)
+        return self._work().finished()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().take_load_errors()
 
     def get_kv_connector_stats(self) -> Optional[FreightStats]:
         # vLLM asks the scheduler's connector too; it records nothing.
-        return self._worker.take_stats() if self._worker is not None else None
+        numbers = self._worker.take_stats() if self._worker is not None else None
+        return FreightStats(data=numbers.data) if numbers is not None else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: Optional[dict] = None) -> FreightStats:
@@ -115,6 +122,27 @@ class FreightConnector(KVConnectorBase_V1):
             self._worker.close()
 
     # ------------------------------------------------------------------ helpers
+
+    def _instance(self) -> Instance:
+        """This worker's instance, from vLLM's config."""
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        model, parallel = self._config.model_config, self._config.parallel_config
+        return Instance(
+            engine_id=str(self._config.kv_transfer_config.engine_id),
+            model=str(model.model),
+            block_size=int(self._config.cache_config.block_size),
+            kv_heads=int(model.get_num_kv_heads(parallel)),
+            head_size=int(model.get_head_size()),
+            tensor_parallel=int(parallel.tensor_parallel_size),
+            rank=int(get_tensor_model_parallel_rank()),
+            num_blocks=getattr(self._kv_cache_config, "num_blocks", None),
+        )
+
+    def _step(self) -> FreightMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, FreightMetadata), type(meta)
+        return meta
 
     def _sched(self) -> SchedulerSide:
         if self._scheduler is None:

@@ -37,10 +37,12 @@ def layer_blocks(name: str, data_ptr: int, shape: Sequence[int], strides: Sequen
     """A layer's blocks from its tensor's pointer, shape and strides (in elements).
 
     The tensor must hold each block densely (its inner dimensions, in whatever order,
-    fill ``strides[0]`` elements exactly): otherwise a block is not one run of bytes
-    and cannot move as one. ``num_blocks``, where known (vLLM's KV cache config says
-    it), must be the first dimension: a leading dimension of another meaning (K and V
-    apart, as older vLLM laid them) would look dense too."""
+    fill exactly as many elements as they hold): otherwise a block is not one run of
+    bytes and cannot move as one. Blocks may lie further apart than their size (vLLM's
+    cross-layer layouts put block ``b`` of every layer side by side). ``num_blocks``,
+    where known (vLLM's KV cache config says it), must be the first dimension: a
+    leading dimension of another meaning (K and V apart, as older vLLM laid them) would
+    look dense too."""
     if len(shape) < 2 or len(shape) != len(strides):
         raise InvalidArgumentError(f"KV cache {name}: shape {tuple(shape)} has no block dimension before the rest")
     if num_blocks is not None and shape[0] != num_blocks:
@@ -52,7 +54,7 @@ def layer_blocks(name: str, data_ptr: int, shape: Sequence[int], strides: Sequen
     for n in shape[1:]:
         inner *= n
     reach = 1 + sum((n - 1) * s for n, s in zip(shape[1:], strides[1:]))
-    if strides[0] != inner or reach != inner:
+    if strides[0] < inner or reach != inner:
         raise InvalidArgumentError(
             f"KV cache {name}: shape {tuple(shape)} with strides {tuple(strides)} does not hold each block "
             f"densely (block stride {strides[0]}, {inner} elements a block): blocks must be the outermost dimension"
@@ -138,6 +140,20 @@ def regions(layers: Sequence[LayerBlocks]) -> List[Tuple[int, int]]:
     spans = sorted((l.base, l.base + (l.num_blocks - 1) * l.stride + l.block_bytes) for l in layers)
     merged: List[List[int]] = []
     for start, end in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(s, e - s) for s, e in merged]
+
+
+def page_spans(spans: Sequence[Tuple[int, int]], page: int = 4096) -> List[Tuple[int, int]]:
+    """The whole pages that hold ``spans`` (``(start, length)``), merged where two
+    spans touch one page: what to share in place (:meth:`freight.Agent.share_in_place`
+    shares whole pages, so two allocations that meet inside a page share it once)."""
+    rounded = sorted((s - s % page, -(-(s + n) // page) * page) for s, n in spans)
+    merged: List[List[int]] = []
+    for start, end in rounded:
         if merged and start <= merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], end)
         else:

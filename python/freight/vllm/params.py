@@ -98,6 +98,25 @@ class Handoff:
             raise InvalidArgumentError(f"the request's kv_transfer_params are malformed ({e!r})") from e
 
 
+@dataclass
+class Load:
+    """A decode instance's request whose blocks ``local_blocks`` (the ones it lacks,
+    in prompt order) are to be filled from the prefill instance: ``params`` are the
+    request's ``kv_transfer_params`` as the prefill instance wrote them.
+
+    With no blocks to fill (this instance had them all cached, or the request ended
+    before it was scheduled) the prefill instance is only told to let its blocks go,
+    and the load is not reported finished: vLLM waits for no such load (and takes a
+    report of one it does not know for a broken connector)."""
+
+    local_blocks: List[int]
+    params: Dict[str, Any]
+
+    @property
+    def awaited(self) -> bool:
+        return bool(self.local_blocks)
+
+
 def wants_remote_prefill(params: Optional[Mapping[str, Any]]) -> bool:
     """Whether a request arrived at a decode instance to load its prompt's KV."""
     return bool(params) and bool(params.get("do_remote_prefill"))

@@ -19,30 +19,11 @@ from typing import Any, Dict, List, Optional, Tuple
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
 
 from .config import Settings
-from .params import Handoff, Place, wants_remote_decode, wants_remote_prefill
+from .params import Handoff, Load, Place, wants_remote_decode, wants_remote_prefill
 from .layout import Geometry
 
 # A child of vLLM's logger: its messages come out with vLLM's, in its format.
 log = logging.getLogger("vllm.freight")
-
-
-@dataclass
-class Load:
-    """A decode instance's request whose blocks ``local_blocks`` (the ones it lacks,
-    in prompt order) are to be filled from the prefill instance: ``params`` are the
-    request's ``kv_transfer_params`` as the prefill instance wrote them.
-
-    With no blocks to fill (this instance had them all cached, or the request ended
-    before it was scheduled) the prefill instance is only told to let its blocks go,
-    and the load is not reported finished: vLLM waits for no such load (and takes a
-    report of one it does not know for a broken connector)."""
-
-    local_blocks: List[int]
-    params: Dict[str, Any]
-
-    @property
-    def awaited(self) -> bool:
-        return bool(self.local_blocks)
 
 
 @dataclass
@@ -57,7 +38,8 @@ class FreightMetadata(KVConnectorMetadata):
 
 @dataclass
 class WorkerHandshake(KVConnectorHandshakeMetadata):
-    """What each worker tells the scheduler once, at start: where its blocks are."""
+    """What each worker tells the scheduler once, at start: where its blocks are
+    (:meth:`freight.vllm.worker.WorkerSide.handshake`)."""
 
     place: Dict[str, Any]
     geometry: Dict[str, Any]

@@ -1,10 +1,6 @@
-"""FreightConnector's numbers in vLLM's KV connector stats (the periodic "KV Transfer
-metrics" log line) and its Prometheus metrics (``/metrics``).
-
-Each decode worker records, per request it loaded: the bytes moved and the time from
-posting the READ to seeing it done (seen at the next step, so a step's length is the
-resolution), and per prefill worker it connected to: the time the connection took.
-"""
+"""FreightConnector's numbers (:mod:`freight.vllm.numbers`) in vLLM's KV connector
+stats (the periodic "KV Transfer metrics" log line) and its Prometheus metrics
+(``/metrics``)."""
 
 from __future__ import annotations
 
@@ -14,61 +10,32 @@ from typing import Any, Dict, List
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-LISTS = ("transfer_seconds", "transfer_bytes", "handshake_seconds")
-COUNTS = ("failed_transfers",)
-
-
-def empty() -> Dict[str, Any]:
-    return {**{k: [] for k in LISTS}, **{k: 0 for k in COUNTS}}
+from .numbers import Numbers, empty
 
 
 @dataclass
 class FreightStats(KVConnectorStats):
+    """A worker's :class:`Numbers` as vLLM carries them from the workers to its
+    loggers (``data`` is what crosses processes)."""
+
     data: Dict[str, Any] = field(default_factory=empty)
 
     def __post_init__(self) -> None:
-        for k, v in empty().items():
-            self.data.setdefault(k, v)
-
-    def record_transfer(self, seconds: float, nbytes: int) -> None:
-        self.data["transfer_seconds"].append(seconds)
-        self.data["transfer_bytes"].append(nbytes)
-
-    def record_failure(self) -> None:
-        self.data["failed_transfers"] += 1
-
-    def record_handshake(self, seconds: float) -> None:
-        self.data["handshake_seconds"].append(seconds)
+        Numbers(self.data)  # fills in what is missing
 
     def reset(self) -> None:
         self.data = empty()
 
     def aggregate(self, other: KVConnectorStats) -> "FreightStats":
         if not other.is_empty():
-            for k in LISTS:
-                self.data[k].extend(other.data.get(k, []))
-            for k in COUNTS:
-                self.data[k] += other.data.get(k, 0)
+            Numbers(self.data).merge(other.data)
         return self
 
     def is_empty(self) -> bool:
-        return not any(self.data[k] for k in LISTS) and not any(self.data[k] for k in COUNTS)
+        return Numbers(self.data).is_empty()
 
     def reduce(self) -> Dict[str, float]:
-        times: List[float] = sorted(self.data["transfer_seconds"])
-        total_bytes = sum(self.data["transfer_bytes"])
-        out: Dict[str, float] = {"Num successful transfers": len(times),
-                                 "Num failed transfers": self.data["failed_transfers"]}
-        if times:
-            out["Avg xfer time (ms)"] = round(sum(times) / len(times) * 1e3, 3)
-            out["P99 xfer time (ms)"] = round(times[min(len(times) - 1, int(len(times) * 0.99))] * 1e3, 3)
-            out["Avg MB per transfer"] = round(total_bytes / len(times) / 1e6, 3)
-            out["Throughput (MB/s)"] = round(total_bytes / max(sum(times), 1e-9) / 1e6, 1)
-        handshakes = self.data["handshake_seconds"]
-        out["Num handshakes"] = len(handshakes)
-        if handshakes:
-            out["Avg handshake (ms)"] = round(sum(handshakes) / len(handshakes) * 1e3, 3)
-        return out
+        return Numbers(self.data).summary()
 
 
 class FreightPromMetrics(KVConnectorPromMetrics):
@@ -87,7 +54,7 @@ class FreightPromMetrics(KVConnectorPromMetrics):
             return create_metric_per_engine(metric, per_engine)
 
         self.xfer_time = histogram("vllm:freight_xfer_time_seconds",
-                                   "Time from posting a request's KV read to seeing it done.", seconds)
+                                   "Time a request's KV read took, from posting it to its completion.", seconds)
         self.xfer_bytes = histogram("vllm:freight_bytes_transferred", "Bytes of KV read for a request.",
                                     [float(1 << (10 + 2 * i)) for i in range(12)])
         self.handshake = histogram("vllm:freight_handshake_seconds",

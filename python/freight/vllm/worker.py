@@ -13,19 +13,20 @@ its blocks as load errors, which vLLM recomputes or fails as its
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import time
-from typing import Any, Dict, List, Optional, Set, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
 
 import freight
 from freight import AgentConfig, DescList
 
 from .config import Settings
-from .layout import Geometry, LayerBlocks, block_descs, dim_order, layer_blocks, mismatches, regions
-from .params import Handoff, Place, done_message, parse_done
-from .scheduler import FreightMetadata, WorkerHandshake
-from .stats import FreightStats
+from .layout import Geometry, LayerBlocks, block_descs, dim_order, layer_blocks, mismatches, page_spans, regions
+from .numbers import Numbers
+from .params import Handoff, Load, Place, done_message, parse_done
 
 # A child of vLLM's logger: its messages come out with vLLM's, in its format.
 log = logging.getLogger("vllm.freight")
@@ -35,10 +36,29 @@ log = logging.getLogger("vllm.freight")
 EARLY_ACK_SECONDS = 600.0
 
 
+@dataclass(frozen=True)
+class Instance:
+    """What a worker knows of its vLLM instance (``freight.vllm.connector`` reads it
+    from vLLM's config), for its agent's name and the geometry both sides compare."""
+
+    engine_id: str
+    model: str
+    block_size: int
+    kv_heads: int
+    head_size: int
+    tensor_parallel: int = 1
+    rank: int = 0
+    # Blocks vLLM allocated (its KV cache config), where known: checked against the
+    # tensors' first dimension.
+    num_blocks: Optional[int] = None
+
+
 class WorkerSide:
-    def __init__(self, vllm_config: Any, settings: Settings, kv_cache_config: Any = None) -> None:
-        self.config = vllm_config
-        self.kv_cache_config = kv_cache_config
+    """A worker's KV data path, without vLLM: the KV cache tensors registered with a
+    freight agent, the reads of a decode worker and the leases of a prefill worker.
+    :class:`freight.vllm.FreightConnector` calls it from vLLM's hooks."""
+
+    def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.agent: Optional[freight.Agent] = None
         self.layers: List[LayerBlocks] = []
@@ -56,26 +76,25 @@ class WorkerSide:
         self.acked: Dict[str, float] = {}
         # Whether this step's metadata was taken (vLLM calls start_load, then finished).
         self.step_taken = False
-        self.stats = FreightStats()
+        self.stats = Numbers()
+        # Shared segments laid under a host KV cache (kept while the agent lives).
+        self.shared: List[Any] = []
 
     # ------------------------------------------------------------------ start
 
-    def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-        self.rank = get_tensor_model_parallel_rank()
+    def register_kv_caches(self, kv_caches: Dict[str, Any], instance: Instance) -> None:
+        """Registers every layer's KV cache tensor (vLLM's ``register_kv_caches``), once."""
+        self.rank = instance.rank
         tensors = list(kv_caches.items())
         if not tensors:
             raise freight.InvalidArgumentError("FreightConnector: vLLM registered no KV cache")
         first = tensors[0][1]
         self.kind = "VRAM" if first.device.type == "cuda" else "DRAM"
         self.device = (first.device.index or 0) if self.kind == "VRAM" else 0
-        allocated = getattr(self.kv_cache_config, "num_blocks", None)
         self.layers = [layer_blocks(name, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.element_size(),
-                                    allocated) for name, t in tensors]
-        self.geometry = self._geometry(first)
-        engine_id = str(self.config.kv_transfer_config.engine_id)
-        name = f"vllm-{engine_id}-tp{self.rank}-{os.getpid()}"
+                                    instance.num_blocks) for name, t in tensors]
+        self.geometry = self._geometry(first, instance)
+        name = f"vllm-{instance.engine_id}-tp{self.rank}-{os.getpid()}"
         token = self.settings.token.encode() if self.settings.token else None
         if token is None:
             log.warning("freight connector: no token (FREIGHT_VLLM_TOKEN or kv_connector_extra_config.token): any "
@@ -83,48 +102,66 @@ class WorkerSide:
                         self.settings.listen)
         self.agent = freight.Agent(name, AgentConfig(listen=self.settings.listen, token=token,
                                                      connect_timeout=self.settings.connect_timeout))
-        for start, length in regions(self.layers):
+        spans = regions(self.layers)
+        if self.kind == "DRAM" and self.settings.share_host_memory:
+            for start, length in page_spans(spans, mmap.PAGESIZE):
+                self._share(start, length)
+        for start, length in spans:
             self.agent.register((start, length, self.device), kind=self.kind)
         log.info("freight connector: worker %d registered %d KV layers (%d blocks of %d bytes each) on %s, "
                  "listening on %s", self.rank, len(self.layers), self.layers[0].num_blocks,
                  self.layers[0].block_bytes, self.kind, ", ".join(self.agent.addresses))
 
-    def _geometry(self, first: Any) -> Geometry:
-        model = self.config.model_config
-        parallel = self.config.parallel_config
+    def _share(self, start: int, length: int) -> None:
+        """Lays shared memory under a host KV cache, in place (vLLM allocates it as
+        private memory, which same-host peers reach only over tcp): done once, before
+        the first forward pass writes it."""
+        assert self.agent is not None
+        try:
+            self.shared.append(self.agent.share_in_place((start, length, 0)))
+        except freight.FreightError as e:
+            log.warning("freight connector: the KV cache at %#x (%d bytes) stays private memory, so same-host "
+                        "instances read it over tcp, not shm: %s", start, length, e)
+
+    def _geometry(self, first: Any, instance: Instance) -> Geometry:
         return Geometry(
-            model=str(model.model),
+            model=instance.model,
             dtype=str(first.dtype).replace("torch.", ""),
-            block_size=int(self.config.cache_config.block_size),
+            block_size=instance.block_size,
             num_layers=len(self.layers),
-            kv_heads=int(model.get_num_kv_heads(parallel)),
-            head_size=int(model.get_head_size()),
+            kv_heads=instance.kv_heads,
+            head_size=instance.head_size,
             block_bytes=self.layers[0].block_bytes,
             block_shape=tuple(int(n) for n in first.shape[1:]),
             dim_order=dim_order(tuple(first.stride())),
-            tensor_parallel=int(parallel.tensor_parallel_size),
+            tensor_parallel=instance.tensor_parallel,
         )
 
-    def handshake(self) -> WorkerHandshake:
+    def handshake(self) -> Tuple[Place, Geometry]:
+        """Where this worker's blocks are, and their geometry: what it tells the
+        scheduler once (vLLM's handshake metadata), which hands it to decode instances
+        in each request's params."""
         assert self.agent is not None and self.geometry is not None
         place = Place(agent_address=self.agent.addresses[0], agent_name=self.agent.name,
                       layer_bases=[l.base for l in self.layers], layer_strides=[l.stride for l in self.layers])
-        return WorkerHandshake(place=place.to_dict(), geometry=self.geometry.to_dict())
+        return place, self.geometry
 
     # ------------------------------------------------------------- each step
 
-    def start_load(self, meta: FreightMetadata) -> None:
-        """Takes one step's metadata (once: ``finished`` takes it where vLLM did not
-        call this first)."""
+    def start_load(self, loads: Mapping[str, Load], sends: Mapping[str, float]) -> None:
+        """Takes one step's instructions from the scheduler: requests to load (decode)
+        and requests whose blocks to hold for a decode instance, for how many seconds
+        at most (prefill). Once a step: ``finished`` takes them where vLLM did not
+        call this first."""
         if self.step_taken:
             return
         self.step_taken = True
         now = time.monotonic()
-        for request_id, lease in meta.sends.items():
+        for request_id, lease in sends.items():
             log.debug("freight connector: holding request %s's blocks for a decode instance, %.0f s at most",
                       request_id, lease)
             self.holding[request_id] = now + lease
-        for request_id, load in meta.loads.items():
+        for request_id, load in loads.items():
             try:
                 handoff = Handoff.from_params(load.params)
                 if load.awaited:
@@ -191,10 +228,13 @@ class WorkerSide:
         self.peers[place.agent_address] = name
         return name
 
-    def finished(self, finished_req_ids: Set[str], meta: Optional[FreightMetadata]) -> Tuple[Set[str], Set[str]]:
-        """The end of a step: what was sent and received since the last one."""
-        if meta is not None:
-            self.start_load(meta)
+    def finished(self, loads: Optional[Mapping[str, Load]] = None,
+                 sends: Optional[Mapping[str, float]] = None) -> Tuple[Set[str], Set[str]]:
+        """The end of a step (with its instructions, where vLLM has them): the
+        requests whose blocks were sent (may be freed here) and those received since
+        the last step."""
+        if loads is not None or sends is not None:
+            self.start_load(loads or {}, sends or {})
         self.step_taken = False
         return self._sent(), self._received()
 
@@ -211,7 +251,9 @@ class WorkerSide:
                 self.load_errors.update(local)
                 self.stats.record_failure()
             else:
-                self.stats.record_transfer(now - posted, request.nbytes)
+                # The engine's own clock: posted to done, not to this step's look.
+                took = request.duration
+                self.stats.record_transfer(took if took is not None else now - posted, request.nbytes)
             done.add(request_id)
         return done
 
@@ -238,11 +280,11 @@ class WorkerSide:
                 del self.acked[request_id]
         return done
 
-    def take_stats(self) -> Optional[FreightStats]:
+    def take_stats(self) -> Optional[Numbers]:
         """What was recorded since the last call (None: nothing)."""
         if self.stats.is_empty():
             return None
-        taken, self.stats = self.stats, FreightStats()
+        taken, self.stats = self.stats, Numbers()
         return taken
 
     def take_load_errors(self) -> Set[int]:
@@ -253,3 +295,4 @@ class WorkerSide:
         if self.agent is not None:
             self.agent.close()
             self.agent = None
+        self.shared.clear()

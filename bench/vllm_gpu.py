@@ -1,0 +1,139 @@
+#!/usr/bin/env python3
+"""FreightConnector's worker path on one GPU beside freight's raw cuda transfer, in one run.
+
+A prefill worker process and this process (the decode worker) each hold KV caches laid
+out as vLLM lays them on GPUs (tests/vllm_gpu_peer.py: 32 layers, 64 KiB per block and
+layer, NHD), both driven by :class:`freight.vllm.worker.WorkerSide`, the code vLLM
+calls. For prompts of 16 to 256 blocks (256 to 4096 tokens, 32 MiB to 512 MiB of KV)
+the decode worker loads the blocks (one READ of every layer's blocks, the prefill side
+told when it is done), timed from handing the step's load over to seeing it received;
+then the same bytes move as one contiguous READ between plain buffers of the same two
+processes (freight's raw cuda figure). Every loaded block's bytes are checked once.
+Prints a table last; ``--out`` writes the JSON.
+
+    python3 bench/vllm_gpu.py --machine "1 x H200" --out bench/results/vllm-gpu-h200x1.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+import vllm_gpu_peer as peer  # noqa: E402
+
+TOKEN = "bench-token"
+BLOCKS = (16, 64, 256)
+REPEATS = 10
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--machine", default=platform.node(), help="what the results name as the machine")
+    ap.add_argument("--out", help="write the results here as JSON")
+    ap.add_argument("--repeats", type=int, default=REPEATS, help=f"loads per size (default {REPEATS})")
+    ap.add_argument("--layout", default="NHD", choices=peer.LAYOUTS, help="KV cache layout (default NHD)")
+    args = ap.parse_args()
+
+    import torch
+
+    import freight
+    from freight.vllm.config import Settings
+    from freight.vllm.params import Load
+    from freight.vllm.worker import WorkerSide
+
+    shape = peer.Shape(num_layers=32, num_blocks=512, block_size=16, kv_heads=8, head_size=128, layout=args.layout)
+    block_bytes = shape.block_size * shape.kv_heads * 2 * shape.head_size * 2
+    raw_bytes = max(BLOCKS) * shape.num_layers * block_bytes
+    spec = json.dumps({"shape": peer.asdict(shape), "token": TOKEN, "raw_bytes": raw_bytes})
+    code = f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import vllm_gpu_peer; vllm_gpu_peer.main()"
+    proc = subprocess.Popen([sys.executable, "-c", code, spec], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    hello = json.loads(proc.stdout.readline())
+    caches = peer.kv_caches(shape)
+    side = WorkerSide(Settings(role="kv_consumer", token=TOKEN))
+    side.register_kv_caches(caches, peer.instance(shape, "decode"))
+    raw = torch.empty(raw_bytes, dtype=torch.uint8, device="cuda:0")
+    side.agent.register(raw)
+    ids = iter(range(1 << 30))
+
+    def ask(blocks):
+        rid = f"r{next(ids)}"
+        proc.stdin.write(json.dumps({"request": rid, "blocks": blocks}) + "\n")
+        proc.stdin.flush()
+        return rid, json.loads(proc.stdout.readline())
+
+    def load(n: int) -> float:
+        remote = list(range(1, 1 + n))
+        local = list(range(shape.num_blocks - n, shape.num_blocks))
+        rid, params = ask(remote)
+        started = time.perf_counter()
+        _, received = side.finished(loads={rid: Load(local_blocks=local, params=params)})
+        while rid not in received:
+            _, received = side.finished()
+        took = time.perf_counter() - started
+        assert side.take_load_errors() == set(), "a load failed"
+        freed = json.loads(proc.stdout.readline())
+        assert freed == {"freed": rid}, freed
+        return took
+
+    def check(n: int) -> None:
+        torch.cuda.synchronize()
+        local = list(range(shape.num_blocks - n, shape.num_blocks))
+        for layer, t in enumerate(caches.values()):
+            for mine, theirs in zip(local, range(1, 1 + n)):
+                want = peer.expected(layer, theirs, t).contiguous().view(torch.int16)
+                assert torch.equal(t[mine].contiguous().view(torch.int16), want), (layer, mine)
+
+    load(1)  # connects (the handshake is not what is measured)
+    peer_name = hello["place"]["agent_name"]
+    assert side.agent.path_to(peer_name).transport == "cuda", side.agent.path_to(peer_name)
+    rows = []
+    for n in BLOCKS:
+        nbytes = n * shape.num_layers * block_bytes
+        load(n)
+        check(n)
+        caches_s = [load(n) for _ in range(args.repeats)]
+        raw_s = []
+        for _ in range(args.repeats + 1):
+            started = time.perf_counter()
+            req = side.agent.transfer("READ", freight.DescList([(raw.data_ptr(), nbytes, 0)], "VRAM"), peer_name,
+                                      freight.DescList([(hello["raw"], nbytes, 0)], "VRAM"))
+            req.wait(60)
+            raw_s.append(time.perf_counter() - started)
+        raw_s = raw_s[1:]
+        connector = statistics.median(caches_s)
+        plain = statistics.median(raw_s)
+        rows.append({"blocks": n, "tokens": n * shape.block_size, "bytes": nbytes,
+                     "descriptors": n * shape.num_layers,
+                     "connector_s": caches_s, "raw_s": raw_s,
+                     "connector_gbps": nbytes / connector / 1e9, "raw_gbps": nbytes / plain / 1e9,
+                     "ratio": plain / connector})
+    side.close()
+    proc.stdin.write(json.dumps({"exit": True}) + "\n")
+    proc.stdin.flush()
+    proc.wait(timeout=30)
+
+    result = {"benchmark": "vllm-connector-gpu", "machine": args.machine, "layout": args.layout,
+              "shape": peer.asdict(shape), "block_bytes_per_layer": block_bytes, "repeats": args.repeats,
+              "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0), "rows": rows}
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"| KV per request | descriptors | connector GB/s | raw cuda GB/s | connector / raw |")
+    print("| --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['bytes'] >> 20} MiB ({r['tokens']} tokens) | {r['descriptors']} | {r['connector_gbps']:.1f} | "
+              f"{r['raw_gbps']:.1f} | {r['ratio']:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
