@@ -71,15 +71,22 @@ def main() -> int:
         proc.stdin.flush()
         return rid, json.loads(proc.stdout.readline())
 
+    phases = {"post_s": [], "engine_s": []}
+
     def load(n: int) -> float:
         remote = list(range(1, 1 + n))
         local = list(range(shape.num_blocks - n, shape.num_blocks))
         rid, params = ask(remote)
         started = time.perf_counter()
-        _, received = side.finished(loads={rid: Load(local_blocks=local, params=params)})
+        side.start_load({rid: Load(local_blocks=local, params=params)}, {})
+        posted = time.perf_counter()
+        _, received = side.finished()
         while rid not in received:
             _, received = side.finished()
         took = time.perf_counter() - started
+        numbers = side.take_stats()
+        phases["post_s"].append(posted - started)
+        phases["engine_s"].append(numbers.data["transfer_seconds"][-1] if numbers else float("nan"))
         assert side.take_load_errors() == set(), "a load failed"
         freed = json.loads(proc.stdout.readline())
         assert freed == {"freed": rid}, freed
@@ -101,7 +108,10 @@ def main() -> int:
         nbytes = n * shape.num_layers * block_bytes
         load(n)
         check(n)
+        for v in phases.values():
+            v.clear()
         caches_s = [load(n) for _ in range(args.repeats)]
+        post_s, engine_s = list(phases["post_s"]), list(phases["engine_s"])
         raw_s = []
         for _ in range(args.repeats + 1):
             started = time.perf_counter()
@@ -114,7 +124,7 @@ def main() -> int:
         plain = statistics.median(raw_s)
         rows.append({"blocks": n, "tokens": n * shape.block_size, "bytes": nbytes,
                      "descriptors": n * shape.num_layers,
-                     "connector_s": caches_s, "raw_s": raw_s,
+                     "connector_s": caches_s, "raw_s": raw_s, "post_s": post_s, "engine_s": engine_s,
                      "connector_gbps": nbytes / connector / 1e9, "raw_gbps": nbytes / plain / 1e9,
                      "ratio": plain / connector})
     side.close()
@@ -127,11 +137,13 @@ def main() -> int:
               "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0), "rows": rows}
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"| KV per request | descriptors | connector GB/s | raw cuda GB/s | connector / raw |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| KV per request | descriptors | connector GB/s | raw cuda GB/s | connector / raw | "
+          "posting (ms) | engine (ms) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['bytes'] >> 20} MiB ({r['tokens']} tokens) | {r['descriptors']} | {r['connector_gbps']:.1f} | "
-              f"{r['raw_gbps']:.1f} | {r['ratio']:.2f} |")
+              f"{r['raw_gbps']:.1f} | {r['ratio']:.2f} | {statistics.median(r['post_s']) * 1e3:.3f} | "
+              f"{statistics.median(r['engine_s']) * 1e3:.3f} |")
     return 0
 
 

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import freight
-from freight.vllm.layout import Geometry, block_descs, dim_order, layer_blocks, mismatches, page_spans, regions
+from freight.vllm.layout import (Geometry, block_descs, block_indices, dim_order, layer_blocks, mismatches,
+                                 page_spans, regions)
 from freight.vllm.params import Handoff, Place, done_message, parse_done
 
 # A CPU layer: [num_blocks, kv_heads, block_size, 2 * head_size] of bf16.
@@ -64,12 +65,14 @@ def test_descriptors_cover_every_layers_blocks_in_order():
         block_descs(layers, [10])
 
 
-def test_layers_in_one_allocation_are_registered_as_one_region():
+def test_layers_are_registered_one_region_each_unless_they_interleave():
     apart = [layer_blocks(f"l{i}", 0x100000 * (i + 1), CPU_SHAPE, CPU_STRIDES, 2) for i in range(2)]
     assert regions(apart) == [(0x100000, 10 * 32768), (0x200000, 10 * 32768)]
-    # Newer vLLM: views over one allocation, layers side by side.
-    shared = [layer_blocks(f"l{i}", 0x100000 + i * 10 * 32768, CPU_SHAPE, CPU_STRIDES, 2) for i in range(3)]
-    assert regions(shared) == [(0x100000, 30 * 32768)]
+    # Layers side by side (one allocation, or two that meet): a region each, so that
+    # none spans two GPU allocations; shared in place as one run of pages on a host.
+    touching = [layer_blocks(f"l{i}", 0x100000 + i * 10 * 32768, CPU_SHAPE, CPU_STRIDES, 2) for i in range(3)]
+    assert regions(touching) == [(0x100000 + i * 10 * 32768, 10 * 32768) for i in range(3)]
+    assert page_spans(regions(touching)) == [(0x100000, 30 * 32768)]
 
 
 def test_every_difference_between_the_instances_is_named_with_both_values():
@@ -81,7 +84,7 @@ def test_every_difference_between_the_instances_is_named_with_both_values():
 
 def test_params_round_trip_and_anything_else_is_a_clear_error():
     handoff = Handoff(request_id="cmpl-1", engine_id="e", block_ids=[5, 6],
-                      ranks=[Place("127.0.0.1:7000", "vllm-e-tp0", [1 << 20, 2 << 20], [32768, 32768])],
+                      ranks=[Place("127.0.0.1:7000", "vllm-e-tp0", [1 << 20, 2 << 20], [32768, 32768], 10)],
                       geometry=geometry())
     params = handoff.to_params()
     assert params["do_remote_prefill"] is True and params["remote_block_ids"] == [5, 6]
@@ -105,3 +108,14 @@ def test_spans_that_meet_inside_a_page_are_shared_as_one_run_of_whole_pages():
     spans = [(0x10040, 0x3000), (0x13080, 0x1000), (0x40010, 0x10)]
     assert page_spans(spans) == [(0x10000, 0x5000), (0x40000, 0x1000)]
     assert page_spans([(0x2000, 0x1000)]) == [(0x2000, 0x1000)]
+
+
+def test_block_indices_pick_every_layers_blocks_out_of_a_list_of_all_blocks():
+    layers = [layer_blocks(f"l{i}", 0x100000 * (i + 1), CPU_SHAPE, CPU_STRIDES, 2) for i in range(3)]
+    everything = block_descs(layers, range(10))
+    picked = everything[block_indices(3, 10, [3, 4, 7])]
+    assert (picked == block_descs(layers, [3, 4, 7])).all()
+    with pytest.raises(freight.InvalidArgumentError, match="block 10 is not one of the 10 blocks"):
+        block_indices(3, 10, [2, 10])
+    with pytest.raises(freight.InvalidArgumentError, match="block -1"):
+        block_indices(3, 10, [-1])

@@ -1,7 +1,7 @@
 """Makes a tiny Llama for vLLM to serve, with random weights and a tokenizer trained
 here (no model hub is needed): the vLLM connector's tests and benchmark serve it.
 
-    python tests/vllm_model.py OUT_DIR [--layers 2] [--hidden 256] [--heads 4] [--kv-heads 4]
+    python tests/vllm_model.py OUT_DIR [--layers 2] [--hidden 256] [--heads 4] [--kv-heads 4] [--head-dim N]
 
 Runs in the vLLM virtualenv (scripts/vllm-env.sh), which has torch, transformers and
 tokenizers. The same arguments and seed make the same model.
@@ -25,7 +25,7 @@ computed again. Numbers one two three four five six seven eight nine ten hundred
 
 
 def make(out: Path, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int, vocab: int,
-         seed: int, context: int) -> None:
+         seed: int, context: int, head_dim: int = 0) -> None:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -42,7 +42,10 @@ def make(out: Path, layers: int, hidden: int, heads: int, kv_heads: int, interme
     fast.save_pretrained(out)
 
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    # A head wider than hidden / heads gives a model whose KV is large next to its
+    # compute (the benchmark's), as in models with few, wide KV heads.
+    head_dim = head_dim or hidden // heads
+    config = LlamaConfig(head_dim=head_dim,
         vocab_size=tok.get_vocab_size(), hidden_size=hidden, intermediate_size=intermediate,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
         max_position_embeddings=context, bos_token_id=1, eos_token_id=2,
@@ -54,7 +57,7 @@ def make(out: Path, layers: int, hidden: int, heads: int, kv_heads: int, interme
     model.save_pretrained(out, safe_serialization=True)
     (out / "freight-model.json").write_text(json.dumps({
         "layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads, "seed": seed,
-        "kv_bytes_per_token": 2 * layers * kv_heads * (hidden // heads) * 2,
+        "head_dim": head_dim, "kv_bytes_per_token": 2 * layers * kv_heads * head_dim * 2,
     }) + "\n")
 
 
@@ -65,12 +68,13 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=0, help="default: hidden / heads")
     ap.add_argument("--intermediate", type=int, default=512)
     ap.add_argument("--vocab", type=int, default=1000)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
-    make(a.out, a.layers, a.hidden, a.heads, a.kv_heads, a.intermediate, a.vocab, a.seed, a.context)
+    make(a.out, a.layers, a.hidden, a.heads, a.kv_heads, a.intermediate, a.vocab, a.seed, a.context, a.head_dim)
 
 
 if __name__ == "__main__":

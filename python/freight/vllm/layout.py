@@ -105,12 +105,10 @@ def dim_order(strides: Sequence[int]) -> Tuple[int, ...]:
 
 def mismatches(prefill: Geometry, decode: Geometry) -> List[str]:
     """Every field on which the two differ, each naming both values; [] when alike."""
-    out = []
-    for field, p in prefill.to_dict().items():
-        d = decode.to_dict()[field]
-        if p != d:
-            out.append(f"{field}: prefill {p!r}, decode {d!r}")
-    return out
+    if prefill == decode:  # the usual case, checked once a request: no dicts made
+        return []
+    theirs, ours = prefill.to_dict(), decode.to_dict()
+    return [f"{field}: prefill {p!r}, decode {ours[field]!r}" for field, p in theirs.items() if p != ours[field]]
 
 
 def block_descs(layers: Sequence[LayerBlocks], block_ids: Sequence[int], device: int = 0) -> np.ndarray:
@@ -119,28 +117,41 @@ def block_descs(layers: Sequence[LayerBlocks], block_ids: Sequence[int], device:
     ids = np.asarray(block_ids, dtype=np.uint64)
     if len(layers) == 0 or ids.size == 0:
         return np.zeros((0, 3), dtype=np.uint64)
+    highest = int(ids.max())
     for layer in layers:
-        if ids.size and int(ids.max()) >= layer.num_blocks:
-            raise InvalidArgumentError(
-                f"block {int(ids.max())} is past the {layer.num_blocks} blocks of KV cache {layer.name}"
-            )
-    rows = np.empty((len(layers) * ids.size, 3), dtype=np.uint64)
-    for i, layer in enumerate(layers):
-        part = rows[i * ids.size:(i + 1) * ids.size]
-        part[:, 0] = np.uint64(layer.base) + ids * np.uint64(layer.stride)
-        part[:, 1] = layer.block_bytes
-        part[:, 2] = device
-    return rows
+        if highest >= layer.num_blocks:
+            raise InvalidArgumentError(f"block {highest} is past the {layer.num_blocks} blocks of KV cache {layer.name}")
+    bases = np.fromiter((l.base for l in layers), dtype=np.uint64, count=len(layers))
+    strides = np.fromiter((l.stride for l in layers), dtype=np.uint64, count=len(layers))
+    lengths = np.fromiter((l.block_bytes for l in layers), dtype=np.uint64, count=len(layers))
+    rows = np.empty((len(layers), ids.size, 3), dtype=np.uint64)
+    rows[:, :, 0] = bases[:, None] + ids[None, :] * strides[:, None]
+    rows[:, :, 1] = lengths[:, None]
+    rows[:, :, 2] = device
+    return rows.reshape(-1, 3)
+
+
+def block_indices(num_layers: int, num_blocks: int, block_ids: Sequence[int]) -> np.ndarray:
+    """Where every layer's blocks ``block_ids`` are, layer by layer, in a list of all
+    blocks of all layers (``block_descs(layers, range(num_blocks))``, prepared once):
+    block ``b`` of layer ``l`` is entry ``l * num_blocks + b``."""
+    ids = np.asarray(block_ids, dtype=np.int64)
+    if ids.size and (int(ids.max()) >= num_blocks or int(ids.min()) < 0):
+        bad = int(ids.max()) if int(ids.max()) >= num_blocks else int(ids.min())
+        raise InvalidArgumentError(f"block {bad} is not one of the {num_blocks} blocks of the KV cache")
+    return (np.arange(num_layers, dtype=np.int64)[:, None] * num_blocks + ids[None, :]).ravel()
 
 
 def regions(layers: Sequence[LayerBlocks]) -> List[Tuple[int, int]]:
     """The address ranges ``(start, length)`` that hold every layer's blocks, merged
-    where layers touch or overlap (one allocation for all layers, as newer vLLM
-    makes): what to register, once each."""
+    where layers interleave (vLLM's cross-layer layouts: block ``b`` of every layer
+    side by side): what to register, once each. Layers that merely touch stay apart:
+    they may be separate allocations that happen to meet (GPU memory is registered
+    allocation by allocation)."""
     spans = sorted((l.base, l.base + (l.num_blocks - 1) * l.stride + l.block_bytes) for l in layers)
     merged: List[List[int]] = []
     for start, end in spans:
-        if merged and start <= merged[-1][1]:
+        if merged and start < merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], end)
         else:
             merged.append([start, end])

@@ -19,28 +19,31 @@ from ..errors import InvalidArgumentError
 from .layout import Geometry
 
 # The version of what follows; a decode instance refuses params of another.
-VERSION = 1
+VERSION = 2
 
 
 @dataclass(frozen=True)
 class Place:
     """Where one prefill worker (one tensor-parallel rank) keeps its KV blocks: its
-    freight agent, and each layer's blocks' base address and stride there."""
+    freight agent, each layer's blocks' base address and stride there, and how many
+    blocks each layer has."""
 
     agent_address: str
     agent_name: str
     layer_bases: List[int]
     layer_strides: List[int]
+    num_blocks: int
 
     def to_dict(self) -> Dict[str, Any]:
         return {"agent_address": self.agent_address, "agent_name": self.agent_name,
-                "layer_bases": list(self.layer_bases), "layer_strides": list(self.layer_strides)}
+                "layer_bases": list(self.layer_bases), "layer_strides": list(self.layer_strides),
+                "num_blocks": self.num_blocks}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Place":
         place = cls(agent_address=str(d["agent_address"]), agent_name=str(d["agent_name"]),
                     layer_bases=[int(b) for b in d["layer_bases"]],
-                    layer_strides=[int(s) for s in d["layer_strides"]])
+                    layer_strides=[int(s) for s in d["layer_strides"]], num_blocks=int(d["num_blocks"]))
         if len(place.layer_bases) != len(place.layer_strides):
             raise ValueError("as many layer bases as strides")
         return place

@@ -24,7 +24,8 @@ import freight
 from freight import AgentConfig, DescList
 
 from .config import Settings
-from .layout import Geometry, LayerBlocks, block_descs, dim_order, layer_blocks, mismatches, page_spans, regions
+from .layout import (Geometry, LayerBlocks, block_descs, block_indices, dim_order, layer_blocks, mismatches,
+                     page_spans, regions)
 from .numbers import Numbers
 from .params import Handoff, Load, Place, done_message, parse_done
 
@@ -71,6 +72,9 @@ class WorkerSide:
         self.read_done: Set[str] = set()
         self.load_errors: Set[int] = set()
         self.peers: Dict[str, str] = {}  # prefill agent address -> its peer name here
+        self.remote: Dict[Any, Any] = {}  # prepared blocks of prefill workers
+        self.num_blocks = 0
+        self.all_blocks: Any = None
         # Prefill side: requests whose blocks wait for a decode instance, and until when.
         self.holding: Dict[str, float] = {}
         self.acked: Dict[str, float] = {}
@@ -108,6 +112,13 @@ class WorkerSide:
                 self._share(start, length)
         for start, length in spans:
             self.agent.register((start, length, self.device), kind=self.kind)
+        # Every block of every layer, checked once: a load then picks its blocks by
+        # index, with no descriptor made or checked again.
+        if len({l.num_blocks for l in self.layers}) != 1:
+            raise freight.InvalidArgumentError("FreightConnector: the KV cache's layers have different block counts")
+        self.num_blocks = self.layers[0].num_blocks
+        self.all_blocks = self.agent.prepare_local(
+            DescList(block_descs(self.layers, range(self.num_blocks), self.device), self.kind))
         log.info("freight connector: worker %d registered %d KV layers (%d blocks of %d bytes each) on %s, "
                  "listening on %s", self.rank, len(self.layers), self.layers[0].num_blocks,
                  self.layers[0].block_bytes, self.kind, ", ".join(self.agent.addresses))
@@ -143,7 +154,8 @@ class WorkerSide:
         in each request's params."""
         assert self.agent is not None and self.geometry is not None
         place = Place(agent_address=self.agent.addresses[0], agent_name=self.agent.name,
-                      layer_bases=[l.base for l in self.layers], layer_strides=[l.stride for l in self.layers])
+                      layer_bases=[l.base for l in self.layers], layer_strides=[l.stride for l in self.layers],
+                      num_blocks=self.num_blocks)
         return place, self.geometry
 
     # ------------------------------------------------------------- each step
@@ -195,13 +207,27 @@ class WorkerSide:
             raise freight.InvalidArgumentError(
                 f"the prefill instance holds {len(handoff.block_ids)} blocks, this instance needs {len(local)}")
         remote_ids = handoff.block_ids[len(handoff.block_ids) - len(local):]
-        remote_layers = [LayerBlocks(l.name, base, stride, l.block_bytes, 1 << 62)
-                         for l, base, stride in zip(self.layers, place.layer_bases, place.layer_strides)]
-        local_rows = block_descs(self.layers, local, self.device)
-        remote_rows = block_descs(remote_layers, remote_ids, self.device)
-        request = self.agent.transfer("READ", DescList(local_rows, self.kind), peer,
-                                      DescList(remote_rows, self.kind), notif=done_message(handoff.request_id))
+        layers = len(self.layers)
+        request = self.agent.make_request(
+            "READ", self.all_blocks, block_indices(layers, self.num_blocks, local),
+            self._remote_blocks(place, peer), block_indices(layers, place.num_blocks, remote_ids),
+            notif=done_message(handoff.request_id))
+        request.post()
         self.reading[request_id] = (request, local, time.monotonic())
+
+    def _remote_blocks(self, place: Place, peer: str) -> Any:
+        """Every block of every layer of a prefill worker, prepared once (checked against
+        the memory it advertised)."""
+        assert self.agent is not None
+        key = (peer, tuple(place.layer_bases), tuple(place.layer_strides), place.num_blocks)
+        known = self.remote.get(key)
+        if known is None:
+            layers = [LayerBlocks(l.name, base, stride, l.block_bytes, place.num_blocks)
+                      for l, base, stride in zip(self.layers, place.layer_bases, place.layer_strides)]
+            known = self.agent.prepare_remote(peer, DescList(block_descs(layers, range(place.num_blocks), self.device),
+                                                             self.kind))
+            self.remote[key] = known
+        return known
 
     def _release(self, handoff: Handoff) -> None:
         """Tells the prefill worker of this rank that its blocks are not wanted."""
