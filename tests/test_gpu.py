@@ -20,20 +20,7 @@ import freight
 from conftest import check_kernel_compile, libfabric_missing
 
 HERE = Path(__file__).resolve().parent
-CUDA_OK, CUDA_WHY = freight.cuda_status()
-
-try:
-    import torch
-
-    TORCH_GPUS = torch.cuda.device_count() if CUDA_OK else 0
-except ImportError:  # the CPU-only CI has no PyTorch
-    torch = None
-    TORCH_GPUS = 0
-
-needs_gpu = pytest.mark.skipif(
-    not CUDA_OK or TORCH_GPUS == 0,
-    reason=f"no GPU here ({CUDA_WHY or 'PyTorch is not installed or sees no GPU'})",
-)
+from gpu_env import CUDA_OK, CUDA_WHY, TORCH_GPUS, needs_gpu, torch  # noqa: F401
 MIB = 1 << 20
 
 

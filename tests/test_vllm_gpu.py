@@ -15,24 +15,13 @@ from pathlib import Path
 
 import pytest
 
-import freight
+import vllm_gpu_peer as peer
+from gpu_env import needs_gpu, torch
 from test_py_transfer import readline
 
-import vllm_gpu_peer as peer
-
 HERE = Path(__file__).resolve().parent
-CUDA_OK, CUDA_WHY = freight.cuda_status()
-try:
-    import torch
 
-    TORCH_GPUS = torch.cuda.device_count() if CUDA_OK else 0
-except ImportError:  # the CPU-only CI has no PyTorch
-    torch = None
-    TORCH_GPUS = 0
-
-pytestmark = pytest.mark.skipif(
-    not CUDA_OK or TORCH_GPUS == 0, reason=f"no GPU here ({CUDA_WHY or 'PyTorch is not installed or sees no GPU'})"
-)
+pytestmark = needs_gpu
 TOKEN = "gpu-kv-token"
 PEER = f"import sys; sys.path.insert(0, {str(HERE)!r}); import vllm_gpu_peer; vllm_gpu_peer.main()"
 
