@@ -9,7 +9,11 @@ the decode worker loads the blocks (one READ of every layer's blocks, the prefil
 told when it is done), timed from handing the step's load over to seeing it received;
 then the same bytes move as one contiguous READ between plain buffers of the same two
 processes (freight's raw cuda figure). Every loaded block's bytes are checked once.
-Prints a table last; ``--out`` writes the JSON.
+Two more measurements of the same blocks: the posting of a load step by step
+(descriptor lists built per load against prepared lists picked by index), and push
+(a WRITE per layer, as a prefill worker would post them from ``save_kv_layer``)
+against the connector's pull. Prints tables last; ``--out`` writes the JSON.
+``--device cpu`` runs it all on host memory over shm (no GPU needed).
 
     python3 bench/vllm_gpu.py --machine "1 x H200" --out bench/results/vllm-gpu-h200x1.json
 """
@@ -24,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Dict
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -41,27 +46,31 @@ def main() -> int:
     ap.add_argument("--out", help="write the results here as JSON")
     ap.add_argument("--repeats", type=int, default=REPEATS, help=f"loads per size (default {REPEATS})")
     ap.add_argument("--layout", default="NHD", choices=peer.LAYOUTS, help="KV cache layout (default NHD)")
+    ap.add_argument("--device", default="cuda:0",
+                    help="where both KV caches live (default cuda:0; cpu runs the same over shm, to try the script)")
     args = ap.parse_args()
 
     import torch
 
     import freight
     from freight.vllm.config import Settings
-    from freight.vllm.params import Load
+    from freight.vllm.layout import LayerBlocks, block_descs, block_indices
+    from freight.vllm.params import Handoff, Load, done_message
     from freight.vllm.worker import WorkerSide
 
     shape = peer.Shape(num_layers=32, num_blocks=512, block_size=16, kv_heads=8, head_size=128, layout=args.layout)
     block_bytes = shape.block_size * shape.kv_heads * 2 * shape.head_size * 2
     raw_bytes = max(BLOCKS) * shape.num_layers * block_bytes
-    spec = json.dumps({"shape": peer.asdict(shape), "token": TOKEN, "raw_bytes": raw_bytes})
+    spec = json.dumps({"shape": peer.asdict(shape), "token": TOKEN, "raw_bytes": raw_bytes, "device": args.device})
     code = f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import vllm_gpu_peer; vllm_gpu_peer.main()"
     proc = subprocess.Popen([sys.executable, "-c", code, spec], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True)
     hello = json.loads(proc.stdout.readline())
-    caches = peer.kv_caches(shape)
+    caches = peer.kv_caches(shape, args.device)
+    on_gpu = args.device.startswith("cuda")
     side = WorkerSide(Settings(role="kv_consumer", token=TOKEN))
     side.register_kv_caches(caches, peer.instance(shape, "decode"))
-    raw = torch.empty(raw_bytes, dtype=torch.uint8, device="cuda:0")
+    raw = torch.empty(raw_bytes, dtype=torch.uint8, device=args.device)
     side.agent.register(raw)
     ids = iter(range(1 << 30))
 
@@ -92,8 +101,70 @@ def main() -> int:
         assert freed == {"freed": rid}, freed
         return took
 
+    def phases_of_a_load(n: int) -> Dict[str, float]:
+        """The connector's posting, step by step, for the same blocks: descriptor lists
+        built per load (what it does today) against prepared lists picked by index."""
+        remote_ids = list(range(1, 1 + n))
+        local = list(range(shape.num_blocks - n, shape.num_blocks))
+        _, params = ask(remote_ids)
+        place = Handoff.from_params(params).ranks[0]
+        agent, kind, dev = side.agent, side.kind, side.device
+        remote_layers = [LayerBlocks(l.name, base, stride, l.block_bytes, place.num_blocks)
+                         for l, base, stride in zip(side.layers, place.layer_bases, place.layer_strides)]
+        t = [time.perf_counter()]
+        mine = freight.DescList(block_descs(side.layers, local, dev), kind)
+        theirs = freight.DescList(block_descs(remote_layers, remote_ids, dev), kind)
+        t.append(time.perf_counter())
+        pl, pr = agent.prepare_local(mine), agent.prepare_remote(peer_name, theirs)
+        t.append(time.perf_counter())
+        req = agent.make_request("READ", pl, None, pr, None)
+        t.append(time.perf_counter())
+        req.post()
+        t.append(time.perf_counter())
+        req.wait(60)
+        t.append(time.perf_counter())
+        req.post()
+        req.wait(60)
+        t.append(time.perf_counter())
+        everything = side._remote_blocks(place, peer_name)
+        t.append(time.perf_counter())
+        li = block_indices(len(side.layers), side.num_blocks, local)
+        ri = block_indices(len(side.layers), place.num_blocks, remote_ids)
+        t.append(time.perf_counter())
+        req = agent.make_request("READ", side.all_blocks, li, everything, ri)
+        t.append(time.perf_counter())
+        req.post()
+        req.wait(60)
+        t.append(time.perf_counter())
+        d = [b - a for a, b in zip(t, t[1:])]
+        # The prefill side holds the blocks until told: tell it (this READ sent nothing).
+        agent.notify(peer_name, done_message(Handoff.from_params(params).request_id))
+        json.loads(proc.stdout.readline())
+        return {"descs_s": d[0], "prepare_s": d[1], "make_request_s": d[2], "post_s": d[3], "wait_s": d[4],
+                "repost_s": d[5], "indices_s": d[7], "make_indexed_s": d[8], "indexed_post_wait_s": d[9]}
+
+    def push_of_a_load(n: int) -> Dict[str, float]:
+        """Push, as a prefill worker would do it from ``save_kv_layer``: one WRITE per
+        layer of that layer's blocks, each posted when its layer is done (here: when the
+        one before it landed, as if each layer's compute took longer than its WRITE).
+        Measured in the other direction (this process writes the same bytes into the
+        peer's plain buffer, layer after layer), which costs the engine the same. What a
+        push leaves after the forward pass is its last layer's WRITE; what it costs in
+        all is the sum."""
+        local = list(range(shape.num_blocks - n, shape.num_blocks))
+        agent, kind, dev = side.agent, side.kind, side.device
+        one = side.layers[0].block_bytes
+        each = []
+        for i, layer in enumerate(side.layers):
+            started = time.perf_counter()
+            agent.transfer("WRITE", freight.DescList(block_descs([layer], local, dev), kind), peer_name,
+                           freight.DescList([(hello["raw"] + i * n * one, n * one, dev)], kind)).wait(60)
+            each.append(time.perf_counter() - started)
+        return {"push_sum_s": sum(each), "push_last_layer_s": each[-1]}
+
     def check(n: int) -> None:
-        torch.cuda.synchronize()
+        if on_gpu:
+            torch.cuda.synchronize()
         local = list(range(shape.num_blocks - n, shape.num_blocks))
         for layer, t in enumerate(caches.values()):
             for mine, theirs in zip(local, range(1, 1 + n)):
@@ -102,7 +173,8 @@ def main() -> int:
 
     load(1)  # connects (the handshake is not what is measured)
     peer_name = hello["place"]["agent_name"]
-    assert side.agent.path_to(peer_name).transport == "cuda", side.agent.path_to(peer_name)
+    want = "cuda" if on_gpu else "shm"
+    assert side.agent.path_to(peer_name).transport == want, side.agent.path_to(peer_name)
     rows = []
     for n in BLOCKS:
         nbytes = n * shape.num_layers * block_bytes
@@ -115,18 +187,23 @@ def main() -> int:
         raw_s = []
         for _ in range(args.repeats + 1):
             started = time.perf_counter()
-            req = side.agent.transfer("READ", freight.DescList([(raw.data_ptr(), nbytes, 0)], "VRAM"), peer_name,
-                                      freight.DescList([(hello["raw"], nbytes, 0)], "VRAM"))
+            req = side.agent.transfer("READ", freight.DescList([(raw.data_ptr(), nbytes, 0)], side.kind), peer_name,
+                                      freight.DescList([(hello["raw"], nbytes, 0)], side.kind))
             req.wait(60)
             raw_s.append(time.perf_counter() - started)
         raw_s = raw_s[1:]
+        load_phases = [phases_of_a_load(n) for _ in range(args.repeats)]
+        steps = {k: statistics.median(p[k] for p in load_phases) for k in load_phases[0]}
+        pushes = [push_of_a_load(n) for _ in range(args.repeats)]
+        push = {k: statistics.median(p[k] for p in pushes) for k in pushes[0]}
         connector = statistics.median(caches_s)
         plain = statistics.median(raw_s)
         rows.append({"blocks": n, "tokens": n * shape.block_size, "bytes": nbytes,
                      "descriptors": n * shape.num_layers,
                      "connector_s": caches_s, "raw_s": raw_s, "post_s": post_s, "engine_s": engine_s,
                      "connector_gbps": nbytes / connector / 1e9, "raw_gbps": nbytes / plain / 1e9,
-                     "ratio": plain / connector})
+                     "ratio": plain / connector, "posting_steps_s": steps, "push": push,
+                     "push_runs": pushes})
     side.close()
     proc.stdin.write(json.dumps({"exit": True}) + "\n")
     proc.stdin.flush()
@@ -134,16 +211,30 @@ def main() -> int:
 
     result = {"benchmark": "vllm-connector-gpu", "machine": args.machine, "layout": args.layout,
               "shape": peer.asdict(shape), "block_bytes_per_layer": block_bytes, "repeats": args.repeats,
-              "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0), "rows": rows}
+              "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0) if on_gpu else None,
+              "device": args.device, "rows": rows}
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print("| KV per request | descriptors | connector GB/s | raw cuda GB/s | connector / raw | "
+    print("| KV per request | descriptors | connector GB/s | raw GB/s | connector / raw | "
           "posting (ms) | engine (ms) |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['bytes'] >> 20} MiB ({r['tokens']} tokens) | {r['descriptors']} | {r['connector_gbps']:.1f} | "
               f"{r['raw_gbps']:.1f} | {r['ratio']:.2f} | {statistics.median(r['post_s']) * 1e3:.3f} | "
               f"{statistics.median(r['engine_s']) * 1e3:.3f} |")
+    print()
+    print("| KV per request | pull: one READ of all layers (ms) | push: a WRITE per layer, summed (ms) | "
+          "push: the last layer's WRITE (ms) |")
+    print("| --- | --- | --- | --- |")
+    for r in rows:
+        p = r["push"]
+        print(f"| {r['bytes'] >> 20} MiB | {statistics.median(r['connector_s']) * 1e3:.3f} | "
+              f"{p['push_sum_s'] * 1e3:.3f} | {p['push_last_layer_s'] * 1e3:.3f} |")
+    print()
+    print("posting steps (ms, median): " + ", ".join(rows[0]["posting_steps_s"]))
+    for r in rows:
+        print(f"  {r['descriptors']:>5} descriptors: " + "  ".join(
+            f"{k[:-2]}={v * 1e3:.3f}" for k, v in r["posting_steps_s"].items()))
     return 0
 
 

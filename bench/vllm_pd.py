@@ -3,7 +3,7 @@
 NixlConnector and one aggregated instance, the same prompts through each, in one run.
 
 A model whose KV is large next to its compute (tests/vllm_model.py: 4 layers, 16 KV
-heads of 128, 64 KiB of KV per token, random weights) serves prompts of 1k to 8k
+heads of 128, 32 KiB of KV per token, random weights) serves prompts of 1k to 8k
 tokens, greedy, a few answer tokens each:
 
 - aggregated: one ``vllm serve``, no connector;
@@ -191,6 +191,7 @@ def plot(summary: List[Dict[str, Any]], path: str, machine: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     xs = [r["length"] for r in summary]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -205,9 +206,11 @@ def plot(summary: List[Dict[str, Any]], path: str, machine: str) -> None:
     b.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="TTFT p50 (s)", title="Time to first token")
     b.set_xticks(xs, [str(x) for x in xs])
     for ax in (a, b):
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"vLLM P/D on CPUs ({machine}): FreightConnector vs NixlConnector, 64 KiB of KV a token")
+    kib = MODEL["layers"] * 2 * MODEL["kv_heads"] * MODEL["head_dim"] * 2 // 1024
+    fig.suptitle(f"vLLM P/D on CPUs ({machine}): FreightConnector vs NixlConnector, {kib} KiB of KV a token")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -262,6 +262,40 @@ def test_many_requests_in_flight_and_reposted(gpu_pair):
 
 
 @needs_gpu
+def test_work_tables_reused_by_later_requests_move_every_byte(gpu_pair):
+    """Requests made once and posted once (a KV connector's loads) take their work
+    tables from the ones earlier requests gave back: rounds of four requests in flight
+    at once, each of many copies into its own quarter of the peer's buffer, every byte
+    of the destination checked after each round."""
+    agent, name, peer = gpu_pair
+    local = torch.empty(peer.size, dtype=torch.uint8, device="cuda:0")
+    agent.register(local)
+    quarter = peer.size // 4
+    rng = random.Random(11)
+    for round_ in range(6):
+        seed = rng.randrange(1 << 30)
+        seed_source("WRITE", local, peer, seed)
+        everything, reqs = [], []
+        for q in range(4):
+            # Up to 1 MiB a copy: all of them go through the kernel's table.
+            copies = [(s + q * quarter, d + q * quarter, min(n, 1 << 20))
+                      for s, d, n in random_copies(rng, quarter, 24 * MIB, 50 + 150 * q)]
+            everything += copies
+            ldesc = freight.DescList([(local.data_ptr() + s, n, 0) for s, _, n in copies], kind="VRAM")
+            rdesc = freight.DescList([(peer.base + d, n, TORCH_GPUS - 1) for _, d, n in copies], kind="VRAM")
+            req = agent.make_request("WRITE", agent.prepare_local(ldesc), None, agent.prepare_remote(name, rdesc), None)
+            assert req.transport == "cuda"
+            reqs.append(req)
+        for r in reqs:
+            r.post()
+        for r in reqs:
+            r.wait(timeout=60)
+        assert [r.status() for r in reqs] == ["DONE"] * 4
+        del reqs
+        check_destination("WRITE", local, peer, seed, everything, f"round {round_}")
+
+
+@needs_gpu
 @pytest.mark.parametrize("op", ["WRITE", "READ"])
 def test_requests_of_a_few_small_copies_move_every_byte_each_post(gpu_pair, op):
     """Up to eight work items ride in the kernel's launch and its end is learned from a

@@ -7,6 +7,8 @@ from its cache, and names it in FREIGHT_VLLM_VENV); skipped, saying so, without 
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import time
 import urllib.error
@@ -51,6 +53,27 @@ def by_source(metrics: Dict[str, float]) -> Dict[str, float]:
     return out
 
 
+@pytest.mark.timeout(180)
+def test_the_worker_path_on_host_memory_loads_every_byte_a_killed_prefill_worker_is_a_load_error_and_its_restart_serves():
+    # The connector's worker code without vLLM serving (tests/vllm_cpu_worker.py, run in
+    # the vLLM virtualenv for its PyTorch): the load after the kill must fail for
+    # exactly its blocks, not read the dead worker's memory.
+    run = subprocess.run([str(vs.venv() / "bin" / "python"), str(Path(__file__).with_name("vllm_cpu_worker.py"))],
+                         capture_output=True, text=True, timeout=150,
+                         env=dict(os.environ, PYTHONPATH=str(vs.ROOT / "python")))
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["transport"] == "shm"
+    assert out["loaded"] and out["load_errors"] == [] and out["bytes_ok"], out
+    assert out["freed"] == {"freed": "r1"}
+    assert out["after_kill_settled"] and out["after_kill_errors"] == [30, 31, 32], out
+    assert out["in_flight_after"] == 0
+    # A prefill worker restarted at the dead one's address serves the next load.
+    assert out["restarted_at_the_same_address"], out
+    assert out["after_restart_loaded"] and out["after_restart_errors"] == [] and out["after_restart_bytes_ok"], out
+    assert "cannot load its KV" in run.stderr
+
+
 class PD:
     """A prefill and a decode instance with one connector, and the proxy before them."""
 
@@ -85,13 +108,16 @@ def freight_pd(model, logs) -> Iterator[PD]:
 
 @pytest.fixture
 def nixl_pd(model, logs) -> Iterator[PD]:
+    """A NixlConnector pair for one test. Its test runs first, before the module's
+    FreightConnector pair starts: four instances at once on two cores starve NIXL's
+    handshake (its side channel times out and the request fails)."""
     pd = PD(model, logs, "nixl")
     yield pd
     pd.stop()
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("connector", ["freight", "nixl"])
+@pytest.mark.parametrize("connector", ["nixl", "freight"])
 def test_pd_output_equals_a_single_instances_and_the_prompt_is_loaded_not_computed(connector, request):
     pd: PD = request.getfixturevalue(f"{connector}_pd")
     name, prefill, decode, proxy = pd.name, pd.prefill, pd.decode, pd.proxy

@@ -96,15 +96,21 @@ def main() -> None:
 
     args = json.loads(sys.argv[1])
     shape = Shape(**args["shape"])
-    caches = kv_caches(shape)
+    device = args.get("device", "cuda:0")
+    caches = kv_caches(shape, device)
     fill(caches)
-    torch.cuda.synchronize()
-    side = WorkerSide(Settings(role="kv_producer", token=args["token"]))
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    side = WorkerSide(Settings(role="kv_producer", token=args["token"], listen=args.get("listen", "127.0.0.1:0")))
     side.register_kv_caches(caches, instance(shape, "prefill"))
     hello: Dict[str, Any] = {}
+    kept = []  # shared segments, alive as long as this process serves
     if args.get("raw_bytes"):
         # A plain buffer beside the KV cache, for a benchmark's raw transfers.
-        raw = torch.empty(int(args["raw_bytes"]), dtype=torch.uint8, device="cuda:0")
+        raw = torch.empty(int(args["raw_bytes"]), dtype=torch.uint8, device=device)
+        if device == "cpu":
+            # Host memory reaches a same-host peer through shm once it is shared.
+            kept.append(side.agent.share_in_place(raw))
         side.agent.register(raw)
         hello["raw"] = raw.data_ptr()
     place, geometry = side.handshake()

@@ -235,7 +235,10 @@ impl SharedSegment {
                 let here = (start as usize + off) as *mut libc::c_void;
                 std::ptr::copy_nonoverlapping(here as *const u8, copy as *mut u8, n);
                 libc::munmap(copy, n);
-                let flags = libc::MAP_SHARED | libc::MAP_FIXED;
+                // Populated: the copy allocated every page, and without their page table
+                // entries each first access here faults (a KV cache written into blocks
+                // it never used before would pay that in every transfer).
+                let flags = libc::MAP_SHARED | libc::MAP_FIXED | libc::MAP_POPULATE;
                 let at = libc::mmap(here, n, libc::PROT_READ | libc::PROT_WRITE, flags, fd, off as libc::off_t);
                 if at == libc::MAP_FAILED {
                     return fail(format!("mmap(MAP_FIXED at {here:p}, {n})"));

@@ -181,6 +181,8 @@ class WorkerSide:
                 else:
                     self._release(handoff)
             except Exception as e:  # every failure of a load is the request's, never the worker's
+                if isinstance(e, freight.PeerDisconnectedError):
+                    self._forget(e.peer)
                 if not load.awaited:
                     log.warning("freight connector: cannot tell the prefill instance to free request %s's blocks "
                                 "(it frees them after its lease): %s", request_id, e)
@@ -207,14 +209,14 @@ class WorkerSide:
             raise freight.InvalidArgumentError(
                 f"the prefill instance holds {len(handoff.block_ids)} blocks, this instance needs {len(local)}")
         remote_ids = handoff.block_ids[len(handoff.block_ids) - len(local):]
-        # One READ of every layer's blocks. (Prepared lists picked by index post
-        # faster, but a READ posted that way reached a prefill worker already killed:
-        # kept off until that is understood; docs/vllm.md, "Not yet done".)
-        remote_layers = [LayerBlocks(l.name, base, stride, l.block_bytes, place.num_blocks)
-                         for l, base, stride in zip(self.layers, place.layer_bases, place.layer_strides)]
-        request = self.agent.transfer("READ", DescList(block_descs(self.layers, local, self.device), self.kind), peer,
-                                      DescList(block_descs(remote_layers, remote_ids, self.device), self.kind),
-                                      notif=done_message(handoff.request_id))
+        # One READ of every layer's blocks, picked by index out of lists prepared once
+        # (every block of both sides): no descriptor list is built per load.
+        layers = len(self.layers)
+        request = self.agent.make_request(
+            "READ", self.all_blocks, block_indices(layers, self.num_blocks, local),
+            self._remote_blocks(place, peer), block_indices(layers, place.num_blocks, remote_ids),
+            notif=done_message(handoff.request_id))
+        request.post()
         self.reading[request_id] = (request, local, time.monotonic())
 
     def _remote_blocks(self, place: Place, peer: str) -> Any:
@@ -256,6 +258,20 @@ class WorkerSide:
         self.peers[place.agent_address] = name
         return name
 
+    def _forget(self, name: str) -> None:
+        """Drops a prefill worker whose connection broke: a worker restarted at the same
+        address is connected to afresh by the next load that names it."""
+        assert self.agent is not None
+        for address in [a for a, n in self.peers.items() if n == name]:
+            del self.peers[address]
+        for key in [k for k in self.remote if k[0] == name]:
+            del self.remote[key]
+        try:
+            self.agent.remove_peer(name)
+        except freight.UnknownPeerError:
+            pass
+        log.info("freight connector: forgot prefill worker %s (its connection broke)", name)
+
     def finished(self, loads: Optional[Mapping[str, Load]] = None,
                  sends: Optional[Mapping[str, float]] = None) -> Tuple[Set[str], Set[str]]:
         """The end of a step (with its instructions, where vLLM has them): the
@@ -276,6 +292,8 @@ class WorkerSide:
             del self.reading[request_id]
             if status == "ERROR":
                 log.error("freight connector: reading request %s's KV failed: %s", request_id, request.error)
+                if isinstance(request.error, freight.PeerDisconnectedError):
+                    self._forget(request.peer)
                 self.load_errors.update(local)
                 self.stats.record_failure()
             else:

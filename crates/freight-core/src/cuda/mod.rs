@@ -9,6 +9,7 @@
 //! - [`pinned`]: page-locking host memory so that GPUs can reach it at PCIe speed.
 //! - [`flags`]: words in host memory that short kernels write when they finish.
 //! - [`completion`]: one thread that turns finished GPU work into finished requests.
+//! - [`tables`]: the copy kernel's work tables in GPU memory, reused across requests.
 //! - [`bounce`]: pinned bounce buffers, where GPU memory must pass through host memory.
 
 pub mod bounce;
@@ -19,5 +20,6 @@ pub mod ipc;
 pub mod kernel;
 pub mod nvrtc;
 pub mod pinned;
+pub mod tables;
 
 pub use driver::{available, unavailable_reason, Device};

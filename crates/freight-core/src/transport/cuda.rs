@@ -20,11 +20,12 @@ use std::time::Instant;
 use cudarc::driver::sys as cu;
 
 use crate::cuda::completion::{CompletionMode, Completions, Work};
-use crate::cuda::driver::{check, Device, DeviceBuffer, Event};
+use crate::cuda::driver::{check, Device, Event};
 use crate::cuda::flags::{self, Flag};
 use crate::cuda::ipc::{ImportCache, Imported};
 use crate::cuda::kernel::{self, Item, Kernel, LaunchShape, FEW_ITEMS};
 use crate::cuda::pinned;
+use crate::cuda::tables::Table;
 use crate::error::{Error, Result};
 use crate::memory::{MemKind, RegionInfo};
 use crate::plan::Op;
@@ -93,8 +94,9 @@ struct Side<'a> {
 
 /// How a program's work items reach the copy kernel.
 enum KernelWork {
-    /// In a table in GPU memory, launched with the configured shape.
-    Table { kernel: Arc<Kernel>, table: DeviceBuffer, count: usize },
+    /// In a table in GPU memory (reused across requests: [`crate::cuda::tables`]),
+    /// launched with the configured shape.
+    Table { kernel: Arc<Kernel>, table: Table, count: usize },
     /// A few items in the launch's parameters (requests with no copy-engine part): the
     /// kernel ends by writing to `flag`, which the posting thread watches.
     Few { kernel: Arc<Kernel>, items: Vec<Item>, flag: Flag },
@@ -213,7 +215,7 @@ impl CudaProgram {
                 let table_bytes = unsafe {
                     std::slice::from_raw_parts(items.as_ptr() as *const u8, std::mem::size_of_val(items.as_slice()))
                 };
-                let table = DeviceBuffer::upload(device, table_bytes)?;
+                let table = Table::upload(device, table_bytes)?;
                 Some(KernelWork::Table { kernel, table, count: items.len() })
             }
         };
