@@ -17,7 +17,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_ENV = "FREIGHT_VLLM_VENV"
@@ -78,6 +78,8 @@ class Instance:
             # Two instances share this machine's cores: vLLM's default pins each worker
             # (and every thread it starts, freight's included) to one core, the same one.
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            # The engine's own log (connections opened and lost) beside vLLM's.
+            "FREIGHT_LOG": os.environ.get("FREIGHT_LOG", "info"),
         })
         full_env.update(env or {})
         self.out = open(log, "w")
@@ -144,18 +146,32 @@ class Instance:
 
 
 def living(group: int) -> List[int]:
-    """The processes of process group ``group`` that are not dead (zombies are)."""
+    """The processes of process group ``group`` that still hold resources: any of whose
+    threads is not dead. (A killed process's first thread can be a zombie while the
+    others still tear down its memory, its sockets still open: the process is only
+    gone once all are.)"""
+
+    def state(stat_file: Path) -> Optional[Tuple[str, int]]:
+        try:
+            stat = stat_file.read_text()
+        except OSError:
+            return None
+        # pid (comm) state ppid pgrp ...: comm may hold spaces and parentheses.
+        fields = stat[stat.rindex(")") + 2:].split()
+        return fields[0], int(fields[2])
+
     alive = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
+        leader = state(entry / "stat")
+        if leader is None or leader[1] != group:
+            continue
         try:
-            stat = (entry / "stat").read_text()
+            threads = [state(t / "stat") for t in (entry / "task").iterdir()]
         except OSError:
             continue
-        # pid (comm) state ppid pgrp ...: comm may hold spaces and parentheses.
-        fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[2]) == group and fields[0] not in ("Z", "X"):
+        if any(t is not None and t[0] not in ("Z", "X") for t in threads):
             alive.append(int(entry.name))
     return alive
 

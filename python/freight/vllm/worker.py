@@ -209,14 +209,14 @@ class WorkerSide:
             raise freight.InvalidArgumentError(
                 f"the prefill instance holds {len(handoff.block_ids)} blocks, this instance needs {len(local)}")
         remote_ids = handoff.block_ids[len(handoff.block_ids) - len(local):]
-        # One READ of every layer's blocks. (Prepared lists picked by index post
-        # faster, but in CI such a READ succeeded against a prefill worker already
-        # killed, now and then: kept off until that is understood; docs/vllm.md.)
-        remote_layers = [LayerBlocks(l.name, base, stride, l.block_bytes, place.num_blocks)
-                         for l, base, stride in zip(self.layers, place.layer_bases, place.layer_strides)]
-        request = self.agent.transfer("READ", DescList(block_descs(self.layers, local, self.device), self.kind), peer,
-                                      DescList(block_descs(remote_layers, remote_ids, self.device), self.kind),
-                                      notif=done_message(handoff.request_id))
+        # One READ of every layer's blocks, picked by index out of lists prepared once
+        # (every block of both sides): no descriptor list is built per load.
+        layers = len(self.layers)
+        request = self.agent.make_request(
+            "READ", self.all_blocks, block_indices(layers, self.num_blocks, local),
+            self._remote_blocks(place, peer), block_indices(layers, place.num_blocks, remote_ids),
+            notif=done_message(handoff.request_id))
+        request.post()
         self.reading[request_id] = (request, local, time.monotonic())
 
     def _remote_blocks(self, place: Place, peer: str) -> Any:
