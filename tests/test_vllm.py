@@ -204,6 +204,47 @@ def test_a_decode_instance_of_another_model_is_refused_naming_both_values(freigh
         prefill.stop()
 
 
+TP2 = ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]
+
+
+@pytest.mark.timeout(900)
+def test_two_tensor_parallel_workers_a_side_load_rank_to_rank_and_a_decode_instance_of_one_is_refused(
+        model, logs, freight_pd):
+    prefill = vs.Instance(model, logs / "tp2-prefill.log", "freight", "kv_producer", args=TP2)
+    decode = vs.Instance(model, logs / "tp2-decode.log", "freight", "kv_consumer", args=TP2)
+    proxy = None
+    try:
+        prefill.wait_ready(600)
+        decode.wait_ready(600)
+        proxy = vs.ProxyProcess(prefill, decode, logs / "tp2-proxy.log")
+        texts = vs.prompts(3, PROMPT_WORDS, seed=11)
+        before = by_source(decode.metrics())
+        got = [vs.complete(proxy.url, t, ANSWER_TOKENS)["choices"][0]["text"] for t in texts]
+        after = by_source(decode.metrics())
+        want = [vs.complete(prefill.url, t, ANSWER_TOKENS)["choices"][0]["text"] for t in texts]
+        assert got == want, "P/D output with two tensor-parallel workers a side differs from a single instance's"
+        external = after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0)
+        assert external > len(texts) * PROMPT_WORDS / 2, (before, after)
+        assert after.get("local_compute", 0) - before.get("local_compute", 0) <= len(texts)
+        # Each decode worker reads its own heads from the prefill worker of its rank.
+        log = decode.text()
+        for rank in (0, 1):
+            assert any("connected to prefill worker" in line and f"Worker_TP{rank}" in line and f"-tp{rank}-" in line
+                       for line in log.splitlines()), decode.tail()
+        # Unequal tensor parallelism is refused, naming both values.
+        params = vs.complete(prefill.url, vs.prompts(1, PROMPT_WORDS, seed=12)[0], 1,
+                             {"kv_transfer_params": {"do_remote_decode": True}})["kv_transfer_params"]
+        with pytest.raises(urllib.error.HTTPError):
+            vs.complete(freight_pd.decode.url, vs.prompts(1, PROMPT_WORDS, seed=12)[0], ANSWER_TOKENS,
+                        {"kv_transfer_params": params})
+        assert "tensor_parallel: prefill 2, decode 1" in freight_pd.decode.text(), freight_pd.decode.tail()
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        prefill.stop()
+        decode.stop()
+
+
 @pytest.mark.timeout(600)
 def test_a_prefill_instance_killed_mid_request_fails_that_request_and_the_decode_instance_serves_on(freight_pd):
     # Last of the module: it kills the shared pair's prefill instance.

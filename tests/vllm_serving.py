@@ -17,7 +17,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_ENV = "FREIGHT_VLLM_VENV"
@@ -54,7 +54,7 @@ class Instance:
 
     def __init__(self, model: Path, log: Path, connector: Optional[str] = None, role: Optional[str] = None,
                  env: Optional[Dict[str, str]] = None, extra: Optional[Dict[str, Any]] = None,
-                 max_model_len: int = 2048) -> None:
+                 max_model_len: int = 2048, args: Sequence[str] = ()) -> None:
         v = venv()
         assert v is not None, "no vLLM virtualenv"
         self.port = free_port()
@@ -63,6 +63,7 @@ class Instance:
         cmd = [str(v / "bin" / "vllm"), "serve", str(model), "--port", str(self.port), "--host", "127.0.0.1",
                "--block-size", "32", "--max-model-len", str(max_model_len), "--dtype", "bfloat16",
                "--enforce-eager", "--max-num-seqs", "8", "--seed", "0", "--served-model-name", "tiny"]
+        cmd += list(args)
         if connector:
             cmd += ["--kv-transfer-config", connector_config(connector, role or "kv_both", extra)]
         full_env = dict(os.environ)
