@@ -126,7 +126,7 @@ def main() -> int:
         req.post()
         req.wait(60)
         t.append(time.perf_counter())
-        everything = side._remote_blocks(place, peer_name)
+        everything = side.remote_blocks(place, peer_name)
         t.append(time.perf_counter())
         li = block_indices(len(side.layers), side.num_blocks, local)
         ri = block_indices(len(side.layers), place.num_blocks, remote_ids)

@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 os.environ.setdefault("FREIGHT_VLLM_VENV", sys.prefix)
 
 import vllm_serving as vs  # noqa: E402
+from freight.vllm.config import Settings  # noqa: E402
 
 LENGTHS = (1024, 2048, 4096, 8192)
 MODEL = {"layers": 4, "hidden": 256, "heads": 16, "kv_heads": 16, "head_dim": 128, "intermediate": 512,
@@ -113,7 +114,7 @@ def wait_count(instance: vs.Instance, name: str, above: float, timeout: float = 
 
 
 def run_config(name: str, model: pathlib.Path, prompts: Dict[int, List[str]], logs: pathlib.Path,
-               env: Dict[str, str]) -> Dict[str, Any]:
+               env: Dict[str, str], extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     print(f"[vllm_pd] {name}: starting", flush=True)
     length = MODEL["context"]
     if name == "aggregated":
@@ -121,9 +122,9 @@ def run_config(name: str, model: pathlib.Path, prompts: Dict[int, List[str]], lo
         instances, url, decode = [single], single.url, None
     else:
         prefill = vs.Instance(model, logs / f"{name}-prefill.log", name, "kv_producer", env=env,
-                              max_model_len=length)
+                              max_model_len=length, extra=extra)
         decode = vs.Instance(model, logs / f"{name}-decode.log", name, "kv_consumer", env=env,
-                             max_model_len=length)
+                             max_model_len=length, extra=extra)
         instances = [prefill, decode]
         prefill.wait_ready(600)
         decode.wait_ready(600)
@@ -186,7 +187,7 @@ def summarize(results: Dict[str, Any], lengths) -> List[Dict[str, Any]]:
     return out
 
 
-def plot(summary: List[Dict[str, Any]], path: str, machine: str) -> None:
+def plot(summary: List[Dict[str, Any]], path: str, machine: str, freight_extra: Dict[str, Any]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -194,15 +195,17 @@ def plot(summary: List[Dict[str, Any]], path: str, machine: str) -> None:
     import matplotlib.ticker
 
     xs = [r["length"] for r in summary]
+    label = {"aggregated": "aggregated", "nixl": "nixl",
+             "freight": "freight" + (" " + json.dumps(freight_extra) if freight_extra else "")}
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
     for name, style in (("freight", "o-"), ("nixl", "s--")):
-        a.plot(xs, [r[f"{name}_transfer_p50_s"] * 1e3 for r in summary], style, label=f"{name} p50")
-        a.plot(xs, [r[f"{name}_transfer_p99_s"] * 1e3 for r in summary], style, alpha=0.4, label=f"{name} p99")
+        a.plot(xs, [r[f"{name}_transfer_p50_s"] * 1e3 for r in summary], style, label=f"{label[name]} p50")
+        a.plot(xs, [r[f"{name}_transfer_p99_s"] * 1e3 for r in summary], style, alpha=0.4, label=f"{label[name]} p99")
     a.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="KV transfer per request (ms)",
           title="KV transfer time (decode connector)")
     a.set_xticks(xs, [str(x) for x in xs])
     for name, style in (("aggregated", "^:"), ("freight", "o-"), ("nixl", "s--")):
-        b.plot(xs, [r[f"{name}_ttft_p50_s"] for r in summary], style, label=name)
+        b.plot(xs, [r[f"{name}_ttft_p50_s"] for r in summary], style, label=label[name])
     b.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="TTFT p50 (s)", title="Time to first token")
     b.set_xticks(xs, [str(x) for x in xs])
     for ax in (a, b):
@@ -223,7 +226,11 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=3, help="requests per prompt length (default 3)")
     ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="prompt lengths in tokens")
     ap.add_argument("--kv-space", default="3", help="VLLM_CPU_KVCACHE_SPACE, GiB per instance (default 3)")
+    ap.add_argument("--freight-extra", type=json.loads, default={}, metavar="JSON",
+                    help='FreightConnector\'s kv_connector_extra_config, e.g. \'{"inline_copies": true}\'')
     args = ap.parse_args()
+    if not isinstance(args.freight_extra, dict):
+        ap.error("--freight-extra: give a JSON object")
     if vs.venv() is None:
         sys.exit("run this with the python of the vLLM virtualenv (scripts/vllm-env.sh)")
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -236,17 +243,21 @@ def main() -> int:
     meta = json.loads((model / "freight-model.json").read_text())
     prompts = make_prompts(model, lengths, args.requests, seed=1)
     env = {"VLLM_CPU_KVCACHE_SPACE": args.kv_space}
-    results = {name: run_config(name, model, prompts, work, env) for name in ("aggregated", "freight", "nixl")}
+    results = {name: run_config(name, model, prompts, work, env, args.freight_extra if name == "freight" else None)
+               for name in ("aggregated", "freight", "nixl")}
     summary = summarize(results, lengths)
     import vllm
 
     doc = {"benchmark": "vllm-pd-cpu", "machine": args.machine, "cpus": os.cpu_count(), "vllm": vllm.__version__,
            "model": {**MODEL, "kv_bytes_per_token": meta["kv_bytes_per_token"]}, "answer_tokens": ANSWER,
-           "requests_per_length": args.requests, "summary": summary, "runs": results}
+           "requests_per_length": args.requests, "freight_extra_config": args.freight_extra,
+           "freight_inline_copies": Settings.from_extra("kv_consumer", args.freight_extra).copies_inline,
+           "summary": summary,
+           "runs": results}
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
     if args.plot:
-        plot(summary, args.plot, args.machine)
+        plot(summary, args.plot, args.machine, args.freight_extra)
     print("| prompt tokens | KV MiB | freight transfer p50 / p99 (ms) | NIXL transfer p50 / p99 (ms) | "
           "freight / NIXL (p50) | TTFT p50 (s) aggregated / freight / NIXL | outputs identical |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

@@ -3,6 +3,8 @@ instances must agree on, and the params a prefill instance hands on."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -119,3 +121,39 @@ def test_block_indices_pick_every_layers_blocks_out_of_a_list_of_all_blocks():
         block_indices(3, 10, [2, 10])
     with pytest.raises(freight.InvalidArgumentError, match="block -1"):
         block_indices(3, 10, [-1])
+
+
+def test_settings_take_known_keys_and_name_whatever_is_wrong():
+    from freight.vllm.config import SPARE_CORES, Settings
+
+    s = Settings.from_extra("kv_consumer", {}, environ={"FREIGHT_VLLM_TOKEN": "t"})
+    assert (s.token, s.listen, s.share_host_memory, s.inline_copies, s.consumes, s.produces) == \
+        ("t", "127.0.0.1:0", True, None, True, False)
+    # Unset: inline on a small host, on freight's copy threads on a large one.
+    assert s.copies_inline == (len(os.sched_getaffinity(0)) < SPARE_CORES)
+    s = Settings.from_extra("kv_both", {"inline_copies": True, "lease_seconds": 5, "listen": "0.0.0.0:7000"}, environ={})
+    assert (s.inline_copies, s.lease_seconds, s.listen, s.token) == (True, 5.0, "0.0.0.0:7000", None)
+    bad = [
+        ("kv_consumer", {"inline_copy": True}, "unknown setting(s) ['inline_copy']"),
+        ("kv_reader", {}, "kv_role 'kv_reader'"),
+        ("kv_consumer", {"token": ""}, "non-empty string"),
+        ("kv_consumer", {"lease_seconds": 0}, "must be positive"),
+        ("kv_consumer", {"connect_timeout": "soon"}, "kv_connector_extra_config"),
+        ("kv_consumer", {"listen": "localhost"}, "give HOST:PORT"),
+        ("kv_consumer", {"share_host_memory": "yes"}, "share_host_memory 'yes': give true or false"),
+        ("kv_consumer", {"inline_copies": 1}, "inline_copies 1: give true or false"),
+    ]
+    for role, extra, says in bad:
+        with pytest.raises(freight.InvalidArgumentError) as e:
+            Settings.from_extra(role, extra, environ={})
+        assert says in str(e.value), (extra, str(e.value))
+
+
+def test_inline_copies_reach_the_agent_as_a_posting_thread_copy_of_any_size():
+    from freight.vllm.config import Settings
+    from freight.vllm.worker import WorkerSide
+
+    side = WorkerSide(Settings(role="kv_consumer", token="t", inline_copies=True))
+    assert side.agent_config().shm_inline_bytes >= 1 << 40
+    side = WorkerSide(Settings(role="kv_consumer", token="t", inline_copies=False))
+    assert side.agent_config().shm_inline_bytes is None

@@ -13,7 +13,11 @@ from ..errors import InvalidArgumentError
 # The token both instances' agents require and present (kept out of `ps`).
 TOKEN_ENV = "FREIGHT_VLLM_TOKEN"
 
-KNOWN = ("listen", "token", "lease_seconds", "connect_timeout", "share_host_memory")
+# Hosts with at least this many cores have some to spare for freight's copy threads
+# (the engine's own threshold for polling, crates/freight-core/src/poll.rs).
+SPARE_CORES = 8
+
+KNOWN = ("listen", "token", "lease_seconds", "connect_timeout", "share_host_memory", "inline_copies")
 
 
 @dataclass(frozen=True)
@@ -26,7 +30,13 @@ class Settings:
     for a decode instance that has not read them (default 120). ``connect_timeout``:
     seconds a decode worker waits for the prefill worker's listener (default 10).
     ``share_host_memory``: lay shared memory under a KV cache in host memory, in place,
-    so that same-host instances read it through shm (default true; false: tcp)."""
+    so that same-host instances read it through shm (default true; false: tcp).
+    ``inline_copies``: a decode worker copies a load over shm on its own thread, as it
+    posts it, instead of handing it to freight's copy threads (default: on hosts of
+    fewer than 8 cores). Where vLLM's busy loops occupy every core, copy threads were
+    measured waiting hundreds of milliseconds for one (docs/vllm.md); copying inline
+    holds up that worker's step for the copy instead, which costs nothing where no core
+    is free to copy meanwhile."""
 
     role: str
     listen: str = "127.0.0.1:0"
@@ -34,6 +44,7 @@ class Settings:
     lease_seconds: float = 120.0
     connect_timeout: float = 10.0
     share_host_memory: bool = True
+    inline_copies: Optional[bool] = None
 
     @classmethod
     def from_extra(cls, role: str, extra: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> "Settings":
@@ -57,16 +68,25 @@ class Settings:
         listen = extra.get("listen", cls.listen)
         if not isinstance(listen, str) or ":" not in listen:
             raise InvalidArgumentError(f"listen {listen!r}: give HOST:PORT (port 0: any)")
-        share = extra.get("share_host_memory", cls.share_host_memory)
-        if not isinstance(share, bool):
-            raise InvalidArgumentError(f"share_host_memory {share!r}: give true or false")
-        return cls(role=role, listen=listen, token=token, lease_seconds=lease, connect_timeout=timeout,
-                   share_host_memory=share)
+        flags = {}
+        for name in ("share_host_memory", "inline_copies"):
+            flags[name] = extra.get(name, getattr(cls, name))
+            if not isinstance(flags[name], bool) and not (name == "inline_copies" and flags[name] is None):
+                raise InvalidArgumentError(f"{name} {flags[name]!r}: give true or false")
+        return cls(role=role, listen=listen, token=token, lease_seconds=lease, connect_timeout=timeout, **flags)
 
     @classmethod
     def from_vllm(cls, vllm_config: Any) -> "Settings":
         kv = vllm_config.kv_transfer_config
         return cls.from_extra(kv.kv_role, dict(kv.kv_connector_extra_config or {}))
+
+    @property
+    def copies_inline(self) -> bool:
+        """``inline_copies``, or where unset whether this host is small: fewer cores
+        than freight's engine wants before it keeps threads polling (``crate::poll``)."""
+        if self.inline_copies is not None:
+            return self.inline_copies
+        return len(os.sched_getaffinity(0)) < SPARE_CORES
 
     @property
     def produces(self) -> bool:

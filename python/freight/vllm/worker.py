@@ -99,13 +99,11 @@ class WorkerSide:
                                     instance.num_blocks) for name, t in tensors]
         self.geometry = self._geometry(first, instance)
         name = f"vllm-{instance.engine_id}-tp{self.rank}-{os.getpid()}"
-        token = self.settings.token.encode() if self.settings.token else None
-        if token is None:
+        if not self.settings.token:
             log.warning("freight connector: no token (FREIGHT_VLLM_TOKEN or kv_connector_extra_config.token): any "
                         "process that reaches %s can read and write this instance's KV cache",
                         self.settings.listen)
-        self.agent = freight.Agent(name, AgentConfig(listen=self.settings.listen, token=token,
-                                                     connect_timeout=self.settings.connect_timeout))
+        self.agent = freight.Agent(name, self.agent_config())
         spans = regions(self.layers)
         if self.kind == "DRAM" and self.settings.share_host_memory:
             for start, length in page_spans(spans, mmap.PAGESIZE):
@@ -122,6 +120,14 @@ class WorkerSide:
         log.info("freight connector: worker %d registered %d KV layers (%d blocks of %d bytes each) on %s, "
                  "listening on %s", self.rank, len(self.layers), self.layers[0].num_blocks,
                  self.layers[0].block_bytes, self.kind, ", ".join(self.agent.addresses))
+
+    def agent_config(self) -> AgentConfig:
+        """The settings as the worker's agent takes them."""
+        token = self.settings.token.encode() if self.settings.token else None
+        # Inline: every shm copy on the posting thread, whatever its size.
+        inline = {"shm_inline_bytes": 1 << 62} if self.settings.copies_inline else {}
+        return AgentConfig(listen=self.settings.listen, token=token, connect_timeout=self.settings.connect_timeout,
+                           **inline)
 
     def _share(self, start: int, length: int) -> None:
         """Lays shared memory under a host KV cache, in place (vLLM allocates it as
@@ -214,12 +220,12 @@ class WorkerSide:
         layers = len(self.layers)
         request = self.agent.make_request(
             "READ", self.all_blocks, block_indices(layers, self.num_blocks, local),
-            self._remote_blocks(place, peer), block_indices(layers, place.num_blocks, remote_ids),
+            self.remote_blocks(place, peer), block_indices(layers, place.num_blocks, remote_ids),
             notif=done_message(handoff.request_id))
         request.post()
         self.reading[request_id] = (request, local, time.monotonic())
 
-    def _remote_blocks(self, place: Place, peer: str) -> Any:
+    def remote_blocks(self, place: Place, peer: str) -> Any:
         """Every block of every layer of a prefill worker, prepared once (checked against
         the memory it advertised)."""
         assert self.agent is not None
