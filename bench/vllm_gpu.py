@@ -21,6 +21,7 @@ against the connector's pull. Prints tables last; ``--out`` writes the JSON.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import platform
@@ -48,7 +49,13 @@ def main() -> int:
     ap.add_argument("--layout", default="NHD", choices=peer.LAYOUTS, help="KV cache layout (default NHD)")
     ap.add_argument("--device", default="cuda:0",
                     help="where both KV caches live (default cuda:0; cpu runs the same over shm, to try the script)")
+    ap.add_argument("--agent", default="{}", metavar="JSON",
+                    help="AgentConfig fields for the decode worker's agent, to try the cuda transport's settings, "
+                         "e.g. '{\"cuda_kernel_item_bytes\": 262144}' (recorded in the JSON)")
     args = ap.parse_args()
+    agent_extra = json.loads(args.agent)
+    if not isinstance(agent_extra, dict):
+        ap.error("--agent takes a JSON object")
 
     import torch
 
@@ -69,6 +76,9 @@ def main() -> int:
     caches = peer.kv_caches(shape, args.device)
     on_gpu = args.device.startswith("cuda")
     side = WorkerSide(Settings(role="kv_consumer", token=TOKEN))
+    if agent_extra:
+        settings_config = side.agent_config
+        side.agent_config = lambda: dataclasses.replace(settings_config(), **agent_extra)
     side.register_kv_caches(caches, peer.instance(shape, "decode"))
     raw = torch.empty(raw_bytes, dtype=torch.uint8, device=args.device)
     side.agent.register(raw)
@@ -212,7 +222,7 @@ def main() -> int:
     result = {"benchmark": "vllm-connector-gpu", "machine": args.machine, "layout": args.layout,
               "shape": peer.asdict(shape), "block_bytes_per_layer": block_bytes, "repeats": args.repeats,
               "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0) if on_gpu else None,
-              "device": args.device, "rows": rows}
+              "device": args.device, "agent_config": agent_extra, "rows": rows}
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print("| KV per request | descriptors | connector GB/s | raw GB/s | connector / raw | "

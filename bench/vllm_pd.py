@@ -3,8 +3,8 @@
 NixlConnector and one aggregated instance, the same prompts through each, in one run.
 
 A model whose KV is large next to its compute (tests/vllm_model.py: 4 layers, 16 KV
-heads of 128, 32 KiB of KV per token, random weights) serves prompts of 1k to 8k
-tokens, greedy, a few answer tokens each:
+heads of 128, random weights; in float32 by default, 64 KiB of KV per token) serves
+prompts of 1k to 8k tokens, greedy, a few answer tokens each:
 
 - aggregated: one ``vllm serve``, no connector;
 - freight: a prefill and a decode instance with FreightConnector, the P/D proxy
@@ -114,17 +114,18 @@ def wait_count(instance: vs.Instance, name: str, above: float, timeout: float = 
 
 
 def run_config(name: str, model: pathlib.Path, prompts: Dict[int, List[str]], logs: pathlib.Path,
-               env: Dict[str, str], extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+               env: Dict[str, str], dtype: str, extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     print(f"[vllm_pd] {name}: starting", flush=True)
     length = MODEL["context"]
+    args = ["--dtype", dtype]  # after the default, so it wins
     if name == "aggregated":
-        single = vs.Instance(model, logs / "aggregated.log", env=env, max_model_len=length).wait_ready(600)
+        single = vs.Instance(model, logs / "aggregated.log", env=env, max_model_len=length, args=args).wait_ready(600)
         instances, url, decode = [single], single.url, None
     else:
         prefill = vs.Instance(model, logs / f"{name}-prefill.log", name, "kv_producer", env=env,
-                              max_model_len=length, extra=extra)
+                              max_model_len=length, extra=extra, args=args)
         decode = vs.Instance(model, logs / f"{name}-decode.log", name, "kv_consumer", env=env,
-                             max_model_len=length, extra=extra)
+                             max_model_len=length, extra=extra, args=args)
         instances = [prefill, decode]
         prefill.wait_ready(600)
         decode.wait_ready(600)
@@ -225,10 +226,18 @@ def main() -> int:
     ap.add_argument("--plot", help="write a PNG of transfer time and TTFT against prompt length")
     ap.add_argument("--requests", type=int, default=3, help="requests per prompt length (default 3)")
     ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="prompt lengths in tokens")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="the instances' dtype (default float32: 64 KiB of KV a token, and greedy answers that bf16 "
+                         "rounding in the decode instance's batch shape does not flip)")
     ap.add_argument("--kv-space", default="3", help="VLLM_CPU_KVCACHE_SPACE, GiB per instance (default 3)")
     ap.add_argument("--freight-extra", type=json.loads, default={}, metavar="JSON",
                     help='FreightConnector\'s kv_connector_extra_config, e.g. \'{"inline_copies": true}\'')
     args = ap.parse_args()
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            ap.error("--plot needs matplotlib in this interpreter (pip install matplotlib), or leave --plot out")
     if not isinstance(args.freight_extra, dict):
         ap.error("--freight-extra: give a JSON object")
     if vs.venv() is None:
@@ -243,21 +252,23 @@ def main() -> int:
     meta = json.loads((model / "freight-model.json").read_text())
     prompts = make_prompts(model, lengths, args.requests, seed=1)
     env = {"VLLM_CPU_KVCACHE_SPACE": args.kv_space}
-    results = {name: run_config(name, model, prompts, work, env, args.freight_extra if name == "freight" else None)
+    results = {name: run_config(name, model, prompts, work, env, args.dtype,
+                                args.freight_extra if name == "freight" else None)
                for name in ("aggregated", "freight", "nixl")}
     summary = summarize(results, lengths)
     import vllm
 
     doc = {"benchmark": "vllm-pd-cpu", "machine": args.machine, "cpus": os.cpu_count(), "vllm": vllm.__version__,
-           "model": {**MODEL, "kv_bytes_per_token": meta["kv_bytes_per_token"]}, "answer_tokens": ANSWER,
+           # The model file's KV is bf16 (2 bytes a number); the instances run it in `dtype`.
+           "model": {**MODEL, "dtype": args.dtype,
+                     "kv_bytes_per_token": meta["kv_bytes_per_token"] * (2 if args.dtype == "float32" else 1)},
+           "answer_tokens": ANSWER,
            "requests_per_length": args.requests, "freight_extra_config": args.freight_extra,
            "freight_inline_copies": Settings.from_extra("kv_consumer", args.freight_extra).copies_inline,
            "summary": summary,
            "runs": results}
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
-    if args.plot:
-        plot(summary, args.plot, args.machine, args.freight_extra)
     print("| prompt tokens | KV MiB | freight transfer p50 / p99 (ms) | NIXL transfer p50 / p99 (ms) | "
           "freight / NIXL (p50) | TTFT p50 (s) aggregated / freight / NIXL | outputs identical |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
@@ -269,6 +280,8 @@ def main() -> int:
               f"{r['nixl_transfer_p99_s'] * 1e3:.1f} | {r['transfer_ratio_p50']:.2f} | "
               f"{r['aggregated_ttft_p50_s']:.2f} / {r['freight_ttft_p50_s']:.2f} / {r['nixl_ttft_p50_s']:.2f} | "
               f"{same} |")
+    if args.plot:
+        plot(summary, args.plot, args.machine, args.freight_extra)
     return 0
 
 

@@ -266,7 +266,9 @@ def test_work_tables_reused_by_later_requests_move_every_byte(gpu_pair):
     """Requests made once and posted once (a KV connector's loads) take their work
     tables from the ones earlier requests gave back: rounds of four requests in flight
     at once, each of many copies into its own quarter of the peer's buffer, every byte
-    of the destination checked after each round."""
+    of the destination checked after each round. Each round first makes requests that
+    are dropped unposted: their tables go back to the pool with their uploads perhaps
+    still queued, and the round's requests take them over."""
     agent, name, peer = gpu_pair
     local = torch.empty(peer.size, dtype=torch.uint8, device="cuda:0")
     agent.register(local)
@@ -275,6 +277,13 @@ def test_work_tables_reused_by_later_requests_move_every_byte(gpu_pair):
     for round_ in range(6):
         seed = rng.randrange(1 << 30)
         seed_source("WRITE", local, peer, seed)
+        for n in (60, 200, 400):
+            unposted = [(s, d, min(k, 1 << 20)) for s, d, k in random_copies(rng, peer.size, 24 * MIB, n)]
+            agent.make_request(
+                "WRITE", agent.prepare_local(freight.DescList([(local.data_ptr() + s, k, 0) for s, _, k in unposted],
+                                                              kind="VRAM")),
+                None, agent.prepare_remote(name, freight.DescList([(peer.base + d, k, TORCH_GPUS - 1)
+                                                                   for _, d, k in unposted], kind="VRAM")), None)
         everything, reqs = [], []
         for q in range(4):
             # Up to 1 MiB a copy: all of them go through the kernel's table.

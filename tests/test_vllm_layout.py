@@ -124,13 +124,17 @@ def test_block_indices_pick_every_layers_blocks_out_of_a_list_of_all_blocks():
 
 
 def test_settings_take_known_keys_and_name_whatever_is_wrong():
-    from freight.vllm.config import SPARE_CORES, Settings
+    from freight.vllm.config import Settings
 
     s = Settings.from_extra("kv_consumer", {}, environ={"FREIGHT_VLLM_TOKEN": "t"})
     assert (s.token, s.listen, s.share_host_memory, s.inline_copies, s.consumes, s.produces) == \
         ("t", "127.0.0.1:0", True, None, True, False)
-    # Unset: inline on a small host, on freight's copy threads on a large one.
-    assert s.copies_inline == (len(os.sched_getaffinity(0)) < SPARE_CORES)
+    # Unset: inline where the engine has no cores to spare for its copy threads (it
+    # wants 8 at least), on those threads elsewhere.
+    spare = freight._native.host_has_spare_cores()
+    assert s.copies_inline == (not spare)
+    if len(os.sched_getaffinity(0)) < 8:
+        assert not spare
     s = Settings.from_extra("kv_both", {"inline_copies": True, "lease_seconds": 5, "listen": "0.0.0.0:7000"}, environ={})
     assert (s.inline_copies, s.lease_seconds, s.listen, s.token) == (True, 5.0, "0.0.0.0:7000", None)
     bad = [

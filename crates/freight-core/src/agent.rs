@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::RwLock;
 
@@ -524,7 +524,9 @@ impl Agent {
         if notif.as_ref().is_some_and(|m| m.len() > wire::MAX_NOTIF) {
             return Err(invalid(format!("notification larger than {} bytes", wire::MAX_NOTIF)));
         }
+        let started = Instant::now();
         let plan = Plan::build(local, local_idx, &remote.list, remote_idx)?;
+        let planned = started.elapsed();
         let peer = remote.peer.clone();
         self.check_written_regions(op, &plan, &peer)?;
         let shared = {
@@ -553,7 +555,7 @@ impl Agent {
             (Err("no GPU memory on either side".into()), Ok(()))
         };
         let path = self.inner.choose_path(&peer, local.kind(), remote.list.kind(), shared, gpu, staging)?;
-        tracing::debug!(peer = %peer.name, transport = %path.transport, reason = %path.reason, ops = plan.ops.len(), bytes = plan.bytes, "request made");
+        let checked = started.elapsed();
         let request = Request {
             agent: self.inner.clone(),
             peer,
@@ -572,6 +574,17 @@ impl Agent {
             // Compile now (map, pin, upload the work table): posting is then one launch.
             request.cuda_program()?;
         }
+        tracing::debug!(
+            peer = %request.peer.name,
+            transport = %request.path.transport,
+            reason = %request.path.reason,
+            ops = request.plan.ops.len(),
+            bytes = request.plan.bytes,
+            plan_us = planned.as_micros() as u64,
+            checks_us = (checked - planned).as_micros() as u64,
+            total_us = started.elapsed().as_micros() as u64,
+            "request made"
+        );
         Ok(request)
     }
 

@@ -13,6 +13,7 @@ pub mod error;
 pub mod exchange;
 pub mod interrupt;
 mod maps;
+pub mod memcopy;
 pub mod memory;
 pub mod metadata;
 pub mod notify;

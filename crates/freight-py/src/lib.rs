@@ -57,5 +57,14 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gpu::compile_copy_kernel, m)?)?;
     m.add_function(wrap_pyfunction!(gpu::copy_kernel_occupancy, m)?)?;
     m.add_function(wrap_pyfunction!(stream::release_pooled_memory, m)?)?;
+    m.add_function(wrap_pyfunction!(host_has_spare_cores, m)?)?;
     Ok(())
+}
+
+/// Whether this host has cores to spare for the engine's polling and copy threads: the
+/// engine's own answer (`freight_core::poll`), where it is not, it sleeps instead of
+/// polling and copies more on the posting thread.
+#[pyfunction]
+fn host_has_spare_cores() -> bool {
+    freight_core::poll::polling_pays()
 }

@@ -8,14 +8,11 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
+from .. import _native
 from ..errors import InvalidArgumentError
 
 # The token both instances' agents require and present (kept out of `ps`).
 TOKEN_ENV = "FREIGHT_VLLM_TOKEN"
-
-# Hosts with at least this many cores have some to spare for freight's copy threads
-# (the engine's own threshold for polling, crates/freight-core/src/poll.rs).
-SPARE_CORES = 8
 
 KNOWN = ("listen", "token", "lease_seconds", "connect_timeout", "share_host_memory", "inline_copies")
 
@@ -68,12 +65,13 @@ class Settings:
         listen = extra.get("listen", cls.listen)
         if not isinstance(listen, str) or ":" not in listen:
             raise InvalidArgumentError(f"listen {listen!r}: give HOST:PORT (port 0: any)")
-        flags = {}
-        for name in ("share_host_memory", "inline_copies"):
-            flags[name] = extra.get(name, getattr(cls, name))
-            if not isinstance(flags[name], bool) and not (name == "inline_copies" and flags[name] is None):
-                raise InvalidArgumentError(f"{name} {flags[name]!r}: give true or false")
-        return cls(role=role, listen=listen, token=token, lease_seconds=lease, connect_timeout=timeout, **flags)
+        share = extra.get("share_host_memory", cls.share_host_memory)
+        inline = extra.get("inline_copies", cls.inline_copies)  # None: as the host's size says
+        for name, value in (("share_host_memory", share), ("inline_copies", inline)):
+            if not isinstance(value, bool) and not (name == "inline_copies" and value is None):
+                raise InvalidArgumentError(f"{name} {value!r}: give true or false")
+        return cls(role=role, listen=listen, token=token, lease_seconds=lease, connect_timeout=timeout,
+                   share_host_memory=share, inline_copies=inline)
 
     @classmethod
     def from_vllm(cls, vllm_config: Any) -> "Settings":
@@ -82,11 +80,11 @@ class Settings:
 
     @property
     def copies_inline(self) -> bool:
-        """``inline_copies``, or where unset whether this host is small: fewer cores
-        than freight's engine wants before it keeps threads polling (``crate::poll``)."""
+        """``inline_copies``, or where unset whether this host is small: the engine has
+        no cores to spare for its polling and copy threads here."""
         if self.inline_copies is not None:
             return self.inline_copies
-        return len(os.sched_getaffinity(0)) < SPARE_CORES
+        return not _native.host_has_spare_cores()
 
     @property
     def produces(self) -> bool:

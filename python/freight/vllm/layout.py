@@ -134,12 +134,16 @@ def block_descs(layers: Sequence[LayerBlocks], block_ids: Sequence[int], device:
 def block_indices(num_layers: int, num_blocks: int, block_ids: Sequence[int]) -> np.ndarray:
     """Where every layer's blocks ``block_ids`` are, layer by layer, in a list of all
     blocks of all layers (``block_descs(layers, range(num_blocks))``, prepared once):
-    block ``b`` of layer ``l`` is entry ``l * num_blocks + b``."""
+    block ``b`` of layer ``l`` is entry ``l * num_blocks + b``. A uint64 array, which
+    ``Agent.make_request`` takes as it is (once a load: no conversion or copy there)."""
     ids = np.asarray(block_ids, dtype=np.int64)
-    if ids.size and (int(ids.max()) >= num_blocks or int(ids.min()) < 0):
-        bad = int(ids.max()) if int(ids.max()) >= num_blocks else int(ids.min())
-        raise InvalidArgumentError(f"block {bad} is not one of the {num_blocks} blocks of the KV cache")
-    return (np.arange(num_layers, dtype=np.int64)[:, None] * num_blocks + ids[None, :]).ravel()
+    if ids.size:
+        lowest, highest = int(ids.min()), int(ids.max())
+        if highest >= num_blocks or lowest < 0:
+            bad = highest if highest >= num_blocks else lowest
+            raise InvalidArgumentError(f"block {bad} is not one of the {num_blocks} blocks of the KV cache")
+    layer_starts = np.arange(0, num_layers * num_blocks, num_blocks, dtype=np.uint64)
+    return (layer_starts[:, None] + ids.astype(np.uint64)[None, :]).ravel()
 
 
 def regions(layers: Sequence[LayerBlocks]) -> List[Tuple[int, int]]:

@@ -154,6 +154,7 @@ impl CudaProgram {
         let lr = local_region(first.local_region).ok_or(Error::UnknownRegion(first.local_region))?;
         let rr = remote_region(first.remote_region).ok_or(Error::UnknownRegion(first.remote_region))?;
         let device = launch_device(&lr, &rr)?;
+        let started = Instant::now();
         let mut imports: Vec<Arc<Imported>> = Vec::new();
         let mut maps: Vec<Arc<Mapping>> = Vec::new();
         let mut local_cache: Option<(RegionInfo, u64)> = None;
@@ -196,18 +197,13 @@ impl CudaProgram {
                 kernel_copies.push((src, dst, o.len));
             }
         }
+        let translated = started.elapsed();
         let kernel = if kernel_copies.is_empty() {
             None
         } else {
             let kernel = Kernel::on(device)?;
             let workers = kernel.concurrency(&cfg.kernel_shape);
             let items = kernel::cut(&kernel_copies, cfg.kernel_item_bytes, workers);
-            tracing::debug!(
-                copies = kernel_copies.len(),
-                items = items.len(),
-                workers,
-                "cut a request into work items"
-            );
             if items.len() <= FEW_ITEMS && engine_copies.is_empty() {
                 Some(KernelWork::Few { kernel, items, flag: Flag::new(device)? })
             } else {
@@ -220,6 +216,15 @@ impl CudaProgram {
             }
         };
         debug_assert_eq!(std::mem::size_of::<Item>(), 24);
+        let event = Arc::new(Event::new(device)?);
+        tracing::debug!(
+            kernel_copies = kernel_copies.len(),
+            items = kernel_items(&kernel),
+            engine_copies = engine_copies.len(),
+            translate_us = translated.as_micros() as u64,
+            total_us = started.elapsed().as_micros() as u64,
+            "compiled a request for the GPU"
+        );
         Ok(CudaProgram {
             device,
             kernel,
@@ -227,7 +232,7 @@ impl CudaProgram {
             engine_copies,
             bytes,
             small: bytes <= SMALL_BYTES,
-            event: Arc::new(Event::new(device)?),
+            event,
             _imports: imports,
             _maps: maps,
         })
@@ -235,11 +240,7 @@ impl CudaProgram {
 
     /// Work items the kernel runs per post (0: copy engines only).
     pub fn kernel_items(&self) -> usize {
-        match &self.kernel {
-            None => 0,
-            Some(KernelWork::Table { count, .. }) => *count,
-            Some(KernelWork::Few { items, .. }) => items.len(),
-        }
+        kernel_items(&self.kernel)
     }
 
     /// Launches the copies and arranges for `tracker` to finish when they are done.
@@ -320,6 +321,14 @@ impl CudaProgram {
             return Err(e);
         }
         Ok(flag_value)
+    }
+}
+
+fn kernel_items(kernel: &Option<KernelWork>) -> usize {
+    match kernel {
+        None => 0,
+        Some(KernelWork::Table { count, .. }) => *count,
+        Some(KernelWork::Few { items, .. }) => items.len(),
     }
 }
 
