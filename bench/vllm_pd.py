@@ -188,7 +188,7 @@ def summarize(results: Dict[str, Any], lengths) -> List[Dict[str, Any]]:
     return out
 
 
-def plot(summary: List[Dict[str, Any]], path: str, machine: str, freight_extra: Dict[str, Any]) -> None:
+def plot(summary: List[Dict[str, Any]], path: str, machine: str, freight_extra: Dict[str, Any], dtype: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -213,8 +213,9 @@ def plot(summary: List[Dict[str, Any]], path: str, machine: str, freight_extra: 
         ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    kib = MODEL["layers"] * 2 * MODEL["kv_heads"] * MODEL["head_dim"] * 2 // 1024
-    fig.suptitle(f"vLLM P/D on CPUs ({machine}): FreightConnector vs NixlConnector, {kib} KiB of KV a token")
+    number = 4 if dtype == "float32" else 2
+    kib = MODEL["layers"] * 2 * MODEL["kv_heads"] * MODEL["head_dim"] * number // 1024
+    fig.suptitle(f"vLLM P/D on CPUs ({machine}): FreightConnector vs NixlConnector, {dtype}, {kib} KiB of KV a token")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -281,7 +282,7 @@ def main() -> int:
               f"{r['aggregated_ttft_p50_s']:.2f} / {r['freight_ttft_p50_s']:.2f} / {r['nixl_ttft_p50_s']:.2f} | "
               f"{same} |")
     if args.plot:
-        plot(summary, args.plot, args.machine, args.freight_extra)
+        plot(summary, args.plot, args.machine, args.freight_extra, args.dtype)
     return 0
 
 
