@@ -46,6 +46,8 @@ pub struct Mapping {
     ptr: *mut u8,
     len: usize,
     guard: Guard,
+    /// The thread mapping its pages ahead, where one was started.
+    populating: std::sync::OnceLock<Arc<Populating>>,
 }
 
 unsafe impl Send for Mapping {}
@@ -53,6 +55,11 @@ unsafe impl Sync for Mapping {}
 
 impl Drop for Mapping {
     fn drop(&mut self) {
+        // The populating thread leaves the range before it is unmapped (at most one
+        // chunk's wait): what is mapped there next is not its to fault in.
+        if let Some(p) = self.populating.get() {
+            p.stop();
+        }
         // Unwatched before it is unmapped: what is mapped there next is not the peer's.
         self.guard.release();
         if crate::cuda::pinned::any() {
@@ -170,7 +177,12 @@ impl Mapping {
         if ptr == libc::MAP_FAILED {
             return Err(std::io::Error::last_os_error());
         }
-        Ok(Mapping { ptr: ptr as *mut u8, len, guard: Guard::watch(ptr as *mut u8, len) })
+        Ok(Mapping {
+            ptr: ptr as *mut u8,
+            len,
+            guard: Guard::watch(ptr as *mut u8, len),
+            populating: std::sync::OnceLock::new(),
+        })
     }
 }
 
@@ -178,20 +190,40 @@ impl Mapping {
 /// pages are in memory already (the peer's), but this process has no page table entries
 /// for them until it touches each, and a copy that touches them first takes a fault
 /// per page (a 32 MiB load of blocks read for the first time took 5.9 ms on a 2-CPU VM,
-/// 4.3 ms once read before). One `madvise` maps them all in a fraction of that, from a
-/// thread that holds nobody up (2 GiB in about 0.15 s there). The thread holds the
-/// mapping until it is done, so the range it works on stays this mapping. On kernels
-/// before 5.14 (no `MADV_POPULATE_READ`) pages are mapped at first touch, as before.
-fn populate_in_background(mapping: &Arc<Mapping>) {
-    let mapping = mapping.clone();
+/// 4.3 ms once read before). `madvise` maps them in a fraction of that, from a thread
+/// that holds nobody up (2 GiB in about 0.15 s there), chunk by chunk. The thread holds
+/// no reference to the mapping: dropping the mapping stops it between two chunks and
+/// waits for the chunk in progress, so it is unmapped with its last holder, as before,
+/// and the thread never touches the range after. On kernels before 5.14 (no
+/// `MADV_POPULATE_READ`) pages are mapped at first touch, as before.
+fn populate_in_background(mapping: &Mapping) {
+    let state = Arc::new(Populating::default());
+    if mapping.populating.set(state.clone()).is_err() {
+        return; // started already
+    }
+    let (start, len) = (mapping.ptr as usize, mapping.len);
     let spawned = std::thread::Builder::new().name("freight-populate".into()).spawn(move || {
         let started = std::time::Instant::now();
-        // SAFETY: advice over a mapping this thread keeps alive; POPULATE_READ only
-        // faults pages in (shared memory: no copy, no new page).
-        let rc = unsafe { libc::madvise(mapping.ptr.cast(), mapping.len, libc::MADV_POPULATE_READ) };
-        let error = (rc != 0).then(|| std::io::Error::last_os_error().to_string());
+        let mut error = None;
+        let mut at = 0;
+        while at < len {
+            let _inside = state.busy.lock();
+            if state.stopped.load(Ordering::Acquire) {
+                break;
+            }
+            let n = (len - at).min(POPULATE_CHUNK);
+            // SAFETY: a range of the mapping, which cannot be unmapped while this thread
+            // holds `busy` without having seen `stopped`; POPULATE_READ only faults pages
+            // in (shared memory: no copy, no new page).
+            if unsafe { libc::madvise((start + at) as *mut libc::c_void, n, libc::MADV_POPULATE_READ) } != 0 {
+                error = Some(std::io::Error::last_os_error().to_string());
+                break;
+            }
+            at += n;
+        }
         tracing::debug!(
-            len = mapping.len,
+            len,
+            populated = at,
             us = started.elapsed().as_micros() as u64,
             error,
             "populated a peer mapping"
@@ -199,6 +231,25 @@ fn populate_in_background(mapping: &Arc<Mapping>) {
     });
     if let Err(e) = spawned {
         tracing::debug!(error = %e, "no thread to populate a peer mapping: its pages map at first touch");
+    }
+}
+
+/// Bytes populated at a time: the longest a mapping's drop waits for the thread.
+const POPULATE_CHUNK: usize = 32 << 20;
+
+/// What a mapping and the thread populating it share.
+#[derive(Default)]
+struct Populating {
+    stopped: std::sync::atomic::AtomicBool,
+    /// Held by the thread while it works on a chunk.
+    busy: Mutex<()>,
+}
+
+impl Populating {
+    /// Once this returns the thread no longer touches the mapping.
+    fn stop(&self) {
+        self.stopped.store(true, Ordering::Release);
+        drop(self.busy.lock());
     }
 }
 
@@ -565,9 +616,19 @@ mod tests {
 
     /// A fresh mapping of a peer's segment gets its page table entries in the background
     /// (a copy that touched each page first would fault on every one); one left alone
-    /// has none until touched.
+    /// has none until touched. A mapping dropped while it is populated is unmapped at
+    /// once.
     #[test]
     fn a_fresh_peer_mapping_is_populated_in_the_background() {
+        let big = 256 << 20;
+        let file = unsealed(big, 1);
+        let dropped = Mapping::map_file(&file, big).unwrap();
+        populate_in_background(&dropped);
+        let at = dropped.addr();
+        drop(dropped);
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        assert!(!maps.lines().any(|l| l.starts_with(&format!("{at:x}-"))), "unmapped with its last holder");
+
         let len = 8 << 20;
         let file = unsealed(len, 3);
         let untouched = Arc::new(Mapping::map_file(&file, len).unwrap());
