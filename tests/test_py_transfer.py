@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import queue
 import subprocess
 import threading
@@ -262,7 +263,8 @@ def test_private_memory_shared_in_place_keeps_its_bytes_and_is_reached_through_s
     becomes shm-reachable in place: what it held before is read back through shm, and
     the target sees through its own, unchanged array what the initiator writes."""
     agent, inbox = initiator("shm")
-    size = (8 << 20) + 123  # neither the start nor the end need fall on a page
+    # Neither the start nor the end need fall on a page; 32 MiB and more has pages of its own.
+    size = (32 << 20) + 123
     private = Target(spawn, agent, inbox, "private", size, shm=False, seed=3)
     private.add()
     dst = np.zeros(size, dtype=np.uint8)
@@ -289,9 +291,26 @@ def test_private_memory_shared_in_place_keeps_its_bytes_and_is_reached_through_s
     t.stop()
 
 
+def own_pages(n: int) -> np.ndarray:
+    """A writable array of ``n`` bytes on private anonymous pages of its own (what
+    share_in_place takes; the allocator's heap is refused)."""
+    return np.frombuffer(mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=np.uint8)
+
+
+def in_heap(addr: int) -> bool:
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, *rest = line.split()
+            start, end = (int(x, 16) for x in span.split("-"))
+            if start <= addr < end:
+                return rest[-1] == "[heap]"
+    return False
+
+
 def test_share_in_place_refuses_what_it_cannot_share_and_keeps_what_it_shares():
     with freight.Agent("sharer") as a:
-        buf = np.arange(3 << 20, dtype=np.uint32).view(np.uint8)
+        buf = own_pages(12 << 20)
+        buf.view(np.uint32)[:] = np.arange(3 << 20, dtype=np.uint32)
         want = buf.copy()
         seg = a.share_in_place(buf)
         assert isinstance(seg, freight.SharedSegment) and seg.addr <= buf.ctypes.data
@@ -304,7 +323,7 @@ def test_share_in_place_refuses_what_it_cannot_share_and_keeps_what_it_shares():
         shm = a.alloc(1 << 20)
         assert a.share_in_place(shm).id == shm.base.id
         # Partly inside a shared segment: refused, naming it.
-        beside = np.zeros(8 << 20, dtype=np.uint8)
+        beside = own_pages(8 << 20)
         half = a.share_in_place(beside[: 4 << 20])  # kept: dropped, it would end
         with pytest.raises(freight.InvalidArgumentError, match="overlaps the shared segment"):
             a.share_in_place(beside[(4 << 20) - 16:])
@@ -313,6 +332,12 @@ def test_share_in_place_refuses_what_it_cannot_share_and_keeps_what_it_shares():
             a.share_in_place((4096, 4096, 0))
         with pytest.raises(freight.InvalidArgumentError):
             a.share_in_place(b"read-only bytes" * 1000)
+        # A small array sits in the process heap beside other allocations: its pages
+        # are not its own to share.
+        small = np.zeros(64 << 10, dtype=np.uint8)
+        assert in_heap(small.ctypes.data), "a 64 KiB array of the main thread is expected in [heap]"
+        with pytest.raises(freight.InvalidArgumentError, match=r"process heap .*\[heap\]"):
+            a.share_in_place(small)
         # The segment outlives the handle while a region in it is registered.
         key = a.register(buf)
         del seg

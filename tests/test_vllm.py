@@ -75,6 +75,44 @@ def test_the_worker_path_on_host_memory_loads_every_byte_a_killed_prefill_worker
     assert "cannot load its KV" in run.stderr
 
 
+SHARING = """
+import json, logging, sys
+sys.path.insert(0, sys.argv[1])
+logging.basicConfig(level=logging.INFO)
+import vllm_gpu_peer as peer
+from freight.vllm.config import Settings
+from freight.vllm.worker import WorkerSide
+out = {}
+for name, blocks in (("small", 64), ("large", 2048)):
+    shape = peer.Shape(layout="HND", num_blocks=blocks)
+    caches = peer.kv_caches(shape, "cpu")
+    side = WorkerSide(Settings(role="kv_consumer", token="t"))
+    side.register_kv_caches(caches, peer.instance(shape, name))
+    first = next(iter(caches.values())).data_ptr()
+    with open("/proc/self/maps") as f:
+        where = [l.strip() for l in f if int(l.split("-")[0], 16) <= first < int(l.split()[0].split("-")[1], 16)]
+    out[name] = {"segments": len(side.shared), "mapping": where[0] if where else None}
+    side.close()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_host_kv_cache_too_small_to_own_its_pages_stays_private_and_a_large_one_is_shared():
+    # 1 MiB a layer may lie in the allocator's heap beside other allocations: sharing
+    # its pages would lose their writes meanwhile (a corrupted heap). 32 MiB has its own.
+    run = subprocess.run([str(vs.venv() / "bin" / "python"), "-c", SHARING, str(Path(__file__).parent)],
+                         capture_output=True, text=True, timeout=100,
+                         env=dict(os.environ, PYTHONPATH=str(vs.ROOT / "python")))
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["small"]["segments"] == 0 and "memfd" not in str(out["small"]["mapping"]), out
+    # Layers allocated back to back meet inside a page and share one segment.
+    assert out["large"]["segments"] >= 1 and "memfd:freight" in str(out["large"]["mapping"]), out
+    assert run.stderr.count("4 KV cache region(s) of under 32 MiB") == 1, run.stderr[-3000:]
+    assert run.stderr.count("stay private memory") == 1, run.stderr[-3000:]
+
+
 class PD:
     """A prefill and a decode instance with one connector, and the proxy before them."""
 

@@ -38,7 +38,8 @@ def main() -> None:
     from freight.vllm.params import Load
     from freight.vllm.worker import WorkerSide
 
-    shape = peer.Shape(layout="HND")
+    # 32 MiB a layer: host KV caches smaller than that stay private (tcp), not shm.
+    shape = peer.Shape(layout="HND", num_blocks=2048)
     code = f"import sys; sys.path.insert(0, {str(HERE)!r}); import vllm_gpu_peer; vllm_gpu_peer.main()"
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

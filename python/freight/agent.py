@@ -147,11 +147,14 @@ class Agent:
         :class:`freight.SharedSegment` or a region registered in it lives.
 
         Whole pages are shared, so the bytes around the range in its first and last page
-        go with it: use it for memory that owns its pages (a large allocation; a vLLM KV
-        cache). Call it while nothing writes the memory. Memory already inside a shared
-        segment gets that segment. Raises :class:`freight.InvalidArgumentError` for
-        memory that is not private writable host memory of this process (file-backed,
-        read-only, GPU memory, unmapped) or that lies partly in a shared segment.
+        go with it: use it for memory that owns its pages (an allocation of 32 MiB or
+        more, which glibc maps by itself; an ``mmap``; a vLLM KV cache), never for a
+        small allocation beside others. Call it while nothing writes the memory. Memory
+        already inside a shared segment gets that segment. Raises
+        :class:`freight.InvalidArgumentError` for memory that is not private writable
+        host memory of this process (file-backed, read-only, GPU memory, unmapped), that
+        lies in the process heap (``[heap]``: small allocations side by side), or that
+        lies partly in a shared segment.
         """
         r = describe(obj, "DRAM", readonly_ok=False)
         return self._core.share_in_place(r.addr, r.length)

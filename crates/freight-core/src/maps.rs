@@ -51,6 +51,21 @@ pub fn check_private_anonymous(lines: &[MapLine], start: u64, end: u64) -> Resul
     check_covered(lines, start, end, "private anonymous memory", MapLine::is_private_anonymous)
 }
 
+/// Checks that no page of `[start, end)` is the process heap (`[heap]`, the memory
+/// `brk` grows): the allocator packs small allocations there side by side, so a page of
+/// it holds other allocations and their bookkeeping, written by any thread at any time.
+pub fn check_outside_heap(lines: &[MapLine], start: u64, end: u64) -> Result<()> {
+    match lines.iter().find(|l| l.end > start && l.start < end && l.path == "[heap]") {
+        None => Ok(()),
+        Some(l) => Err(invalid(format!(
+            "[{start:#x}, {end:#x}) is in the process heap ({:#x}-{:#x} [heap]), whose pages hold other \
+             allocations beside it: only memory that owns its pages (an allocation of its own, such as a large \
+             one) can be shared in place",
+            l.start, l.end
+        ))),
+    }
+}
+
 /// Checks that `[start, end)` is covered, without a gap, by mappings that `ok` accepts
 /// (`what` names them in the error, which names the first page that is not).
 pub fn check_covered(lines: &[MapLine], start: u64, end: u64, what: &str, ok: impl Fn(&MapLine) -> bool) -> Result<()> {
@@ -108,6 +123,19 @@ mod tests {
         check_private_anonymous(&lines, 0x7f0000000000, 0x7f0000200000).unwrap();
         check_private_anonymous(&lines, 0x7f0000050000, 0x7f0000150000).unwrap();
         check_private_anonymous(&lines, 0x55d0c0001000, 0x55d0c0002000).unwrap();
+    }
+
+    #[test]
+    fn a_range_that_touches_the_heap_is_refused_naming_it() {
+        let lines = parse(MAPS);
+        check_outside_heap(&lines, 0x7f0000000000, 0x7f0000200000).unwrap();
+        check_outside_heap(&lines, 0x55d0c0021000, 0x55d0c0022000).unwrap();
+        for (start, end) in
+            [(0x55d0c0001000, 0x55d0c0002000), (0x55d0bffff000, 0x55d0c0001000), (0x55d0c0020000, 0x7f0000001000)]
+        {
+            let e = check_outside_heap(&lines, start, end).unwrap_err().to_string();
+            assert!(e.contains("[heap]") && e.contains("owns its pages"), "{e}");
+        }
     }
 
     #[test]

@@ -171,8 +171,11 @@ impl SharedSegment {
     /// in its page go with them, and a peer that maps the segment can read and write
     /// them. For a large allocation of its own (glibc and tcmalloc give those their own
     /// pages) that is the allocator's bookkeeping of this very allocation; share only
-    /// what owns its pages. Every page must be private, writable, anonymous memory of
-    /// this process (`/proc/self/maps` is checked); a range already inside a shared
+    /// what owns its pages: the process heap (`[heap]`), where small allocations sit
+    /// side by side, is refused (sharing a page of it would race every thread that
+    /// allocates beside the range, and hand peers the allocator's bookkeeping). Every
+    /// page must be private, writable, anonymous memory of this process
+    /// (`/proc/self/maps` is checked); a range already inside a shared
     /// segment gets that segment, one that overlaps a segment partly is refused. Call it
     /// while nothing else writes the range: a write between the copy and the remap
     /// would be lost.
@@ -204,7 +207,9 @@ impl SharedSegment {
         }
         let maps = std::fs::read_to_string("/proc/self/maps")
             .map_err(|e| Error::Io(format!("reading /proc/self/maps: {e}")))?;
-        crate::maps::check_private_anonymous(&crate::maps::parse(&maps), start, end)?;
+        let maps = crate::maps::parse(&maps);
+        crate::maps::check_private_anonymous(&maps, start, end)?;
+        crate::maps::check_outside_heap(&maps, start, end)?;
         let (id, fd) = sealed_memfd(size)?;
         // A piece at a time, so that the copy never holds more than a piece twice.
         const PIECE: usize = 64 << 20;

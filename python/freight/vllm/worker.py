@@ -32,6 +32,13 @@ from .params import Handoff, Load, Place, done_message, parse_done
 # A child of vLLM's logger: its messages come out with vLLM's, in its format.
 log = logging.getLogger("vllm.freight")
 
+# The smallest host KV cache shared in place (32 MiB). Sharing lays shared memory under
+# whole pages, so a page's other bytes go with it: an allocation of this size has pages
+# of its own (glibc maps every allocation from 32 MiB on by itself, as tcmalloc and
+# jemalloc do large ones), where a smaller one may sit beside others in the allocator's
+# heap, whose writes meanwhile would be lost and whose bookkeeping peers could write.
+SHARE_IN_PLACE_MIN_BYTES = 32 << 20
+
 # Notifications that name a request this worker does not (yet) hold blocks for are kept
 # this long: the decode side may be told before this side learns of the request.
 EARLY_ACK_SECONDS = 600.0
@@ -106,7 +113,14 @@ class WorkerSide:
         self.agent = freight.Agent(name, self.agent_config())
         spans = regions(self.layers)
         if self.kind == "DRAM" and self.settings.share_host_memory:
-            for start, length in page_spans(spans, mmap.PAGESIZE):
+            small = [(start, length) for start, length in spans if length < SHARE_IN_PLACE_MIN_BYTES]
+            if small:
+                log.warning("freight connector: %d KV cache region(s) of under %d MiB (the first at %#x, %d bytes) "
+                            "stay private memory, so same-host instances read them over tcp, not shm: an "
+                            "allocation that small may share its pages with others, which cannot be shared safely",
+                            len(small), SHARE_IN_PLACE_MIN_BYTES >> 20, small[0][0], small[0][1])
+            large = [span for span in spans if span not in small]
+            for start, length in page_spans(large, mmap.PAGESIZE):
                 self._share(start, length)
         for start, length in spans:
             self.agent.register((start, length, self.device), kind=self.kind)
