@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import freight
-from freight.vllm.layout import (Geometry, block_descs, block_indices, dim_order, layer_blocks, mismatches,
+from freight.vllm.layout import (Geometry, block_descs, block_indices, dim_order, every_block, layer_blocks, mismatches,
                                  page_spans, regions)
 from freight.vllm.params import Handoff, Place, done_message, parse_done
 
@@ -117,6 +117,10 @@ def test_block_indices_pick_every_layers_blocks_out_of_a_list_of_all_blocks():
     everything = block_descs(layers, range(10))
     picked = everything[block_indices(3, 10, [3, 4, 7])]
     assert (picked == block_descs(layers, [3, 4, 7])).all()
+    # The strided list a worker prepares holds the same descriptors, a run per layer.
+    runs = every_block(layers, 0, "DRAM")
+    assert runs.runs == 3 and len(runs) == 30
+    assert [tuple(d) for d in runs] == [tuple(int(x) for x in row) for row in everything]
     with pytest.raises(freight.InvalidArgumentError, match="block 10 is not one of the 10 blocks"):
         block_indices(3, 10, [2, 10])
     with pytest.raises(freight.InvalidArgumentError, match="block -1"):

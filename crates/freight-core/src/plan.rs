@@ -101,23 +101,20 @@ impl PreparedList {
         self.keys[self.run_region[r] as usize]
     }
 
+    #[cfg(test)]
     fn get(&self, i: u64) -> Option<(Desc, u64)> {
         let (r, k) = self.list.locate(i)?;
         Some((self.list.runs()[r].get(k), self.region_of_run(r)))
     }
 
-    /// The descriptors selected by `indices` (all, in order, when `None`).
-    fn select<'a>(&'a self, indices: Option<&'a [u64]>) -> Box<dyn Iterator<Item = Result<(Desc, u64)>> + 'a> {
-        match indices {
-            None => Box::new(self.list.runs().iter().enumerate().flat_map(move |(r, run)| {
-                let region = self.region_of_run(r);
-                (0..run.count).map(move |k| Ok((run.get(k), region)))
-            })),
-            Some(idx) => Box::new(idx.iter().map(move |&i| {
-                self.get(i)
-                    .ok_or_else(|| invalid(format!("index {i} out of range for a list of {} descriptors", self.len())))
-            })),
-        }
+    /// The bytes selected by `indices` (all, in order, when `None`), as pieces with
+    /// their region: one piece per descriptor, except that descriptors of one dense run
+    /// (members back to back: `stride == len`) that are selected one after the other
+    /// make one piece. A KV cache load picks long stretches of consecutive blocks out
+    /// of a run per layer; so its plan costs a step per stretch, not per block (the
+    /// copies are the same: the plan merges contiguous neighbours anyway).
+    fn select<'a>(&'a self, indices: Option<&'a [u64]>) -> Pieces<'a> {
+        Pieces { list: self, indices, at: 0, member: 0 }
     }
 
     /// Resolves against the local registry.
@@ -134,6 +131,56 @@ impl PreparedList {
             let r = regions.find(list.kind(), addr, len, dev)?;
             Ok(RegionSpan { key: r.key, start: r.addr, end: r.end() })
         })
+    }
+}
+
+/// The iterator of [`PreparedList::select`].
+struct Pieces<'a> {
+    list: &'a PreparedList,
+    /// `None`: every descriptor, run by run.
+    indices: Option<&'a [u64]>,
+    /// The next index (with indices) or run (without).
+    at: usize,
+    /// Without indices: the next member of run `at` (a sparse run goes member by member).
+    member: u64,
+}
+
+impl Iterator for Pieces<'_> {
+    type Item = Result<(Desc, u64)>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let runs = self.list.list.runs();
+        let Some(idx) = self.indices else {
+            let run = runs.get(self.at)?;
+            let region = self.list.region_of_run(self.at);
+            if run.stride == run.len {
+                // Dense: the whole run at once (its bytes fit: the list's total does).
+                self.at += 1;
+                return Some(Ok((Desc { addr: run.addr, len: run.len * run.count, dev: run.dev }, region)));
+            }
+            let d = run.get(self.member);
+            self.member += 1;
+            if self.member == run.count {
+                (self.at, self.member) = (self.at + 1, 0);
+            }
+            return Some(Ok((d, region)));
+        };
+        let &i = idx.get(self.at)?;
+        self.at += 1;
+        let Some((r, k)) = self.list.list.locate(i) else {
+            return Some(Err(invalid(format!("index {i} out of range for a list of {} descriptors", self.list.len()))));
+        };
+        let run = &runs[r];
+        let mut d = run.get(k);
+        if run.stride == run.len {
+            // The members after k in this run, for as long as the indices go on by one.
+            let room = (run.count - 1 - k) as usize;
+            let tail = &idx[self.at..];
+            let stretch = tail.iter().take(room).zip(i + 1..).take_while(|(&next, want)| next == *want).count();
+            d.len += run.len * stretch as u64;
+            self.at += stretch;
+        }
+        Some(Ok((d, self.list.region_of_run(r))))
     }
 }
 
@@ -380,7 +427,101 @@ mod tests {
         assert_eq!(got, vec![(8, 100, 4), (0, 104, 4)]);
     }
 
+    /// A list of dense and sparse strided runs and singles, in regions 1 and 2 by address.
+    fn mixed() -> PreparedList {
+        let mut list = DescList::new(MemKind::Dram);
+        list.push_strided(0, 16, 0, 16, 8).unwrap(); // dense: 0..128
+        list.push_strided(1000, 8, 0, 32, 6).unwrap(); // sparse
+        list.push(Desc { addr: 128, len: 16, dev: 0 }).unwrap(); // right after the dense run
+        list.push_strided(5000, 4, 0, 4, 10).unwrap(); // dense, region 2
+        PreparedList::resolve(&list, |addr, _, _| {
+            Ok(if addr < 5000 {
+                RegionSpan { key: 1, start: 0, end: 5000 }
+            } else {
+                RegionSpan { key: 2, start: 5000, end: u64::MAX }
+            })
+        })
+        .unwrap()
+    }
+
+    /// The plan of the same selection, built from one single descriptor per selected
+    /// index: what the stretches of dense runs must not change.
+    fn one_by_one(l: &PreparedList, li: Option<&[u64]>, r: &PreparedList, ri: Option<&[u64]>) -> Result<Plan> {
+        fn singles(p: &PreparedList, idx: Option<&[u64]>) -> Result<PreparedList> {
+            let all: Vec<u64> = (0..p.len()).collect();
+            let picked = idx.unwrap_or(&all).iter().map(|&i| p.get(i).ok_or_else(|| invalid("out of range")));
+            let picked: Vec<(Desc, u64)> = picked.collect::<Result<_>>()?;
+            let list = DescList::from_descs(p.kind(), picked.iter().map(|x| x.0))?;
+            let mut keys = picked.iter().map(|x| x.1);
+            let mut resolved = PreparedList::resolve(&list, |_, _, _| Ok(RegionSpan { key: 0, start: 0, end: 0 }))?;
+            // Region keys as the originals had them, descriptor by descriptor.
+            resolved.keys.clear();
+            resolved.run_region.clear();
+            for k in keys.by_ref() {
+                let slot = resolved.keys.iter().position(|&x| x == k).unwrap_or_else(|| {
+                    resolved.keys.push(k);
+                    resolved.keys.len() - 1
+                });
+                resolved.run_region.push(slot as u32);
+            }
+            resolved.regions = resolved.keys.clone();
+            resolved.regions.sort_unstable();
+            Ok(resolved)
+        }
+        Plan::build(&singles(l, li)?, None, &singles(r, ri)?, None)
+    }
+
+    #[test]
+    fn consecutive_indices_of_a_dense_run_are_one_piece_and_others_are_not() {
+        let p = mixed();
+        let pieces = |idx: Option<&[u64]>| -> Vec<(u64, u64, u64)> {
+            p.select(idx).map(|x| x.map(|(d, k)| (d.addr, d.len, k))).collect::<Result<_>>().unwrap()
+        };
+        // 1..4 of the dense run: one piece; on into the next run: a new piece.
+        assert_eq!(pieces(Some(&[1, 2, 3, 7, 8])), vec![(16, 48, 1), (112, 16, 1), (1000, 8, 1)]);
+        // The sparse run: member by member even when consecutive; repeats stay apart.
+        assert_eq!(pieces(Some(&[9, 10, 10])), vec![(1032, 8, 1), (1064, 8, 1), (1064, 8, 1)]);
+        // Without indices: dense runs whole, the sparse one member by member.
+        let all = pieces(None);
+        assert_eq!(all.len(), 1 + 6 + 1 + 1);
+        assert_eq!((all[0], all[7], all[8]), ((0, 128, 1), (128, 16, 1), (5000, 40, 2)));
+        let e = p.select(Some(&[0, 1, 25])).map(|x| x.map(|_| ())).collect::<Result<Vec<_>>>().unwrap_err();
+        assert!(e.to_string().contains("index 25 out of range"), "{e}");
+    }
+
     proptest! {
+        /// Picking stretches of dense runs whole plans exactly the copies that picking
+        /// every descriptor on its own plans.
+        #[test]
+        fn stretches_plan_what_single_descriptors_plan(
+            picks in prop::collection::vec((0u64..25, 1u64..6), 1..8),
+            remote_first in 0u64..140,
+        ) {
+            let l = mixed();
+            // The remote side: 4-byte members, a dense run then a sparse one, picked
+            // consecutively from remote_first for as many bytes as the local side.
+            let mut list = DescList::new(MemKind::Dram);
+            list.push_strided(20_000, 4, 0, 4, 150).unwrap();
+            list.push_strided(30_000, 4, 0, 12, 150).unwrap();
+            let r = PreparedList::resolve(&list, |_, _, _| Ok(RegionSpan { key: 3, start: 0, end: u64::MAX })).unwrap();
+            let li: Vec<u64> = picks.iter().flat_map(|&(s, n)| (s..s + n).map(|i| i % 25)).collect();
+            let bytes: u64 = li.iter().map(|&i| l.get(i).unwrap().0.len).sum();
+            let ri: Vec<u64> = (remote_first..remote_first + bytes / 4).collect();
+            let fast = Plan::build(&l, Some(&li), &r, Some(&ri));
+            let slow = one_by_one(&l, Some(&li), &r, Some(&ri));
+            match (fast, slow) {
+                (Ok(a), Ok(b)) => {
+                    prop_assert_eq!(a.ops, b.ops);
+                    prop_assert_eq!(a.bytes, b.bytes);
+                    prop_assert_eq!(a.local_regions, b.local_regions);
+                    prop_assert_eq!(a.remote_regions, b.remote_regions);
+                }
+                (a, b) => prop_assert!(false, "{:?} / {:?}", a.map(|p| p.ops), b.map(|p| p.ops)),
+            }
+            let whole = Plan::build(&l, None, &l, None).unwrap();
+            prop_assert_eq!(whole.ops, one_by_one(&l, None, &l, None).unwrap().ops);
+        }
+
         /// Whatever the cuts, the plan maps local byte i to remote byte i exactly once.
         #[test]
         fn plan_is_a_bijection(lens_l in prop::collection::vec(1u64..50, 1..20), seed in 0u64..1000) {

@@ -12,12 +12,14 @@ must share it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
 # Raised when the other side's layout (or this side's tensors) cannot be worked with.
+from ..descs import DescList
 from ..errors import InvalidArgumentError
 
 
@@ -131,19 +133,40 @@ def block_descs(layers: Sequence[LayerBlocks], block_ids: Sequence[int], device:
     return rows.reshape(-1, 3)
 
 
+def every_block(layers: Sequence[LayerBlocks], device: int = 0, kind: str = "DRAM") -> DescList:
+    """Every block of every layer, layer by layer, as one strided run per layer (a few
+    words whatever the block count): the list a worker prepares once and picks loads
+    out of with :func:`block_indices`. Its entry ``l * num_blocks + b`` is
+    ``block_descs(layers, range(num_blocks))``'s; where a layer's blocks lie back to
+    back, the engine takes consecutive blocks of it as one piece."""
+    out = DescList((), kind)
+    for layer in layers:
+        out.append_strided(layer.base, layer.block_bytes, device, layer.stride, layer.num_blocks)
+    return out
+
+
 def block_indices(num_layers: int, num_blocks: int, block_ids: Sequence[int]) -> np.ndarray:
     """Where every layer's blocks ``block_ids`` are, layer by layer, in a list of all
-    blocks of all layers (``block_descs(layers, range(num_blocks))``, prepared once):
-    block ``b`` of layer ``l`` is entry ``l * num_blocks + b``. A uint64 array, which
-    ``Agent.make_request`` takes as it is (once a load: no conversion or copy there)."""
-    ids = np.asarray(block_ids, dtype=np.int64)
+    blocks of all layers (:func:`every_block`, prepared once): block ``b`` of layer
+    ``l`` is entry ``l * num_blocks + b``. A uint64 array, which ``Agent.make_request``
+    takes as it is (once a load: no conversion or copy there)."""
+    ids = np.asarray(block_ids)
     if ids.size:
+        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+            raise InvalidArgumentError(f"block ids must be a list of integers, got {ids.dtype} of shape {ids.shape}")
         lowest, highest = int(ids.min()), int(ids.max())
         if highest >= num_blocks or lowest < 0:
             bad = highest if highest >= num_blocks else lowest
             raise InvalidArgumentError(f"block {bad} is not one of the {num_blocks} blocks of the KV cache")
-    layer_starts = np.arange(0, num_layers * num_blocks, num_blocks, dtype=np.uint64)
-    return (layer_starts[:, None] + ids.astype(np.uint64)[None, :]).ravel()
+    return (_layer_starts(num_layers, num_blocks) + ids.astype(np.uint64)).ravel()
+
+
+@functools.lru_cache(maxsize=64)
+def _layer_starts(num_layers: int, num_blocks: int) -> np.ndarray:
+    """Each layer's first entry in the list of all blocks, as a column (read-only: shared)."""
+    starts = np.arange(0, num_layers * num_blocks, num_blocks, dtype=np.uint64)[:, None]
+    starts.setflags(write=False)
+    return starts
 
 
 def regions(layers: Sequence[LayerBlocks]) -> List[Tuple[int, int]]:

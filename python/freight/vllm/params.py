@@ -42,8 +42,8 @@ class Place:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Place":
         place = cls(agent_address=str(d["agent_address"]), agent_name=str(d["agent_name"]),
-                    layer_bases=[int(b) for b in d["layer_bases"]],
-                    layer_strides=[int(s) for s in d["layer_strides"]], num_blocks=int(d["num_blocks"]))
+                    layer_bases=list(map(int, d["layer_bases"])),
+                    layer_strides=list(map(int, d["layer_strides"])), num_blocks=int(d["num_blocks"]))
         if len(place.layer_bases) != len(place.layer_strides):
             raise ValueError("as many layer bases as strides")
         return place
@@ -93,7 +93,7 @@ class Handoff:
             return cls(
                 request_id=str(params["remote_request_id"]),
                 engine_id=str(params["remote_engine_id"]),
-                block_ids=[int(b) for b in params["remote_block_ids"]],
+                block_ids=list(map(int, params["remote_block_ids"])),
                 ranks=[Place.from_dict(r) for r in ours["ranks"]],
                 geometry=Geometry.from_dict(ours["geometry"]),
             )

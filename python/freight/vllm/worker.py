@@ -21,10 +21,10 @@ from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
 
 import freight
-from freight import AgentConfig, DescList
+from freight import AgentConfig
 
 from .config import Settings
-from .layout import (Geometry, LayerBlocks, block_descs, block_indices, dim_order, layer_blocks, mismatches,
+from .layout import (Geometry, LayerBlocks, block_indices, dim_order, every_block, layer_blocks, mismatches,
                      page_spans, regions)
 from .numbers import Numbers
 from .params import Handoff, Load, Place, done_message, parse_done
@@ -130,7 +130,7 @@ class WorkerSide:
             raise freight.InvalidArgumentError("FreightConnector: the KV cache's layers have different block counts")
         self.num_blocks = self.layers[0].num_blocks
         self.all_blocks = self.agent.prepare_local(
-            DescList(block_descs(self.layers, range(self.num_blocks), self.device), self.kind))
+            every_block(self.layers, self.device, self.kind))
         log.info("freight connector: worker %d registered %d KV layers (%d blocks of %d bytes each) on %s, "
                  "listening on %s", self.rank, len(self.layers), self.layers[0].num_blocks,
                  self.layers[0].block_bytes, self.kind, ", ".join(self.agent.addresses))
@@ -248,8 +248,7 @@ class WorkerSide:
         if known is None:
             layers = [LayerBlocks(l.name, base, stride, l.block_bytes, place.num_blocks)
                       for l, base, stride in zip(self.layers, place.layer_bases, place.layer_strides)]
-            known = self.agent.prepare_remote(peer, DescList(block_descs(layers, range(place.num_blocks), self.device),
-                                                             self.kind))
+            known = self.agent.prepare_remote(peer, every_block(layers, self.device, self.kind))
             self.remote[key] = known
         return known
 
