@@ -451,22 +451,20 @@ mod tests {
             let all: Vec<u64> = (0..p.len()).collect();
             let picked = idx.unwrap_or(&all).iter().map(|&i| p.get(i).ok_or_else(|| invalid("out of range")));
             let picked: Vec<(Desc, u64)> = picked.collect::<Result<_>>()?;
+            // A run per descriptor, each in the region its original was in.
             let list = DescList::from_descs(p.kind(), picked.iter().map(|x| x.0))?;
-            let mut keys = picked.iter().map(|x| x.1);
-            let mut resolved = PreparedList::resolve(&list, |_, _, _| Ok(RegionSpan { key: 0, start: 0, end: 0 }))?;
-            // Region keys as the originals had them, descriptor by descriptor.
-            resolved.keys.clear();
-            resolved.run_region.clear();
-            for k in keys.by_ref() {
-                let slot = resolved.keys.iter().position(|&x| x == k).unwrap_or_else(|| {
-                    resolved.keys.push(k);
-                    resolved.keys.len() - 1
+            let mut keys: Vec<u64> = Vec::new();
+            let mut run_region = Vec::new();
+            for &(_, k) in &picked {
+                let slot = keys.iter().position(|&x| x == k).unwrap_or_else(|| {
+                    keys.push(k);
+                    keys.len() - 1
                 });
-                resolved.run_region.push(slot as u32);
+                run_region.push(slot as u32);
             }
-            resolved.regions = resolved.keys.clone();
-            resolved.regions.sort_unstable();
-            Ok(resolved)
+            let mut regions = keys.clone();
+            regions.sort_unstable();
+            Ok(PreparedList { list, run_region, keys, regions })
         }
         Plan::build(&singles(l, li)?, None, &singles(r, ri)?, None)
     }

@@ -18,8 +18,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-# Raised when the other side's layout (or this side's tensors) cannot be worked with.
 from ..descs import DescList
+# Raised when the other side's layout (or this side's tensors) cannot be worked with.
 from ..errors import InvalidArgumentError
 
 

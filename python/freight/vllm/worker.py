@@ -113,13 +113,13 @@ class WorkerSide:
         self.agent = freight.Agent(name, self.agent_config())
         spans = regions(self.layers)
         if self.kind == "DRAM" and self.settings.share_host_memory:
-            small = [(start, length) for start, length in spans if length < SHARE_IN_PLACE_MIN_BYTES]
+            small = [span for span in spans if span[1] < SHARE_IN_PLACE_MIN_BYTES]
+            large = [span for span in spans if span[1] >= SHARE_IN_PLACE_MIN_BYTES]
             if small:
                 log.warning("freight connector: %d KV cache region(s) of under %d MiB (the first at %#x, %d bytes) "
                             "stay private memory, so same-host instances read them over tcp, not shm: an "
                             "allocation that small may share its pages with others, which cannot be shared safely",
                             len(small), SHARE_IN_PLACE_MIN_BYTES >> 20, small[0][0], small[0][1])
-            large = [span for span in spans if span not in small]
             for start, length in page_spans(large, mmap.PAGESIZE):
                 self._share(start, length)
         for start, length in spans:
