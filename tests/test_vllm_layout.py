@@ -125,6 +125,10 @@ def test_block_indices_pick_every_layers_blocks_out_of_a_list_of_all_blocks():
         block_indices(3, 10, [2, 10])
     with pytest.raises(freight.InvalidArgumentError, match="block -1"):
         block_indices(3, 10, [-1])
+    with pytest.raises(freight.InvalidArgumentError, match="block ids must be a list of integers"):
+        block_indices(3, 10, ["3"])
+    with pytest.raises(freight.InvalidArgumentError, match="block ids must be a list of integers"):
+        block_indices(3, 10, [[1, 2]])
 
 
 def test_settings_take_known_keys_and_name_whatever_is_wrong():
