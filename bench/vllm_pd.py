@@ -8,7 +8,7 @@ prompts of 1k to 8k tokens, greedy, a few answer tokens each:
 
 - aggregated: one ``vllm serve``, no connector;
 - freight: a prefill and a decode instance with FreightConnector, the P/D proxy
-  (freight.vllm.proxy) before them;
+  (``freight proxy``) before them;
 - nixl: the same with NixlConnector (NIXL's UCX backend, ``kv_buffer_device: cpu``).
 
 Per request: the KV transfer time as the decode instance's connector measures it (the

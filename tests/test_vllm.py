@@ -7,6 +7,7 @@ from its cache, and names it in FREIGHT_VLLM_VENV); skipped, saying so, without 
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -281,6 +282,54 @@ def test_two_tensor_parallel_workers_a_side_load_rank_to_rank_and_a_decode_insta
             proxy.stop()
         prefill.stop()
         decode.stop()
+
+
+@pytest.mark.timeout(900)
+def test_the_proxy_serves_five_at_once_streamed_or_not_and_a_killed_prefill_instance_is_taken_out(
+        freight_pd, model, logs):
+    # Two prefill instances (the shared one and another), one decode instance, the proxy
+    # before them: concurrency 5, as a client would.
+    other = vs.Instance(model, logs / "second-prefill.log", "freight", "kv_producer")
+    proxy = None
+    try:
+        other.wait_ready()
+        proxy = vs.ProxyProcess([freight_pd.prefill, other], freight_pd.decode, logs / "two-prefill-proxy.log",
+                                args=["--health-interval", "0.5"])
+        texts = vs.prompts(10, PROMPT_WORDS, seed=21)
+
+        def ask(i_text):
+            i, text = i_text
+            if i % 2:
+                return vs.complete_streamed(proxy.url, text, ANSWER_TOKENS)
+            return vs.complete(proxy.url, text, ANSWER_TOKENS)["choices"][0]["text"]
+
+        with concurrent.futures.ThreadPoolExecutor(5) as pool:
+            got = list(pool.map(ask, enumerate(texts)))
+        want = [vs.complete(freight_pd.prefill.url, t, ANSWER_TOKENS)["choices"][0]["text"] for t in texts]
+        assert got == want, "P/D output through the proxy differs from a single instance's"
+        served = proxy.health()["prefill"]
+        assert all(s["served"] >= 2 for s in served.values()), served
+        # One prefill instance dies: the health check takes it out, requests go on.
+        other.kill()
+        deadline = time.monotonic() + 30
+        while proxy.health()["prefill"][other.url]["alive"]:
+            assert time.monotonic() < deadline, proxy.health()
+            time.sleep(0.2)
+        later = vs.prompts(5, PROMPT_WORDS, seed=22)
+        with concurrent.futures.ThreadPoolExecutor(5) as pool:
+            got = list(pool.map(ask, enumerate(later)))
+        want = [vs.complete(freight_pd.prefill.url, t, ANSWER_TOKENS)["choices"][0]["text"] for t in later]
+        assert got == want
+        health = proxy.health()
+        assert health["ok"] and health["prefill"][other.url]["alive"] is False, health
+        metrics = proxy.metrics()
+        assert metrics['freight_proxy_requests_total{code="200",route="/v1/completions"}'] == len(texts) + len(later)
+        assert metrics[f'freight_proxy_instance_up{{instance="{other.url}",role="prefill"}}'] == 0
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        other.stop()
+    assert f"prefill instance {other.url} is down" in (logs / "two-prefill-proxy.log").read_text()
 
 
 @pytest.mark.timeout(600)

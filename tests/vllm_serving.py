@@ -17,7 +17,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_ENV = "FREIGHT_VLLM_VENV"
@@ -50,17 +50,20 @@ def connector_config(connector: str, role: str, extra: Optional[Dict[str, Any]] 
 
 
 class Instance:
-    """One ``vllm serve``; its output goes to ``log``."""
+    """One ``vllm serve``; its output goes to ``log``. ``host``: the address it serves
+    on; ``prefix``: a command it runs under (``scripts/netns.sh exec a``, to start it in
+    another network namespace)."""
 
     def __init__(self, model: Path, log: Path, connector: Optional[str] = None, role: Optional[str] = None,
                  env: Optional[Dict[str, str]] = None, extra: Optional[Dict[str, Any]] = None,
-                 max_model_len: int = 2048, args: Sequence[str] = ()) -> None:
+                 max_model_len: int = 2048, args: Sequence[str] = (), host: str = "127.0.0.1",
+                 prefix: Sequence[str] = ()) -> None:
         v = venv()
         assert v is not None, "no vLLM virtualenv"
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         self.log = log
-        cmd = [str(v / "bin" / "vllm"), "serve", str(model), "--port", str(self.port), "--host", "127.0.0.1",
+        cmd = [*prefix, str(v / "bin" / "vllm"), "serve", str(model), "--port", str(self.port), "--host", host,
                "--block-size", "32", "--max-model-len", str(max_model_len), "--dtype", "bfloat16",
                "--enforce-eager", "--max-num-seqs", "8", "--seed", "0", "--served-model-name", "tiny"]
         cmd += list(args)
@@ -73,7 +76,7 @@ class Instance:
             "FREIGHT_VLLM_TOKEN": TOKEN,
             # NIXL's side channel, one port per instance.
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
-            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": host,
             "HF_HUB_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1",
             # Two instances share this machine's cores: vLLM's default pins each worker
@@ -111,16 +114,7 @@ class Instance:
         return self.log.read_text(errors="replace")
 
     def metrics(self) -> Dict[str, float]:
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
-            body = r.read().decode()
-        out: Dict[str, float] = {}
-        for line in body.splitlines():
-            if line.startswith("#"):
-                continue
-            m = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)$", line)
-            if m:
-                out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
-        return out
+        return read_metrics(self.url)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -144,6 +138,20 @@ class Instance:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"processes of group {self.proc.pid} still alive 30 s after SIGKILL")
             time.sleep(0.05)
+
+
+def read_metrics(url: str) -> Dict[str, float]:
+    """A server's Prometheus metrics: each sample (name with its labels) to its value."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        body = r.read().decode()
+    out: Dict[str, float] = {}
+    for line in body.splitlines():
+        if line.startswith("#"):
+            continue
+        m = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)$", line)
+        if m:
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return out
 
 
 def living(group: int) -> List[int]:
@@ -178,26 +186,49 @@ def living(group: int) -> List[int]:
 
 
 class ProxyProcess:
-    def __init__(self, prefill: Instance, decode: Instance, log: Path) -> None:
+    """``freight proxy`` (from the vLLM virtualenv, which has aiohttp) before the
+    instances given, on a port of its own."""
+
+    def __init__(self, prefill: Union[Instance, Sequence[Instance]], decode: Union[Instance, Sequence[Instance]],
+                 log: Path, args: Sequence[str] = ()) -> None:
         v = venv()
         assert v is not None
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
         self.out = open(log, "w")
         env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
+
+        def urls(group: Union[Instance, Sequence[Instance]]) -> str:
+            return ",".join(i.url for i in ([group] if isinstance(group, Instance) else group))
+
         self.proc = subprocess.Popen(
-            [str(v / "bin" / "python"), "-m", "freight.vllm.proxy", "--prefill", prefill.url, "--decode",
-             decode.url, "--port", str(self.port)], stdout=self.out, stderr=subprocess.STDOUT, env=env)
+            [str(v / "bin" / "python"), "-m", "freight", "proxy", "--prefill", urls(prefill), "--decode",
+             urls(decode), "--listen", f"127.0.0.1:{self.port}", *args],
+            stdout=self.out, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2):
                     return
+            except urllib.error.HTTPError:
+                return  # it answers (503 while an instance is down)
             except (urllib.error.URLError, ConnectionError, OSError):
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"the proxy exited:\n{log.read_text()}")
                 time.sleep(0.5)
         raise RuntimeError("the proxy did not start")
+
+    def metrics(self) -> Dict[str, float]:
+        return read_metrics(self.url)
+
+    def health(self) -> Dict[str, Any]:
+        """The proxy's /health: each role's instances and their state."""
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=10) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return json.loads(e.read())
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -217,6 +248,29 @@ def complete(url: str, prompt: str, max_tokens: int, extra: Optional[Dict[str, A
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
+
+
+def complete_streamed(url: str, prompt: str, max_tokens: int, timeout: float = 300.0) -> str:
+    """A greedy completion streamed as server-sent events: the text of its chunks."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True}
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    text, done = [], False
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        assert r.headers.get("Content-Type", "").startswith("text/event-stream"), r.headers
+        for line in r:
+            line = line.strip()
+            if not line.startswith(b"data: "):
+                continue
+            data = line[len(b"data: "):]
+            if data == b"[DONE]":
+                done = True
+                break
+            text.append(json.loads(data)["choices"][0]["text"])
+    if not done:
+        raise RuntimeError("the stream ended without [DONE]")
+    return "".join(text)
 
 
 def prompts(n: int, words: int, seed: int = 0) -> List[str]:

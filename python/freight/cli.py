@@ -21,6 +21,11 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     """Runs the CLI with ``argv`` (without the program name; default ``sys.argv[1:]``)
     and returns its exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["proxy"]:
+        # The P/D proxy is an aiohttp server: it lives in Python, with its own options.
+        from .proxy import main as proxy_main
+
+        return proxy_main(args[1:])
     command, level = _split_log_level(args)
     if command[:2] == ["bench", "ep"]:
         # Expert parallelism runs on PyTorch tensors: its benchmark lives in Python.

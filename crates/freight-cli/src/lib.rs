@@ -64,6 +64,14 @@ enum Command {
     /// data plane through the engine.
     #[command(alias = "kv-server")]
     Serve(serve::ServeArgs),
+    /// The P/D proxy of disaggregated serving: an OpenAI-compatible front before
+    /// prefill and decode vLLM instances. Runs on aiohttp, so the Python package
+    /// implements it (`freight proxy --help` from the installed `freight` command).
+    #[command(disable_help_flag = true)]
+    Proxy {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
+        args: Vec<String>,
+    },
     /// Read throughput and latency of a KV server: write phase, warmup, concurrent
     /// reads, latency of random GETs (against --server-addr, or --embedded).
     KvBench(kv_bench::KvBenchArgs),
@@ -107,6 +115,12 @@ pub fn run(args: Vec<String>, self_command: Vec<String>) -> i32 {
             Command::Demo(a) => demo::run(a, &ctx),
             Command::Bench { which } => bench::run(which, &ctx),
             Command::Serve(a) => serve::run(a),
+            // Only the native binary gets here: the Python package's `freight` takes
+            // `proxy` before the native CLI sees it.
+            Command::Proxy { .. } => Err(CliError::usage(
+                "the proxy runs on aiohttp, so only the Python package's `freight` command runs it \
+                 (`python -m freight proxy`), not this binary",
+            )),
             Command::KvBench(a) => kv_bench::run(a),
             Command::Doctor(a) => doctor::run(a),
             Command::Target(a) => target::run_child(a),

@@ -3,7 +3,7 @@
 ``FreightConnector`` is what vLLM loads with ``"kv_connector": "FreightConnector",
 "kv_connector_module_path": "freight.vllm"``; it is imported (and vLLM with it) when
 first asked for, so that the parts that need no vLLM (:mod:`freight.vllm.layout`,
-:mod:`freight.vllm.params`, the P/D proxy :mod:`freight.vllm.proxy`) import without it.
+:mod:`freight.vllm.params`) import without it. The P/D proxy is :mod:`freight.proxy`.
 """
 
 from typing import Any
