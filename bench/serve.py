@@ -32,7 +32,8 @@ crosses the pair (freight over tcp and fabric, NIXL over UCX's tcp transport:
         --machine "dev VM, 2 CPUs, two network namespaces" --json bench/results/serve-netns-dev-vm-2cpu.json
     bash scripts/netns.sh down
 
-Prints a progress bar per run (``vllm bench serve``'s), the seed's table (metric,
+``--plot`` draws each metric against concurrency, a line per configuration. Prints a
+progress bar per run (``vllm bench serve``'s), the seed's table (metric,
 NixlConnector, freight, gain) per concurrency for the two configurations of
 ``--compare``, and a table of every configuration last.
 """
@@ -303,10 +304,8 @@ def plot(doc: Dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = [m for m in METRICS if m[0] in ("latency_avg_ms", "latency_p99_ms", "ttft_avg_ms", "ttft_p99_ms",
-                                            "itl_avg_ms", "output_tokens_per_s")]
-    fig, axes = plt.subplots(2, 3, figsize=(14, 7.5))
-    for ax, (key, _, label) in zip(axes.flat, shown):
+    fig, axes = plt.subplots(3, 3, figsize=(14, 11))
+    for ax, (key, _, label) in zip(axes.flat, METRICS):
         for name, run in doc["runs"].items():
             if "rows" not in run:
                 continue

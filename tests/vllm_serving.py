@@ -1,7 +1,7 @@
 """Real vLLM instances for the connector's tests and benchmark: ``vllm serve`` started
 from the virtualenv of scripts/vllm-env.sh, the P/D proxy, and their metrics.
 
-Not a test module: tests/test_vllm.py and bench/vllm_pd.py use it.
+Not a test module: tests/test_vllm.py, bench/vllm_pd.py and bench/serve.py use it.
 """
 
 from __future__ import annotations
@@ -284,4 +284,4 @@ def prompts(n: int, words: int, seed: int = 0) -> List[str]:
 
 
 if __name__ == "__main__":
-    sys.exit("tests/vllm_serving.py is a helper of tests/test_vllm.py and bench/vllm_pd.py")
+    sys.exit("tests/vllm_serving.py is a helper of tests/test_vllm.py, bench/vllm_pd.py and bench/serve.py")
