@@ -10,15 +10,18 @@ not) is the client's.
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Dict
 
 # Options that make no sense for a one-token, unstreamed answer.
 _NOT_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")
 
 
+# Both change only top-level keys: a shallow copy leaves the client's request as it was
+# without copying its prompt or messages.
+
+
 def prefill_body(body: Dict[str, Any]) -> Dict[str, Any]:
-    out = copy.deepcopy(body)
+    out = dict(body)
     out["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False}
     out["stream"] = False
     out["max_tokens"] = 1
@@ -30,6 +33,6 @@ def prefill_body(body: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def decode_body(body: Dict[str, Any], params: Dict[str, Any]) -> Dict[str, Any]:
-    out = copy.deepcopy(body)
+    out = dict(body)
     out["kv_transfer_params"] = params
     return out

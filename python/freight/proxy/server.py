@@ -236,13 +236,14 @@ class Proxy:
         pool, m = self.pools["prefill"], self.metrics
         tried: List[Instance] = []
         second_chance: Set[str] = set()
+        sent_body = prefill_body(body)
         while True:
             inst = self._take("prefill", tried, request_id)
             if isinstance(inst, web.Response):
                 return inst
             sent = time.monotonic()
             try:
-                async with self.session.post(inst.url + path, json=prefill_body(body), headers=headers) as r:
+                async with self.session.post(inst.url + path, json=sent_body, headers=headers) as r:
                     m.ttft.labels("prefill").observe(time.monotonic() - sent)
                     answer = await r.read()
                     status, content_type = r.status, r.content_type
