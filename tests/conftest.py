@@ -31,6 +31,7 @@ import pytest
 
 ETCD_BIN = os.environ.get("FREIGHT_ETCD_BIN", "/usr/bin/etcd")
 ETCD_START_TIMEOUT_S = 20.0
+collect_ignore = ["third_party"]  # vendored programs: tests/test_nixl_examples.py runs them
 
 
 # --------------------------------------------------------------------------- helpers

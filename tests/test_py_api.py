@@ -295,3 +295,32 @@ def test_transport_docs_name_every_transport():
     for doc in (freight.Request.transport.__doc__, inspect.getsource(freight.agent.Path)):
         assert all(t in doc for t in ("cuda", "shm", "fabric", "tcp")), doc
     assert "fabric connections" in freight._native.Agent.connection_stats.__doc__
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "tcp"])
+def test_a_post_may_carry_its_own_notification_in_place_of_the_requests(shm):
+    with freight.Agent("a") as a, freight.Agent("b") as b:
+        src = a.alloc(4096) if shm else np.zeros(4096, np.uint8)
+        dst = b.alloc(4096) if shm else np.zeros(4096, np.uint8)
+        a.register(src)
+        b.register(dst)
+        a.add_peer(b.metadata())
+        b.add_peer(a.metadata())
+        req = a.make_request("WRITE", a.prepare_local([src]), None, a.prepare_remote("b", [dst]), None, notif=b"own")
+
+        def next_notif() -> bytes:
+            got = b.wait_notifs(10.0)
+            assert len(got) == 1, got
+            return got[0][1]
+
+        src[:] = 1
+        req.post(notif=b"this round")
+        req.wait(10)
+        assert next_notif() == b"this round" and dst[0] == 1
+        src[:] = 2
+        req.post()
+        req.wait(10)
+        assert next_notif() == b"own" and dst[0] == 2
+        with pytest.raises(freight.InvalidArgumentError, match="notification larger than"):
+            req.post(notif=bytes((16 << 20) + 1))
+        assert req.status() == "DONE"

@@ -117,10 +117,13 @@ def test_a_host_kv_cache_too_small_to_own_its_pages_stays_private_and_a_large_on
 class PD:
     """A prefill and a decode instance with one connector, and the proxy before them."""
 
-    def __init__(self, model: Path, logs: Path, name: str, decode_extra: Optional[Dict[str, object]] = None) -> None:
+    def __init__(self, model: Path, logs: Path, name: str, decode_extra: Optional[Dict[str, object]] = None,
+                 connector: Optional[str] = None, env: Optional[Dict[str, str]] = None) -> None:
         self.name = name
-        self.prefill = vs.Instance(model, logs / f"{name}-prefill.log", name, "kv_producer")
-        self.decode = vs.Instance(model, logs / f"{name}-decode.log", name, "kv_consumer", extra=decode_extra)
+        connector = connector or name
+        self.prefill = vs.Instance(model, logs / f"{name}-prefill.log", connector, "kv_producer", env=env)
+        self.decode = vs.Instance(model, logs / f"{name}-decode.log", connector, "kv_consumer", env=env,
+                                  extra=decode_extra)
         self.proxy: Optional[vs.ProxyProcess] = None
         try:
             self.prefill.wait_ready()
@@ -159,6 +162,20 @@ def nixl_pd(model, logs) -> Iterator[PD]:
         pd.stop()
 
 
+@pytest.fixture
+def nixl_on_freight_pd(model, logs) -> Iterator[PD]:
+    """vLLM's unmodified NixlConnector with ``import nixl`` resolving to freight's NIXL
+    face (its alias directory first on PYTHONPATH), for one test."""
+    from freight.nixl import shim_path
+
+    pd = PD(model, logs, "nixl-on-freight", connector="nixl",
+            env={"PYTHONPATH": os.pathsep.join([shim_path(), str(vs.ROOT / "python")]), "FREIGHT_TOKEN": vs.TOKEN})
+    try:
+        yield pd
+    finally:
+        pd.stop()
+
+
 def warm_up_nixl(pd: PD, attempts: int = 3) -> None:
     """One request through the NixlConnector pair before the test's, repeated while it
     fails in NIXL's handshake. On two cores the first handshake times out now and then
@@ -178,7 +195,7 @@ def warm_up_nixl(pd: PD, attempts: int = 3) -> None:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("connector", ["nixl", "freight"])
+@pytest.mark.parametrize("connector", ["nixl", "nixl_on_freight", "freight"])
 def test_pd_output_equals_a_single_instances_and_the_prompt_is_loaded_not_computed(connector, request):
     pd: PD = request.getfixturevalue(f"{connector}_pd")
     name, prefill, decode, proxy = pd.name, pd.prefill, pd.decode, pd.proxy
@@ -210,6 +227,11 @@ def test_pd_output_equals_a_single_instances_and_the_prompt_is_loaded_not_comput
         assert total("vllm:freight_xfer_time_seconds_count") >= len(texts), metrics
         assert total("vllm:freight_bytes_transferred_sum") >= len(texts) * PROMPT_WORDS * 1024, metrics
         assert total("vllm:freight_handshake_seconds_count") >= 1, metrics
+    if name == "nixl-on-freight":
+        # NixlConnector ran on freight's face, not on NIXL: freight's engine listened in
+        # the prefill instance and the decode instance added it as its peer.
+        assert "freight_core::server: listening" in prefill.text(), prefill.tail()
+        assert "freight_core::agent: added peer" in decode.text(), decode.tail()
 
 
 @pytest.mark.timeout(600)

@@ -167,9 +167,12 @@ def to_bytes(msg: Any, what: str = "message") -> bytes:
     raise TypeError(f"{what} must be str or bytes, got {type(msg).__name__} {msg!r:.60}")
 
 
+_NATIVE_INDEX_TYPES = (np.dtype(np.uint64), np.dtype(np.int64), np.dtype(np.uint32), np.dtype(np.int32))
+
+
 def indices(idx: Any) -> Optional[np.ndarray]:
-    """None, or a contiguous 1-D uint64 array from a list / numpy integer array (no
-    per-element Python work)."""
+    """None, or a 1-D array of 64- or 32-bit integers (which Rust reads) from a list /
+    numpy integer array (no per-element Python work)."""
     if idx is None:
         return None
     arr = np.asarray(idx)
@@ -179,6 +182,8 @@ def indices(idx: Any) -> Optional[np.ndarray]:
         return np.empty(0, dtype=np.uint64)
     if arr.dtype.kind not in "iu":
         raise InvalidArgumentError(f"indices must be integers, got dtype {arr.dtype}")
+    if arr.dtype in _NATIVE_INDEX_TYPES and arr.dtype.isnative:
+        return arr  # read in Rust as it is (negative ones refused there)
     if arr.dtype.kind == "i" and (arr < 0).any():
         raise InvalidArgumentError(f"indices must be non-negative, got {int(arr.min())}")
     return np.ascontiguousarray(arr, dtype=np.uint64)

@@ -917,6 +917,19 @@ impl Request {
     /// for small GPU transfers the calling thread watches for completion for up to
     /// 30 us before leaving it to the agent's completion thread.
     pub fn post(&self) -> Result<()> {
+        self.post_notifying(self.notif.clone())
+    }
+
+    /// [`Request::post`] with this round's notification in place of the one the request
+    /// was made with (`None`: none this round). Later rounds go back to the request's own.
+    pub fn post_with_notif(&self, notif: Option<Vec<u8>>) -> Result<()> {
+        if notif.as_ref().is_some_and(|m| m.len() > wire::MAX_NOTIF) {
+            return Err(invalid(format!("notification larger than {} bytes", wire::MAX_NOTIF)));
+        }
+        self.post_notifying(notif)
+    }
+
+    fn post_notifying(&self, notif: Option<Vec<u8>>) -> Result<()> {
         self.agent.check_open()?;
         self.peer.check_alive()?;
         let mut guards = Vec::with_capacity(self.plan.local_regions.len());
@@ -927,7 +940,7 @@ impl Request {
             guards.push(g);
         }
         let ctx = self.agent.dial_context();
-        let control = match (&self.notif, self.path.transport) {
+        let control = match (&notif, self.path.transport) {
             // Mapping transports need the control link open: revocations arrive on it.
             (Some(_), _) | (None, TransportKind::Shm | TransportKind::Cuda) => Some(self.peer.control(&ctx)?),
             _ => None,
@@ -939,7 +952,7 @@ impl Request {
             && self.op == OpKind::Write
             && self.tcp_chunks().len() == 1
             && control.as_ref().is_some_and(|c| c.rides_on_data());
-        let (notif, riding) = if rides { (None, self.notif.clone()) } else { (self.notif.clone(), None) };
+        let (notif, riding) = if rides { (None, notif) } else { (notif, None) };
         let finisher: Finisher = Box::new(move |result| {
             drop(guards);
             result?;

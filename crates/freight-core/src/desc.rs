@@ -84,6 +84,89 @@ impl DescList {
         self.push_run(Run::single(d))
     }
 
+    /// Appends descriptors, each as a member of the last run where it continues it
+    /// (same length and device, and the next address of the run's stride; a single
+    /// descriptor takes any higher address past its end as the second member). Lists of
+    /// regular blocks (a paged KV cache: block i at base + i*stride) become a few runs,
+    /// which prepare and plan in a step per run instead of per descriptor. The
+    /// descriptors are the same as with [`DescList::push`]; only [`DescList::runs`]
+    /// tells them apart. On error the list holds the descriptors before the bad one.
+    pub fn extend_merging(&mut self, descs: impl IntoIterator<Item = Desc>) -> Result<()> {
+        let (mut count, mut bytes) = (self.count, self.bytes);
+        let table = Arc::make_mut(&mut self.table);
+        let mut result = Ok(());
+        let mut descs = descs.into_iter().peekable();
+        while let Some(d) = descs.next() {
+            if d.len == 0 {
+                result = Err(invalid(format!("descriptor at {:#x} has zero length", d.addr)));
+                break;
+            }
+            if d.addr.checked_add(d.len).is_none() {
+                result = Err(invalid(format!("descriptor at {:#x} wraps around the address space", d.addr)));
+                break;
+            }
+            let Some(total) = bytes.checked_add(d.len) else {
+                result = Err(invalid("descriptor list is larger than 2^64 bytes"));
+                break;
+            };
+            bytes = total;
+            let runs = table.runs.len() as u64;
+            let merged = match table.runs.last_mut() {
+                Some(last) if last.len == d.len && last.dev == d.dev => {
+                    if last.count == 1 && d.addr >= last.addr + last.len {
+                        if table.first.is_empty() {
+                            // Every run was one descriptor: run i starts at position i.
+                            table.first = (0..runs).collect();
+                        }
+                        last.stride = d.addr - last.addr;
+                        last.count = 2;
+                        true
+                    } else if last.count > 1
+                        && last.count.checked_mul(last.stride).and_then(|o| o.checked_add(last.addr)) == Some(d.addr)
+                    {
+                        last.count += 1;
+                        true
+                    } else {
+                        false
+                    }
+                }
+                _ => false,
+            };
+            count += 1;
+            if !merged {
+                if !table.first.is_empty() {
+                    table.first.push(count - 1);
+                }
+                table.runs.push(Run::single(d));
+                continue;
+            }
+            // The members that follow in the run's stride, in one tight loop.
+            let last = table.runs.last_mut().expect("the run just extended");
+            let (len, dev, stride) = (last.len, last.dev, last.stride);
+            let mut next = d.addr.checked_add(stride);
+            let mut more = 0u64;
+            while let Some(at) = next {
+                if at.checked_add(len).is_none()
+                    || descs.next_if(|p| p.addr == at && p.len == len && p.dev == dev).is_none()
+                {
+                    break;
+                }
+                more += 1;
+                next = at.checked_add(stride);
+            }
+            let Some(total) = more.checked_mul(len).and_then(|b| b.checked_add(bytes)) else {
+                result = Err(invalid("descriptor list is larger than 2^64 bytes"));
+                break;
+            };
+            bytes = total;
+            last.count += more;
+            count += more;
+        }
+        self.count = count;
+        self.bytes = bytes;
+        result
+    }
+
     /// Appends `count` descriptors of `len` bytes spaced `stride` apart.
     pub fn push_strided(&mut self, addr: u64, len: u64, dev: u64, stride: u64, count: u64) -> Result<()> {
         self.push_run(Run { addr, len, dev, stride, count })
@@ -162,6 +245,68 @@ impl DescList {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    proptest::proptest! {
+        /// Merging never changes which descriptors a list holds, whatever their pattern
+        /// (runs of one stride broken by repeats, gaps, other lengths and devices).
+        #[test]
+        fn merging_keeps_the_descriptors(steps in proptest::collection::vec((0u64..4, 1u64..4, 0u64..2), 1..60)) {
+            let mut addr = 1000u64;
+            let descs: Vec<Desc> = steps
+                .iter()
+                .map(|&(jump, len, dev)| {
+                    addr += jump * 8;
+                    Desc { addr, len: len * 4, dev }
+                })
+                .collect();
+            let mut merged = DescList::new(MemKind::Dram);
+            merged.push(Desc { addr: 1, len: 1, dev: 0 }).unwrap();
+            merged.extend_merging(descs.iter().copied()).unwrap();
+            let mut plain = DescList::new(MemKind::Dram);
+            plain.push(Desc { addr: 1, len: 1, dev: 0 }).unwrap();
+            for d in &descs {
+                plain.push(*d).unwrap();
+            }
+            proptest::prop_assert!(merged.iter().eq(plain.iter()));
+            proptest::prop_assert_eq!((merged.len(), merged.total_bytes()), (plain.len(), plain.total_bytes()));
+            for i in 0..plain.len() {
+                proptest::prop_assert_eq!(merged.get(i), plain.get(i));
+            }
+        }
+    }
+
+    #[test]
+    fn merging_makes_regular_blocks_runs_and_keeps_every_descriptor() {
+        let d = |addr: u64, len: u64| Desc { addr, len, dev: 0 };
+        // Blocks of 16 every 64 bytes, then a dense stretch, then a break and a device change.
+        let mut descs: Vec<Desc> = (0..100).map(|i| d(0x1000 + i * 64, 16)).collect();
+        descs.extend((0..50).map(|i| d(0x10_0000 + i * 32, 32)));
+        descs.push(d(0x5, 32));
+        descs.push(Desc { addr: 0x40, len: 32, dev: 1 });
+        descs.push(Desc { addr: 0x80, len: 32, dev: 1 });
+        let mut merged = DescList::new(MemKind::Dram);
+        merged.extend_merging(descs.iter().copied()).unwrap();
+        let plain = DescList::from_descs(MemKind::Dram, descs.iter().copied()).unwrap();
+        assert_eq!(merged.runs().len(), 4, "{:?}", merged.runs());
+        assert_eq!(merged.runs()[1], Run { addr: 0x10_0000, len: 32, dev: 0, stride: 32, count: 50 });
+        assert_eq!((merged.len(), merged.total_bytes()), (plain.len(), plain.total_bytes()));
+        assert!(merged.iter().eq(plain.iter()));
+        for i in [0, 99, 100, 149, 150, 151, 152] {
+            assert_eq!(merged.get(i), plain.get(i), "{i}");
+        }
+        // Going backwards or overlapping starts a new run; so does appending after.
+        let mut l = DescList::new(MemKind::Dram);
+        l.extend_merging([d(100, 10), d(95, 10), d(100, 10)]).unwrap();
+        assert_eq!(l.runs().len(), 3);
+        l.push(d(0, 1)).unwrap();
+        assert_eq!(l.get(3), Some(d(0, 1)));
+        // Bad descriptors: an error, the ones before it kept.
+        let mut l = DescList::new(MemKind::Dram);
+        let e = l.extend_merging([d(0, 8), d(8, 0)]).unwrap_err();
+        assert!(e.to_string().contains("zero length"), "{e}");
+        assert_eq!(l.len(), 1);
+        assert!(l.extend_merging([d(u64::MAX - 2, 8)]).unwrap_err().to_string().contains("wraps around"));
+    }
 
     #[test]
     fn strided_lists_index_without_materialising() {

@@ -57,8 +57,7 @@ impl PreparedList {
             }
         };
         let mut slot = 0usize;
-        for run in list.runs() {
-            let region = resolve_run(&mut cached_find, run)?;
+        let mut note = |region: u64, run_region: &mut Vec<u32>| -> Result<()> {
             if keys.get(slot) != Some(&region) {
                 slot = match keys.iter().position(|&k| k == region) {
                     Some(i) => i,
@@ -70,10 +69,41 @@ impl PreparedList {
             }
             let index = u32::try_from(slot).map_err(|_| invalid("a descriptor list may touch at most 2^32 regions"))?;
             run_region.push(index);
+            Ok(())
+        };
+        // The list as prepared: `list` itself, unless a run's members lie in several
+        // regions; then that run is cut into stretches of one region each (same
+        // descriptors, same order), and the prepared list holds the cut runs.
+        let mut cut: Option<DescList> = None;
+        for (i, run) in list.runs().iter().enumerate() {
+            match resolve_run(&mut cached_find, run)? {
+                Stretches::One(region) => {
+                    if let Some(c) = cut.as_mut() {
+                        c.push_strided(run.addr, run.len, run.dev, run.stride, run.count)?;
+                    }
+                    note(region, &mut run_region)?;
+                }
+                Stretches::Several(parts) => {
+                    let c = cut.get_or_insert_with(|| {
+                        let mut c = DescList::new(list.kind());
+                        for r in &list.runs()[..i] {
+                            c.push_strided(r.addr, r.len, r.dev, r.stride, r.count).expect("a valid run stays valid");
+                        }
+                        c
+                    });
+                    let mut start = 0u64;
+                    for (end, region) in parts {
+                        let first = run.get(start);
+                        c.push_strided(first.addr, run.len, run.dev, run.stride, end - start)?;
+                        note(region, &mut run_region)?;
+                        start = end;
+                    }
+                }
+            }
         }
         let mut regions = keys.clone();
         regions.sort_unstable();
-        Ok(PreparedList { list: list.clone(), run_region, keys, regions })
+        Ok(PreparedList { list: cut.unwrap_or_else(|| list.clone()), run_region, keys, regions })
     }
 
     pub fn kind(&self) -> MemKind {
@@ -184,27 +214,44 @@ impl Iterator for Pieces<'_> {
     }
 }
 
+/// `indices`, or None where they are every index in order (what callers pass for "all",
+/// e.g. np.arange): no selection at all plans run by run, a step per run, not per index.
+fn selection<'a>(list: &PreparedList, indices: Option<&'a [u64]>) -> Option<&'a [u64]> {
+    indices.filter(|ix| !(ix.len() as u64 == list.len() && ix.iter().zip(0u64..).all(|(&i, k)| i == k)))
+}
+
+/// Where a run's members lie: all in one region, or in stretches of one region each
+/// (the end of each stretch, as a member number, with its region).
+enum Stretches {
+    One(u64),
+    Several(Vec<(u64, u64)>),
+}
+
 /// Resolves a run: the whole span in one lookup when it lies in one region, else member
-/// by member (all members must then land in the same region).
-fn resolve_run(find: &mut impl FnMut(u64, u64, u64) -> Result<RegionSpan>, run: &Run) -> Result<u64> {
+/// by member (consecutive members in one region make one stretch).
+fn resolve_run(find: &mut impl FnMut(u64, u64, u64) -> Result<RegionSpan>, run: &Run) -> Result<Stretches> {
     if run.count == 1 {
-        return Ok(find(run.addr, run.len, run.dev)?.key);
+        return Ok(Stretches::One(find(run.addr, run.len, run.dev)?.key));
     }
     let (lo, hi) = run.span();
     if let Ok(r) = find(lo, hi - lo, run.dev) {
-        return Ok(r.key);
+        return Ok(Stretches::One(r.key));
     }
-    let k0 = find(run.addr, run.len, run.dev)?.key;
+    let mut parts: Vec<(u64, u64)> = Vec::new();
+    let mut current = find(run.addr, run.len, run.dev)?.key;
     for k in 1..run.count {
         let d = run.get(k);
-        if find(d.addr, d.len, d.dev)?.key != k0 {
-            return Err(invalid(format!(
-                "strided descriptor at {:#x} spans several registered regions; split it",
-                run.addr
-            )));
+        let key = find(d.addr, d.len, d.dev)?.key;
+        if key != current {
+            parts.push((k, current));
+            current = key;
         }
     }
-    Ok(k0)
+    if parts.is_empty() {
+        return Ok(Stretches::One(current));
+    }
+    parts.push((run.count, current));
+    Ok(Stretches::Several(parts))
 }
 
 /// One copy between local and remote memory.
@@ -235,8 +282,10 @@ impl Plan {
         remote_idx: Option<&[u64]>,
     ) -> Result<Plan> {
         let mut ops: Vec<Op> = Vec::new();
-        let mut locals = local.select(local_idx);
-        let mut remotes = remote.select(remote_idx);
+        // Every index in order (what callers pass for "all", e.g. np.arange) is no
+        // selection at all: the list run by run, a step per run instead of per index.
+        let mut locals = local.select(selection(local, local_idx));
+        let mut remotes = remote.select(selection(remote, remote_idx));
         // The descriptor being consumed on each side, with its region key.
         let mut l: Option<(Desc, u64)> = None;
         let mut r: Option<(Desc, u64)> = None;
@@ -425,6 +474,38 @@ mod tests {
         let p = Plan::build(&l, Some(&[2, 0]), &r, Some(&[0, 1])).unwrap();
         let got: Vec<_> = p.ops.iter().map(|o| (o.local_addr, o.remote_addr, o.len)).collect();
         assert_eq!(got, vec![(8, 100, 4), (0, 104, 4)]);
+        // Every index in order plans as no selection; a prefix of them does not.
+        let all = Plan::build(&l, Some(&[0, 1, 2]), &r, Some(&[0, 1, 2])).unwrap();
+        assert_eq!(all.ops, Plan::build(&l, None, &r, None).unwrap().ops);
+        assert_eq!(all.ops.len(), 1);
+        assert!(Plan::build(&l, Some(&[0, 1]), &r, None).is_err(), "8 bytes against 12");
+    }
+
+    #[test]
+    fn a_run_over_several_regions_is_cut_into_stretches_of_one_region() {
+        // Regions of 100 bytes: [0, 100) key 1, [100, 200) key 2, ...
+        let find = |addr: u64, len: u64, _dev: u64| -> Result<RegionSpan> {
+            let key = addr / 100 + 1;
+            let span = RegionSpan { key, start: (key - 1) * 100, end: key * 100 };
+            if addr + len > span.end {
+                return Err(invalid("crosses a region boundary"));
+            }
+            Ok(span)
+        };
+        let mut list = DescList::new(MemKind::Dram);
+        list.push(Desc { addr: 500, len: 4, dev: 0 }).unwrap();
+        list.push_strided(0, 10, 0, 25, 12).unwrap(); // members at 0, 25, ..., 275: regions 1, 2, 3
+        list.push(Desc { addr: 510, len: 4, dev: 0 }).unwrap();
+        let p = PreparedList::resolve(&list, find).unwrap();
+        assert_eq!(p.list().runs().len(), 1 + 3 + 1);
+        assert!(p.list().iter().eq(list.iter()), "the same descriptors, in order");
+        let keys: Vec<u64> = (0..list.len()).map(|i| p.get(i).unwrap().1).collect();
+        assert_eq!(keys, vec![6, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 6]);
+        assert_eq!(p.regions(), &[1, 2, 3, 6]);
+        // A member that crosses a boundary is still an error.
+        let mut bad = DescList::new(MemKind::Dram);
+        bad.push_strided(0, 30, 0, 45, 3).unwrap(); // the third member: 90..120
+        assert!(PreparedList::resolve(&bad, find).is_err());
     }
 
     /// A list of dense and sparse strided runs and singles, in regions 1 and 2 by address.

@@ -476,8 +476,8 @@ impl PyAgent {
         let (local, remote) = (local.get(), remote.get());
         this.check_owner(local.agent_id, "local")?;
         this.check_owner(remote.agent_id, "remote")?;
-        let li = indices(local_indices)?;
-        let ri = indices(remote_indices)?;
+        let li = indices(local_indices, local.inner.len())?;
+        let ri = indices(remote_indices, remote.inner.list.len())?;
         let req = slf
             .py()
             .detach(|| this.inner.make_request(op, &local.inner, li.as_deref(), &remote.inner, ri.as_deref(), notif))

@@ -17,6 +17,13 @@ pub(crate) fn for_each_triple(
     if let Ok(a) = obj.cast::<PyArray2<u64>>() {
         check_nx3(a.shape())?;
         let ro = a.try_readonly().map_err(|e| invalid(e.to_string()))?;
+        if let (true, Ok(flat)) = (a.is_c_contiguous(), ro.as_slice()) {
+            // C-contiguous (the usual case): a plain walk over the rows.
+            for row in flat.chunks_exact(3) {
+                f(row[0], row[1], row[2]).or_raise()?;
+            }
+            return Ok(());
+        }
         for row in ro.as_array().rows() {
             f(row[0], row[1], row[2]).or_raise()?;
         }
@@ -74,21 +81,61 @@ pub(crate) fn parse_kind(kind: &str) -> PyResult<MemKind> {
     MemKind::parse(kind).or_raise()
 }
 
-/// Index selections: a contiguous 1-D uint64 numpy array (the Python layer normalises
-/// lists and other integer dtypes), copied so that the GIL can be released afterwards.
-pub(crate) fn indices(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec<u64>>> {
+/// Index selections into a list of `len` descriptors: a 1-D numpy array of uint64,
+/// uint32, int64 or int32 (the Python layer normalises lists and other integer dtypes),
+/// copied so that the GIL can be released afterwards; None for no selection, and for
+/// every index in order (np.arange(len)), which selects the same without a copy. A
+/// negative index is an error naming it.
+pub(crate) fn indices(obj: Option<&Bound<'_, PyAny>>, len: u64) -> PyResult<Option<Vec<u64>>> {
     let Some(obj) = obj else { return Ok(None) };
     if obj.is_none() {
         return Ok(None);
     }
-    let a = obj
-        .cast::<PyArray1<u64>>()
-        .map_err(|_| invalid(format!("indices must be a 1-D uint64 array, got {}", type_name(obj))))?;
-    let ro = a.try_readonly().map_err(|e| invalid(e.to_string()))?;
-    Ok(Some(match ro.as_slice() {
-        Ok(s) => s.to_vec(),
-        Err(_) => ro.as_array().iter().copied().collect(),
-    }))
+    /// `index(i)`: the index as u64, or None where it is negative.
+    fn read<T: Copy + numpy::Element>(
+        a: &Bound<'_, PyArray1<T>>,
+        len: u64,
+        index: impl Fn(T) -> Option<u64>,
+        shown: impl Fn(T) -> String,
+    ) -> PyResult<Option<Vec<u64>>> {
+        let ro = a.try_readonly().map_err(|e| invalid(e.to_string()))?;
+        let owned;
+        let values: &[T] = match ro.as_slice() {
+            Ok(s) => s,
+            Err(_) => {
+                owned = ro.as_array().iter().copied().collect::<Vec<T>>();
+                &owned
+            }
+        };
+        let mut out = Vec::with_capacity(values.len());
+        let mut in_order = values.len() as u64 == len;
+        for (k, &i) in values.iter().enumerate() {
+            let Some(v) = index(i) else {
+                return Err(invalid(format!("indices must be non-negative, got {}", shown(i))));
+            };
+            if in_order && v != k as u64 {
+                in_order = false;
+                out.extend(values[..k].iter().map(|&j| index(j).expect("checked")));
+            }
+            if !in_order {
+                out.push(v);
+            }
+        }
+        Ok((!in_order).then_some(out))
+    }
+    if let Ok(a) = obj.cast::<PyArray1<u64>>() {
+        return read(a, len, Some, |i| i.to_string());
+    }
+    if let Ok(a) = obj.cast::<PyArray1<i64>>() {
+        return read(a, len, |i| u64::try_from(i).ok(), |i| i.to_string());
+    }
+    if let Ok(a) = obj.cast::<PyArray1<u32>>() {
+        return read(a, len, |i| Some(u64::from(i)), |i| i.to_string());
+    }
+    if let Ok(a) = obj.cast::<PyArray1<i32>>() {
+        return read(a, len, |i| u64::try_from(i).ok(), |i| i.to_string());
+    }
+    Err(invalid(format!("indices must be a 1-D integer array, got {}", type_name(obj))))
 }
 
 /// Raw descriptor list (use `freight.DescList`, which builds one from arrays, tensors,
@@ -123,7 +170,24 @@ impl PyDescList {
     /// array. All or nothing: on error the list is unchanged.
     fn extend(&mut self, triples: &Bound<'_, PyAny>) -> PyResult<()> {
         let mut list = self.inner.clone();
-        for_each_triple(triples, |addr, len, dev| list.push(Desc { addr, len, dev }))?;
+        // Regular stretches (block i at base + i*stride) become strided runs.
+        if let Ok(a) = triples.cast::<PyArray2<u64>>() {
+            check_nx3(a.shape())?;
+            let ro = a.try_readonly().map_err(|e| invalid(e.to_string()))?;
+            if let (true, Ok(flat)) = (a.is_c_contiguous(), ro.as_slice()) {
+                // The usual case, read in place.
+                let rows = flat.chunks_exact(3).map(|r| Desc { addr: r[0], len: r[1], dev: r[2] });
+                list.extend_merging(rows).or_raise()?;
+                self.inner = list;
+                return Ok(());
+            }
+        }
+        let mut descs = Vec::new();
+        for_each_triple(triples, |addr, len, dev| {
+            descs.push(Desc { addr, len, dev });
+            Ok(())
+        })?;
+        list.extend_merging(descs).or_raise()?;
         self.inner = list;
         Ok(())
     }

@@ -38,8 +38,15 @@ impl PyRequest {
     /// Starts the transfer (non-blocking; small shm transfers complete before it returns).
     /// Raises InvalidStateError while the request is still pending, PeerDisconnectedError
     /// if the peer is known to be gone. A finished request may be posted again.
-    fn post(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.inner.post()).or_raise()
+    ///
+    /// ``notif`` (bytes), when given, is this round's notification in place of the one
+    /// the request was made with; later posts without it send the request's own.
+    #[pyo3(signature = (notif = None))]
+    fn post(&self, py: Python<'_>, notif: Option<Vec<u8>>) -> PyResult<()> {
+        match notif {
+            None => py.detach(|| self.inner.post()).or_raise(),
+            Some(msg) => py.detach(|| self.inner.post_with_notif(Some(msg))).or_raise(),
+        }
     }
 
     /// "IDLE" (never posted), "PENDING", "DONE" or "ERROR" (see `error`).
