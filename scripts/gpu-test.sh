@@ -49,6 +49,7 @@ if [ "${GPU_TESTS:-1}" = 1 ]; then
     log "GPU tests"
     # The KV client's tests that need PyTorch or a large memory run here too.
     (cd tests && "$PY" -m pytest -q -rfs -p no:cacheprovider ${TESTS:+-k "$TESTS"} test_gpu.py test_ep.py test_vllm_gpu.py \
+        test_nixl_face.py::test_gpu_tensors_move_through_the_face_between_two_processes_over_cuda \
         test_py_kv.py::test_torch_tensors_go_in_and_come_out_on_the_cpu_and_a_gpu \
         test_py_kv.py::test_a_value_larger_than_a_gigabyte_round_trips) 2>&1 | tee "$OUT/tests.log"
     tests_rc=${PIPESTATUS[0]}

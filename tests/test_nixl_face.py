@@ -28,6 +28,7 @@ from freight.nixl import _bindings as nb
 from freight.nixl import _utils
 
 from conftest import free_port
+from gpu_env import needs_gpu, torch  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 30.0
@@ -454,3 +455,73 @@ def test_utils_allocate_fill_and_compare():
     finally:
         _utils.free_passthru(a)
         _utils.free_passthru(b)
+
+
+# --------------------------------------------------------------------------- GPU memory
+
+GPU_TARGET = r"""
+import sys, time
+import torch
+from freight.nixl import nixl_agent, nixl_agent_config
+name = sys.argv[1]
+agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+kv = torch.zeros(8, 1 << 18, dtype=torch.uint8, device="cuda")   # 8 blocks of 256 KiB
+agent.register_memory(kv)
+print(agent.get_agent_metadata().hex(), kv.data_ptr(), flush=True)
+while True:
+    msgs = agent.get_new_notifs()
+    for peer, got in msgs.items():
+        for m in got:
+            if m == b"check":
+                torch.cuda.synchronize()
+                # what the initiator wrote: block i holds the byte i + 1
+                ok = all(int(kv[i].min()) == int(kv[i].max()) == i + 1 for i in range(8))
+                print("ok" if ok else "bad", flush=True)
+            if m == b"bye":
+                sys.exit(0)
+    time.sleep(0.005)
+"""
+
+
+@needs_gpu
+@pytest.mark.timeout(120)
+def test_gpu_tensors_move_through_the_face_between_two_processes_over_cuda(spawn):
+    """The NixlConnector's case: KV blocks in GPU memory of two processes, registered
+    as tensors, prepared as N x 3 rows and moved block by block through the face; on
+    one host that is freight's cuda transport, checked on both sides."""
+    proc = spawn(GPU_TARGET, f"gpu-target-{uuid.uuid4().hex[:6]}")
+    line = proc.stdout.readline()
+    assert line, proc.stderr.read()
+    md_hex, remote_base = line.split()
+    remote_base = int(remote_base)
+    a = agent(backends=["UCX"])
+    name = a.add_remote_agent(bytes.fromhex(md_hex)).decode()
+    block = 1 << 18
+    src = torch.stack([torch.full((block,), i + 1, dtype=torch.uint8) for i in range(8)]).cuda()
+    back = torch.zeros_like(src)
+    a.register_memory(src)
+    a.register_memory(back)
+    torch.cuda.synchronize()
+    rows = lambda base: np.array([(base + i * block, block, 0) for i in range(8)], np.uint64)  # noqa: E731
+    local = a.prep_xfer_dlist("NIXL_INIT_AGENT", rows(src.data_ptr()), "VRAM")
+    remote = a.prep_xfer_dlist(name, rows(remote_base), "VRAM")
+    order = np.arange(8)[::-1].copy()   # the blocks in another order than the rows: indices work
+    h = a.make_prepped_xfer("WRITE", local, order, remote, order, b"written")
+    assert a.agent._xfers[h._handle].request.transport == "cuda"
+    a.transfer(h)
+    assert wait_state(a, h) == "DONE"
+    a.send_notif(name, b"check")
+    answer = proc.stdout.readline().strip()
+    assert answer == "ok", f"the target saw {answer or proc.stderr.read()!r} in its GPU memory"
+    back_local = a.prep_xfer_dlist("NIXL_INIT_AGENT", rows(back.data_ptr()), "VRAM")
+    r = a.make_prepped_xfer("READ", back_local, list(range(8)), remote, list(range(8)))
+    a.transfer(r)
+    assert wait_state(a, r) == "DONE"
+    torch.cuda.synchronize()
+    assert torch.equal(back, src)
+    for x in (h, r):
+        a.release_xfer_handle(x)
+    for d in (local, remote, back_local):
+        a.release_dlist_handle(d)
+    a.send_notif(name, b"bye")
+    assert proc.wait(timeout=TIMEOUT) == 0, proc.stderr.read()

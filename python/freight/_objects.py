@@ -170,11 +170,7 @@ def to_bytes(msg: Any, what: str = "message") -> bytes:
 _NATIVE_INDEX_TYPES = (np.dtype(np.uint64), np.dtype(np.int64), np.dtype(np.uint32), np.dtype(np.int32))
 
 
-def indices(idx: Any) -> Optional[np.ndarray]:
-    """None, or a 1-D array of 64- or 32-bit integers (which Rust reads) from a list /
-    numpy integer array (no per-element Python work)."""
-    if idx is None:
-        return None
+def _index_array(idx: Any) -> np.ndarray:
     arr = np.asarray(idx)
     if arr.ndim != 1:
         raise InvalidArgumentError(f"indices must be one-dimensional, got shape {arr.shape}")
@@ -182,8 +178,27 @@ def indices(idx: Any) -> Optional[np.ndarray]:
         return np.empty(0, dtype=np.uint64)
     if arr.dtype.kind not in "iu":
         raise InvalidArgumentError(f"indices must be integers, got dtype {arr.dtype}")
-    if arr.dtype in _NATIVE_INDEX_TYPES and arr.dtype.isnative:
-        return arr  # read in Rust as it is (negative ones refused there)
+    return arr
+
+
+def u64_indices(idx: Any) -> Optional[np.ndarray]:
+    """None, or a contiguous 1-D uint64 array from a list / numpy integer array (no
+    per-element Python work), for the native calls that read uint64 only."""
+    if idx is None:
+        return None
+    arr = _index_array(idx)
     if arr.dtype.kind == "i" and (arr < 0).any():
         raise InvalidArgumentError(f"indices must be non-negative, got {int(arr.min())}")
     return np.ascontiguousarray(arr, dtype=np.uint64)
+
+
+def indices(idx: Any) -> Optional[np.ndarray]:
+    """None, or a 1-D array of 64- or 32-bit integers from a list / numpy integer array,
+    for make_request: Rust reads those four types in place (and refuses negative ones);
+    any other becomes uint64."""
+    if idx is None:
+        return None
+    arr = _index_array(idx)
+    if arr.dtype in _NATIVE_INDEX_TYPES and arr.dtype.isnative:
+        return arr
+    return u64_indices(arr)

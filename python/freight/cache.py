@@ -51,7 +51,7 @@ from typing import Any, Dict, Optional, Tuple, Union
 import numpy as np
 
 from . import _native
-from ._objects import describe, indices, is_tensor, to_bytes
+from ._objects import describe, is_tensor, to_bytes, u64_indices
 from .agent import Agent
 from .errors import InvalidArgumentError
 from .storage import StoreReceiver, StoreSender
@@ -235,7 +235,7 @@ class CacheEngine:
             raise InvalidArgumentError(f"block_size is {block_size}, but the KV memory's blocks hold {shape[3]} tokens")
         if is_tensor(block_table):
             block_table = block_table.detach().cpu().numpy()
-        args.update(block_size=shape[3], num_blocks=shape[2], block_table=indices(block_table))
+        args.update(block_size=shape[3], num_blocks=shape[2], block_table=u64_indices(block_table))
         return args
 
     # -- the cache

@@ -41,12 +41,16 @@ impl PyRequest {
     ///
     /// ``notif`` (bytes), when given, is this round's notification in place of the one
     /// the request was made with; later posts without it send the request's own.
+    ///
+    /// Returns True when the round is already done as the call returns (so a caller that
+    /// polls can skip its first `status()`), False while it runs or if it failed at once.
     #[pyo3(signature = (notif = None))]
-    fn post(&self, py: Python<'_>, notif: Option<Vec<u8>>) -> PyResult<()> {
+    fn post(&self, py: Python<'_>, notif: Option<Vec<u8>>) -> PyResult<bool> {
         match notif {
-            None => py.detach(|| self.inner.post()).or_raise(),
-            Some(msg) => py.detach(|| self.inner.post_with_notif(Some(msg))).or_raise(),
+            None => py.detach(|| self.inner.post()).or_raise()?,
+            Some(msg) => py.detach(|| self.inner.post_with_notif(Some(msg))).or_raise()?,
         }
+        Ok(matches!(self.inner.status(), Status::Done))
     }
 
     /// "IDLE" (never posted), "PENDING", "DONE" or "ERROR" (see `error`).

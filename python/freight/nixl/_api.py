@@ -29,6 +29,9 @@ __all__ = ["DEFAULT_COMM_PORT", "nixl_agent", "nixl_agent_config", "nixl_backend
 
 log = logging.getLogger("freight.nixl")
 
+#: The state strings of transfer / check_xfer_state, by status; any other is "ERR".
+_STATES = {nixl_status_t.NIXL_SUCCESS: "DONE", nixl_status_t.NIXL_IN_PROG: "PROC"}
+
 #: What ``nixl._api`` calls a backend handle: an integer.
 nixl_backend_handle = int
 
@@ -255,6 +258,11 @@ class nixl_agent:
             if mem_type is None:
                 raise ValueError("Please specify a mem type for strided descriptors")
             h = self.agent.prepXferDlist(agent_name, self.nixl_mems[mem_type], xfer_list, handles)
+        elif (isinstance(xfer_list, np.ndarray) and mem_type is not None and xfer_list.ndim == 2
+              and xfer_list.shape[1] == 3):
+            # The list lives only for this call: over the array, not a copy of it.
+            descs = _bindings.nixlXferDList._over(self.nixl_mems[mem_type], xfer_list)
+            h = self.agent.prepXferDlist(agent_name, descs, handles)
         else:
             descs = self.get_xfer_descs(xfer_list, mem_type)
             if descs is None:
@@ -285,13 +293,11 @@ class nixl_agent:
     def transfer(self, handle: nixl_xfer_handle, notif_msg: bytes = b"") -> str:
         """Posts the transfer: "DONE" if it finished in the call, "PROC" while it runs.
         ``notif_msg`` replaces the request's notification for this post."""
-        status = self.agent.postXferReq(handle._handle, notif_msg)
-        return "DONE" if status == 0 else "PROC" if status == 1 else "ERR"
+        return _STATES.get(self.agent.postXferReq(handle._handle, notif_msg), "ERR")
 
     def check_xfer_state(self, handle: nixl_xfer_handle) -> str:
         """"DONE", "PROC" or "ERR"; a failed transfer raises NIXL's exception for it."""
-        status = self.agent.getXferStatus(handle._handle)
-        return "DONE" if status == 0 else "PROC" if status == 1 else "ERR"
+        return _STATES.get(self.agent.getXferStatus(handle._handle), "ERR")
 
     def get_xfer_telemetry(self, handle: nixl_xfer_handle) -> Any:
         return self.agent.getXferTelemetry(handle._handle)

@@ -224,7 +224,16 @@ class _DescList:
         else:
             self._extra = None
 
-    def _array_rows(self, descs: np.ndarray) -> np.ndarray:
+    @classmethod
+    def _over(cls, mem: Any, descs: np.ndarray) -> "Any":
+        """A list over an N x 3 array's memory, not a copy of it: only for a caller that is
+        done with the list before the array can change (prep_xfer_dlist of an array)."""
+        self = cls.__new__(cls)
+        self._mem = _mem_type(mem, cls.__name__)
+        self._adopt(self._array_rows(descs, copy=False), None)
+        return self
+
+    def _array_rows(self, descs: np.ndarray, copy: bool = True) -> np.ndarray:
         name = type(self).__name__
         if descs.ndim != 2 or descs.shape[1] != 3:
             raise ValueError(f"{name}() descs must be an N x 3 numpy array, got shape {descs.shape}")
@@ -233,7 +242,8 @@ class _DescList:
         if not descs.flags.c_contiguous:
             raise ValueError(f"{name}() descs must be a C-contiguous numpy array (see numpy.ascontiguousarray)")
         # int64 rows are taken bit for bit, as NIXL copies the array's memory.
-        return descs.view(np.uint64).copy()
+        rows = descs.view(np.uint64)
+        return rows.copy() if copy else rows
 
     def _tuple_rows(self, descs: List[Any]) -> Tuple[np.ndarray, Optional[List[Any]]]:
         where = f"{type(self).__name__}()"
