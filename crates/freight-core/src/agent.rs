@@ -564,15 +564,11 @@ impl Agent {
             notif,
             path,
             tracker: Arc::new(Tracker::new()),
-            shm: OnceLock::new(),
-            cuda: OnceLock::new(),
-            fabric: OnceLock::new(),
-            chunks: OnceLock::new(),
-            local_gpu: OnceLock::new(),
+            program: OnceLock::new(),
         };
         if request.path.transport == TransportKind::Cuda {
             // Compile now (map, pin, upload the work table): posting is then one launch.
-            request.cuda_program()?;
+            request.program(&request.agent.dial_context())?;
         }
         tracing::debug!(
             peer = %request.peer.name,
@@ -872,12 +868,21 @@ pub struct Request {
     notif: Option<Vec<u8>>,
     path: Path,
     tracker: Arc<Tracker>,
-    shm: OnceLock<Arc<ShmProgram>>,
-    cuda: OnceLock<Arc<CudaProgram>>,
-    fabric: OnceLock<Arc<FabricProgram>>,
-    chunks: OnceLock<Arc<Vec<Chunk>>>,
-    /// For tcp: the local GPU regions, whose bytes are staged (`None`: host memory only).
-    local_gpu: OnceLock<Option<Arc<GpuRegions>>>,
+    /// What the request's transport runs each post, made once (see [`Request::program`]).
+    program: OnceLock<Program>,
+}
+
+/// A request made ready for the one transport its path takes.
+enum Program {
+    Shm(Arc<ShmProgram>),
+    Cuda(Arc<CudaProgram>),
+    Fabric(Arc<FabricProgram>),
+    /// The request cut into tcp messages, and the local GPU regions whose bytes are
+    /// staged through host memory (`None`: host memory only).
+    Tcp {
+        chunks: Arc<Vec<Chunk>>,
+        local_gpu: Option<Arc<GpuRegions>>,
+    },
 }
 
 impl Request {
@@ -945,12 +950,12 @@ impl Request {
             (Some(_), _) | (None, TransportKind::Shm | TransportKind::Cuda) => Some(self.peer.control(&ctx)?),
             _ => None,
         };
+        let program = self.program(&ctx)?;
         // A one-message tcp write takes its notification along (see `TcpConn::submit`),
         // where the target takes notifications from our outbox: that is what keeps it
         // behind the ones sent before it.
-        let rides = self.path.transport == TransportKind::Tcp
+        let rides = matches!(program, Program::Tcp { chunks, .. } if chunks.len() == 1)
             && self.op == OpKind::Write
-            && self.tcp_chunks().len() == 1
             && control.as_ref().is_some_and(|c| c.rides_on_data());
         let (notif, riding) = if rides { (None, notif) } else { (notif, None) };
         let finisher: Finisher = Box::new(move |result| {
@@ -961,40 +966,43 @@ impl Request {
             }
             Ok(())
         });
-        match self.path.transport {
-            TransportKind::Cuda => {
-                let program = self.cuda_program()?;
-                program.execute(&self.tracker, finisher, self.agent.completions()?)
-            }
-            TransportKind::Shm => {
-                let program = self.shm_program()?;
-                self.agent.copy_pool()?.execute(&program, self.op, &self.tracker, finisher)
-            }
-            TransportKind::Fabric => {
-                let fabric = self.agent.fabric()?;
-                let program = self.fabric_program(fabric, &ctx)?;
-                fabric.execute(&program, &self.tracker, finisher)
-            }
-            TransportKind::Tcp => {
-                let gpu = self.local_gpu_regions()?;
-                let gpu_place = gpu
+        match program {
+            Program::Cuda(program) => program.execute(&self.tracker, finisher, self.agent.completions()?),
+            Program::Shm(program) => self.agent.copy_pool()?.execute(program, self.op, &self.tracker, finisher),
+            Program::Fabric(program) => self.agent.fabric()?.execute(program, &self.tracker, finisher),
+            Program::Tcp { chunks, local_gpu } => {
+                let gpu_place = local_gpu
                     .as_ref()
                     .and_then(|g| g.first())
                     .and_then(|d| crate::pci::device(std::path::Path::new("/"), &d.bus_id));
                 let conn = self.peer.tcp(&ctx, &self.agent.config.tcp, gpu_place)?;
-                let chunks = self.tcp_chunks();
                 self.tracker.begin(chunks.len() as u64, finisher)?;
-                conn.submit(self.op, chunks, &self.tracker, gpu, riding);
+                conn.submit(self.op, chunks.clone(), &self.tracker, local_gpu.clone(), riding);
                 Ok(())
             }
         }
     }
 
-    /// The request as tcp messages, cut once.
-    fn tcp_chunks(&self) -> Arc<Vec<Chunk>> {
-        self.chunks
-            .get_or_init(|| Arc::new(chunk_ops(&self.plan.ops, self.agent.config.tcp.chunk_size, wire::MAX_SEGS)))
-            .clone()
+    /// The request made ready for its transport: compiled at the first post (at
+    /// `make_request` for cuda) and kept. A transport that maps the peer's memory
+    /// checks at every post that the peer has not revoked a region the program names.
+    fn program(&self, ctx: &crate::peer::DialContext) -> Result<&Program> {
+        if self.path.transport != TransportKind::Tcp {
+            self.check_remote_regions()?;
+        }
+        if let Some(p) = self.program.get() {
+            return Ok(p);
+        }
+        let program = match self.path.transport {
+            TransportKind::Shm => Program::Shm(Arc::new(self.compile_shm()?)),
+            TransportKind::Cuda => Program::Cuda(Arc::new(self.compile_cuda()?)),
+            TransportKind::Fabric => Program::Fabric(Arc::new(self.compile_fabric(self.agent.fabric()?, ctx)?)),
+            TransportKind::Tcp => Program::Tcp {
+                chunks: Arc::new(chunk_ops(&self.plan.ops, self.agent.config.tcp.chunk_size, wire::MAX_SEGS)),
+                local_gpu: self.local_gpu_regions()?,
+            },
+        };
+        Ok(self.program.get_or_init(|| program))
     }
 
     /// Fails when the peer revoked a region this request writes or reads.
@@ -1009,11 +1017,7 @@ impl Request {
         }
     }
 
-    fn cuda_program(&self) -> Result<Arc<CudaProgram>> {
-        self.check_remote_regions()?;
-        if let Some(p) = self.cuda.get() {
-            return Ok(p.clone());
-        }
+    fn compile_cuda(&self) -> Result<CudaProgram> {
         // A copy of the regions, not the lock: compiling may load (even build) the
         // kernels, and a revocation waiting for the lock would stall every reader.
         let remote: std::collections::HashMap<u64, crate::memory::RegionInfo> = {
@@ -1041,43 +1045,28 @@ impl Request {
             self.peer.close_imports_of_revoked_regions();
             return Err(e);
         }
-        Ok(self.cuda.get_or_init(|| Arc::new(program)).clone())
+        Ok(program)
     }
 
-    fn fabric_program(&self, fabric: &Arc<Fabric>, ctx: &crate::peer::DialContext) -> Result<Arc<FabricProgram>> {
-        self.check_remote_regions()?;
-        if let Some(p) = self.fabric.get() {
-            return Ok(p.clone());
-        }
+    fn compile_fabric(&self, fabric: &Arc<Fabric>, ctx: &crate::peer::DialContext) -> Result<FabricProgram> {
         let link = self.peer.fabric(ctx, fabric)?;
-        let program = fabric.compile(
+        fabric.compile(
             &link,
             &self.plan.ops,
             self.op,
             |k| self.agent.registry.get(k).map(|r| (r.info.clone(), r.is_private())),
             |k| self.peer.regions.read().get(k).cloned(),
-        )?;
-        Ok(self.fabric.get_or_init(|| Arc::new(program)).clone())
+        )
     }
 
+    /// For tcp: the local GPU regions, whose bytes are staged (`None`: host memory only).
     fn local_gpu_regions(&self) -> Result<Option<Arc<GpuRegions>>> {
-        if let Some(g) = self.local_gpu.get() {
-            return Ok(g.clone());
-        }
         let regions: Vec<_> = self.plan.local_regions.iter().filter_map(|&k| self.agent.registry.get(k)).collect();
-        let found = GpuRegions::of(regions.iter().map(|r| &r.info))?;
-        Ok(self.local_gpu.get_or_init(|| found).clone())
+        GpuRegions::of(regions.iter().map(|r| &r.info))
     }
 
-    fn shm_program(&self) -> Result<Arc<ShmProgram>> {
-        self.check_remote_regions()?;
-        if let Some(p) = self.shm.get() {
-            return Ok(p.clone());
-        }
-        let program = {
-            let regions = self.peer.regions.read();
-            self.peer.shm.compile(&self.plan.ops, |k| regions.get(k).cloned(), &self.agent.config.shm)?
-        };
-        Ok(self.shm.get_or_init(|| Arc::new(program)).clone())
+    fn compile_shm(&self) -> Result<ShmProgram> {
+        let regions = self.peer.regions.read();
+        self.peer.shm.compile(&self.plan.ops, |k| regions.get(k).cloned(), &self.agent.config.shm)
     }
 }
