@@ -38,10 +38,10 @@ use std::time::{Duration, Instant};
 use freight_core::{Agent, Error, MemKind, Result};
 use freight_stream::{Outgoing, StoreReceiver, StoreSender, StoredObject};
 
+use crate::chunk_bytes::{copy, move_runs, staged_on, Direction, Place};
+use crate::gpu_scratch;
 use crate::key::{self, chunk_keys, ChunkKey};
 use crate::layout::{runs_of_valid, KvLayout, KvShape, Run};
-use crate::memory::{copy, move_runs, staged_on, Direction, Place};
-use crate::staging;
 use crate::tier::Tier;
 
 /// What an engine is made of.
@@ -362,7 +362,7 @@ impl CacheEngine {
         let started = Instant::now();
         let mut waited = Ok(());
         for gpu in std::mem::take(&mut self.queued_on) {
-            let r = staging::wait(gpu);
+            let r = gpu_scratch::wait(gpu);
             waited = waited.and(r);
         }
         self.times.gathering += started.elapsed();

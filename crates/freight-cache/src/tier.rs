@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use freight_core::{Agent, Desc, Error, Result};
 
-use crate::memory::{Arena, Place};
+use crate::chunk_bytes::{Arena, Place};
 use crate::slots::{Evicted, Slots};
 
 pub struct Tier {

@@ -8,9 +8,9 @@ use freight_core::memory::RegionInfo;
 use freight_core::metadata::AgentMetadata;
 use freight_core::{Agent, AgentConfig, Error, MemKind, OpKind, SharedSegment, Status, TransportKind};
 
-#[path = "support/memory.rs"]
-mod memory;
-use memory::{bytes, fill, list, set};
+#[path = "support/buffers.rs"]
+mod buffers;
+use buffers::{bytes, fill, list, set};
 
 const T: Option<Duration> = Some(Duration::from_secs(20));
 

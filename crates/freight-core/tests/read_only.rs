@@ -6,9 +6,9 @@ use std::time::Duration;
 use freight_core::metadata::AgentMetadata;
 use freight_core::{Agent, AgentConfig, Error, MemKind, OpKind, SharedSegment, Status, TransportKind};
 
-#[path = "support/memory.rs"]
-mod memory;
-use memory::{bytes, fill, list};
+#[path = "support/buffers.rs"]
+mod buffers;
+use buffers::{bytes, fill, list};
 
 const T: Option<Duration> = Some(Duration::from_secs(20));
 const SIZE: usize = 64 << 10;

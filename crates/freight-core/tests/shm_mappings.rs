@@ -11,9 +11,9 @@ use freight_core::metadata::AgentMetadata;
 use freight_core::transport::shm::ShmPeer;
 use freight_core::{Agent, AgentConfig, Error, MemKind, OpKind, SharedSegment, Status, TransportKind};
 
-#[path = "support/memory.rs"]
-mod memory;
-use memory::{bytes, fill, list};
+#[path = "support/buffers.rs"]
+mod buffers;
+use buffers::{bytes, fill, list};
 
 const T: Option<Duration> = Some(Duration::from_secs(20));
 const MIB: usize = 1 << 20;

@@ -13,9 +13,9 @@ use freight_core::metadata::AgentMetadata;
 use freight_core::wire::{self, Frame, Role, Seg, PROTOCOL_VERSION};
 use freight_core::{Agent, AgentConfig, Desc, DescList, Error, MemKind, OpKind, Status, TransportKind};
 
-#[path = "support/memory.rs"]
-mod memory;
-use memory::bytes;
+#[path = "support/buffers.rs"]
+mod buffers;
+use buffers::bytes;
 
 const PEER_TIMEOUT: Duration = Duration::from_secs(1);
 const LEN: usize = 1 << 20;

@@ -4,9 +4,9 @@ use std::time::Duration;
 
 use freight_core::{Agent, AgentConfig, Error, MemKind, OpKind, Status, TransportKind};
 
-#[path = "support/memory.rs"]
-mod memory;
-use memory::list;
+#[path = "support/buffers.rs"]
+mod buffers;
+use buffers::list;
 
 const T: Option<Duration> = Some(Duration::from_secs(20));
 
@@ -408,7 +408,7 @@ fn metadata_older_than_a_revocation_does_not_bring_the_region_back() {
 fn a_region_revoked_before_the_control_link_opened_is_not_written() {
     let (a, b) = agents(AgentConfig::default());
     let src = a.alloc(4096).unwrap();
-    memory::fill(&src, 1);
+    buffers::fill(&src, 1);
     a.register(MemKind::Dram, src.addr(), 4096, 0).unwrap();
     let dst = b.alloc(4096).unwrap();
     let (gone, kept) = (b.register(MemKind::Dram, dst.addr(), 2048, 0).unwrap(), dst.addr() + 2048);
@@ -427,11 +427,11 @@ fn a_region_revoked_before_the_control_link_opened_is_not_written() {
     };
     let e = write(dst.addr()).expect_err("the revoked region was written");
     assert!(e.to_string().contains(&format!("region {gone} was deregistered")), "{e}");
-    assert!(memory::bytes(&dst).iter().all(|&x| x == 0), "the deregistered memory was written");
+    assert!(buffers::bytes(&dst).iter().all(|&x| x == 0), "the deregistered memory was written");
     assert_eq!(a.connection_stats("target").unwrap().control_connections, 1);
     // The link is up, and the region that is still registered is written through it.
     assert_eq!(write(kept).unwrap(), TransportKind::Shm);
-    assert_eq!(&memory::bytes(&dst)[2048..], &memory::bytes(&src)[..2048]);
+    assert_eq!(&buffers::bytes(&dst)[2048..], &buffers::bytes(&src)[..2048]);
     // Metadata read before the revocation does not bring the region back.
     let e = a.prepare_remote("target", &list(dst.addr(), 2048)).unwrap_err();
     assert!(matches!(e, Error::NotRegistered { .. }), "{e}");
@@ -479,7 +479,7 @@ fn open_path_dials_what_the_first_transfer_would() {
     ] {
         let (a, b) = agents(cfg);
         let (src, dst) = (a.alloc(4096).unwrap(), b.alloc(4096).unwrap());
-        memory::fill(&src, 3);
+        buffers::fill(&src, 3);
         a.register(MemKind::Dram, src.addr(), 4096, 0).unwrap();
         b.register(MemKind::Dram, dst.addr(), 4096, 0).unwrap();
         a.add_peer(&b.metadata()).unwrap();
@@ -490,7 +490,7 @@ fn open_path_dials_what_the_first_transfer_would() {
         assert_eq!(dialled, 1, "{expect:?}: {opened:?}");
         let req = a.transfer(OpKind::Write, &list(src.addr(), 4096), "target", &list(dst.addr(), 4096), None).unwrap();
         assert_eq!(req.wait(T), Status::Done);
-        assert_eq!(memory::bytes(&dst), memory::bytes(&src));
+        assert_eq!(buffers::bytes(&dst), buffers::bytes(&src));
         assert_eq!(a.connection_stats("target").unwrap(), opened, "{expect:?}: the transfer dialled again");
         assert!(matches!(a.open_path("nobody"), Err(Error::UnknownPeer(_))));
     }

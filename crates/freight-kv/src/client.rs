@@ -609,7 +609,7 @@ impl Client {
                 )));
             }
             let mut answer = None;
-            for n in crate::poll::next_notifs(&self.agent, left.min(Duration::from_millis(100)), || false) {
+            for n in crate::notif_wait::next_notifs(&self.agent, left.min(Duration::from_millis(100)), || false) {
                 match Reply::decode(&n.msg) {
                     Some(Ok(r)) if r.first_id == first_id && answer.is_none() => answer = Some(r),
                     Some(Ok(r)) => self.keep_other(r),

@@ -15,10 +15,10 @@
 pub mod client;
 pub mod cluster;
 pub mod index;
-mod memory;
 pub mod metrics;
-mod poll;
+mod notif_wait;
 pub mod pool;
+mod pool_memory;
 pub mod reach;
 pub mod rpc;
 pub mod server;

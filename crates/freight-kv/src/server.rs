@@ -25,8 +25,8 @@ use parking_lot::Mutex;
 
 use crate::cluster::EtcdConfig;
 use crate::index::{Index, IndexConfig};
-use crate::memory::PoolMemory;
 use crate::pool::Slot;
+use crate::pool_memory::PoolMemory;
 use crate::service::{GetPlan, PutPlan};
 use crate::wire::{self, Buffer, FailCode, Outcome, Reply};
 
@@ -599,7 +599,8 @@ impl Worker {
                 break;
             }
             let settled = &self.settled;
-            let notifs = crate::poll::next_notifs(&self.shared.agent, IDLE_WAIT, || settled.load(Ordering::Acquire));
+            let notifs =
+                crate::notif_wait::next_notifs(&self.shared.agent, IDLE_WAIT, || settled.load(Ordering::Acquire));
             self.settled.store(false, Ordering::Release);
             for n in notifs {
                 self.take(n, stopping);

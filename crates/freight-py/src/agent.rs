@@ -19,8 +19,8 @@ use pyo3::types::PyBytes;
 
 use crate::descs::{for_each_triple, indices, parse_kind, PyDescList, PyPreparedLocal, PyPreparedRemote};
 use crate::errors::{invalid, to_py_err, OrRaise};
-use crate::memory::PySharedSegment;
 use crate::request::{PyRequest, SIGNAL_SLICE};
+use crate::segment::PySharedSegment;
 use crate::util::{seconds, timeout_arg};
 
 static NEXT_AGENT_ID: AtomicU64 = AtomicU64::new(1);

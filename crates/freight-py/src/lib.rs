@@ -15,9 +15,9 @@ mod gpu;
 mod interrupt;
 mod kv;
 mod logging;
-mod memory;
 mod metadata;
 mod request;
+mod segment;
 mod stream;
 mod util;
 
@@ -30,7 +30,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<descs::PyPreparedLocal>()?;
     m.add_class::<descs::PyPreparedRemote>()?;
     m.add_class::<request::PyRequest>()?;
-    m.add_class::<memory::PySharedSegment>()?;
+    m.add_class::<segment::PySharedSegment>()?;
     m.add_class::<etcd::PyEtcdDirectory>()?;
     m.add_class::<stream::PyPipeListener>()?;
     m.add_class::<stream::PyPipeReceiver>()?;

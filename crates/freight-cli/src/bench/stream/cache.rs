@@ -14,7 +14,7 @@ use freight_core::{Agent, MemKind};
 use freight_stream::{ChannelReceiver, ChannelSender, PipeReceiver, PipeSender, StoreReceiver, StoreSender};
 use serde::{Deserialize, Serialize};
 
-use super::memory::{check, Device, Memory};
+use super::buffers::{check, Device, Memory};
 use super::{seed_of, Shape};
 use crate::args::{format_size, parse_positive_size, CliError, CliResult};
 

@@ -13,8 +13,8 @@ use freight_core::cuda::Device as Gpu;
 use freight_core::Agent;
 use serde_json::json;
 
+use super::buffers::{check, Device, Memory};
 use super::cache::{kv_memory, tokens_of};
-use super::memory::{check, Device, Memory};
 use super::{gbps, mean_std, say, seed_of, Product, Round, Shape, StreamArgs, KV_SIZE_OPTIONS};
 use crate::args::{CliError, CliResult};
 use crate::bench::report::host_json;

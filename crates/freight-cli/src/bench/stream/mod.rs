@@ -13,9 +13,9 @@
 //! transfers alone is timed first, so that the overlap shows: a round with work should
 //! take about max(work, transfer), not their sum.
 
+mod buffers;
 mod cache;
 mod local;
-mod memory;
 mod receiver;
 mod sender;
 
@@ -28,7 +28,7 @@ use crate::args::{format_size, parse_duration, parse_positive_size, CliError, Cl
 use crate::child::TargetProcess;
 use crate::Context;
 
-pub use memory::Device;
+pub use buffers::Device;
 
 /// After [`SIZE_GRAMMAR`] in the help's footer.
 const AFTER_HELP: &str = "\

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use freight_core::Agent;
 use freight_stream::{Buffer, BufferInfo, ChannelReceiver, PipeConfig, PipeListener, PipeReceiver, StoreReceiver};
 
-use super::memory::{check, Device, Memory};
+use super::buffers::{check, Device, Memory};
 use super::sender::key_of;
 use super::{gbps, say, seed_of, work_after, Product, Round, Shape, StreamArgs};
 use crate::args::{format_size, CliError, CliResult};

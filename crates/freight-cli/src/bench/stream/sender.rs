@@ -8,7 +8,7 @@ use freight_core::{Agent, DescList};
 use freight_stream::{ChannelSender, CommitStats, Outgoing, PipeConfig, PipeSender, StoreSender};
 use serde_json::json;
 
-use super::memory::{Device, Memory};
+use super::buffers::{Device, Memory};
 use super::{gbps, mean_std, say, seed_of, work_after, Product, Round, Shape, StreamArgs};
 use crate::args::{format_size, CliError, CliResult};
 use crate::bench::report::host_json;

@@ -4,7 +4,7 @@
 //! KV memory on a GPU and a chunk in GPU memory: all the runs of a chunk move in one
 //! launch of the engine's batched copy kernel (a gather from paged KV into a contiguous
 //! chunk, or a scatter back). KV memory on a GPU and a chunk in host memory: through a
-//! scratch chunk on the GPU, the kernel and the copy engine in a pipeline ([`staging`]).
+//! scratch chunk on the GPU, the kernel and the copy engine in a pipeline ([`gpu_scratch`]).
 //! Host-only copies are plain memcpy; anything else goes run by run through the
 //! driver's copy.
 
@@ -17,9 +17,9 @@ use freight_core::cuda::pinned::pin;
 use freight_core::cuda::Device;
 use freight_core::{Agent, Desc, Error, MemKind, Result, SharedSegment};
 
+use crate::gpu_scratch;
 use crate::layout::Run;
 use crate::per_gpu::{ItemTable, PerGpu};
-use crate::staging;
 
 /// Where some bytes are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,7 +60,7 @@ pub enum Direction {
 }
 
 /// The GPU a move between `kv` and `chunk` memory is queued on, when [`move_runs`]
-/// returns before it is done ([`staging::wait`] for that GPU waits for it).
+/// returns before it is done ([`gpu_scratch::wait`] for that GPU waits for it).
 pub fn staged_on(kv: Place, chunk: Place) -> Option<usize> {
     (kv.on_gpu() && !chunk.on_gpu()).then_some(kv.dev as usize)
 }
@@ -69,7 +69,7 @@ pub fn staged_on(kv: Place, chunk: Place) -> Option<usize> {
 /// the moves still in flight when it returns.
 pub fn move_runs(kv: Place, chunk: Place, runs: &[Run], direction: Direction) -> Result<()> {
     if staged_on(kv, chunk).is_some() {
-        return staging::staged(kv, chunk, runs, direction);
+        return gpu_scratch::staged(kv, chunk, runs, direction);
     }
     direct(kv, chunk, runs, direction)
 }

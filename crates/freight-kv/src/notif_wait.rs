@@ -6,6 +6,10 @@
 //! yielding its core between looks (other threads of a small machine run meanwhile),
 //! and sleeps only when nothing came for a while. While it polls, same-host senders do
 //! not ring at all (see the engine's `wait_notifs`).
+//!
+//! Not the engine's `poll::briefly`, which spins and so polls only on hosts with cores
+//! to spare: this waiter gives its core up between looks, so it polls on small hosts
+//! too, where a KV client and the server often share two cores.
 
 use std::time::{Duration, Instant};
 

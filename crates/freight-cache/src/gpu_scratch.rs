@@ -16,8 +16,8 @@ use freight_core::cuda::kernel::{items_of, Item, Kernel, LaunchShape};
 use freight_core::cuda::Device;
 use freight_core::Result;
 
+use crate::chunk_bytes::{Direction, Place};
 use crate::layout::Run;
-use crate::memory::{Direction, Place};
 use crate::per_gpu::{Grown, ItemTable, PerGpu};
 
 /// Bytes of a segment: small enough that the one kernel left unhidden is short (a few
