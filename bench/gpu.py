@@ -23,6 +23,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from reporting import PERCENTILE, percentile  # noqa: E402
+
 MIB = 1 << 20
 SIZE = 4 << 30
 CASES = [(32 * MIB, 128), (2 * MIB, 2048), (256 << 10, 16384), (64 << 10, 65536), (16 << 10, 65536), (4 << 10, 65536)]
@@ -60,9 +63,7 @@ class Target:
 
 
 def stats(samples_s):
-    s = sorted(samples_s)
-    pick = lambda p: s[min(len(s) - 1, max(0, int(round(p * len(s) + 0.5)) - 1))]
-    return pick(0.5), pick(0.99)
+    return percentile(samples_s, 50), percentile(samples_s, 99)
 
 
 def row(test, op, block, count, gbps=None, p50=None, p99=None, **extra):
@@ -342,7 +343,7 @@ def main() -> None:
                     rows.append({"system": "freight", "error": repr(e)})
     finally:
         target.close()
-    doc = {"tool": "bench/gpu.py", "machine": {"gpu": torch.cuda.get_device_name(0), "host": platform.node(),
+    doc = {"tool": "bench/gpu.py", "percentile": PERCENTILE, "machine": {"gpu": torch.cuda.get_device_name(0), "host": platform.node(),
            "torch": torch.__version__}, "path": f"{path.transport}: {path.reason}", "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1))

@@ -1,15 +1,17 @@
-"""Small helpers the benchmark scripts share: sizes for people, prefixed logs, and the
-end of a run (write the JSON, print the table and the byte checks, pick the exit code)."""
+"""Small helpers the benchmark scripts share: sizes for people, prefixed logs, the one
+percentile definition, and the end of a run (write the JSON, print the table and the
+byte checks, pick the exit code)."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 
@@ -17,6 +19,22 @@ KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 # or 65536 blocks, whichever is fewer; and the host<->GPU case.
 BW_CASES = [(32 * MIB, 128), (2 * MIB, 2048), (256 * KIB, 16384), (16 * KIB, 65536), (4 * KIB, 65536)]
 HOST_CASE = (32 * MIB, 32)
+
+
+#: How every benchmark's percentiles are taken, freight's and every peer's alike (and
+#: freight's CLI, crates/freight-cli/src/bench/report.rs): the reports say it.
+PERCENTILE = "nearest rank: the ceil(p * n)-th smallest of n samples, never an interpolation"
+
+
+def percentile(values: Iterable[float], p: float) -> float:
+    """The ``p``-th percentile (0 < p <= 100) of ``values`` by nearest rank
+    (:data:`PERCENTILE`): p99 of 200 samples is the 198th smallest, p50 of 4 the 2nd."""
+    s = sorted(values)
+    if not s:
+        raise ValueError("no samples")
+    if not 0 < p <= 100:
+        raise ValueError(f"a percentile is in (0, 100], got {p}")
+    return s[min(len(s), max(1, math.ceil(p / 100 * len(s)))) - 1]
 
 
 def human(n: int) -> str:

@@ -46,6 +46,9 @@ os.environ.setdefault("FREIGHT_VLLM_VENV", sys.prefix)
 import vllm_serving as vs  # noqa: E402
 from freight.vllm.config import Settings  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "bench"))
+from reporting import PERCENTILE, percentile  # noqa: E402
+
 LENGTHS = (1024, 2048, 4096, 8192)
 MODEL = {"layers": 4, "hidden": 256, "heads": 16, "kv_heads": 16, "head_dim": 128, "intermediate": 512,
          "context": 8704}
@@ -162,22 +165,17 @@ def run_config(name: str, model: pathlib.Path, prompts: Dict[int, List[str]], lo
     return {"rows": rows, "warm_ttft_s": warm["ttft_s"], "handshake_s": handshake}
 
 
-def pct(values: List[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
-
-
 def summarize(results: Dict[str, Any], lengths) -> List[Dict[str, Any]]:
     out = []
     for n in lengths:
         row: Dict[str, Any] = {"length": n}
         for name in ("aggregated", "freight", "nixl"):
             mine = [r for r in results[name]["rows"] if r["length"] == n]
-            row[f"{name}_ttft_p50_s"] = pct([r["ttft_s"] for r in mine], 50)
-            row[f"{name}_ttft_p99_s"] = pct([r["ttft_s"] for r in mine], 99)
+            row[f"{name}_ttft_p50_s"] = percentile([r["ttft_s"] for r in mine], 50)
+            row[f"{name}_ttft_p99_s"] = percentile([r["ttft_s"] for r in mine], 99)
             if name != "aggregated":
-                row[f"{name}_transfer_p50_s"] = pct([r["transfer_s"] for r in mine], 50)
-                row[f"{name}_transfer_p99_s"] = pct([r["transfer_s"] for r in mine], 99)
+                row[f"{name}_transfer_p50_s"] = percentile([r["transfer_s"] for r in mine], 50)
+                row[f"{name}_transfer_p99_s"] = percentile([r["transfer_s"] for r in mine], 99)
                 row[f"{name}_mib"] = statistics.mean(r["bytes"] for r in mine) / 2**20
                 agg = [r["text"] for r in results["aggregated"]["rows"] if r["length"] == n]
                 row[f"{name}_outputs_identical"] = [r["text"] for r in mine] == agg
@@ -260,6 +258,7 @@ def main() -> int:
     import vllm
 
     doc = {"benchmark": "vllm-pd-cpu", "machine": args.machine, "cpus": os.cpu_count(), "vllm": vllm.__version__,
+           "percentile": PERCENTILE,
            # The model file's KV is bf16 (2 bytes a number); the instances run it in `dtype`.
            "model": {**MODEL, "dtype": args.dtype,
                      "kv_bytes_per_token": meta["kv_bytes_per_token"] * (2 if args.dtype == "float32" else 1)},

@@ -57,7 +57,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from reporting import BW_CASES, GIB, HOST_CASE, KIB, MIB, finish, host_machine, human, logger  # noqa: E402,F401
+from reporting import BW_CASES, GIB, HOST_CASE, KIB, MIB, PERCENTILE, finish, host_machine, human, logger, percentile  # noqa: E402,F401
 
 ONESHOT = (32 * MIB, 128)
 VERIFY = 1 * MIB  # bytes checked per direction
@@ -377,16 +377,14 @@ class Initiator:
                 "median_ms": round(t * 1e3, 4), "method": method}
 
     def latency(self) -> dict:
-        np = self.np
         xh, lh, rh = self.prepared("WRITE", self.lbase, self.vseg, self.rbase, self.vseg, 4 * KIB, 1, False)
         try:
             warm, iters = (50, 300) if self.quick else (200, 2000)
             ts = self.timed(lambda: self.run_once(xh), warm, iters, 20.0)
         finally:
             self.release(xh, lh, rh)
-        us = np.array(ts) * 1e6
-        return {"p50_us": round(float(np.percentile(us, 50)), 2),
-                "p99_us": round(float(np.percentile(us, 99)), 2), "iters": len(ts)}
+        us = [t * 1e6 for t in ts]
+        return {"p50_us": round(percentile(us, 50), 2), "p99_us": round(percentile(us, 99), 2), "iters": len(ts)}
 
     def notif_posts(self) -> dict:
         """Posts 4 KiB WRITEs with notifications; the target timestamps their arrival. The
@@ -525,15 +523,8 @@ def nixl_version(nixl_dir: str) -> str | None:
 
 
 def percentiles(values: list[float]) -> tuple[float, float]:
-    s = sorted(values)
-
-    def at(p: float) -> float:  # linear interpolation, as numpy.percentile
-        k = (len(s) - 1) * p
-        lo = int(k)
-        hi = min(lo + 1, len(s) - 1)
-        return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-    return round(at(0.50), 2), round(at(0.99), 2)
+    """p50 and p99 as freight's own figures are taken (reporting.PERCENTILE)."""
+    return round(percentile(values, 50), 2), round(percentile(values, 99), 2)
 
 
 def stop(procs: list) -> None:
@@ -553,7 +544,7 @@ def run(cfg: dict, timeout: float) -> dict:
     target = ctx.Process(target=target_main, args=(cfg, q_init, q_main), name="nixl-target")
     initiator = ctx.Process(target=initiator_main, args=(cfg, q_init, q_main), name="nixl-initiator")
     doc = {"tool": "nixl_p2p", "nixl_version": nixl_version(cfg["nixl_dir"]),
-           "machine": host_machine(), "quick": cfg["quick"],
+           "machine": host_machine(), "quick": cfg["quick"], "percentile": PERCENTILE,
            "config": {k: cfg[k] for k in ("ucx_tls", "gpus", "bytes", "host_bytes", "orders", "no_gpu")},
            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "rows": [], "verify": {}, "errors": []}

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from reporting import KIB, logger  # noqa: E402
+from reporting import KIB, PERCENTILE, logger, percentile  # noqa: E402
 
 BLOCK = 4 * KIB
 WARMUP = 100
@@ -56,8 +55,7 @@ def target() -> None:
 
 
 def summary_us(samples_ns: list) -> dict:
-    q = statistics.quantiles(samples_ns, n=100, method="inclusive")
-    return {"p50": round(q[49] / 1e3, 2), "p99": round(q[98] / 1e3, 2),
+    return {"p50": round(percentile(samples_ns, 50) / 1e3, 2), "p99": round(percentile(samples_ns, 99) / 1e3, 2),
             "min": round(min(samples_ns) / 1e3, 2), "max": round(max(samples_ns) / 1e3, 2)}
 
 
@@ -100,7 +98,7 @@ def initiator(count: int, pause: float) -> dict:
     if len(seen) != len(reqs) or [int(m) for _, m in seen] != list(range(len(reqs))):
         raise RuntimeError(f"{len(seen)} of {len(reqs)} notifications seen, or out of order")
     lat = [t - posted[int(m)] for t, m in seen[WARMUP:]]
-    return {"count": count, "transport": transport, "post_to_seen_us": summary_us(lat),
+    return {"count": count, "transport": transport, "percentile": PERCENTILE, "post_to_seen_us": summary_us(lat),
             "post_to_done_us": {k: v for k, v in summary_us(done[WARMUP:]).items() if k in ("p50", "p99")}}
 
 

@@ -21,8 +21,9 @@ pub struct Stats {
 }
 
 impl Stats {
-    /// `None` for no samples. Percentiles are nearest-rank, so p99 of 50 samples is the
-    /// largest but one, never an interpolation between two runs.
+    /// `None` for no samples. Percentiles are nearest-rank (the ceil(p * n)-th smallest,
+    /// as bench/reporting.py's `percentile` for the scripts and the peers): p99 of 200
+    /// samples is the 198th smallest, never an interpolation between two runs.
     pub fn of(samples: &[f64]) -> Option<Stats> {
         if samples.is_empty() {
             return None;
