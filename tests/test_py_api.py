@@ -350,3 +350,14 @@ def test_post_says_whether_the_round_is_already_done(shm):
             assert dst[-1] == round
         if shm:
             assert answers == {True}
+
+
+def test_memory_kinds_are_the_engines_names_and_aliases_and_nothing_else():
+    for name, want in (("dram", "DRAM"), (" Host ", "DRAM"), ("cpu", "DRAM"), ("VRAM", "VRAM"), ("gpu", "VRAM"),
+                       ("Cuda", "VRAM"), ("file", "FILE")):
+        assert freight.DescList([], name).kind == want, name
+    for bad in ("xram", "", "dram2"):
+        with pytest.raises(freight.InvalidArgumentError, match=f'unknown memory kind "{bad}"'):
+            freight.DescList([], bad)
+    with pytest.raises(freight.InvalidArgumentError, match="a memory kind is a str"):
+        freight.DescList([], 3)

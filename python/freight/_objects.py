@@ -17,10 +17,9 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
+from . import _native
 from .errors import InvalidArgumentError
 
-KINDS = ("DRAM", "VRAM", "FILE")
-_ALIASES = {"DRAM": "DRAM", "HOST": "DRAM", "CPU": "DRAM", "VRAM": "VRAM", "GPU": "VRAM", "CUDA": "VRAM", "FILE": "FILE"}
 
 
 class Range(NamedTuple):
@@ -35,12 +34,11 @@ class Range(NamedTuple):
 
 
 def normalize_kind(kind: Any) -> str:
-    """"DRAM", "VRAM" or "FILE" (case-insensitive; "cpu"/"host" and "gpu"/"cuda" accepted)."""
-    if isinstance(kind, str):
-        k = _ALIASES.get(kind.strip().upper())
-        if k is not None:
-            return k
-    raise InvalidArgumentError(f"unknown memory kind {kind!r} (expected one of {', '.join(KINDS)})")
+    """"DRAM", "VRAM" or "FILE" (case-insensitive; "cpu"/"host" and "gpu"/"cuda" accepted):
+    the engine's own names, read by the engine (one list of aliases, in Rust)."""
+    if not isinstance(kind, str):
+        raise InvalidArgumentError(f"a memory kind is a str such as 'DRAM', got {type(kind).__name__} {kind!r:.40}")
+    return _native.normalize_kind(kind)
 
 
 def is_tensor(obj: Any) -> bool:

@@ -38,12 +38,14 @@ impl MemKind {
         }
     }
 
+    /// A kind by name, case-insensitive, surrounding blanks ignored; "HOST"/"CPU" are
+    /// DRAM and "GPU"/"CUDA" VRAM. The only list of these names (Python asks here).
     pub fn parse(s: &str) -> Result<Self> {
-        match s.to_ascii_uppercase().as_str() {
+        match s.trim().to_ascii_uppercase().as_str() {
             "DRAM" | "HOST" | "CPU" => Ok(MemKind::Dram),
             "VRAM" | "GPU" | "CUDA" => Ok(MemKind::Vram),
             "FILE" => Ok(MemKind::File),
-            other => Err(invalid(format!("unknown memory kind '{other}' (expected DRAM, VRAM or FILE)"))),
+            _ => Err(invalid(format!("unknown memory kind {s:?} (expected DRAM, VRAM or FILE)"))),
         }
     }
 }

@@ -81,6 +81,13 @@ pub(crate) fn parse_kind(kind: &str) -> PyResult<MemKind> {
     MemKind::parse(kind).or_raise()
 }
 
+/// The canonical name ("DRAM", "VRAM" or "FILE") of a memory kind or one of its aliases
+/// ("host", "cpu", "gpu", "cuda"; any case); InvalidArgumentError for anything else.
+#[pyfunction]
+pub(crate) fn normalize_kind(kind: &str) -> PyResult<&'static str> {
+    Ok(parse_kind(kind)?.as_str())
+}
+
 /// Index selections into a list of `len` descriptors: a 1-D numpy array of uint64,
 /// uint32, int64 or int32 (the Python layer normalises lists and other integer dtypes),
 /// copied so that the GIL can be released afterwards; None for no selection, and for

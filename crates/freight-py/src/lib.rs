@@ -58,6 +58,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gpu::copy_kernel_occupancy, m)?)?;
     m.add_function(wrap_pyfunction!(stream::release_pooled_memory, m)?)?;
     m.add_function(wrap_pyfunction!(host_has_spare_cores, m)?)?;
+    m.add_function(wrap_pyfunction!(descs::normalize_kind, m)?)?;
     Ok(())
 }
 
