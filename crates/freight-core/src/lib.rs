@@ -3,7 +3,7 @@
 //! transfers over pluggable transports.
 //!
 //! The layers, bottom up: [`memory`] (what may be touched), [`desc`] and [`plan`] (which
-//! bytes go where), [`request`] (completion bookkeeping), [`wire`] and [`metadata`]
+//! bytes go where), [`tracker`] (completion bookkeeping), [`wire`] and [`metadata`]
 //! (formats), [`transport`] (moving bytes), and [`agent`] (the public face).
 
 pub mod agent;
@@ -20,7 +20,7 @@ pub mod notify;
 pub mod path;
 pub mod pci;
 pub mod plan;
-pub mod request;
+pub mod tracker;
 pub mod transport;
 pub mod wire;
 
@@ -46,7 +46,7 @@ pub use notify::{Notification, Waker};
 pub use path::{Path, TransportKind};
 pub use peer::ConnectionStats;
 pub use plan::PreparedList;
-pub use request::Status;
+pub use tracker::Status;
 pub use transport::cuda::CudaConfig;
 pub use transport::fabric::FabricConfig;
 pub use transport::shm::ShmConfig;

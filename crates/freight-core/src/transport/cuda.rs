@@ -29,7 +29,7 @@ use crate::cuda::tables::Table;
 use crate::error::{Error, Result};
 use crate::memory::{MemKind, RegionInfo};
 use crate::plan::Op;
-use crate::request::{Finisher, Tracker};
+use crate::tracker::{Finisher, Tracker};
 use crate::transport::shm::{Mapping, ShmPeer};
 use crate::transport::OpKind;
 

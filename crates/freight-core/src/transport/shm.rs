@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::fault::Guard;
 use crate::memory::{RegionInfo, SharedLocation, SharedSegment};
 use crate::plan::{split_by_bytes, Op};
-use crate::request::{Finisher, Tracker};
+use crate::tracker::{Finisher, Tracker};
 use crate::transport::pool::{CopyPool, Task};
 use crate::transport::OpKind;
 
@@ -581,11 +581,11 @@ mod tests {
                 pool.execute(program, OpKind::Read, &tracker, Box::new(|r| r)).unwrap();
                 tracker.wait(Some(Duration::from_secs(20)))
             };
-            assert_eq!(run(&program), crate::request::Status::Done, "the peer's memory, whole");
+            assert_eq!(run(&program), crate::tracker::Status::Done, "the peer's memory, whole");
             assert!(local.iter().all(|&b| b == 9));
             shrink(&file);
             match run(&program) {
-                crate::request::Status::Error(Error::PeerDisconnected { peer, reason }) => {
+                crate::tracker::Status::Error(Error::PeerDisconnected { peer, reason }) => {
                     assert_eq!(peer, "hostile");
                     assert!(reason.contains("faulted"), "{reason}");
                 }

@@ -37,7 +37,7 @@ use crate::cuda::driver::Device;
 use crate::error::{invalid, Error, Result};
 use crate::memory::{MemKind, RegionInfo};
 use crate::plan::{chunk_ops, Op};
-use crate::request::{Finisher, Tracker};
+use crate::tracker::{Finisher, Tracker};
 use crate::transport::{staged, OpKind};
 use crate::wire::Seg;
 use ffi::Lib;

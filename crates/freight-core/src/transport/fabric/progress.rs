@@ -22,7 +22,7 @@ use super::relay;
 use super::staging::Staging;
 use crate::cuda::driver::Device;
 use crate::error::{Error, Result};
-use crate::request::Tracker;
+use crate::tracker::Tracker;
 
 /// One one-sided operation, ready to post: every address and key resolved.
 pub struct Work {

@@ -21,7 +21,7 @@ use super::progress::{Done, Work};
 use super::Fabric;
 use crate::cuda::driver::Device;
 use crate::error::{Error, Result};
-use crate::request::Tracker;
+use crate::tracker::Tracker;
 use crate::wire::{self, Frame, Seg};
 
 /// Docks borrowed per peer: enough chunks in flight to keep the rails busy while the

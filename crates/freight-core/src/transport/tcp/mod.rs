@@ -26,7 +26,7 @@ use parking_lot::Mutex;
 use crate::error::{Error, Result};
 use crate::nic::{self, Pinning};
 use crate::plan::Chunk;
-use crate::request::Tracker;
+use crate::tracker::Tracker;
 use crate::transport::staged::{Alternating, GpuRegions, Landing, Piece};
 use crate::transport::zerocopy::ZeroCopySocket;
 use crate::transport::OpKind;
