@@ -531,20 +531,40 @@ impl Agent {
         let plan = Plan::build(local, local_idx, &remote.list, remote_idx)?;
         let planned = started.elapsed();
         let peer = remote.peer.clone();
-        self.check_written_regions(op, &plan, &peer)?;
+        // Nothing is written into read-only memory: ours for a READ, the peer's for a
+        // WRITE (which its transports would refuse too, where they serve it).
+        if op == OpKind::Read {
+            plan.local_regions.iter().try_for_each(|&k| match self.inner.registry.get(k) {
+                Some(r) => r.info.check_writable(),
+                None => Ok(()),
+            })?;
+        }
+        // One pass over the peer's regions for both that and whether all are in shared
+        // segments this host can map (which decides shm).
         let shared = {
             let regions = peer.regions.read();
-            plan.remote_regions
-                .iter()
-                .find_map(|k| match regions.get(*k) {
+            let mut shared = Ok(());
+            for &k in &plan.remote_regions {
+                let why = match regions.get(k) {
+                    Some(r) if op == OpKind::Write && r.read_only => {
+                        return Err(Error::RemoteRejected {
+                            peer: peer.name.clone(),
+                            reason: format!("region {k} is registered read-only by its owner: it cannot be written"),
+                        })
+                    }
+                    _ if shared.is_err() => None,
                     Some(r) if r.shared.is_none() => Some(format!(
                         "remote region {k} is not in a shared segment (the peer must allocate it with Agent.alloc)"
                     )),
                     Some(r) if peer.same_host => peer.shm.probe(r).err().map(|e| e.to_string()),
                     Some(_) => None,
                     None => Some(format!("remote region {k} was revoked")),
-                })
-                .map_or(Ok(()), Err)
+                };
+                if let Some(why) = why {
+                    shared = Err(why);
+                }
+            }
+            shared
         };
         let (gpu, staging) = if local.kind() == MemKind::Vram || remote.list.kind() == MemKind::Vram {
             let local_region =
@@ -585,27 +605,6 @@ impl Agent {
             "request made"
         );
         Ok(request)
-    }
-
-    /// Refuses a request that would write into read-only memory: ours for a READ, the
-    /// peer's for a WRITE (which its transports would refuse too, where they serve it).
-    fn check_written_regions(&self, op: OpKind, plan: &Plan, peer: &Peer) -> Result<()> {
-        match op {
-            OpKind::Read => plan.local_regions.iter().try_for_each(|&k| match self.inner.registry.get(k) {
-                Some(r) => r.info.check_writable(),
-                None => Ok(()),
-            }),
-            OpKind::Write => {
-                let regions = peer.regions.read();
-                plan.remote_regions.iter().try_for_each(|&k| match regions.get(k) {
-                    Some(r) if r.read_only => Err(Error::RemoteRejected {
-                        peer: peer.name.clone(),
-                        reason: format!("region {k} is registered read-only by its owner: it cannot be written"),
-                    }),
-                    _ => Ok(()),
-                })
-            }
-        }
     }
 
     /// One-shot form: prepares both lists, builds the request and posts it.
