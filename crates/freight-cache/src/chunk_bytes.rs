@@ -11,10 +11,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use freight_core::cuda::driver::{copy_sync, DeviceBuffer, Event, Stream};
-use freight_core::cuda::kernel::{items_of, Kernel, LaunchShape, ITEM_BYTES};
-use freight_core::cuda::pinned::pin;
-use freight_core::cuda::Device;
+use freight_cuda::driver::{copy_sync, DeviceBuffer, Event, Stream};
+use freight_cuda::kernel::{items_of, Kernel, LaunchShape, ITEM_BYTES};
+use freight_cuda::pinned::pin;
+use freight_cuda::Device;
 use freight_core::{Agent, Desc, Error, MemKind, Result, SharedSegment};
 
 use crate::gpu_scratch;
@@ -155,7 +155,7 @@ fn kernel_copy(device: &'static Device, copies: &[(u64, u64, u64)]) -> Result<()
             // SAFETY: our own live stream on this kernel's GPU.
             unsafe { kernel.launch_on(l.stream.raw(), table, items.len(), &LaunchShape::WARP_PER_ITEM)? };
             l.stream.record(&l.done)?;
-            freight_core::poll::briefly(WATCH, || l.done.query().ok().filter(|&d| d));
+            freight_host::poll::briefly(WATCH, || l.done.query().ok().filter(|&d| d));
             l.done.synchronize()
         },
     )

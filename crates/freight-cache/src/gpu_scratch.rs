@@ -11,9 +11,9 @@
 //! the next chunk while this one crosses PCIe, and the caller waits once, at the end
 //! ([`wait`]).
 
-use freight_core::cuda::driver::{Event, Stream};
-use freight_core::cuda::kernel::{items_of, Item, Kernel, LaunchShape};
-use freight_core::cuda::Device;
+use freight_cuda::driver::{Event, Stream};
+use freight_cuda::kernel::{items_of, Item, Kernel, LaunchShape};
+use freight_cuda::Device;
 use freight_core::Result;
 
 use crate::chunk_bytes::{Direction, Place};

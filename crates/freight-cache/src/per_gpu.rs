@@ -6,10 +6,10 @@ use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 
-use freight_core::cuda::bounce::PinnedBuffer;
-use freight_core::cuda::driver::{DeviceBuffer, Event, Stream};
-use freight_core::cuda::kernel::Item;
-use freight_core::cuda::Device;
+use freight_cuda::bounce::PinnedBuffer;
+use freight_cuda::driver::{DeviceBuffer, Event, Stream};
+use freight_cuda::kernel::Item;
+use freight_cuda::Device;
 use freight_core::{Error, Result};
 
 /// One `T` per GPU, made on first use. Users of one GPU's value take turns; users of

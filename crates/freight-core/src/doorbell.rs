@@ -18,13 +18,13 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use crate::error::{Error, Result};
 use crate::memory::SharedSegment;
-use crate::metadata::HostIdentity;
 use crate::notify::{NotifQueue, Notification};
-use crate::outbox::{Consumer, Producer, HEADER};
 use crate::transport::shm::Mapping;
-use crate::wire::{Frame, MAX_NOTIF};
+use freight_proto::error::{Error, Result};
+use freight_proto::frame::{Frame, MAX_NOTIF};
+use freight_proto::metadata::HostIdentity;
+use freight_proto::notif_ring::{Consumer, Producer, HEADER};
 
 /// Bytes of records in an outbox: thousands of notifications, while the target's
 /// connection thread drains it on every wake-up. Larger messages go in pieces.
@@ -78,7 +78,7 @@ impl Outbox {
                 return Ok(());
             }
             let deadline = *deadline.get_or_insert_with(|| Instant::now() + timeout);
-            if crate::poll::briefly(SPIN, || self.ring.ready(msg, sent).then_some(())).is_some() {
+            if freight_host::poll::briefly(SPIN, || self.ring.ready(msg, sent).then_some(())).is_some() {
                 continue;
             }
             alive()?;
@@ -190,7 +190,7 @@ mod tests {
 
     fn outbox_and_doorbell() -> (Outbox, Doorbell) {
         let out = Outbox::create().unwrap();
-        let here = HostIdentity::current();
+        let here = freight_host::identity();
         let Frame::Outbox { host, fd, len } = out.announcement(&here) else { unreachable!() };
         let bell = Doorbell::attach("sender", &here, &host, fd, len).unwrap();
         (out, bell)
@@ -262,7 +262,7 @@ mod tests {
     #[test]
     fn outboxes_from_elsewhere_or_not_memfds_are_refused() {
         let out = Outbox::create().unwrap();
-        let here = HostIdentity::current();
+        let here = freight_host::identity();
         let Frame::Outbox { host, fd, len } = out.announcement(&here) else { unreachable!() };
         let other = HostIdentity { boot_id: "another-kernel".into(), ..host.clone() };
         assert!(Doorbell::attach("s", &here, &other, fd, len).is_err());

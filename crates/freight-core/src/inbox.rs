@@ -19,10 +19,11 @@ use std::sync::{Arc, OnceLock};
 use parking_lot::Mutex;
 
 use crate::doorbell::Doorbell;
-use crate::error::{Error, Result};
-use crate::metadata::HostIdentity;
+use crate::frame_io;
 use crate::notify::{NotifQueue, Notification};
-use crate::wire::{self, Frame, FrameBuf};
+use freight_proto::error::{Error, Result};
+use freight_proto::frame::{self, Frame, FrameBuf};
+use freight_proto::metadata::HostIdentity;
 
 /// The writing half of a control connection, locked for a whole frame.
 pub type ControlWriter = Arc<Mutex<TcpStream>>;
@@ -52,7 +53,7 @@ impl Inbox {
         Inbox {
             from: from.to_string(),
             fd: stream.as_raw_fd(),
-            reader: Mutex::new(Reader { stream, pending: FrameBuf::new(wire::MAX_CONTROL_HEADER) }),
+            reader: Mutex::new(Reader { stream, pending: FrameBuf::new(frame::MAX_CONTROL_HEADER) }),
             doorbell: OnceLock::new(),
             writer,
             host,
@@ -156,7 +157,7 @@ impl Inbox {
                 Some(e.to_string())
             }
         };
-        wire::write_frame(&mut *self.writer.lock(), &Frame::OutboxReply { error }, &[])
+        frame_io::write_frame(&mut *self.writer.lock(), &Frame::OutboxReply { error }, &[])
     }
 
     /// Drains the outbox, if there is one and no other thread is at it.
@@ -293,7 +294,7 @@ mod tests {
         let tx = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
         let (rx, _) = listener.accept().unwrap();
         let writer = Arc::new(Mutex::new(rx.try_clone().unwrap()));
-        (Inbox::new("peer", rx, writer, Arc::new(HostIdentity::current())), tx)
+        (Inbox::new("peer", rx, writer, Arc::new(freight_host::identity())), tx)
     }
 
     /// A connection among an agent's inboxes, and an outbox (not announced yet) on the
@@ -334,7 +335,7 @@ mod tests {
         assert!(inbox.pump(&q).unwrap(), "nothing sent yet: open, no frames");
         let mut bytes = Vec::new();
         for i in 0..3u8 {
-            bytes.extend(wire::encode(&Frame::Notify { msg: vec![i; 100] }));
+            bytes.extend(frame::encode(&Frame::Notify { msg: vec![i; 100] }));
         }
         tx.write_all(&bytes[..150]).unwrap();
         wait_readable(inbox.fd()).unwrap();
@@ -352,7 +353,7 @@ mod tests {
     #[test]
     fn a_stray_frame_is_a_protocol_error() {
         let (inbox, mut tx) = connection();
-        tx.write_all(&wire::encode(&Frame::Revoke { region: 1 })).unwrap();
+        tx.write_all(&frame::encode(&Frame::Revoke { region: 1 })).unwrap();
         std::thread::sleep(std::time::Duration::from_millis(20));
         assert!(matches!(inbox.pump(&NotifQueue::default()), Err(Error::Protocol(_))));
     }
@@ -360,7 +361,7 @@ mod tests {
     #[test]
     fn a_wake_up_without_an_outbox_is_a_protocol_error() {
         let (inbox, mut tx) = connection();
-        tx.write_all(&wire::encode(&Frame::Wake)).unwrap();
+        tx.write_all(&frame::encode(&Frame::Wake)).unwrap();
         std::thread::sleep(std::time::Duration::from_millis(20));
         assert!(matches!(inbox.pump(&NotifQueue::default()), Err(Error::Protocol(_))));
     }
@@ -368,10 +369,10 @@ mod tests {
     #[test]
     fn an_outbox_is_answered_and_read_after_what_came_before_it() {
         let Watched { inbox, mut tx, inboxes, q, mut out } = watched_with_an_outbox();
-        tx.write_all(&wire::encode(&Frame::Notify { msg: b"tcp".to_vec() })).unwrap();
-        tx.write_all(&wire::encode(&out.announcement(&HostIdentity::current()))).unwrap();
+        tx.write_all(&frame::encode(&Frame::Notify { msg: b"tcp".to_vec() })).unwrap();
+        tx.write_all(&frame::encode(&out.announcement(&freight_host::identity()))).unwrap();
         assert_eq!(pump_until(&inbox, &q, 1), vec![b"tcp".to_vec()]);
-        let reply = wire::read_frame(&mut tx).unwrap().unwrap();
+        let reply = frame_io::read_frame(&mut tx).unwrap().unwrap();
         assert_eq!(reply, Frame::OutboxReply { error: None });
 
         // A polling caller finds records without any wake-up...
@@ -392,7 +393,7 @@ mod tests {
         // ...and the connection's own pump drains on one.
         send(&mut out, b"ring 2");
         assert_eq!(woken, 2, "each record found the ring drained");
-        tx.write_all(&wire::encode(&Frame::Wake)).unwrap();
+        tx.write_all(&frame::encode(&Frame::Wake)).unwrap();
         assert_eq!(pump_until(&inbox, &q, 1), vec![b"ring 2".to_vec()]);
 
         // Records written before the sender closes are delivered, rung for or not.
@@ -406,12 +407,12 @@ mod tests {
     #[test]
     fn records_in_the_outbox_survive_a_connection_that_breaks() {
         let Watched { inbox, mut tx, q, mut out, .. } = watched_with_an_outbox();
-        tx.write_all(&wire::encode(&out.announcement(&HostIdentity::current()))).unwrap();
+        tx.write_all(&frame::encode(&out.announcement(&freight_host::identity()))).unwrap();
         pump_until(&inbox, &q, 0);
-        assert_eq!(wire::read_frame(&mut tx).unwrap().unwrap(), Frame::OutboxReply { error: None });
+        assert_eq!(frame_io::read_frame(&mut tx).unwrap().unwrap(), Frame::OutboxReply { error: None });
         // Not rung for (nobody sleeps on notifications), then the connection breaks.
         out.send("p", b"kept", Duration::from_secs(1), || Ok(()), || Ok(())).unwrap();
-        tx.write_all(&wire::encode(&Frame::Revoke { region: 1 })).unwrap();
+        tx.write_all(&frame::encode(&Frame::Revoke { region: 1 })).unwrap();
         std::thread::sleep(Duration::from_millis(20));
         assert!(matches!(inbox.pump(&q), Err(Error::Protocol(_))));
         assert_eq!(q.drain().iter().map(|n| n.msg.clone()).collect::<Vec<_>>(), vec![b"kept".to_vec()]);
@@ -423,7 +424,7 @@ mod tests {
         let q = NotifQueue::default();
         let n = 100_000u32;
         let bytes: Vec<u8> =
-            (0..n).flat_map(|i| wire::encode(&Frame::Notify { msg: i.to_le_bytes().to_vec() })).collect();
+            (0..n).flat_map(|i| frame::encode(&Frame::Notify { msg: i.to_le_bytes().to_vec() })).collect();
         let total = bytes.len() as u64;
         let sender = std::thread::spawn(move || tx.write_all(&bytes).map(|_| tx));
         let got = pump_until(&inbox, &q, n as usize);
@@ -439,7 +440,7 @@ mod tests {
 
     /// Makes the sender's ring unreadable: a producer position no writer leaves.
     fn corrupt(out: &Outbox) {
-        let Frame::Outbox { fd, len, .. } = out.announcement(&HostIdentity::current()) else { unreachable!() };
+        let Frame::Outbox { fd, len, .. } = out.announcement(&freight_host::identity()) else { unreachable!() };
         // SAFETY: a fresh shared mapping of the outbox's memfd, unmapped below.
         unsafe {
             let p = libc::mmap(std::ptr::null_mut(), len as usize, libc::PROT_WRITE, libc::MAP_SHARED, fd, 0);
@@ -452,9 +453,9 @@ mod tests {
     #[test]
     fn a_notification_riding_on_data_is_refused_not_lost_when_the_outbox_is_corrupt() {
         let Watched { inbox, mut tx, inboxes, q, mut out } = watched_with_an_outbox();
-        tx.write_all(&wire::encode(&out.announcement(&HostIdentity::current()))).unwrap();
+        tx.write_all(&frame::encode(&out.announcement(&freight_host::identity()))).unwrap();
         pump_until(&inbox, &q, 0);
-        assert_eq!(wire::read_frame(&mut tx).unwrap().unwrap(), Frame::OutboxReply { error: None });
+        assert_eq!(frame_io::read_frame(&mut tx).unwrap().unwrap(), Frame::OutboxReply { error: None });
 
         // Riding on data, a notification comes after those in the outbox before it.
         out.send("p", b"first", Duration::from_secs(1), || Ok(()), || Ok(())).unwrap();
@@ -471,7 +472,7 @@ mod tests {
             assert!(msgs(&q).is_empty());
         }
         tx.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        assert!(matches!(wire::read_frame(&mut tx), Ok(None) | Err(Error::Io(_))), "the connection was shut down");
+        assert!(matches!(frame_io::read_frame(&mut tx), Ok(None) | Err(Error::Io(_))), "the connection was shut down");
 
         // From a sender without an outbox, it is queued as it comes.
         inboxes.try_deliver_after("another", b"plain".to_vec(), &q).unwrap();
@@ -482,12 +483,12 @@ mod tests {
     fn a_bad_outbox_is_refused_and_the_connection_goes_on() {
         let (inbox, mut tx) = connection();
         let q = NotifQueue::default();
-        let host = HostIdentity::current();
+        let host = freight_host::identity();
         let bad = Frame::Outbox { host, fd: 1 << 20, len: 1 << 20 };
-        tx.write_all(&wire::encode(&bad)).unwrap();
-        tx.write_all(&wire::encode(&Frame::Notify { msg: b"still here".to_vec() })).unwrap();
+        tx.write_all(&frame::encode(&bad)).unwrap();
+        tx.write_all(&frame::encode(&Frame::Notify { msg: b"still here".to_vec() })).unwrap();
         assert_eq!(pump_until(&inbox, &q, 1), vec![b"still here".to_vec()]);
-        let Frame::OutboxReply { error: Some(reason) } = wire::read_frame(&mut tx).unwrap().unwrap() else {
+        let Frame::OutboxReply { error: Some(reason) } = frame_io::read_frame(&mut tx).unwrap().unwrap() else {
             panic!("expected a refusal")
         };
         assert!(reason.contains("/proc/"), "{reason}");

@@ -14,7 +14,7 @@ use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use crate::error::{Error, Result};
+use freight_proto::error::{Error, Result};
 
 /// "No limit" for a wait: a century, short enough to add to an `Instant`. A caller's
 /// longer wait is taken for one of this long ([`deadline_after`]).

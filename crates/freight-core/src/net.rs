@@ -6,8 +6,9 @@ use std::time::Duration;
 
 use socket2::{Domain, SockRef, Socket, TcpKeepalive, Type};
 
-use crate::error::{Error, Result};
-use crate::wire::{self, Frame, Role, PROTOCOL_VERSION};
+use crate::frame_io;
+use freight_proto::error::{Error, Result};
+use freight_proto::frame::{self, Frame, Role, PROTOCOL_VERSION};
 
 /// Who is calling and whom they expect to reach, with what proves that they may.
 #[derive(Debug, Clone)]
@@ -103,8 +104,8 @@ fn dial_one(
         secret: intro.secret.clone(),
         token: intro.token.clone(),
     };
-    stream.write_all(&wire::encode(&hello))?;
-    match wire::read_frame(&mut stream) {
+    stream.write_all(&frame::encode(&hello))?;
+    match frame_io::read_frame(&mut stream) {
         Ok(Some(Frame::Welcome { .. })) => {}
         Ok(Some(Frame::Refused { reason })) => {
             return Err(Error::Auth(format!("{addr} refused the connection: {reason}")))
@@ -136,8 +137,8 @@ pub fn fetch_metadata(addr: &str, token: &[u8], timeout: Duration) -> Result<Vec
         secret: Vec::new(),
         token: token.to_vec(),
     };
-    stream.write_all(&wire::encode(&hello))?;
-    match wire::read_frame(&mut stream)? {
+    stream.write_all(&frame::encode(&hello))?;
+    match frame_io::read_frame(&mut stream)? {
         Some(Frame::Metadata { bytes }) => Ok(bytes),
         Some(Frame::Refused { reason }) => Err(Error::Auth(format!("{addr} refused the metadata request: {reason}"))),
         Some(other) => Err(Error::Protocol(format!("expected metadata, got {other:?}"))),

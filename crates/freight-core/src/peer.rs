@@ -10,16 +10,17 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex, RwLock};
 
 use crate::doorbell::Outbox;
-use crate::error::{Error, Result};
-use crate::memory::RemoteRegions;
-use crate::metadata::{AgentMetadata, HostIdentity};
+use crate::frame_io;
 use crate::net::{self, Introduction};
-use crate::pci::PciPlace;
 use crate::transport::cuda::CudaPeer;
 use crate::transport::fabric::{Fabric, FabricLink};
 use crate::transport::shm::ShmPeer;
 use crate::transport::tcp::{Health, TcpConfig, TcpConn};
-use crate::wire::{self, Frame, Role};
+use freight_host::pci::PciPlace;
+use freight_proto::error::{Error, Result};
+use freight_proto::frame::{Frame, Role};
+use freight_proto::metadata::{AgentMetadata, HostIdentity};
+use freight_proto::region::RemoteRegions;
 
 /// Connection settings a peer needs from its agent.
 #[derive(Debug, Clone)]
@@ -121,7 +122,7 @@ fn disconnected(peer: &str, reason: impl Into<String>) -> Error {
 /// The first frame of a control connection: the peer's live region keys.
 fn read_live_regions(stream: &mut TcpStream, timeout: Duration) -> Result<HashSet<u64>> {
     stream.set_read_timeout(Some(timeout))?;
-    let live = match wire::read_frame(stream) {
+    let live = match frame_io::read_frame(stream) {
         Ok(Some(Frame::LiveRegions { regions })) => regions.into_iter().collect(),
         Ok(Some(other)) => return Err(Error::Protocol(format!("expected the live regions, got {other:?}"))),
         Ok(None) => return Err(Error::Io("the peer closed the control connection as it opened".into())),
@@ -194,7 +195,7 @@ impl Answer {
 impl ControlLink {
     pub fn send(&self, frame: &Frame) -> Result<()> {
         let mut w = self.writer.lock();
-        wire::write_frame(&mut *w, frame, &[]).map_err(|e| {
+        frame_io::write_frame(&mut *w, frame, &[]).map_err(|e| {
             let reason = format!("write failed: {e}");
             self.health.kill(reason.clone());
             broken(&self.peer, &reason)
@@ -421,7 +422,7 @@ impl Peer {
     /// application). A live agent never reuses a key, so a region known already must come
     /// back exactly as it was: requests prepared against it trust its bounds and its
     /// place in shared memory. Metadata that changes one is refused whole.
-    pub fn replace_regions(&self, regions: &[crate::memory::RegionInfo]) -> Result<()> {
+    pub fn replace_regions(&self, regions: &[freight_proto::region::RegionInfo]) -> Result<()> {
         let mut known = self.regions.write();
         if let Some(r) = regions.iter().find(|r| known.get(r.key).is_some_and(|k| k != *r)) {
             return Err(Error::Metadata(format!(
@@ -496,7 +497,7 @@ impl Peer {
     fn watch_control(self: Arc<Self>, mut reader: TcpStream, link: Arc<ControlLink>) {
         let health = &link.health;
         loop {
-            match wire::read_frame(&mut reader) {
+            match frame_io::read_frame(&mut reader) {
                 Ok(Some(Frame::Revoke { region })) => {
                     let fabric = self.links.lock().fabric.clone();
                     self.forget_regions(&[region], fabric.as_deref());
@@ -544,7 +545,12 @@ impl Peer {
         let started = Instant::now();
         let n = cfg.streams.max(1);
         let local_addrs = if cfg.local_addrs.is_empty() {
-            crate::nic::towards(&crate::nic::local_nics(), &self.md.addresses, self.same_host, gpu.as_ref())
+            freight_host::nic::towards(
+                &freight_host::nic::local_nics(),
+                &self.md.addresses,
+                self.same_host,
+                gpu.as_ref(),
+            )
         } else {
             cfg.local_addrs.clone()
         };

@@ -11,13 +11,14 @@ use std::thread;
 use parking_lot::Mutex;
 
 use crate::agent::AgentInner;
-use crate::error::{Error, Result};
+use crate::frame_io;
 use crate::inbox::{ControlWriter, Inbox, Inboxes};
 use crate::memory::Registry;
 use crate::net::{same_secret, tune};
 use crate::transport::fabric::serve_fabric;
 use crate::transport::tcp::serve_data_stream;
-use crate::wire::{self, Frame, Role, PROTOCOL_VERSION};
+use freight_proto::error::{Error, Result};
+use freight_proto::frame::{self, Frame, Role, PROTOCOL_VERSION};
 
 /// An inbound connection, and the agent that opened it once its hello is taken.
 type Inbound = (TcpStream, Option<String>);
@@ -107,7 +108,7 @@ impl Server {
     /// other connection's set-up or end. A peer that cannot be told has its connection
     /// shut: it must not go on trusting a control link that misses revocations.
     pub fn broadcast(&self, frame: &Frame) {
-        let bytes = wire::encode(frame);
+        let bytes = frame::encode(frame);
         let controls: Vec<(u64, String, ControlWriter)> =
             self.controls.lock().iter().map(|(&id, (peer, w))| (id, peer.clone(), w.clone())).collect();
         for (id, peer, writer) in controls {
@@ -187,7 +188,7 @@ impl Server {
     fn take_up_control(&self, id: u64, peer: &str, writer: &ControlWriter, registry: &Registry) -> Result<()> {
         let mut controls = self.controls.lock();
         let live = Frame::LiveRegions { regions: registry.public_keys() };
-        std::io::Write::write_all(&mut *writer.lock(), &wire::encode(&live))?;
+        std::io::Write::write_all(&mut *writer.lock(), &frame::encode(&live))?;
         controls.insert(id, (peer.to_string(), writer.clone()));
         Ok(())
     }
@@ -329,7 +330,7 @@ fn serve_connection(mut stream: TcpStream, agent: &Weak<AgentInner>, id: u64, ha
     // Unauthenticated so far: a bounded hello that must arrive whole within the connect
     // timeout (not merely byte by byte), and answers that cannot block for ever.
     stream.set_write_timeout(Some(peer_timeout))?;
-    let hello = wire::read_frame_within(&mut Deadline::after(&stream, timeout), wire::MAX_HELLO)?;
+    let hello = frame_io::read_frame_within(&mut Deadline::after(&stream, timeout), frame::MAX_HELLO)?;
     drop(handshake);
     let Some(Frame::Hello { version, role, from_name, target_id, secret: presented, token, .. }) = hello else {
         return refuse(&mut stream, "expected a hello");
@@ -356,7 +357,7 @@ fn serve_connection(mut stream: TcpStream, agent: &Weak<AgentInner>, id: u64, ha
         let a = serving(agent)?;
         let bytes = a.metadata_bytes();
         drop(a);
-        return wire::write_frame(&mut stream, &Frame::Metadata { bytes }, &[]);
+        return frame_io::write_frame(&mut stream, &Frame::Metadata { bytes }, &[]);
     }
     if !same_secret(&secret, &presented) {
         refused("a wrong secret", &from_name, role, &stream);
@@ -369,13 +370,13 @@ fn serve_connection(mut stream: TcpStream, agent: &Weak<AgentInner>, id: u64, ha
         Ok(a) => a.server.name(id, &from_name),
         Err(_) => return refuse(&mut stream, "the agent is closed"),
     }
-    wire::write_frame(&mut stream, &Frame::Welcome { agent_id: my_id }, &[])?;
+    frame_io::write_frame(&mut stream, &Frame::Welcome { agent_id: my_id }, &[])?;
     stream.set_read_timeout(None)?;
     match role {
         Role::Control => serve_control(stream, agent, &from_name, id),
         Role::Data { index } => {
             let a = serving(agent)?;
-            crate::nic::pin_stream_thread(&a.config.tcp.pin, index as usize, stream.local_addr().ok(), None);
+            freight_host::nic::pin_stream_thread(&a.config.tcp.pin, index as usize, stream.local_addr().ok(), None);
             let deliver = |msg| a.server.inboxes.try_deliver_after(&from_name, msg, &a.notifs);
             // Idle between messages without a deadline; within one, `peer_timeout`.
             let open = || !a.is_closed();
@@ -413,7 +414,7 @@ impl std::io::Read for Deadline<'_> {
 }
 
 fn refuse(stream: &mut TcpStream, reason: &str) -> Result<()> {
-    wire::write_frame(stream, &Frame::Refused { reason: reason.into() }, &[])?;
+    frame_io::write_frame(stream, &Frame::Refused { reason: reason.into() }, &[])?;
     Err(Error::Auth(reason.into()))
 }
 

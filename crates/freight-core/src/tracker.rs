@@ -1,32 +1,16 @@
-//! The life of a transfer request, kept apart from I/O so it is tested on its own.
-//!
-//! A posted request is split by its transport into parts (chunks, copy pieces). Each
-//! part reports success or failure exactly once; when the last one does, a finisher runs
-//! (release region guards, send the notification) and only then does the request become
-//! DONE or ERROR, so a waiter that sees DONE may immediately reuse or deregister memory.
+//! Completion tracking for one request, shared by the thread that posts it and the
+//! transport threads that finish its parts: the round's bookkeeping is
+//! [`freight_proto::round`]'s; this adds the lock around it, waiting (brief polling,
+//! then a condition variable), the hooks that run once a round settles, and its timing.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::error::{Error, Result};
-
-/// Where a request stands.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Status {
-    /// Created, never posted.
-    Idle,
-    Pending,
-    Done,
-    Error(Error),
-}
-
-impl Status {
-    pub fn is_final(&self) -> bool {
-        matches!(self, Status::Done | Status::Error(_))
-    }
-}
+use freight_proto::error::{Error, Result};
+pub use freight_proto::round::Status;
+use freight_proto::round::{Finishing, Round};
 
 /// Runs once when every part has reported; its error (e.g. a notification that could not
 /// be sent) turns a successful transfer into an error.
@@ -36,10 +20,7 @@ pub type Finisher = Box<dyn FnOnce(Result<()>) -> Result<()> + Send>;
 pub type SettledHook = Box<dyn FnOnce() + Send>;
 
 struct State {
-    status: Status,
-    remaining: u64,
-    first_error: Option<Error>,
-    finisher: Option<Finisher>,
+    round: Round<Finisher>,
     on_settled: Option<SettledHook>,
     /// When the current round began and when it became final.
     began: Option<Instant>,
@@ -67,15 +48,7 @@ impl Default for Tracker {
 impl Tracker {
     pub fn new() -> Self {
         Tracker {
-            state: Mutex::new(State {
-                status: Status::Idle,
-                remaining: 0,
-                first_error: None,
-                finisher: None,
-                on_settled: None,
-                began: None,
-                ended: None,
-            }),
+            state: Mutex::new(State { round: Round::default(), on_settled: None, began: None, ended: None }),
             cv: Condvar::new(),
             settled: AtomicBool::new(true),
         }
@@ -84,19 +57,10 @@ impl Tracker {
     /// Starts a round of `parts` parts. Fails while a previous round is still pending.
     pub fn begin(&self, parts: u64, finisher: Finisher) -> Result<()> {
         let mut st = self.state.lock();
-        if st.status == Status::Pending {
-            return Err(Error::InvalidState("request is still pending; wait for it before posting again".into()));
-        }
-        if parts == 0 {
-            return Err(Error::InvalidState("a round needs at least one part".into()));
-        }
-        st.status = Status::Pending;
+        st.round.begin(parts, finisher)?;
         st.began = Some(Instant::now());
         st.ended = None;
         self.settled.store(false, Ordering::Release);
-        st.remaining = parts;
-        st.first_error = None;
-        st.finisher = Some(finisher);
         Ok(())
     }
 
@@ -107,54 +71,38 @@ impl Tracker {
 
     /// Reports `n` parts at once (a transport that fails a whole batch).
     pub fn finish_parts(&self, n: u64, result: Result<()>) {
-        let finisher = {
-            let mut st = self.state.lock();
-            if st.status != Status::Pending || n == 0 {
-                return;
-            }
-            if let Err(e) = result {
-                st.first_error.get_or_insert(e);
-            }
-            st.remaining = st.remaining.saturating_sub(n);
-            if st.remaining > 0 {
-                return;
-            }
-            st.finisher.take()
-        };
-        // The finisher may do I/O (send a notification): run it outside the lock.
-        let outcome = {
-            let err = self.state.lock().first_error.clone();
-            let transfer = err.map_or(Ok(()), Err);
-            match finisher {
-                Some(f) => f(transfer),
-                None => transfer,
-            }
-        };
-        self.settle(match outcome {
-            Ok(()) => Status::Done,
-            Err(e) => Status::Error(e),
-        });
+        let finishing = self.state.lock().round.report(n, result);
+        if let Some(finishing) = finishing {
+            self.finish(finishing);
+        }
     }
 
     /// Fails a round that could not be started at all (nothing was sent).
     pub fn fail_unstarted(&self, e: Error) {
-        let finisher = {
-            let mut st = self.state.lock();
-            st.remaining = 0;
-            st.finisher.take()
-        };
+        let Finishing { finisher, outcome } = self.state.lock().round.abort(e.clone());
+        // The finisher releases what the round held; the round fails, with the
+        // finisher's own error where it has one.
+        self.settle(match finisher {
+            Some(f) => f(outcome).and(Err(e)),
+            None => outcome,
+        });
+    }
+
+    /// Runs the finisher (it may do I/O, such as sending a notification: outside the
+    /// lock), then settles the round with its result.
+    fn finish(&self, Finishing { finisher, outcome }: Finishing<Finisher>) {
         let outcome = match finisher {
-            Some(f) => f(Err(e.clone())).and(Err::<(), _>(e)),
-            None => Err(e),
+            Some(f) => f(outcome),
+            None => outcome,
         };
-        self.settle(Status::Error(outcome.unwrap_err()));
+        self.settle(outcome);
     }
 
     /// Makes the round final, wakes its waiters, then runs its hook.
-    fn settle(&self, status: Status) {
+    fn settle(&self, outcome: Result<()>) {
         let hook = {
             let mut st = self.state.lock();
-            st.status = status;
+            st.round.settle(outcome);
             st.ended = Some(Instant::now());
             self.settled.store(true, Ordering::Release);
             self.cv.notify_all();
@@ -172,7 +120,7 @@ impl Tracker {
     pub fn on_settled(&self, hook: SettledHook) {
         {
             let mut st = self.state.lock();
-            if st.status == Status::Pending || st.status == Status::Idle {
+            if !st.round.status().is_final() {
                 st.on_settled = Some(match st.on_settled.take() {
                     Some(first) => Box::new(move || {
                         first();
@@ -187,7 +135,7 @@ impl Tracker {
     }
 
     pub fn status(&self) -> Status {
-        self.state.lock().status.clone()
+        self.state.lock().round.status().clone()
     }
 
     /// How long the last round took, from its start to its status becoming final
@@ -201,9 +149,9 @@ impl Tracker {
     pub fn wait(&self, timeout: Option<Duration>) -> Status {
         let deadline = timeout.map(|t| Instant::now() + t);
         let budget = timeout.map_or(WAIT_POLL, |t| t.min(WAIT_POLL));
-        crate::poll::briefly(budget, || self.settled.load(Ordering::Acquire).then_some(()));
+        freight_host::poll::briefly(budget, || self.settled.load(Ordering::Acquire).then_some(()));
         let mut st = self.state.lock();
-        while st.status == Status::Pending {
+        while *st.round.status() == Status::Pending {
             match deadline {
                 Some(d) => {
                     if self.cv.wait_until(&mut st, d).timed_out() {
@@ -213,7 +161,7 @@ impl Tracker {
                 None => self.cv.wait(&mut st),
             }
         }
-        st.status.clone()
+        st.round.status().clone()
     }
 }
 
@@ -278,40 +226,6 @@ mod tests {
         assert_eq!(t.duration(), None);
         t.finish_part(Err(Error::Io("lost".into())));
         assert!(t.duration().unwrap() < first);
-    }
-
-    #[test]
-    fn done_only_after_every_part() {
-        let t = Tracker::new();
-        assert_eq!(t.status(), Status::Idle);
-        let (runs, f) = counting();
-        t.begin(3, f).unwrap();
-        t.finish_part(Ok(()));
-        t.finish_part(Ok(()));
-        assert_eq!(t.status(), Status::Pending);
-        assert_eq!(runs.load(Ordering::SeqCst), 0);
-        t.finish_part(Ok(()));
-        assert_eq!(t.status(), Status::Done);
-        assert_eq!(runs.load(Ordering::SeqCst), 1);
-        // Extra reports after completion are ignored.
-        t.finish_part(Err(Error::Io("late".into())));
-        assert_eq!(t.status(), Status::Done);
-    }
-
-    #[test]
-    fn first_error_wins_and_repost_needs_completion() {
-        let t = Tracker::new();
-        let (_, f) = counting();
-        t.begin(2, f).unwrap();
-        let (_, f2) = counting();
-        assert!(matches!(t.begin(1, f2), Err(Error::InvalidState(_))));
-        t.finish_part(Err(Error::Timeout("a".into())));
-        t.finish_part(Err(Error::Io("b".into())));
-        assert_eq!(t.status(), Status::Error(Error::Timeout("a".into())));
-        let (_, f3) = counting();
-        t.begin(1, f3).unwrap();
-        t.finish_part(Ok(()));
-        assert_eq!(t.status(), Status::Done);
     }
 
     #[test]

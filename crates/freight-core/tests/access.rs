@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
-use freight_core::metadata::AgentMetadata;
 use freight_core::{Agent, AgentConfig, Error, MemKind, OpKind, Status, TransportKind};
+use freight_proto::metadata::AgentMetadata;
 
 #[path = "support/buffers.rs"]
 mod buffers;

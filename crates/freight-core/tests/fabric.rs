@@ -289,7 +289,7 @@ fn read_only_memory_is_refused_to_writers_forged_or_not() {
         let honest =
             a.transfer(OpKind::Write, &list(&[(src.addr(), len)]), "target", &list(&[(frozen.addr(), len)]), None);
         assert!(matches!(honest, Err(Error::RemoteRejected { .. })), "docked {docked}: {:?}", honest.err());
-        let mut md = freight_core::metadata::AgentMetadata::decode(&b.metadata()).unwrap();
+        let mut md = freight_proto::metadata::AgentMetadata::decode(&b.metadata()).unwrap();
         md.regions.iter_mut().for_each(|r| r.read_only = false);
         // An agent that knows the region refuses metadata that changes it; one that
         // learns the forged metadata first is stopped by the target.
@@ -374,7 +374,7 @@ fn private_memory_is_a_local_side_only() {
     assert_eq!(write.unwrap().wait(T), Status::Done);
     assert_eq!(open.0, pool.0, "the private pool's bytes did not arrive");
     // The peer's view, forged to list the private pool as if it were public.
-    let mut md = freight_core::metadata::AgentMetadata::decode(&a.metadata()).unwrap();
+    let mut md = freight_proto::metadata::AgentMetadata::decode(&a.metadata()).unwrap();
     let mut forged = md.regions[0].clone();
     forged.key = pool_key;
     forged.addr = pool.addr();

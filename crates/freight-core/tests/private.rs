@@ -4,9 +4,9 @@
 
 use std::time::Duration;
 
-use freight_core::memory::RegionInfo;
-use freight_core::metadata::AgentMetadata;
 use freight_core::{Agent, AgentConfig, Error, MemKind, OpKind, SharedSegment, Status, TransportKind};
+use freight_proto::metadata::AgentMetadata;
+use freight_proto::region::RegionInfo;
 
 #[path = "support/buffers.rs"]
 mod buffers;

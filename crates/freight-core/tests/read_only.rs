@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
-use freight_core::metadata::AgentMetadata;
 use freight_core::{Agent, AgentConfig, Error, MemKind, OpKind, SharedSegment, Status, TransportKind};
+use freight_proto::metadata::AgentMetadata;
 
 #[path = "support/buffers.rs"]
 mod buffers;

@@ -6,10 +6,10 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use freight_core::memory::{RegionInfo, RemoteRegions};
-use freight_core::metadata::AgentMetadata;
 use freight_core::transport::shm::ShmPeer;
 use freight_core::{Agent, AgentConfig, Error, MemKind, OpKind, SharedSegment, Status, TransportKind};
+use freight_proto::metadata::AgentMetadata;
+use freight_proto::region::{RegionInfo, RemoteRegions};
 
 #[path = "support/buffers.rs"]
 mod buffers;

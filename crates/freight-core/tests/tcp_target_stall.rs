@@ -2,16 +2,17 @@
 //! its host gone): the target must not keep the regions the message names guarded, or
 //! its serving thread blocked, beyond the peer timeout; and a data stream that merely
 //! idles between messages must not time out. The initiator here is a raw socket that
-//! speaks the data-stream protocol (`freight_core::wire`), so that it can stop halfway.
+//! speaks the data-stream protocol (`freight_proto::data_stream`), so that it can stop halfway.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::thread::sleep;
 use std::time::{Duration, Instant};
 
-use freight_core::metadata::AgentMetadata;
-use freight_core::wire::{self, Frame, Role, Seg, PROTOCOL_VERSION};
+use freight_core::frame_io;
 use freight_core::{Agent, AgentConfig, Desc, DescList, Error, MemKind, OpKind, Status, TransportKind};
+use freight_proto::frame::{self, Frame, Role, Seg, PROTOCOL_VERSION};
+use freight_proto::metadata::AgentMetadata;
 
 #[path = "support/buffers.rs"]
 mod buffers;
@@ -47,8 +48,8 @@ fn data_stream(target: &Agent) -> TcpStream {
         secret: md.secret.to_vec(),
         token: Vec::new(),
     };
-    raw.write_all(&wire::encode(&hello)).unwrap();
-    match wire::read_frame(&mut raw).unwrap() {
+    raw.write_all(&frame::encode(&hello)).unwrap();
+    match frame_io::read_frame(&mut raw).unwrap() {
         Some(Frame::Welcome { agent_id }) => assert_eq!(agent_id, md.agent_id),
         other => panic!("expected a welcome, got {other:?}"),
     }
@@ -56,7 +57,7 @@ fn data_stream(target: &Agent) -> TcpStream {
 }
 
 fn write_header(tag: u64, key: u64, addr: u64, len: u64) -> Vec<u8> {
-    wire::encode(&Frame::Write { tag, segs: vec![Seg { region: key, addr, len }], notif: None })
+    frame::encode(&Frame::Write { tag, segs: vec![Seg { region: key, addr, len }], notif: None })
 }
 
 /// One whole WRITE of `payload`, and its acknowledgement.
@@ -64,7 +65,7 @@ fn write_whole(raw: &mut TcpStream, tag: u64, key: u64, addr: u64, payload: &[u8
     let mut msg = write_header(tag, key, addr, payload.len() as u64);
     msg.extend_from_slice(payload);
     raw.write_all(&msg).unwrap();
-    match wire::read_frame(raw).unwrap() {
+    match frame_io::read_frame(raw).unwrap() {
         Some(Frame::WriteAck { tag: t, error: None }) => assert_eq!(t, tag),
         other => panic!("expected the write acknowledged, got {other:?}"),
     }

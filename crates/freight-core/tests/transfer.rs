@@ -167,7 +167,7 @@ fn wrong_secret_is_refused() {
     let (a, b) = agents(AgentConfig::default());
     let dst = b.alloc(4096).unwrap();
     b.register(MemKind::Dram, dst.addr(), 4096, 0).unwrap();
-    let mut md = freight_core::metadata::AgentMetadata::decode(&b.metadata()).unwrap();
+    let mut md = freight_proto::metadata::AgentMetadata::decode(&b.metadata()).unwrap();
     md.secret = [0; 16];
     a.add_peer(&md.encode()).unwrap();
     let e = a.notify("target", b"hi".to_vec()).unwrap_err();
@@ -200,7 +200,7 @@ fn a_target_asleep_in_wait_notifs_is_woken_by_a_same_host_sender() {
 #[test]
 fn notifications_to_another_host_go_over_tcp_in_order() {
     let (a, b) = agents(AgentConfig::default());
-    let mut md = freight_core::metadata::AgentMetadata::decode(&b.metadata()).unwrap();
+    let mut md = freight_proto::metadata::AgentMetadata::decode(&b.metadata()).unwrap();
     md.host.boot_id = "another-kernel".into();
     a.add_peer(&md.encode()).unwrap();
     for i in 0..100u8 {
@@ -447,7 +447,7 @@ fn a_slow_dial_to_one_peer_holds_up_no_other() {
     let a = Agent::new("initiator", cfg.clone()).unwrap();
     let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let ghost = Agent::new("ghost", cfg.clone()).unwrap();
-    let mut md = freight_core::metadata::AgentMetadata::decode(&ghost.metadata()).unwrap();
+    let mut md = freight_proto::metadata::AgentMetadata::decode(&ghost.metadata()).unwrap();
     md.addresses = vec![silent.local_addr().unwrap().to_string()];
     let md = md.encode();
     a.add_peer(&md).unwrap();

@@ -8,8 +8,9 @@ use std::io::{self, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::Duration;
 
-use freight_core::wire::{self, Frame, FrameBuf, HEADER_LIMITS, MAX_CONTROL_HEADER, MAX_HEADER};
+use freight_core::frame_io;
 use freight_core::Error;
+use freight_proto::frame::{self, Frame, FrameBuf, HEADER_LIMITS, MAX_CONTROL_HEADER, MAX_HEADER};
 
 struct NotingSizes;
 
@@ -84,7 +85,7 @@ fn a_declared_length_costs_nothing_when_refused() {
     for kind in ["Write", "Read", "Notify", "WriteAck", "ReadData"] {
         let n = 100 << 20;
         assert!(n <= MAX_HEADER && n > limit(kind));
-        let (r, largest) = largest_allocation(|| wire::read_frame(&mut Endless(declared(n, kind), 0)));
+        let (r, largest) = largest_allocation(|| frame_io::read_frame(&mut Endless(declared(n, kind), 0)));
         assert!(matches!(r, Err(Error::Protocol(_))), "{kind}: {r:?}");
         assert!(largest < 4096, "{kind}: allocated {largest} bytes");
     }
@@ -107,7 +108,7 @@ fn a_segment_count_costs_no_more_than_the_header_it_came_in() {
     bytes.push(0); // tag
     bytes.extend([0xc0, 0x96, 0xb1, 0x02]); // 5,000,000
     bytes.resize(4 + n, 0);
-    let (r, largest) = largest_allocation(|| wire::read_frame(&mut &bytes[..]));
+    let (r, largest) = largest_allocation(|| frame_io::read_frame(&mut &bytes[..]));
     assert!(matches!(&r, Err(Error::Protocol(m)) if m.contains("segments")), "{r:?}");
     assert!(largest <= n, "allocated {largest} bytes for a header of {n}");
     // Decoding alone (without `decode`'s look-ahead, which names the violation) stops at
@@ -123,7 +124,7 @@ fn looking_for_a_whole_frame_copies_none_of_it() {
     let mut writer = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
     let (mut reader, _) = listener.accept().unwrap();
     // Half of a 64 KiB notification: not there yet, however often one looks.
-    let bytes = wire::encode(&Frame::Notify { msg: vec![1; 64 << 10] });
+    let bytes = frame::encode(&Frame::Notify { msg: vec![1; 64 << 10] });
     let half = bytes.len() / 2;
     let sender = std::thread::spawn(move || {
         writer.write_all(&bytes[..half]).unwrap();
@@ -131,13 +132,13 @@ fn looking_for_a_whole_frame_copies_none_of_it() {
     });
     std::thread::sleep(Duration::from_millis(50));
     let (polls, largest) = largest_allocation(|| {
-        (0..100).map(|_| wire::try_read_frame(&mut reader).unwrap()).filter(Option::is_some).count()
+        (0..100).map(|_| frame_io::try_read_frame(&mut reader).unwrap()).filter(Option::is_some).count()
     });
     assert_eq!(polls, 0);
     assert!(largest < 4096, "allocated {largest} bytes to look");
     let (mut writer, bytes) = sender.join().unwrap();
     let rest = std::thread::spawn(move || writer.write_all(&bytes[half..]).unwrap());
     reader.set_nonblocking(false).unwrap();
-    assert!(matches!(wire::read_frame(&mut reader).unwrap(), Some(Frame::Notify { msg }) if msg.len() == 64 << 10));
+    assert!(matches!(frame_io::read_frame(&mut reader).unwrap(), Some(Frame::Notify { msg }) if msg.len() == 64 << 10));
     rest.join().unwrap();
 }

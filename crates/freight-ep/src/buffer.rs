@@ -15,11 +15,11 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use cudarc::driver::sys as cu;
-use freight_core::cuda::bounce::PinnedBuffer;
-use freight_core::cuda::driver::{check, Device, DeviceBuffer};
-use freight_core::cuda::ipc::{self, ImportCache, Imported};
-use freight_core::memory::GpuLocation;
-use freight_core::metadata::HostIdentity;
+use freight_cuda::bounce::PinnedBuffer;
+use freight_cuda::driver::{check, Device, DeviceBuffer};
+use freight_cuda::ipc::{self, ImportCache, Imported};
+use freight_proto::region::GpuLocation;
+use freight_proto::metadata::HostIdentity;
 use freight_core::{Error, Result};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
@@ -353,7 +353,7 @@ impl Buffer {
         };
         let me = Announcement {
             rank: config.rank,
-            host: HostIdentity::current(),
+            host: freight_host::identity(),
             workspace: ipc::export(device, workspace.addr(), workspace.len() as u64)?,
             workspace_addr: workspace.addr(),
             workspace_bytes: shape.workspace_bytes(),
@@ -542,7 +542,7 @@ impl Buffer {
                 other => Some(other),
             }
         };
-        let result = match freight_core::poll::briefly(Duration::from_millis(2), query) {
+        let result = match freight_host::poll::briefly(Duration::from_millis(2), query) {
             Some(r) => r,
             // SAFETY: our event.
             None => unsafe { cu::cuEventSynchronize(self.event) },
@@ -720,7 +720,7 @@ impl Buffer {
     fn device_words(&self, addr: u64, n: usize) -> Result<Vec<i32>> {
         let mut words = vec![0i32; n];
         if n > 0 {
-            freight_core::cuda::driver::copy_sync(self.device, words.as_mut_ptr() as u64, addr, n * 4)?;
+            freight_cuda::driver::copy_sync(self.device, words.as_mut_ptr() as u64, addr, n * 4)?;
         }
         Ok(words)
     }

@@ -6,8 +6,8 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use cudarc::driver::sys as cu;
-use freight_core::cuda::driver::Device;
-use freight_core::cuda::nvrtc::{Function, Module};
+use freight_cuda::driver::Device;
+use freight_cuda::nvrtc::{Function, Module};
 use freight_core::Result;
 
 use crate::layout::Shape;
@@ -54,7 +54,7 @@ pub struct Control {
 
 /// Compiles the kernels for `arch` ("sm_90"): the compile check that needs no GPU.
 pub fn compile(arch: &str) -> Result<Vec<u8>> {
-    freight_core::cuda::nvrtc::compile(FILE_NAME, SOURCE, arch, &[]).map(|(cubin, _)| cubin)
+    freight_cuda::nvrtc::compile(FILE_NAME, SOURCE, arch, &[]).map(|(cubin, _)| cubin)
 }
 
 pub struct Kernels {
@@ -361,13 +361,13 @@ mod tests {
     /// may spill registers to local memory.
     #[test]
     fn the_kernels_compile_for_hopper_and_ampere_without_spills() {
-        if let Err(e) = freight_core::cuda::nvrtc::init() {
+        if let Err(e) = freight_cuda::nvrtc::init() {
             eprintln!("SKIPPED: {e}");
             return;
         }
         for arch in ["sm_90", "sm_80"] {
             let (cubin, log) =
-                freight_core::cuda::nvrtc::compile(FILE_NAME, SOURCE, arch, &["--ptxas-options=--verbose"])
+                freight_cuda::nvrtc::compile(FILE_NAME, SOURCE, arch, &["--ptxas-options=--verbose"])
                     .unwrap_or_else(|e| panic!("{arch}: {e}"));
             for name in [
                 "ep_quantize_fp8",

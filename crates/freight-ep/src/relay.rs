@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use freight_core::cuda::driver::{Device, DeviceBuffer};
+use freight_cuda::driver::{Device, DeviceBuffer};
 use freight_core::{
     Agent, AgentConfig, Desc, DescList, Error, MemKind, OpKind, Request, Result, Status, TransportKind,
 };

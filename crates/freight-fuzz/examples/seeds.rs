@@ -6,10 +6,10 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use freight_core::memory::MemKind;
-use freight_core::metadata::{AgentMetadata, HostIdentity};
-use freight_core::outbox::{Producer, HEADER};
-use freight_core::wire::{self, Frame, Role, Seg};
+use freight_proto::region::MemKind;
+use freight_proto::metadata::{AgentMetadata, HostIdentity};
+use freight_proto::notif_ring::{Producer, HEADER};
+use freight_proto::frame::{self, Frame, Role, Seg};
 use freight_kv::wire::{Buffer, FailCode, Outcome, Reply, Request};
 use freight_stream::proto::{Msg, WireSlot};
 use freight_stream::BufferInfo;
@@ -31,7 +31,7 @@ fn main() {
         (
             "hello",
             Frame::Hello {
-                version: wire::PROTOCOL_VERSION,
+                version: frame::PROTOCOL_VERSION,
                 role: Role::Data { index: 2 },
                 from_name: "prefill-0".into(),
                 from_id: 9,
@@ -59,7 +59,7 @@ fn main() {
     ];
     let mut stream = Vec::new();
     for (name, f) in &frames {
-        let bytes = wire::encode(f);
+        let bytes = frame::encode(f);
         seed("frame", name, &bytes[4..]);
         seed("frame", &format!("{name}-framed"), &bytes);
         stream.extend_from_slice(&bytes);

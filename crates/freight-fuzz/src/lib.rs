@@ -16,9 +16,10 @@
 //! - **ring**: the notification ring's reader hands out only messages within its limit,
 //!   never reads outside the ring, and once broken stays broken.
 
-use freight_core::metadata::AgentMetadata;
-use freight_core::outbox::{Consumer, HEADER, LINE};
-use freight_core::wire::{self, Frame, FrameBuf, MAX_HEADER};
+use freight_core::frame_io;
+use freight_proto::frame::{self, Frame, FrameBuf, MAX_HEADER};
+use freight_proto::metadata::AgentMetadata;
+use freight_proto::notif_ring::{Consumer, HEADER, LINE};
 
 /// A fuzz target's body: any bytes in, no panic out.
 pub type Target = fn(&[u8]);
@@ -38,14 +39,14 @@ pub const TARGETS: &[(&str, Target)] = &[
 /// An agent's frames: one header decoded whole, then the same bytes read as a stream
 /// (blocking reads, and a buffer fed in pieces) must give the same frames.
 pub fn frame(data: &[u8]) {
-    if let Ok(f) = wire::decode(data) {
+    if let Ok(f) = frame::decode(data) {
         let _ = f.payload_len();
         round_trip(&f);
     }
     // As a socket delivers them: frames one after another, each with its length.
     let mut stream = data;
     let mut read = Vec::new();
-    while let Ok(Some(f)) = wire::read_frame(&mut stream) {
+    while let Ok(Some(f)) = frame_io::read_frame(&mut stream) {
         read.push(f);
     }
     // The same bytes into a buffer in pieces of varying size, as a reader that takes
@@ -73,8 +74,8 @@ pub fn frame(data: &[u8]) {
 }
 
 fn round_trip(f: &Frame) {
-    let bytes = wire::encode(f);
-    let again = wire::decode(&bytes[4..]).expect("an encoded frame decodes");
+    let bytes = frame::encode(f);
+    let again = frame::decode(&bytes[4..]).expect("an encoded frame decodes");
     assert_eq!(&again, f);
 }
 
@@ -106,7 +107,7 @@ pub fn kv_reply(data: &[u8]) {
     use freight_kv::wire::{Outcome, Reply};
     if let Some(Ok(reply)) = Reply::decode(data) {
         let bytes = reply.encode();
-        assert!(bytes.len() <= wire::MAX_NOTIF, "a reply always fits one notification");
+        assert!(bytes.len() <= frame::MAX_NOTIF, "a reply always fits one notification");
         // Encoding may shorten failures' reasons to fit; nothing else changes.
         let again = Reply::decode(&bytes).expect("ours").expect("decodes");
         assert_eq!((again.first_id, again.outcomes.len()), (reply.first_id, reply.outcomes.len()));

@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use freight_core::{cuda, interrupt, Agent, AgentConfig, Error, MemKind, Result, SharedSegment};
+use freight_core::{interrupt, Agent, AgentConfig, Error, MemKind, Result, SharedSegment};
 use tonic::transport::Channel;
 
 use tonic::service::interceptor::InterceptedService;
@@ -101,12 +101,12 @@ pub fn too_small(value: u64, room: u64) -> Error {
 
 /// The receive buffer while it is pinned for GPU copies.
 struct PinnedBuffer {
-    owner: cuda::pinned::Owner,
+    owner: freight_cuda::pinned::Owner,
 }
 
 impl Drop for PinnedBuffer {
     fn drop(&mut self) {
-        cuda::pinned::release(self.owner);
+        freight_cuda::pinned::release(self.owner);
     }
 }
 
@@ -134,7 +134,7 @@ pub struct Client {
     pinned: Option<PinnedBuffer>,
     /// This client's copy stream per GPU: clients of one process copy side by side
     /// instead of queueing on a shared stream.
-    gpu_streams: Vec<(usize, Arc<cuda::driver::Stream>)>,
+    gpu_streams: Vec<(usize, Arc<freight_cuda::driver::Stream>)>,
     buffer: Arc<SharedSegment>,
     next_id: u64,
     timeout: Duration,
@@ -415,17 +415,17 @@ impl Client {
     /// the GPU; it has landed when this returns. The caller orders its own GPU work on
     /// that memory before the call (synchronize its stream), as for any transfer.
     pub fn get_to_gpu(&mut self, key: &[u8], dst: u64, capacity: u64, device: usize) -> Result<Option<u64>> {
-        let gpu = cuda::Device::get(device)?;
+        let gpu = freight_cuda::Device::get(device)?;
         if self.pinned.is_none() {
-            let owner = cuda::pinned::Owner::Memory(self.buffer.addr());
-            cuda::pinned::pin(gpu, self.buffer.addr(), self.buffer_bytes(), owner)?;
+            let owner = freight_cuda::pinned::Owner::Memory(self.buffer.addr());
+            freight_cuda::pinned::pin(gpu, self.buffer.addr(), self.buffer_bytes(), owner)?;
             self.pinned = Some(PinnedBuffer { owner });
         }
         let _ctx = gpu.bind()?;
         let stream = match self.gpu_streams.iter().find(|(d, _)| *d == device) {
             Some((_, s)) => s.clone(),
             None => {
-                let s = Arc::new(cuda::driver::Stream::new(gpu)?);
+                let s = Arc::new(freight_cuda::driver::Stream::new(gpu)?);
                 self.gpu_streams.push((device, s.clone()));
                 s
             }

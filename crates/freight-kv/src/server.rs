@@ -177,7 +177,7 @@ impl Shared {
     /// the token it requires. Blocks for as long as connecting takes (the engine's
     /// connect timeout at most).
     pub(crate) fn hello(&self, metadata: &[u8], agent_token: &[u8]) -> Result<Opened> {
-        let md = freight_core::metadata::AgentMetadata::decode(metadata)?;
+        let md = freight_proto::metadata::AgentMetadata::decode(metadata)?;
         if agent_token.is_empty() {
             return Err(Error::InvalidArgument(
                 "the client's hello names no token for its agent (a client older than this server, whose \
@@ -226,7 +226,7 @@ impl Shared {
 
     /// Takes a client's new metadata (it registered more memory).
     pub(crate) fn refresh(&self, client: u64, token: &[u8], metadata: &[u8]) -> Result<()> {
-        let md = freight_core::metadata::AgentMetadata::decode(metadata)?;
+        let md = freight_proto::metadata::AgentMetadata::decode(metadata)?;
         let clients = self.clients.lock();
         // The session first: metadata of an agent without one is not taken as a peer.
         let owner = clients.find(client, token);

@@ -28,7 +28,7 @@
 
 use std::ops::Range;
 
-use freight_core::wire::MAX_NOTIF;
+use freight_proto::frame::MAX_NOTIF;
 use freight_core::{Desc, Error, MemKind, Result};
 use serde::{Deserialize, Serialize};
 

@@ -390,7 +390,7 @@ fn tls_on_the_control_plane() {
 
 #[test]
 fn a_get_into_gpu_memory_without_cuda_says_why_and_the_client_goes_on() {
-    if freight_core::cuda::available() {
+    if freight_cuda::available() {
         eprintln!("skipped: CUDA is available here (the GPU suite covers GPU destinations)");
         return;
     }

@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 /// ``(False, reason)``. Loads the driver on first call; never raises.
 #[pyfunction]
 pub fn cuda_status(py: Python<'_>) -> (bool, String) {
-    py.detach(|| match freight_core::cuda::unavailable_reason() {
+    py.detach(|| match freight_cuda::unavailable_reason() {
         None => (true, String::new()),
         Some(reason) => (false, reason),
     })
@@ -18,7 +18,7 @@ pub fn cuda_status(py: Python<'_>) -> (bool, String) {
 /// returns the size of the cubin. Needs NVRTC only, no GPU: a compile check.
 #[pyfunction]
 pub fn compile_copy_kernel(py: Python<'_>, arch: &str) -> PyResult<usize> {
-    py.detach(|| freight_core::cuda::kernel::compile(arch)).map(|c| c.len()).map_err(crate::errors::to_py_err)
+    py.detach(|| freight_cuda::kernel::compile(arch)).map(|c| c.len()).map_err(crate::errors::to_py_err)
 }
 
 /// Blocks of each launch shape of the copy kernel that one SM of GPU ``device`` (as this
@@ -27,10 +27,10 @@ pub fn compile_copy_kernel(py: Python<'_>, arch: &str) -> PyResult<usize> {
 #[pyfunction]
 #[pyo3(signature = (device = 0))]
 pub fn copy_kernel_occupancy(py: Python<'_>, device: usize) -> PyResult<HashMap<(String, u32), u32>> {
-    use freight_core::cuda::kernel::{Kernel, THREADS};
+    use freight_cuda::kernel::{Kernel, THREADS};
     use freight_core::{KernelMode, LaunchShape};
     py.detach(|| {
-        let kernel = Kernel::on(freight_core::cuda::Device::get(device)?)?;
+        let kernel = Kernel::on(freight_cuda::Device::get(device)?)?;
         let mut out = HashMap::new();
         for mode in KernelMode::ALL {
             for threads in THREADS {

@@ -67,5 +67,5 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
 /// polling and copies more on the posting thread.
 #[pyfunction]
 fn host_has_spare_cores() -> bool {
-    freight_core::poll::polling_pays()
+    freight_host::poll::polling_pays()
 }

@@ -1,6 +1,6 @@
 //! Read-only view of metadata bytes (what a peer advertises).
 
-use freight_core::metadata::AgentMetadata;
+use freight_proto::metadata::AgentMetadata;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 

@@ -14,7 +14,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crossbeam_channel::{Receiver, RecvTimeoutError};
-use freight_core::cuda::driver::CopyBatch;
+use freight_cuda::driver::CopyBatch;
 use freight_core::{interrupt, Desc, DescList, Error, MemKind, Result};
 use serde::{Deserialize, Serialize};
 

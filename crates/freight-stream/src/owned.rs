@@ -11,8 +11,8 @@
 use std::collections::HashMap;
 use std::sync::OnceLock;
 
-use freight_core::cuda::driver::{CopyBatch, DeviceBuffer};
-use freight_core::cuda::Device;
+use freight_cuda::driver::{CopyBatch, DeviceBuffer};
+use freight_cuda::Device;
 use freight_core::{Error, MemKind, Result};
 use parking_lot::Mutex;
 

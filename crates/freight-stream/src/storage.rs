@@ -36,7 +36,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use freight_core::cuda::driver::CopyBatch;
+use freight_cuda::driver::CopyBatch;
 use freight_core::{interrupt, Error, Result};
 use parking_lot::{Condvar, Mutex};
 use serde::Serialize;

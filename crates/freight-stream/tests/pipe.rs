@@ -120,7 +120,7 @@ fn bad_input_is_refused_before_anything_is_sent() {
     assert!(matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("empty"), "{e}");
     let e = pipe.send_scattered(&ten, &[(u64::MAX - 4, 10)], vec![]).unwrap_err();
     assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
-    let e = pipe.send(&ten, vec![0; freight_core::wire::MAX_NOTIF]).unwrap_err();
+    let e = pipe.send(&ten, vec![0; freight_proto::frame::MAX_NOTIF]).unwrap_err();
     assert!(matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("tag"), "{e}");
     pipe.send(&ten, vec![]).unwrap();
     pipe.close().unwrap();

@@ -16,7 +16,7 @@ use std::process::{Child, ChildStdin, ChildStdout, Stdio};
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use freight_core::cuda::driver::{self, DeviceBuffer};
+use freight_cuda::driver::{self, DeviceBuffer};
 use freight_core::{Agent, Desc, DescList, MemKind, OpKind, SharedSegment, Status};
 use serde::{Deserialize, Serialize};
 

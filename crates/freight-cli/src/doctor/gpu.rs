@@ -2,7 +2,7 @@
 //! the reason), where each sits on the PCI tree, which NICs are closest to it, and which
 //! GPUs can address each other's memory.
 
-use freight_core::cuda::{self, driver, Device};
+use freight_cuda::{driver, Device};
 use serde::Serialize;
 
 use super::host::{closeness, pci_device, Closeness, Nic, Root};
@@ -48,7 +48,7 @@ pub fn probe(root: &Root, nics: &[Nic]) -> Gpus {
         gpus: Vec::new(),
         peer_access: Vec::new(),
     };
-    if let Some(reason) = cuda::unavailable_reason() {
+    if let Some(reason) = freight_cuda::unavailable_reason() {
         return none(reason);
     }
     let devices: Vec<&Device> = match driver::device_count().and_then(|n| (0..n).map(Device::get).collect()) {

@@ -6,8 +6,8 @@ use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use freight_core::pci;
-pub use freight_core::pci::{closeness, Closeness, PciPlace};
+use freight_host::pci;
+pub use freight_host::pci::{closeness, Closeness, PciPlace};
 use serde::Serialize;
 
 /// A filesystem root that holds `sys/` and `proc/` (`/` on a real machine).

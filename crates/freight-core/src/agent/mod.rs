@@ -14,16 +14,10 @@ use std::time::{Duration, Instant};
 
 use parking_lot::RwLock;
 
-use crate::cuda::completion::Completions;
-use crate::desc::DescList;
-use crate::error::{invalid, Error, Result};
-use crate::memory::{Access, MemKind, Registry, SharedSegment};
-use crate::metadata::{AgentMetadata, HostIdentity};
+use crate::memory::{Registry, SharedSegment};
 use crate::net::{self, Introduction};
 use crate::notify::{NotifQueue, Notification, Waker};
-use crate::path::{self, Path, PathFacts, PathPolicy, TransportKind};
 use crate::peer::{ConnectionStats, DialContext, Peer};
-use crate::plan::{Plan, PreparedList};
 use crate::server::{self, Server};
 use crate::tracker::Tracker;
 use crate::transport::cuda::{self as gpu, CudaConfig};
@@ -32,8 +26,15 @@ use crate::transport::pool::CopyPool;
 use crate::transport::shm::ShmConfig;
 use crate::transport::staged;
 use crate::transport::tcp::TcpConfig;
-use crate::transport::OpKind;
-use crate::wire::{self, Frame};
+use freight_cuda::completion::Completions;
+use freight_proto::desc::DescList;
+use freight_proto::error::{invalid, Error, Result};
+use freight_proto::frame::{self, Frame};
+use freight_proto::metadata::{AgentMetadata, HostIdentity};
+use freight_proto::op::OpKind;
+use freight_proto::path_choice::{self, PathFacts, PathPolicy, TransferPath, TransportKind};
+use freight_proto::plan::{Plan, PreparedList};
+use freight_proto::region::{Access, MemKind};
 
 mod request;
 pub use request::Request;
@@ -101,11 +102,11 @@ impl AgentConfig {
         if self.tcp.streams == 0 || self.tcp.window == 0 || self.tcp.chunk_size == 0 {
             return Err(invalid("tcp streams, window and chunk size must be positive"));
         }
-        if matches!(&self.tcp.pin, crate::nic::Pinning::Cores(cores) if cores.is_empty()) {
+        if matches!(&self.tcp.pin, freight_host::nic::Pinning::Cores(cores) if cores.is_empty()) {
             return Err(invalid("tcp pinning to cores needs at least one core"));
         }
-        if self.tcp.chunk_size > wire::MAX_PAYLOAD {
-            return Err(invalid(format!("tcp chunk size must be at most {} bytes", wire::MAX_PAYLOAD)));
+        if self.tcp.chunk_size > frame::MAX_PAYLOAD {
+            return Err(invalid(format!("tcp chunk size must be at most {} bytes", frame::MAX_PAYLOAD)));
         }
         if self.shm.threads == 0 {
             return Err(invalid("shm copy threads must be at least 1"));
@@ -131,8 +132,8 @@ impl AgentConfig {
 fn transport_policy(agent: &str, config: &AgentConfig) -> Result<PathPolicy> {
     let mut policy =
         PathPolicy { enabled: config.transports.clone(), require: config.require, required_by: "configuration".into() };
-    let env = std::env::var(path::TRANSPORT_ENV).ok();
-    if path::apply_transport_env(&mut policy, env.as_deref())? {
+    let env = std::env::var(path_choice::TRANSPORT_ENV).ok();
+    if path_choice::apply_transport_env(&mut policy, env.as_deref())? {
         tracing::warn!(agent, configured = ?config.require, by = %policy.required_by, "the environment overrides the configured transport");
     }
     match policy.require {
@@ -211,7 +212,7 @@ impl Agent {
             name: name.to_string(),
             id: rand::random::<u64>() | 1,
             secret: rand::random(),
-            host: Arc::new(HostIdentity::current()),
+            host: Arc::new(freight_host::identity()),
             config,
             policy,
             registry: Registry::new(),
@@ -231,10 +232,10 @@ impl Agent {
         &self.inner.name
     }
 
-    /// Who host memory pinned for region `key` belongs to (see [`crate::cuda::pinned`]):
+    /// Who host memory pinned for region `key` belongs to (see [`freight_cuda::pinned`]):
     /// released when the region is deregistered or the agent goes away.
-    pub fn pin_owner(&self, key: u64) -> crate::cuda::pinned::Owner {
-        crate::cuda::pinned::Owner::Region { agent: self.inner.id, key }
+    pub fn pin_owner(&self, key: u64) -> freight_cuda::pinned::Owner {
+        freight_cuda::pinned::Owner::Region { agent: self.inner.id, key }
     }
 
     pub fn config(&self) -> &AgentConfig {
@@ -327,8 +328,8 @@ impl Agent {
             if !private && (info.shared.is_some() || info.gpu.is_some() || fabric_keys) {
                 self.inner.server.broadcast(&Frame::Revoke { region: key });
             }
-            if info.kind == MemKind::Dram && crate::cuda::pinned::any() {
-                crate::cuda::pinned::release(self.pin_owner(key));
+            if info.kind == MemKind::Dram && freight_cuda::pinned::any() {
+                freight_cuda::pinned::release(self.pin_owner(key));
             }
         }
         Ok(())
@@ -460,7 +461,7 @@ impl Agent {
 
     /// Which transport serves transfers to `peer`, and why: between GPU memory where
     /// this agent or the peer registered some, else between host memory.
-    pub fn path_to(&self, peer: &str) -> Result<Path> {
+    pub fn path_to(&self, peer: &str) -> Result<TransferPath> {
         let peer = self.inner.peer(peer)?;
         // This agent's end may be private memory: look at every local region.
         let local = self.inner.registry.local_regions();
@@ -488,7 +489,7 @@ impl Agent {
     /// [`Agent::path_to`] chooses), which are otherwise opened by the first transfer:
     /// a server that moves every client's data from one thread opens each client's
     /// where waiting for it holds up no other client. Returns the path.
-    pub fn open_path(&self, peer: &str) -> Result<Path> {
+    pub fn open_path(&self, peer: &str) -> Result<TransferPath> {
         let path = self.path_to(peer)?;
         let peer = self.inner.peer(peer)?;
         let ctx = self.inner.dial_context();
@@ -504,7 +505,7 @@ impl Agent {
     // -- descriptors and requests ----------------------------------------------------
 
     pub fn prepare_local(&self, list: &DescList) -> Result<PreparedList> {
-        PreparedList::local(list, &self.inner.registry)
+        self.inner.registry.prepare(list)
     }
 
     pub fn prepare_remote(&self, peer: &str, list: &DescList) -> Result<RemoteList> {
@@ -524,8 +525,8 @@ impl Agent {
         notif: Option<Vec<u8>>,
     ) -> Result<Request> {
         self.inner.check_open()?;
-        if notif.as_ref().is_some_and(|m| m.len() > wire::MAX_NOTIF) {
-            return Err(invalid(format!("notification larger than {} bytes", wire::MAX_NOTIF)));
+        if notif.as_ref().is_some_and(|m| m.len() > frame::MAX_NOTIF) {
+            return Err(invalid(format!("notification larger than {} bytes", frame::MAX_NOTIF)));
         }
         let started = Instant::now();
         let plan = Plan::build(local, local_idx, &remote.list, remote_idx)?;
@@ -629,8 +630,8 @@ impl Agent {
     /// Fails with `Timeout` when a same-host peer leaves its notification ring full for
     /// the peer timeout (the peer does not run).
     pub fn notify(&self, peer: &str, msg: Vec<u8>) -> Result<()> {
-        if msg.len() > wire::MAX_NOTIF {
-            return Err(invalid(format!("notification larger than {} bytes", wire::MAX_NOTIF)));
+        if msg.len() > frame::MAX_NOTIF {
+            return Err(invalid(format!("notification larger than {} bytes", frame::MAX_NOTIF)));
         }
         let peer = self.inner.peer(peer)?;
         peer.control(&self.inner.dial_context())?.notify(msg)
@@ -699,8 +700,8 @@ impl Drop for AgentInner {
     /// Once no request is left (each holds the agent), the host memory it pinned is
     /// unpinned, also where the application never deregistered it.
     fn drop(&mut self) {
-        if crate::cuda::pinned::any() {
-            crate::cuda::pinned::release_agent(self.id);
+        if freight_cuda::pinned::any() {
+            freight_cuda::pinned::release_agent(self.id);
         }
     }
 }
@@ -746,7 +747,7 @@ impl AgentInner {
         shared: std::result::Result<(), String>,
         gpu: std::result::Result<String, String>,
         staging: std::result::Result<(), String>,
-    ) -> Result<Path> {
+    ) -> Result<TransferPath> {
         let facts = PathFacts {
             same_host: peer.same_host,
             peer_transports: peer.md.transports.clone(),
@@ -756,7 +757,7 @@ impl AgentInner {
             gpu,
             staging,
             fabric: match &self.fabric {
-                Some(f) => Ok(path::FabricFacts {
+                Some(f) => Ok(path_choice::FabricFacts {
                     description: f.describe(),
                     hardware: f.is_hardware(),
                     delivery_complete: f.delivery_complete,
@@ -764,12 +765,12 @@ impl AgentInner {
                 }),
                 None => Err(format!(
                     "not open on this agent (it opens where {}=fabric or {} names a provider)",
-                    path::TRANSPORT_ENV,
+                    path_choice::TRANSPORT_ENV,
                     fabric::PROVIDER_ENV
                 )),
             },
         };
-        path::choose(&self.policy, &facts)
+        path_choice::choose(&self.policy, &facts)
     }
 
     pub(crate) fn advertised(&self) -> Vec<String> {
@@ -833,7 +834,7 @@ impl AgentInner {
 
 /// The host's IPv4 addresses, non-loopback first (for listeners bound to 0.0.0.0).
 fn local_ips() -> Vec<IpAddr> {
-    let mut ips: Vec<IpAddr> = crate::nic::local_nics().into_iter().map(|n| IpAddr::V4(n.addr)).collect();
+    let mut ips: Vec<IpAddr> = freight_host::nic::local_nics().into_iter().map(|n| IpAddr::V4(n.addr)).collect();
     ips.sort_by_key(|ip| ip.is_loopback());
     ips.dedup();
     if ips.is_empty() {

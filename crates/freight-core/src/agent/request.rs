@@ -6,17 +6,17 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use super::AgentInner;
-use crate::error::{invalid, Error, Result};
-use crate::path::{Path, TransportKind};
 use crate::peer::Peer;
-use crate::plan::{chunk_ops, Chunk, Plan};
 use crate::tracker::{Finisher, Status, Tracker};
 use crate::transport::cuda::{self as gpu, CudaProgram};
 use crate::transport::fabric::{Fabric, FabricProgram};
 use crate::transport::shm::ShmProgram;
 use crate::transport::staged::GpuRegions;
-use crate::transport::OpKind;
-use crate::wire;
+use freight_proto::error::{invalid, Error, Result};
+use freight_proto::frame;
+use freight_proto::op::OpKind;
+use freight_proto::path_choice::{TransferPath, TransportKind};
+use freight_proto::plan::{chunk_ops, Chunk, Plan};
 
 /// A transfer that can be posted, polled, waited on and posted again.
 pub struct Request {
@@ -25,7 +25,7 @@ pub struct Request {
     pub(super) op: OpKind,
     pub(super) plan: Arc<Plan>,
     pub(super) notif: Option<Vec<u8>>,
-    pub(super) path: Path,
+    pub(super) path: TransferPath,
     pub(super) tracker: Arc<Tracker>,
     /// What the request's transport runs each post, made once (see [`Request::program`]).
     pub(super) program: OnceLock<Program>,
@@ -45,7 +45,7 @@ pub(super) enum Program {
 }
 
 impl Request {
-    pub fn path(&self) -> &Path {
+    pub fn path(&self) -> &TransferPath {
         &self.path
     }
     pub fn bytes(&self) -> u64 {
@@ -87,8 +87,8 @@ impl Request {
     /// [`Request::post`] with this round's notification in place of the one the request
     /// was made with (`None`: none this round). Later rounds go back to the request's own.
     pub fn post_with_notif(&self, notif: Option<Vec<u8>>) -> Result<()> {
-        if notif.as_ref().is_some_and(|m| m.len() > wire::MAX_NOTIF) {
-            return Err(invalid(format!("notification larger than {} bytes", wire::MAX_NOTIF)));
+        if notif.as_ref().is_some_and(|m| m.len() > frame::MAX_NOTIF) {
+            return Err(invalid(format!("notification larger than {} bytes", frame::MAX_NOTIF)));
         }
         self.post_notifying(notif)
     }
@@ -133,7 +133,7 @@ impl Request {
                 let gpu_place = local_gpu
                     .as_ref()
                     .and_then(|g| g.first())
-                    .and_then(|d| crate::pci::device(std::path::Path::new("/"), &d.bus_id));
+                    .and_then(|d| freight_host::pci::device(std::path::Path::new("/"), &d.bus_id));
                 let conn = self.peer.tcp(&ctx, &self.agent.config.tcp, gpu_place)?;
                 self.tracker.begin(chunks.len() as u64, finisher)?;
                 conn.submit(self.op, chunks.clone(), &self.tracker, local_gpu.clone(), riding);
@@ -157,7 +157,7 @@ impl Request {
             TransportKind::Cuda => Program::Cuda(Arc::new(self.compile_cuda()?)),
             TransportKind::Fabric => Program::Fabric(Arc::new(self.compile_fabric(self.agent.fabric()?, ctx)?)),
             TransportKind::Tcp => Program::Tcp {
-                chunks: Arc::new(chunk_ops(&self.plan.ops, self.agent.config.tcp.chunk_size, wire::MAX_SEGS)),
+                chunks: Arc::new(chunk_ops(&self.plan.ops, self.agent.config.tcp.chunk_size, frame::MAX_SEGS)),
                 local_gpu: self.local_gpu_regions()?,
             },
         };
@@ -179,7 +179,7 @@ impl Request {
     fn compile_cuda(&self) -> Result<CudaProgram> {
         // A copy of the regions, not the lock: compiling may load (even build) the
         // kernels, and a revocation waiting for the lock would stall every reader.
-        let remote: std::collections::HashMap<u64, crate::memory::RegionInfo> = {
+        let remote: std::collections::HashMap<u64, freight_proto::region::RegionInfo> = {
             let regions = self.peer.regions.read();
             self.plan.remote_regions.iter().filter_map(|&k| regions.get(k).map(|r| (k, r.clone()))).collect()
         };

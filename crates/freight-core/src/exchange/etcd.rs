@@ -22,8 +22,8 @@ use tokio::runtime::Handle;
 use tokio::sync::{oneshot, Mutex as AsyncMutex};
 use tokio::task::JoinHandle;
 
-use crate::error::{Error, Result};
 use crate::interrupt;
+use freight_proto::error::{Error, Result};
 
 /// Longest accepted agent name, in characters.
 pub const MAX_NAME_LEN: usize = 256;

@@ -9,7 +9,7 @@
 //! fires, and only then does its notification go out. A request of a few small copies
 //! (the latency-bound kind) carries its items in the launch itself, and its kernel ends
 //! by writing a flag in host memory that the posting thread watches (see
-//! [`crate::cuda::flags`]).
+//! [`freight_cuda::flags`]).
 //!
 //! [`CudaConfig`] holds the kernel's launch shape and item size and how completion is
 //! learned; `bench/gpu_sweep.py` measures the choices.
@@ -19,19 +19,19 @@ use std::time::Instant;
 
 use cudarc::driver::sys as cu;
 
-use crate::cuda::completion::{CompletionMode, Completions, Work};
-use crate::cuda::driver::{check, Device, Event};
-use crate::cuda::flags::{self, Flag};
-use crate::cuda::ipc::{ImportCache, Imported};
-use crate::cuda::kernel::{self, Item, Kernel, LaunchShape, FEW_ITEMS};
-use crate::cuda::pinned;
-use crate::cuda::tables::Table;
-use crate::error::{Error, Result};
-use crate::memory::{MemKind, RegionInfo};
-use crate::plan::Op;
 use crate::tracker::{Finisher, Tracker};
 use crate::transport::shm::{Mapping, ShmPeer};
-use crate::transport::OpKind;
+use freight_cuda::completion::{CompletionMode, Completions, Work};
+use freight_cuda::driver::{check, Device, Event};
+use freight_cuda::flags::{self, Flag};
+use freight_cuda::ipc::{ImportCache, Imported};
+use freight_cuda::kernel::{self, Item, Kernel, LaunchShape, FEW_ITEMS};
+use freight_cuda::pinned;
+use freight_cuda::tables::Table;
+use freight_proto::error::{Error, Result};
+use freight_proto::op::OpKind;
+use freight_proto::plan::Op;
+use freight_proto::region::{MemKind, RegionInfo};
 
 /// Requests up to this size are waited for on the posting thread, briefly.
 const SMALL_BYTES: u64 = 256 << 10;
@@ -94,7 +94,7 @@ struct Side<'a> {
 
 /// How a program's work items reach the copy kernel.
 enum KernelWork {
-    /// In a table in GPU memory (reused across requests: [`crate::cuda::tables`]),
+    /// In a table in GPU memory (reused across requests: [`freight_cuda::tables`]),
     /// launched with the configured shape.
     Table { kernel: Arc<Kernel>, table: Table, count: usize },
     /// A few items in the launch's parameters (requests with no copy-engine part): the
@@ -278,9 +278,9 @@ impl CudaProgram {
     fn finished_soon(&self, flag_value: Option<u64>) -> bool {
         match (&self.kernel, flag_value) {
             (Some(KernelWork::Few { flag, .. }), Some(value)) => {
-                crate::poll::briefly(SMALL_WAIT, || flag.holds(value).then_some(())).is_some()
+                freight_host::poll::briefly(SMALL_WAIT, || flag.holds(value).then_some(())).is_some()
             }
-            _ => crate::poll::briefly(SMALL_WAIT, || self.event.query().ok().filter(|&done| done)).is_some(),
+            _ => freight_host::poll::briefly(SMALL_WAIT, || self.event.query().ok().filter(|&done| done)).is_some(),
         }
     }
 
@@ -394,9 +394,9 @@ fn remote_shift(
 /// Checks that `[addr, addr+len)` is memory of GPU `dev` and exports it for same-host
 /// peers. `None` where CUDA is absent: the region is then registered as given and the
 /// transports refuse it with the reason.
-pub fn export_region(addr: u64, len: u64, dev: u64) -> Result<Option<crate::memory::GpuLocation>> {
+pub fn export_region(addr: u64, len: u64, dev: u64) -> Result<Option<freight_proto::region::GpuLocation>> {
     match check_region(addr, len, dev)? {
-        Some(device) => crate::cuda::ipc::export(device, addr, len).map(Some),
+        Some(device) => freight_cuda::ipc::export(device, addr, len).map(Some),
         None => Ok(None),
     }
 }
@@ -404,8 +404,8 @@ pub fn export_region(addr: u64, len: u64, dev: u64) -> Result<Option<crate::memo
 /// Checks that `[addr, addr+len)` is memory of GPU `dev`, without exporting anything
 /// (for private regions, which no peer may map). `None` where CUDA is absent.
 pub fn check_region(addr: u64, len: u64, dev: u64) -> Result<Option<&'static Device>> {
-    use crate::cuda::driver::{pointer_kind, PointerKind};
-    if crate::cuda::driver::init().is_err() {
+    use freight_cuda::driver::{pointer_kind, PointerKind};
+    if freight_cuda::driver::init().is_err() {
         return Ok(None);
     }
     let device = Device::get(dev as usize)?;
@@ -427,10 +427,10 @@ pub fn check_region(addr: u64, len: u64, dev: u64) -> Result<Option<&'static Dev
     // `cudaMalloc`'s allocations can be checked: a pool's or the VMM API's are seen
     // chunk by chunk.)
     let _ctx = device.bind()?;
-    if !crate::cuda::driver::legacy_ipc_capable(addr)? {
+    if !freight_cuda::driver::legacy_ipc_capable(addr)? {
         return Ok(Some(device));
     }
-    let (base, alloc_len) = crate::cuda::driver::allocation_range(addr)?;
+    let (base, alloc_len) = freight_cuda::driver::allocation_range(addr)?;
     if addr.checked_add(len).is_none_or(|end| end > base + alloc_len) {
         return Err(Error::InvalidArgument(format!(
             "GPU memory [{addr:#x}, +{len}) runs past its allocation [{base:#x}, +{alloc_len})"
@@ -453,7 +453,7 @@ pub fn path_facts(
     remote: Option<&RegionInfo>,
     same_host: bool,
 ) -> std::result::Result<String, String> {
-    crate::cuda::driver::init().map_err(|e| e.to_string())?;
+    freight_cuda::driver::init().map_err(|e| e.to_string())?;
     if !same_host {
         return Err("the peer is on another host".into());
     }

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::error::Result;
+use freight_proto::error::Result;
 
 pub type Task = Box<dyn FnOnce() + Send>;
 
@@ -49,7 +49,7 @@ impl Queue {
                 continue;
             }
             self.polling.fetch_add(1, Ordering::AcqRel);
-            let found = crate::poll::briefly(LINGER, || (self.queued.load(Ordering::Acquire) > 0).then_some(()));
+            let found = freight_host::poll::briefly(LINGER, || (self.queued.load(Ordering::Acquire) > 0).then_some(()));
             self.polling.fetch_sub(1, Ordering::AcqRel);
             if found.is_some() {
                 continue;

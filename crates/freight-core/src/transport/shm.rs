@@ -11,13 +11,14 @@ use std::thread;
 
 use parking_lot::Mutex;
 
-use crate::error::{Error, Result};
 use crate::fault::Guard;
-use crate::memory::{RegionInfo, SharedLocation, SharedSegment};
-use crate::plan::{split_by_bytes, Op};
+use crate::memory::SharedSegment;
 use crate::tracker::{Finisher, Tracker};
 use crate::transport::pool::{CopyPool, Task};
-use crate::transport::OpKind;
+use freight_proto::error::{Error, Result};
+use freight_proto::op::OpKind;
+use freight_proto::plan::{split_by_bytes, Op};
+use freight_proto::region::{RegionInfo, SharedLocation};
 
 /// Tunables of the shm transport.
 #[derive(Debug, Clone)]
@@ -36,7 +37,7 @@ impl Default for ShmConfig {
         let cores = thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
         // Where copy threads sleep between requests (small hosts, see `crate::poll`),
         // waking one costs as much as copying a few MiB, so more is copied inline there.
-        let inline_bytes = if crate::poll::polling_pays() { 512 << 10 } else { 4 << 20 };
+        let inline_bytes = if freight_host::poll::polling_pays() { 512 << 10 } else { 4 << 20 };
         ShmConfig { threads: cores.clamp(1, 8), inline_bytes, min_piece: 256 << 10 }
     }
 }
@@ -62,8 +63,8 @@ impl Drop for Mapping {
         }
         // Unwatched before it is unmapped: what is mapped there next is not the peer's.
         self.guard.release();
-        if crate::cuda::pinned::any() {
-            crate::cuda::pinned::release(crate::cuda::pinned::Owner::Memory(self.addr()));
+        if freight_cuda::pinned::any() {
+            freight_cuda::pinned::release(freight_cuda::pinned::Owner::Memory(self.addr()));
         }
         // SAFETY: we created this mapping and nobody else unmaps it.
         unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
@@ -255,7 +256,7 @@ impl Populating {
 
 /// Refuses a peer's file unless it is shared memory (tmpfs: not hugetlbfs, whose pages
 /// may run out at a fault, nor any other file system) sealed at its size
-/// ([`crate::memory::SEALS`]): otherwise its owner could shrink it while this process
+/// ([`crate::memory::segment::SEALS`]): otherwise its owner could shrink it while this process
 /// maps it, and the next access here would fault.
 fn check_sealed(fd: libc::c_int) -> std::result::Result<(), String> {
     // SAFETY: fstatfs into a zeroed struct and fcntl, on a descriptor the caller owns.
@@ -273,7 +274,7 @@ fn check_sealed(fd: libc::c_int) -> std::result::Result<(), String> {
     if seals < 0 {
         return Err(format!("its seals cannot be read: {}", std::io::Error::last_os_error()));
     }
-    if seals & crate::memory::SEALS != crate::memory::SEALS {
+    if seals & crate::memory::segment::SEALS != crate::memory::segment::SEALS {
         return Err("it is not sealed against shrinking and growing (F_SEAL_SHRINK, F_SEAL_GROW), so its \
                     owner could pull its pages from under this mapping: refused"
             .into());
@@ -684,7 +685,7 @@ mod tests {
         let seg = SharedSegment::allocate(8192).unwrap();
         // SAFETY: fcntl and ftruncate on the segment's own descriptor.
         let seals = unsafe { libc::fcntl(seg.fd(), libc::F_GET_SEALS) };
-        assert_eq!(seals & crate::memory::SEALS, crate::memory::SEALS);
+        assert_eq!(seals & crate::memory::segment::SEALS, crate::memory::segment::SEALS);
         assert_ne!(seals & libc::F_SEAL_SEAL, 0, "no seal can be added (nor taken) later");
         assert_ne!(unsafe { libc::ftruncate(seg.fd(), 0) }, 0, "a segment cannot shrink");
         assert_ne!(unsafe { libc::ftruncate(seg.fd(), 1 << 20) }, 0, "nor grow");

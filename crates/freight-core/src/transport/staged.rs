@@ -14,11 +14,11 @@ use std::io::IoSliceMut;
 use std::net::TcpStream;
 use std::sync::Arc;
 
-use crate::cuda::bounce::{Bounce, Direction};
-use crate::cuda::driver::Device;
-use crate::error::{Error, Result};
-use crate::memory::{MemKind, RegionInfo};
-use crate::wire;
+use crate::frame_io;
+use freight_cuda::bounce::{Bounce, Direction};
+use freight_cuda::driver::Device;
+use freight_proto::error::{Error, Result};
+use freight_proto::region::{MemKind, RegionInfo};
 
 /// One piece of a message: where its bytes are here, and the GPU holding them (`None`
 /// for host memory).
@@ -55,7 +55,7 @@ impl GpuRegions {
 
 /// The GPU of a GPU region, or why its bytes cannot be staged here.
 pub fn gpu_of(r: &RegionInfo) -> Result<&'static Device> {
-    crate::cuda::driver::init().and_then(|_| Device::get(r.dev as usize)).map_err(|e| {
+    freight_cuda::driver::init().and_then(|_| Device::get(r.dev as usize)).map_err(|e| {
         Error::TransportUnavailable(format!(
             "cannot stage GPU region {} (GPU {}) through host memory: {e}",
             r.key, r.dev
@@ -136,11 +136,11 @@ fn receive_queued(sock: &mut TcpStream, slot: &mut Option<Bounce>, pieces: &[Pie
     let bounce = match bounce_for(slot, pieces) {
         Ok(b) => b,
         Err(e) => {
-            wire::discard(sock, len)?;
+            frame_io::discard(sock, len)?;
             return Ok(Err(e));
         }
     };
-    wire::read_exact_vectored(sock, &mut [IoSliceMut::new(bounce.bytes_mut(len as usize))])?;
+    frame_io::read_exact_vectored(sock, &mut [IoSliceMut::new(bounce.bytes_mut(len as usize))])?;
     Ok(scatter_queued(bounce, pieces))
 }
 
@@ -243,7 +243,7 @@ pub fn path_facts(local: Option<&RegionInfo>, remote: Option<&RegionInfo>) -> st
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::memory::GpuLocation;
+    use freight_proto::region::GpuLocation;
 
     fn region(key: u64, kind: MemKind, gpu: bool) -> RegionInfo {
         let gpu = gpu.then(|| GpuLocation {
@@ -272,7 +272,7 @@ mod tests {
 
     #[test]
     fn local_gpu_memory_needs_cuda_here() {
-        if crate::cuda::driver::init().is_ok() {
+        if freight_cuda::driver::init().is_ok() {
             eprintln!("SKIPPED: CUDA is present; this checks the behaviour without it");
             return;
         }

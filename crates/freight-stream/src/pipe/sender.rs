@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::Receiver;
-use freight_core::wire::MAX_NOTIF;
+use freight_proto::frame::MAX_NOTIF;
 use freight_core::{interrupt, Agent, Desc, DescList, Error, OpKind, PreparedList, Request, Result, Status};
 use parking_lot::Mutex;
 

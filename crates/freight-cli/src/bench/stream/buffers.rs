@@ -3,8 +3,8 @@
 
 use std::sync::Arc;
 
-use freight_core::cuda::driver::{copy_sync, DeviceBuffer};
-use freight_core::cuda::Device as Gpu;
+use freight_cuda::driver::{copy_sync, DeviceBuffer};
+use freight_cuda::Device as Gpu;
 use freight_core::{Agent, Desc, MemKind, SharedSegment};
 
 use crate::args::{CliError, CliResult};
@@ -22,7 +22,7 @@ impl Device {
     pub fn parse(s: &str, auto_gpu: usize) -> CliResult<Device> {
         match s.trim().to_ascii_lowercase().as_str() {
             "cpu" | "host" => Ok(Device::Cpu),
-            "auto" => Ok(match freight_core::cuda::driver::device_count() {
+            "auto" => Ok(match freight_cuda::driver::device_count() {
                 Ok(n) if n > 0 => Device::Cuda(auto_gpu % n),
                 _ => Device::Cpu,
             }),

@@ -314,7 +314,7 @@ fn spawn_receiver(product: Product, a: &StreamArgs, ctx: &Context) -> CliResult<
         Device::Cuda(n) if a.device.trim().eq_ignore_ascii_case("auto") => Device::Cuda(n).name(),
         // An explicit GPU for the sender: the receiver takes the next one, as in the seed.
         Device::Cuda(n) => {
-            let count = freight_core::cuda::driver::device_count().unwrap_or(1).max(1);
+            let count = freight_cuda::driver::device_count().unwrap_or(1).max(1);
             Device::Cuda((n + 1) % count).name()
         }
     };

@@ -231,7 +231,7 @@ fn send_round(
 }
 
 /// The path the pipe took: the transport and why.
-type PathTaken = Option<freight_core::Path>;
+type PathTaken = Option<freight_core::TransferPath>;
 
 fn report(
     product: Product,

@@ -13,12 +13,13 @@ use std::sync::Arc;
 
 use super::rail::{Mr, Rail};
 use super::Fabric;
-use crate::cuda::bounce::Bounce;
-use crate::cuda::driver::Device;
-use crate::error::{invalid, Error, Result};
-use crate::memory::{MemKind, Registry};
+use crate::memory::Registry;
 use crate::transport::staged::{self, Piece};
-use crate::wire::Seg;
+use freight_cuda::bounce::Bounce;
+use freight_cuda::driver::Device;
+use freight_proto::error::{invalid, Error, Result};
+use freight_proto::frame::Seg;
+use freight_proto::region::MemKind;
 
 /// Most docks one connection may borrow, and the largest dock.
 pub const MAX_DOCKS: u32 = 16;
@@ -135,7 +136,7 @@ impl Docks {
             (Bytes::Plain(v), Some(device)) => {
                 let (dock, there) = (v.as_mut_ptr() as u64, seg.addr);
                 let (dst, src) = if landing { (there, dock) } else { (dock, there) };
-                crate::cuda::driver::copy_sync(device, dst, src, len)
+                freight_cuda::driver::copy_sync(device, dst, src, len)
             }
             (Bytes::Plain(v), None) => {
                 // SAFETY: the segment lies in a registered region that `guard` keeps.

@@ -32,9 +32,11 @@ use parking_lot::{Mutex, RwLock};
 use super::dock::Docks;
 use super::relay::Relay;
 use super::Fabric;
-use crate::error::{Error, Result};
-use crate::memory::{MemKind, Registry};
-use crate::wire::{self, Frame};
+use crate::frame_io;
+use crate::memory::Registry;
+use freight_proto::error::{Error, Result};
+use freight_proto::frame::Frame;
+use freight_proto::region::MemKind;
 
 /// Opens another connection of the exchange to the same peer.
 pub type Dial = Box<dyn Fn() -> Result<TcpStream> + Send + Sync>;
@@ -64,8 +66,8 @@ pub struct FabricLink {
 impl FabricLink {
     /// Runs step 1 on a connection the peer welcomed; `dial` opens the relay later.
     pub fn connect(mut stream: TcpStream, fabric: &Arc<Fabric>, peer: &str, dial: Dial) -> Result<FabricLink> {
-        wire::write_frame(&mut stream, &Frame::FabricHello { provider: fabric.provider.clone() }, &[])?;
-        let (rails, virt_addr): (Vec<Vec<u8>>, bool) = match wire::read_frame(&mut stream)? {
+        frame_io::write_frame(&mut stream, &Frame::FabricHello { provider: fabric.provider.clone() }, &[])?;
+        let (rails, virt_addr): (Vec<Vec<u8>>, bool) = match frame_io::read_frame(&mut stream)? {
             Some(Frame::FabricWelcome { provider, rails, virt_addr }) => {
                 if provider != fabric.provider || rails.is_empty() {
                     return Err(Error::Protocol(format!(
@@ -172,8 +174,8 @@ impl FabricLink {
                 return Err(Error::PeerDisconnected { peer: self.peer.to_string(), reason });
             }
             let mut stream = self.stream.lock();
-            let asked = wire::write_frame(&mut *stream, &Frame::FabricKeys { regions: missing.clone() }, &[])
-                .and_then(|()| wire::read_frame(&mut *stream));
+            let asked = frame_io::write_frame(&mut *stream, &Frame::FabricKeys { regions: missing.clone() }, &[])
+                .and_then(|()| frame_io::read_frame(&mut *stream));
             let peer_rails = self.peer_rails;
             match asked {
                 Ok(Some(Frame::FabricKeysReply { keys, error: None }))
@@ -279,7 +281,7 @@ fn wait_for_hangup(stream: &TcpStream) {
 /// requests and copies until the initiator closes.
 pub fn serve_fabric(mut stream: TcpStream, registry: &Registry, fabric: Option<&Fabric>, from: &str) -> Result<()> {
     let mut docks: Option<Docks> = None;
-    while let Some(frame) = wire::read_frame(&mut stream)? {
+    while let Some(frame) = frame_io::read_frame(&mut stream)? {
         let reply = match (frame, fabric) {
             (Frame::FabricHello { .. }, None) => {
                 Frame::Refused { reason: "this agent has no fabric transport open".into() }
@@ -320,7 +322,7 @@ pub fn serve_fabric(mut stream: TcpStream, registry: &Registry, fabric: Option<&
                 return Err(Error::Protocol(format!("fabric: unexpected {other:?} from '{from}'")));
             }
         };
-        wire::write_frame(&mut stream, &reply, &[])?;
+        frame_io::write_frame(&mut stream, &reply, &[])?;
     }
     Ok(())
 }
@@ -359,9 +361,9 @@ fn region_keys(registry: &Registry, fabric: &Fabric, regions: &[u64]) -> Result<
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::memory::MemKind;
     use crate::transport::fabric::{dock, FabricConfig};
-    use crate::wire::Seg;
+    use freight_proto::frame::Seg;
+    use freight_proto::region::MemKind;
     use std::net::TcpListener;
 
     /// libfabric's tcp provider on loopback, or `None` (and why) where it is missing.
@@ -371,8 +373,8 @@ mod tests {
     }
 
     fn ask(stream: &mut TcpStream, frame: Frame) -> Option<Frame> {
-        wire::write_frame(stream, &frame, &[]).unwrap();
-        wire::read_frame(stream).unwrap()
+        frame_io::write_frame(stream, &frame, &[]).unwrap();
+        frame_io::read_frame(stream).unwrap()
     }
 
     /// The target side answers what it may and refuses the rest: no fabric open, private
@@ -430,7 +432,7 @@ mod tests {
                         );
                     }
                 }
-                wire::write_frame(&mut client, &Frame::Wake, &[]).unwrap();
+                frame_io::write_frame(&mut client, &Frame::Wake, &[]).unwrap();
                 let ended = served.join().unwrap();
                 assert!(matches!(ended, Err(Error::Protocol(m)) if m.contains("unexpected")));
             });
@@ -585,13 +587,13 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         std::thread::spawn(move || {
             let (mut stream, _) = listener.accept().unwrap();
-            let _hello = wire::read_frame(&mut stream).unwrap();
-            wire::write_frame(&mut stream, &welcome, &[]).unwrap();
+            let _hello = frame_io::read_frame(&mut stream).unwrap();
+            frame_io::write_frame(&mut stream, &welcome, &[]).unwrap();
             for reply in replies {
-                if wire::read_frame(&mut stream).ok().flatten().is_none() {
+                if frame_io::read_frame(&mut stream).ok().flatten().is_none() {
                     return;
                 }
-                wire::write_frame(&mut stream, &reply, &[]).unwrap();
+                frame_io::write_frame(&mut stream, &reply, &[]).unwrap();
             }
         });
         addr

@@ -18,14 +18,12 @@
 //!
 //! Memory the provider cannot register is staged. Local GPU memory passes through the
 //! rail's own pinned buffers ([`staging`]); the peer's GPU memory through landing
-//! buffers the peer lends and copies in and out of when told to ([`pipeline`],
-//! [`relay`], [`dock`]).
+//! buffers the peer lends and copies in and out of when told to
+//! ([`freight_proto::fabric::pipeline`], [`relay`], [`dock`]).
 
-mod backlog;
 mod dock;
 pub mod ffi;
 pub mod link;
-pub mod pipeline;
 pub mod progress;
 pub mod rail;
 pub mod relay;
@@ -33,14 +31,15 @@ mod staging;
 
 use std::sync::Arc;
 
-use crate::cuda::driver::Device;
-use crate::error::{invalid, Error, Result};
-use crate::memory::{MemKind, RegionInfo};
-use crate::plan::{chunk_ops, Op};
 use crate::tracker::{Finisher, Tracker};
-use crate::transport::{staged, OpKind};
-use crate::wire::Seg;
+use crate::transport::staged;
 use ffi::Lib;
+use freight_cuda::driver::Device;
+use freight_proto::error::{invalid, Error, Result};
+use freight_proto::frame::Seg;
+use freight_proto::op::OpKind;
+use freight_proto::plan::{chunk_ops, Op};
+use freight_proto::region::{MemKind, RegionInfo};
 use progress::{Done, Work, Worker};
 use rail::{DomainInfo, InfoList, Rail, Wants};
 use relay::{Job, Part};

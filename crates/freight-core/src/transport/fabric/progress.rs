@@ -15,14 +15,14 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{unbounded, Receiver, Sender, TryRecvError};
 
-use super::backlog::{Addressed, Backlog, Offer};
 use super::ffi::{FiCqEntry, FI_EAGAIN, FI_EAVAIL, FI_ECANCELED, FI_ETIMEDOUT};
 use super::rail::Rail;
 use super::relay;
 use super::staging::Staging;
-use crate::cuda::driver::Device;
-use crate::error::{Error, Result};
 use crate::tracker::Tracker;
+use freight_cuda::driver::Device;
+use freight_proto::error::{Error, Result};
+use freight_proto::fabric::backlog::{Addressed, Backlog, Offer};
 
 /// One one-sided operation, ready to post: every address and key resolved.
 pub struct Work {

@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use parking_lot::{Mutex, RwLock};
 
 use super::ffi::*;
-use crate::error::{Error, Result};
-use crate::memory::{MemKind, RegionInfo};
+use freight_proto::error::{Error, Result};
+use freight_proto::region::{MemKind, RegionInfo};
 
 /// A list of `fi_info` from `fi_getinfo`, freed on drop.
 pub struct InfoList {

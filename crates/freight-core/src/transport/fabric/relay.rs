@@ -16,13 +16,14 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{unbounded, Receiver, Sender};
 
-use super::pipeline::{Action, Chunk, Pipeline};
 use super::progress::{Done, Work};
 use super::Fabric;
-use crate::cuda::driver::Device;
-use crate::error::{Error, Result};
+use crate::frame_io;
 use crate::tracker::Tracker;
-use crate::wire::{self, Frame, Seg};
+use freight_cuda::driver::Device;
+use freight_proto::error::{Error, Result};
+use freight_proto::fabric::pipeline::{Action, Chunk, Pipeline};
+use freight_proto::frame::{Frame, Seg};
 
 /// Docks borrowed per peer: enough chunks in flight to keep the rails busy while the
 /// peer copies others in or out of its GPU memory.
@@ -118,8 +119,8 @@ impl Relay {
         peer: Arc<str>,
     ) -> Result<Relay> {
         let size = dock_size(fabric.chunk_size);
-        wire::write_frame(&mut stream, &Frame::FabricDocks { count: DOCKS, size }, &[])?;
-        let docks: Vec<DockAddress> = match wire::read_frame(&mut stream)? {
+        frame_io::write_frame(&mut stream, &Frame::FabricDocks { count: DOCKS, size }, &[])?;
+        let docks: Vec<DockAddress> = match frame_io::read_frame(&mut stream)? {
             Some(Frame::FabricDocksReply { docks, error: None }) if docks.len() == DOCKS as usize => {
                 docks.into_iter().map(|(remote, keys)| DockAddress { remote, keys }).collect()
             }
@@ -206,7 +207,7 @@ impl Drop for Relay {
 fn read(mut stream: TcpStream, events: &Sender<Event>, peer: &str) {
     let gone = |reason: String| Error::PeerDisconnected { peer: peer.to_string(), reason };
     let closed = loop {
-        match wire::read_frame(&mut stream) {
+        match frame_io::read_frame(&mut stream) {
             Ok(Some(Frame::FabricDocked { token, error })) => {
                 let result =
                     error.map_or(Ok(()), |reason| Err(Error::RemoteRejected { peer: peer.to_string(), reason }));
@@ -322,7 +323,7 @@ impl Driver {
 
     /// Sends a `Land` or `Lift`; a failed send closes the relay.
     fn ask(&mut self, frame: Frame) {
-        if let Err(e) = wire::write_frame(&mut self.stream, &frame, &[]) {
+        if let Err(e) = frame_io::write_frame(&mut self.stream, &frame, &[]) {
             let e = Error::PeerDisconnected {
                 peer: self.peer.to_string(),
                 reason: format!("the fabric relay failed: {e}"),

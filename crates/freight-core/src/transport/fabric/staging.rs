@@ -8,10 +8,10 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use super::rail::{Mr, Rail};
-use crate::cuda::bounce::Bounce;
-use crate::cuda::driver::Device;
-use crate::error::Result;
 use crate::transport::staged::{self, Piece};
+use freight_cuda::bounce::Bounce;
+use freight_cuda::driver::Device;
+use freight_proto::error::Result;
 
 /// Buffers per rail: enough operations in flight to keep a link busy while the next
 /// one is copied.

@@ -23,14 +23,15 @@ use std::time::Duration;
 use crossbeam_channel::{bounded, unbounded, Receiver, Sender, TryRecvError};
 use parking_lot::Mutex;
 
-use crate::error::{Error, Result};
-use crate::nic::{self, Pinning};
-use crate::plan::Chunk;
+use crate::frame_io;
 use crate::tracker::Tracker;
 use crate::transport::staged::{Alternating, GpuRegions, Landing, Piece};
 use crate::transport::zerocopy::ZeroCopySocket;
-use crate::transport::OpKind;
-use crate::wire::{self, Frame, Seg};
+use freight_host::nic::{self, Pinning};
+use freight_proto::error::{Error, Result};
+use freight_proto::frame::{self, Frame, Seg};
+use freight_proto::op::OpKind;
+use freight_proto::plan::Chunk;
 
 mod serve;
 pub use serve::serve_data_stream;
@@ -318,12 +319,12 @@ fn send_loop(
             OpKind::Write => Frame::Write { tag, segs: segs_of(chunk), notif },
             OpKind::Read => Frame::Read { tag, segs: segs_of(chunk) },
         };
-        let header = wire::encode(&frame);
+        let header = frame::encode(&frame);
         let result = if staged_payload {
             // A bounce buffer is reused once this returns: no zero-copy for it.
             let mut slices = vec![IoSlice::new(&header)];
             slices.extend(payload);
-            wire::write_all_vectored(&mut sock, &mut slices)
+            frame_io::write_all_vectored(&mut sock, &mut slices)
         } else {
             zc.write_all(&mut sock, &header, &payload)
         };
@@ -391,7 +392,7 @@ fn receive_answer(
     peer: &str,
     landing: &mut Landing<Job>,
 ) -> Result<Result<()>> {
-    let frame = match wire::read_frame(sock) {
+    let frame = match frame_io::read_frame(sock) {
         Ok(Some(f)) => f,
         Ok(None) => return Err(Error::Io("the peer closed the connection".into())),
         Err(Error::Timeout(_)) => return Err(Error::Timeout("no answer from the peer within the peer timeout".into())),
@@ -418,7 +419,7 @@ fn receive_answer(
                     IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(o.local_addr as *mut u8, o.len as usize) })
                 })
                 .collect();
-            wire::read_exact_vectored(sock, &mut slices)?;
+            frame_io::read_exact_vectored(sock, &mut slices)?;
             Ok(Ok(()))
         }
         (_, other) => Err(Error::Protocol(format!("unexpected answer {other:?} for message {tag}"))),

@@ -18,12 +18,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::TcpConfig;
-use crate::cuda::bounce::Bounce;
-use crate::error::{Error, Result};
-use crate::memory::{MemKind, Region, Registry};
+use crate::frame_io;
+use crate::memory::{Region, Registry};
 use crate::transport::staged::{self, Alternating, Piece};
 use crate::transport::zerocopy::ZeroCopySocket;
-use crate::wire::{self, Frame, Seg};
+use freight_cuda::bounce::Bounce;
+use freight_proto::error::{Error, Result};
+use freight_proto::frame::{self, Frame, Seg};
+use freight_proto::region::MemKind;
 
 /// A notification that rides on a write goes to `deliver` once the payload is in place,
 /// and not at all if the write was refused.
@@ -73,7 +75,7 @@ fn serve_messages(
                 // Idle: sleep until the next message (or the end of the stream) begins,
                 // however long that takes. From its first byte on, reads time out.
                 zc.wait_readable(sock)?;
-                match wire::read_frame(sock)? {
+                match frame_io::read_frame(sock)? {
                     Some(f) => f,
                     None => return Ok(()),
                 }
@@ -97,12 +99,12 @@ fn serve_messages(
                     tracing::warn!(peer, error = %e, "refused a remote write");
                 }
                 let error = outcome.err().map(|e| e.to_string());
-                wire::write_frame(sock, &Frame::WriteAck { tag, error }, &[])?;
+                frame_io::write_frame(sock, &Frame::WriteAck { tag, error }, &[])?;
             }
             Frame::Read { tag, segs } => {
                 let mut answer = Answer::start(registry, tag, segs, &mut outgoing)?;
                 loop {
-                    let following = match answer.is_staged().then(|| wire::try_read_frame(sock)).transpose()? {
+                    let following = match answer.is_staged().then(|| frame_io::try_read_frame(sock)).transpose()? {
                         Some(Some(Frame::Read { tag, segs })) => {
                             Some(Answer::start(registry, tag, segs, &mut outgoing)?)
                         }
@@ -132,7 +134,7 @@ fn receive_write(
     segs: &[Seg],
     bounce: &mut Option<Bounce>,
 ) -> Result<Result<()>> {
-    let total = wire::seg_bytes(segs)?;
+    let total = frame::seg_bytes(segs)?;
     match check_access(registry, segs, true) {
         Ok((guards, Some(pieces))) => {
             let outcome = staged::receive(sock, bounce, &pieces, total)?;
@@ -146,7 +148,7 @@ fn receive_write(
                 .iter()
                 .map(|s| IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(s.addr as *mut u8, s.len as usize) }))
                 .collect();
-            wire::read_exact_vectored(sock, &mut slices)?;
+            frame_io::read_exact_vectored(sock, &mut slices)?;
             // Let go of the regions before acknowledging: once the initiator sees DONE,
             // this agent's owner may deregister them at once.
             drop(slices);
@@ -154,7 +156,7 @@ fn receive_write(
             Ok(Ok(()))
         }
         Err(e) => {
-            wire::discard(sock, total)?;
+            frame_io::discard(sock, total)?;
             Ok(Err(e))
         }
     }
@@ -174,7 +176,7 @@ struct Answer {
 impl Answer {
     /// Checks the access and queues the GPU copies, if any. Errors: the frame is malformed.
     fn start(registry: &Registry, tag: u64, segs: Vec<Seg>, staging: &mut Alternating) -> Result<Answer> {
-        let total = wire::seg_bytes(&segs)? as usize;
+        let total = frame::seg_bytes(&segs)? as usize;
         let access = check_access(registry, &segs, false).and_then(|(guards, pieces)| match pieces {
             Some(pieces) => Ok((guards, Some(staging.gather(&pieces)?))),
             None => Ok((guards, None)),
@@ -194,8 +196,8 @@ impl Answer {
             Ok((_guards, Some(slot))) => match staging.ready(slot, total) {
                 Ok(bytes) => {
                     // The bounce buffer is reused two answers later: an ordinary send.
-                    let header = wire::encode(&Frame::ReadData { tag, error: None });
-                    wire::write_all_vectored(sock, &mut [IoSlice::new(&header), IoSlice::new(bytes)])?;
+                    let header = frame::encode(&Frame::ReadData { tag, error: None });
+                    frame_io::write_all_vectored(sock, &mut [IoSlice::new(&header), IoSlice::new(bytes)])?;
                     None
                 }
                 Err(e) => Some(e),
@@ -206,14 +208,14 @@ impl Answer {
                     .iter()
                     .map(|s| IoSlice::new(unsafe { std::slice::from_raw_parts(s.addr as *const u8, s.len as usize) }))
                     .collect();
-                zc.write_all(sock, &wire::encode(&Frame::ReadData { tag, error: None }), &payload)?;
+                zc.write_all(sock, &frame::encode(&Frame::ReadData { tag, error: None }), &payload)?;
                 None
             }
             Err(e) => Some(e),
         };
         if let Some(e) = refused {
             tracing::warn!(peer, error = %e, "refused a remote read");
-            wire::write_frame(sock, &Frame::ReadData { tag, error: Some(e.to_string()) }, &[])?;
+            frame_io::write_frame(sock, &Frame::ReadData { tag, error: Some(e.to_string()) }, &[])?;
         }
         Ok(())
     }

@@ -101,7 +101,7 @@ impl ZeroCopySocket {
             let mut slices = Vec::with_capacity(payload.len() + 1);
             slices.push(IoSlice::new(header));
             slices.extend_from_slice(payload);
-            return crate::wire::write_all_vectored(sock, &mut slices);
+            return crate::frame_io::write_all_vectored(sock, &mut slices);
         }
         match &mut self.sender {
             Sender::Splice(pipe) => {
@@ -116,7 +116,7 @@ impl ZeroCopySocket {
                         let mut slices = payload.to_vec();
                         let mut rest = &mut slices[..];
                         IoSlice::advance_slices(&mut rest, stopped.sent);
-                        crate::wire::write_all_vectored(sock, rest)
+                        crate::frame_io::write_all_vectored(sock, rest)
                     }
                 }
             }
@@ -125,7 +125,7 @@ impl ZeroCopySocket {
     }
 
     fn send_msg_zerocopy(&mut self, sock: &mut TcpStream, header: &[u8], payload: &[IoSlice<'_>]) -> io::Result<()> {
-        crate::wire::write_all_vectored(sock, &mut [IoSlice::new(header)])?;
+        crate::frame_io::write_all_vectored(sock, &mut [IoSlice::new(header)])?;
         let mut slices = payload.to_vec();
         let mut rest = &mut slices[..];
         IoSlice::advance_slices(&mut rest, 0);
@@ -138,7 +138,7 @@ impl ZeroCopySocket {
                 // then carry on; a plain send of this piece always works.
                 Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => {
                     self.drain(sock);
-                    return crate::wire::write_all_vectored(sock, rest);
+                    return crate::frame_io::write_all_vectored(sock, rest);
                 }
                 Err(e) => return Err(e),
             }
@@ -312,7 +312,7 @@ mod tests {
         });
         // Written without draining afterwards: the reports stay queued, as after the last
         // send of a busy stream.
-        crate::wire::write_all_vectored(&mut client, &mut [IoSlice::new(b"HEAD")]).unwrap();
+        crate::frame_io::write_all_vectored(&mut client, &mut [IoSlice::new(b"HEAD")]).unwrap();
         let mut rest = [IoSlice::new(&payload)];
         let mut rest = &mut rest[..];
         while !rest.is_empty() {
