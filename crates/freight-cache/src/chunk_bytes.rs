@@ -11,11 +11,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use freight_core::{Agent, Desc, Error, MemKind, Result, SharedSegment};
 use freight_cuda::driver::{copy_sync, DeviceBuffer, Event, Stream};
 use freight_cuda::kernel::{items_of, Kernel, LaunchShape, ITEM_BYTES};
 use freight_cuda::pinned::pin;
 use freight_cuda::Device;
-use freight_core::{Agent, Desc, Error, MemKind, Result, SharedSegment};
 
 use crate::gpu_scratch;
 use crate::layout::Run;

@@ -11,10 +11,10 @@
 //! the next chunk while this one crosses PCIe, and the caller waits once, at the end
 //! ([`wait`]).
 
+use freight_core::Result;
 use freight_cuda::driver::{Event, Stream};
 use freight_cuda::kernel::{items_of, Item, Kernel, LaunchShape};
 use freight_cuda::Device;
-use freight_core::Result;
 
 use crate::chunk_bytes::{Direction, Place};
 use crate::layout::Run;

@@ -6,11 +6,11 @@ use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 
+use freight_core::{Error, Result};
 use freight_cuda::bounce::PinnedBuffer;
 use freight_cuda::driver::{DeviceBuffer, Event, Stream};
 use freight_cuda::kernel::Item;
 use freight_cuda::Device;
-use freight_core::{Error, Result};
 
 /// One `T` per GPU, made on first use. Users of one GPU's value take turns; users of
 /// different GPUs do not wait for each other (the map's own lock is held only to find

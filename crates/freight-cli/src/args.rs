@@ -398,7 +398,10 @@ fn parse_agent_token(s: &str) -> Result<String, String> {
 pub fn parse_chunk_size(s: &str) -> Result<u64, String> {
     let n = parse_positive_size(s)?;
     if n > freight_proto::frame::MAX_PAYLOAD {
-        return Err(format!("'{s}': the chunk size must be at most {}", format_size(freight_proto::frame::MAX_PAYLOAD)));
+        return Err(format!(
+            "'{s}': the chunk size must be at most {}",
+            format_size(freight_proto::frame::MAX_PAYLOAD)
+        ));
     }
     Ok(n)
 }

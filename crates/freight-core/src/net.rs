@@ -8,19 +8,9 @@ use socket2::{Domain, SockRef, Socket, TcpKeepalive, Type};
 
 use crate::frame_io;
 use freight_proto::error::{Error, Result};
-use freight_proto::frame::{self, Frame, Role, PROTOCOL_VERSION};
-
-/// Who is calling and whom they expect to reach, with what proves that they may.
-#[derive(Debug, Clone)]
-pub struct Introduction {
-    pub from_name: String,
-    pub from_id: u64,
-    pub target_id: u64,
-    /// The target's secret, from its metadata.
-    pub secret: Vec<u8>,
-    /// The target's access token, where it has one (empty otherwise).
-    pub token: Vec<u8>,
-}
+use freight_proto::frame::{self, Role};
+use freight_proto::hello;
+pub use freight_proto::hello::Introduction;
 
 /// The order in which data stream `index` tries the peer's addresses. Streams bound to
 /// a local address (one per NIC) try first the peer address that shares the longest
@@ -95,28 +85,14 @@ fn dial_one(
     let mut stream: TcpStream = socket.into();
     tune(&stream, peer_timeout)?;
     stream.set_read_timeout(Some(timeout))?;
-    let hello = Frame::Hello {
-        version: PROTOCOL_VERSION,
-        role,
-        from_name: intro.from_name.clone(),
-        from_id: intro.from_id,
-        target_id: intro.target_id,
-        secret: intro.secret.clone(),
-        token: intro.token.clone(),
-    };
-    stream.write_all(&frame::encode(&hello))?;
-    match frame_io::read_frame(&mut stream) {
-        Ok(Some(Frame::Welcome { .. })) => {}
-        Ok(Some(Frame::Refused { reason })) => {
-            return Err(Error::Auth(format!("{addr} refused the connection: {reason}")))
-        }
-        Ok(Some(other)) => return Err(Error::Protocol(format!("expected a welcome, got {other:?}"))),
-        Ok(None) => return Err(Error::Io(format!("{addr} closed the connection during the handshake"))),
+    stream.write_all(&frame::encode(&intro.hello(role)))?;
+    let answer = match frame_io::read_frame(&mut stream) {
         Err(Error::Timeout(_)) => {
             return Err(Error::Timeout(format!("{addr} did not answer the handshake within {timeout:?}")))
         }
-        Err(e) => return Err(e),
-    }
+        answer => answer?,
+    };
+    hello::dialler_reads(role, answer, &addr.to_string())?;
     stream.set_read_timeout(None)?;
     Ok(stream)
 }
@@ -128,22 +104,9 @@ pub fn fetch_metadata(addr: &str, token: &[u8], timeout: Duration) -> Result<Vec
     let mut stream =
         TcpStream::connect_timeout(&sa, timeout).map_err(|e| Error::Io(format!("cannot connect to {addr}: {e}")))?;
     stream.set_read_timeout(Some(timeout))?;
-    let hello = Frame::Hello {
-        version: PROTOCOL_VERSION,
-        role: Role::Metadata,
-        from_name: String::new(),
-        from_id: 0,
-        target_id: 0,
-        secret: Vec::new(),
-        token: token.to_vec(),
-    };
-    stream.write_all(&frame::encode(&hello))?;
-    match frame_io::read_frame(&mut stream)? {
-        Some(Frame::Metadata { bytes }) => Ok(bytes),
-        Some(Frame::Refused { reason }) => Err(Error::Auth(format!("{addr} refused the metadata request: {reason}"))),
-        Some(other) => Err(Error::Protocol(format!("expected metadata, got {other:?}"))),
-        None => Err(Error::Io(format!("{addr} closed the connection without answering"))),
-    }
+    stream.write_all(&frame::encode(&Introduction::for_metadata(token).hello(Role::Metadata)))?;
+    let bytes = hello::dialler_reads(Role::Metadata, frame_io::read_frame(&mut stream)?, addr)?;
+    Ok(bytes.expect("a metadata request's answer is the metadata"))
 }
 
 /// Probes of a silent connection before it is given up.
@@ -165,13 +128,6 @@ pub fn tune(stream: &TcpStream, peer_timeout: Duration) -> Result<()> {
         .with_retries(KEEPALIVE_PROBES);
     SockRef::from(stream).set_tcp_keepalive(&keepalive)?;
     Ok(())
-}
-
-/// Whether two secrets (tokens, keys) are equal, compared in time independent of where
-/// they differ, so that one cannot be guessed byte by byte. Every secret of the project
-/// is compared with this.
-pub fn same_secret(a: &[u8], b: &[u8]) -> bool {
-    subtle::ConstantTimeEq::ct_eq(a, b).into()
 }
 
 #[cfg(test)]

@@ -7,6 +7,7 @@ use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread;
+use std::time::Instant;
 
 use parking_lot::Mutex;
 
@@ -14,11 +15,12 @@ use crate::agent::AgentInner;
 use crate::frame_io;
 use crate::inbox::{ControlWriter, Inbox, Inboxes};
 use crate::memory::Registry;
-use crate::net::{same_secret, tune};
+use crate::net::tune;
 use crate::transport::fabric::serve_fabric;
 use crate::transport::tcp::serve_data_stream;
 use freight_proto::error::{Error, Result};
-use freight_proto::frame::{self, Frame, Role, PROTOCOL_VERSION};
+use freight_proto::frame::{self, Frame, Role};
+use freight_proto::hello::{self, Gate, Verdict};
 
 /// An inbound connection, and the agent that opened it once its hello is taken.
 type Inbound = (TcpStream, Option<String>);
@@ -56,7 +58,7 @@ impl Throttle {
     const EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
     fn new() -> Throttle {
-        Throttle { start: std::time::Instant::now(), last: AtomicU64::new(u64::MAX), held_back: AtomicU64::new(0) }
+        Throttle { start: Instant::now(), last: AtomicU64::new(u64::MAX), held_back: AtomicU64::new(0) }
     }
 
     /// `Some(n)`: log this event, and say that `n` events like it were held back since
@@ -274,7 +276,7 @@ fn accept_loop(listener: TcpListener, agent: Weak<AgentInner>) {
             return;
         }
         let Some(handshake) = Handshake::begin(&a.server.handshakes) else {
-            if let Some(held_back) = a.server.refusals.let_through(std::time::Instant::now()) {
+            if let Some(held_back) = a.server.refusals.let_through(Instant::now()) {
                 tracing::warn!(
                     most = MAX_HANDSHAKES,
                     held_back,
@@ -313,64 +315,46 @@ fn serving(agent: &Weak<AgentInner>) -> Result<Arc<AgentInner>> {
 }
 
 fn serve_connection(mut stream: TcpStream, agent: &Weak<AgentInner>, id: u64, handshake: Handshake) -> Result<()> {
-    let (timeout, peer_timeout, access, serve_metadata, secret, my_id) = {
+    let (timeout, peer_timeout, token, serve_metadata, secret, my_id) = {
         let a = serving(agent)?;
         let c = &a.config;
         (c.connect_timeout, c.peer_timeout, c.token.clone(), c.serve_metadata, a.secret, a.id)
-    };
-    // Logged, at most once a second: whoever fails to authenticate.
-    let refused = |why: &str, from_name: &str, role: Role, stream: &TcpStream| {
-        let Some(a) = agent.upgrade() else { return };
-        if let Some(held_back) = a.server.refusals.let_through(std::time::Instant::now()) {
-            let from = stream.peer_addr().ok();
-            tracing::warn!(?from_name, ?from, ?role, held_back, "refused a connection: {why}");
-        }
     };
     tune(&stream, peer_timeout)?;
     // Unauthenticated so far: a bounded hello that must arrive whole within the connect
     // timeout (not merely byte by byte), and answers that cannot block for ever.
     stream.set_write_timeout(Some(peer_timeout))?;
-    let hello = frame_io::read_frame_within(&mut Deadline::after(&stream, timeout), frame::MAX_HELLO)?;
+    let first = frame_io::read_frame_within(&mut Deadline::after(&stream, timeout), frame::MAX_HELLO)?;
     drop(handshake);
-    let Some(Frame::Hello { version, role, from_name, target_id, secret: presented, token, .. }) = hello else {
-        return refuse(&mut stream, "expected a hello");
+    let said = match &first {
+        Some(Frame::Hello { from_name, role, .. }) => Some((from_name.clone(), *role)),
+        _ => None,
     };
-    if version != PROTOCOL_VERSION {
-        return refuse(
-            &mut stream,
-            &format!("protocol version {version} is not supported (this agent speaks {PROTOCOL_VERSION})"),
-        );
-    }
-    // The token first, whatever the connection is for: without it nothing is answered,
-    // not even the metadata (whose secret opens the other connections).
-    if let Some(t) = access {
-        if !same_secret(&t, &token) {
-            refused("without this agent's token", &from_name, role, &stream);
-            let why = if token.is_empty() { "no token was presented" } else { "the token presented is wrong" };
-            return refuse(&mut stream, &format!("this agent requires a token and {why}"));
+    let gate = Gate { agent_id: my_id, secret: &secret, token: token.as_deref(), serve_metadata };
+    let verdict = hello::judge(&gate, first);
+    let (role, from_name) = match &verdict {
+        Verdict::Admit { role, from } => (*role, from.clone()),
+        Verdict::Metadata => {
+            let bytes = serving(agent)?.metadata_bytes();
+            return frame_io::write_frame(&mut stream, &hello::answer(&gate, &verdict, || bytes), &[]);
         }
-    }
-    if role == Role::Metadata {
-        if !serve_metadata {
-            return refuse(&mut stream, "this agent does not hand out its metadata on its listener");
+        Verdict::Refuse { reason, unauthenticated } => {
+            if *unauthenticated {
+                // Logged, at most once a second: whoever fails to authenticate.
+                if let Some(held_back) = agent.upgrade().and_then(|a| a.server.refusals.let_through(Instant::now())) {
+                    let (from_name, role) = said.unzip();
+                    let from = stream.peer_addr().ok();
+                    tracing::warn!(?from_name, ?from, ?role, held_back, "refused a connection: {reason}");
+                }
+            }
+            return refuse(&mut stream, reason);
         }
-        let a = serving(agent)?;
-        let bytes = a.metadata_bytes();
-        drop(a);
-        return frame_io::write_frame(&mut stream, &Frame::Metadata { bytes }, &[]);
-    }
-    if !same_secret(&secret, &presented) {
-        refused("a wrong secret", &from_name, role, &stream);
-        return refuse(&mut stream, "wrong secret");
-    }
-    if target_id != my_id {
-        return refuse(&mut stream, "stale metadata: this agent was restarted; fetch its metadata again");
-    }
+    };
     match serving(agent) {
         Ok(a) => a.server.name(id, &from_name),
         Err(_) => return refuse(&mut stream, "the agent is closed"),
     }
-    frame_io::write_frame(&mut stream, &Frame::Welcome { agent_id: my_id }, &[])?;
+    frame_io::write_frame(&mut stream, &hello::answer(&gate, &verdict, Vec::new), &[])?;
     stream.set_read_timeout(None)?;
     match role {
         Role::Control => serve_control(stream, agent, &from_name, id),
@@ -386,7 +370,7 @@ fn serve_connection(mut stream: TcpStream, agent: &Weak<AgentInner>, id: u64, ha
             let a = serving(agent)?;
             serve_fabric(stream, &a.registry, a.fabric.as_deref(), &from_name)
         }
-        Role::Metadata => unreachable!("handled above"),
+        Role::Metadata => unreachable!("a metadata request is answered above, never admitted"),
     }
 }
 
@@ -404,7 +388,7 @@ impl<'a> Deadline<'a> {
 
 impl std::io::Read for Deadline<'_> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        let left = self.at.saturating_duration_since(std::time::Instant::now());
+        let left = self.at.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "the hello did not arrive in time"));
         }

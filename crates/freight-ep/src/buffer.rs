@@ -15,12 +15,12 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use cudarc::driver::sys as cu;
+use freight_core::{Error, Result};
 use freight_cuda::bounce::PinnedBuffer;
 use freight_cuda::driver::{check, Device, DeviceBuffer};
 use freight_cuda::ipc::{self, ImportCache, Imported};
-use freight_proto::region::GpuLocation;
 use freight_proto::metadata::HostIdentity;
-use freight_core::{Error, Result};
+use freight_proto::region::GpuLocation;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 

@@ -6,9 +6,9 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use cudarc::driver::sys as cu;
+use freight_core::Result;
 use freight_cuda::driver::Device;
 use freight_cuda::nvrtc::{Function, Module};
-use freight_core::Result;
 
 use crate::layout::Shape;
 
@@ -366,9 +366,8 @@ mod tests {
             return;
         }
         for arch in ["sm_90", "sm_80"] {
-            let (cubin, log) =
-                freight_cuda::nvrtc::compile(FILE_NAME, SOURCE, arch, &["--ptxas-options=--verbose"])
-                    .unwrap_or_else(|e| panic!("{arch}: {e}"));
+            let (cubin, log) = freight_cuda::nvrtc::compile(FILE_NAME, SOURCE, arch, &["--ptxas-options=--verbose"])
+                .unwrap_or_else(|e| panic!("{arch}: {e}"));
             for name in [
                 "ep_quantize_fp8",
                 "ep_layout",

@@ -14,10 +14,10 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use freight_cuda::driver::{Device, DeviceBuffer};
 use freight_core::{
     Agent, AgentConfig, Desc, DescList, Error, MemKind, OpKind, Request, Result, Status, TransportKind,
 };
+use freight_cuda::driver::{Device, DeviceBuffer};
 
 use crate::layout::Shape;
 use crate::rendezvous::{dead_error, Group, RENDEZVOUS_LOST};

@@ -6,11 +6,11 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use freight_proto::region::MemKind;
+use freight_kv::wire::{Buffer, FailCode, Outcome, Reply, Request};
+use freight_proto::frame::{self, Frame, Role, Seg};
 use freight_proto::metadata::{AgentMetadata, HostIdentity};
 use freight_proto::notif_ring::{Producer, HEADER};
-use freight_proto::frame::{self, Frame, Role, Seg};
-use freight_kv::wire::{Buffer, FailCode, Outcome, Reply, Request};
+use freight_proto::region::MemKind;
 use freight_stream::proto::{Msg, WireSlot};
 use freight_stream::BufferInfo;
 

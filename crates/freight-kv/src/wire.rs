@@ -28,8 +28,8 @@
 
 use std::ops::Range;
 
-use freight_proto::frame::MAX_NOTIF;
 use freight_core::{Desc, Error, MemKind, Result};
+use freight_proto::frame::MAX_NOTIF;
 use serde::{Deserialize, Serialize};
 
 /// The first bytes of every data-plane message.

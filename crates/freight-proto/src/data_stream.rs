@@ -9,9 +9,14 @@
 //! [`Message::parse`] (`freight_core::transport::tcp`).
 //!
 //! Invariants (tested here, and through a simulated link in [`crate::pair`]):
-//! - every message sent is given back exactly once: answered ([`Initiator::receive`])
-//!   or failed with its stream ([`Initiator::fail`]);
-//! - at most the window of messages awaits its answer at once ([`Initiator::has_room`]);
+//! - a message is framed ([`Initiator::send`]) and, once it is on the wire, awaits its
+//!   answer ([`Initiator::sent`]); the caller's `J` joins it only then, so nothing that
+//!   fails the stream meanwhile can finish a message whose bytes are still being written;
+//! - every message given to [`Initiator::sent`] comes back exactly once: answered
+//!   ([`Initiator::receive`]) or failed with its stream ([`Initiator::fail`]), or at once
+//!   where the stream failed while it was written;
+//! - at most the window of messages is in flight at once, being written or awaiting its
+//!   answer ([`Initiator::has_room`]);
 //! - answers come in the order of the messages, with their tags; an answer that is not
 //!   the one expected next leaves the stream out of step, and the stream (with every
 //!   message awaiting an answer on it) fails;
@@ -33,8 +38,10 @@ use crate::plan::Chunk;
 pub struct Initiator<J> {
     peer: String,
     window: usize,
-    /// The tag of the last message sent (tags start at 1).
+    /// The tag of the last message framed (tags start at 1).
     last_tag: u64,
+    /// Messages framed and not yet on the wire (the sender writes one at a time).
+    writing: usize,
     awaiting: VecDeque<Awaited<J>>,
     /// Why the stream failed, once it has: later messages fail at once.
     dead: Option<String>,
@@ -47,6 +54,16 @@ struct Awaited<J> {
     /// The payload a READ's answer brings.
     len: u64,
     job: J,
+}
+
+/// A message framed by [`Initiator::send`] and being written: hand it to
+/// [`Initiator::sent`] once it is on the wire.
+#[derive(Debug)]
+#[must_use = "a framed message takes a place in the window until it is sent"]
+pub struct Outgoing {
+    tag: u64,
+    op: OpKind,
+    len: u64,
 }
 
 /// What an answer's header means for the message it answers.
@@ -63,13 +80,20 @@ impl<J> Initiator<J> {
     /// A stream to `peer` (named in errors) with up to `window` messages awaiting
     /// answers (at least one).
     pub fn new(peer: impl Into<String>, window: usize) -> Self {
-        Initiator { peer: peer.into(), window: window.max(1), last_tag: 0, awaiting: VecDeque::new(), dead: None }
+        Initiator {
+            peer: peer.into(),
+            window: window.max(1),
+            last_tag: 0,
+            writing: 0,
+            awaiting: VecDeque::new(),
+            dead: None,
+        }
     }
 
     /// Whether a message may be sent now: the window has room (or the stream failed,
     /// and sending fails at once rather than wait).
     pub fn has_room(&self) -> bool {
-        self.dead.is_some() || self.awaiting.len() < self.window
+        self.dead.is_some() || self.writing + self.awaiting.len() < self.window
     }
 
     /// How many messages await their answers.
@@ -88,29 +112,39 @@ impl<J> Initiator<J> {
 
     /// Frames one message: a WRITE of `segs` (whose bytes follow the header as its
     /// payload), carrying `notif` where it is the request's whole transfer, or a READ
-    /// of them. Its answer is awaited from here on, and `job` comes back with it. The
-    /// caller checks [`Initiator::has_room`] first. Fails, giving `job` back, on a
-    /// failed stream or a message no target would take.
-    pub fn send(&mut self, op: OpKind, segs: Vec<Seg>, notif: Option<Vec<u8>>, job: J) -> Result<Frame, (J, Error)> {
+    /// of them. The caller checks [`Initiator::has_room`] first, writes the frame (and
+    /// a WRITE's payload), then hands the message to [`Initiator::sent`]. Fails on a
+    /// failed stream or a message no target would take; then nothing was framed.
+    pub fn send(&mut self, op: OpKind, segs: Vec<Seg>, notif: Option<Vec<u8>>) -> Result<(Frame, Outgoing)> {
+        if let Some(reason) = &self.dead {
+            return Err(self.disconnected(&reason.clone()));
+        }
+        if notif.is_some() && op == OpKind::Read {
+            return Err(Error::InvalidArgument("a notification rides on a WRITE only".into()));
+        }
+        let len = seg_bytes(&segs)?;
+        debug_assert!(self.writing + self.awaiting.len() < self.window, "sent beyond the window");
+        self.last_tag += 1;
+        self.writing += 1;
+        let tag = self.last_tag;
+        let frame = match op {
+            OpKind::Write => Frame::Write { tag, segs, notif },
+            OpKind::Read => Frame::Read { tag, segs },
+        };
+        Ok((frame, Outgoing { tag, op, len: if op == OpKind::Read { len } else { 0 } }))
+    }
+
+    /// The message is on the wire: its answer is awaited from here on, and `job` comes
+    /// back with it. Where the stream failed while it was written, `job` comes back at
+    /// once, with the error it fails with.
+    pub fn sent(&mut self, message: Outgoing, job: J) -> Result<(), (J, Error)> {
+        self.writing -= 1;
         if let Some(reason) = &self.dead {
             return Err((job, self.disconnected(&reason.clone())));
         }
-        if notif.is_some() && op == OpKind::Read {
-            return Err((job, Error::InvalidArgument("a notification rides on a WRITE only".into())));
-        }
-        let len = match seg_bytes(&segs) {
-            Ok(n) => n,
-            Err(e) => return Err((job, e)),
-        };
-        debug_assert!(self.awaiting.len() < self.window, "sent beyond the window");
-        self.last_tag += 1;
-        let tag = self.last_tag;
-        let (frame, len) = match op {
-            OpKind::Write => (Frame::Write { tag, segs, notif }, 0),
-            OpKind::Read => (Frame::Read { tag, segs }, len),
-        };
+        let Outgoing { tag, op, len } = message;
         self.awaiting.push_back(Awaited { tag, op, len, job });
-        Ok(frame)
+        Ok(())
     }
 
     /// The header of the next answer arrived: which message it answers, and what
@@ -214,13 +248,27 @@ mod tests {
         vec![Seg { region: 1, addr: 4096, len }]
     }
 
+    /// Frames a message and puts it on the wire at once; its tag.
+    fn send<J: std::fmt::Debug>(
+        s: &mut Initiator<J>,
+        op: OpKind,
+        segs: Vec<Seg>,
+        notif: Option<Vec<u8>>,
+        job: J,
+    ) -> u64 {
+        let (frame, out) = s.send(op, segs, notif).unwrap();
+        s.sent(out, job).unwrap();
+        match frame {
+            Frame::Write { tag, .. } | Frame::Read { tag, .. } => tag,
+            other => panic!("{other:?}"),
+        }
+    }
+
     #[test]
     fn answers_settle_their_messages_in_order_and_reads_bring_their_data() {
         let mut s = Initiator::new("p", 3);
-        let Frame::Write { tag: w, .. } = s.send(OpKind::Write, seg(10), Some(b"n".to_vec()), "w").unwrap() else {
-            panic!()
-        };
-        let Frame::Read { tag: r, .. } = s.send(OpKind::Read, seg(20), None, "r").unwrap() else { panic!() };
+        let w = send(&mut s, OpKind::Write, seg(10), Some(b"n".to_vec()), "w");
+        let r = send(&mut s, OpKind::Read, seg(20), None, "r");
         assert!(w < r && s.awaiting() == 2 && s.has_room());
         assert_eq!(s.receive(write_ack(w, &Ok(()))).unwrap(), Answer::Settled { job: "w", result: Ok(()) });
         assert_eq!(s.receive(read_data(r, &Ok(()))).unwrap(), Answer::Data { job: "r", len: 20 });
@@ -230,13 +278,7 @@ mod tests {
     #[test]
     fn a_refusal_fails_its_message_only() {
         let mut s = Initiator::new("p", 4);
-        let tags: Vec<u64> = ["a", "b", "c"]
-            .into_iter()
-            .map(|j| match s.send(OpKind::Read, seg(1), None, j).unwrap() {
-                Frame::Read { tag, .. } => tag,
-                _ => unreachable!(),
-            })
-            .collect();
+        let tags: Vec<u64> = ["a", "b", "c"].into_iter().map(|j| send(&mut s, OpKind::Read, seg(1), None, j)).collect();
         let refused = Err(Error::OutOfBounds { addr: 1, len: 2, region_addr: 3, region_len: 4 });
         assert_eq!(s.receive(read_data(tags[0], &Ok(()))).unwrap(), Answer::Data { job: "a", len: 1 });
         match s.receive(read_data(tags[1], &refused)).unwrap() {
@@ -253,9 +295,12 @@ mod tests {
     #[test]
     fn the_window_bounds_the_messages_awaiting_answers() {
         let mut s = Initiator::new("p", 2);
-        s.send(OpKind::Write, seg(1), None, 1).unwrap();
+        send(&mut s, OpKind::Write, seg(1), None, 1);
         assert!(s.has_room());
-        s.send(OpKind::Write, seg(1), None, 2).unwrap();
+        // A message being written takes its place too.
+        let (_, out) = s.send(OpKind::Write, seg(1), None).unwrap();
+        assert!(!s.has_room());
+        s.sent(out, 2).unwrap();
         assert!(!s.has_room());
         assert!(matches!(s.receive(write_ack(1, &Ok(()))).unwrap(), Answer::Settled { job: 1, .. }));
         assert!(s.has_room());
@@ -271,7 +316,7 @@ mod tests {
         ] {
             let mut s = Initiator::new("p", 4);
             for j in 0..3 {
-                s.send(OpKind::Write, seg(1), None, j).unwrap();
+                send(&mut s, OpKind::Write, seg(1), None, j);
             }
             let e = s.receive(wrong).unwrap_err();
             assert!(matches!(e, Error::Protocol(_)), "{e}");
@@ -280,8 +325,8 @@ mod tests {
             assert!(failed.iter().all(|(_, e)| matches!(e, Error::PeerDisconnected { peer, .. } if peer == "p")));
             // Dead from here on: nothing is sent or answered, and the first reason stays.
             assert!(s.has_room());
-            let (job, e) = s.send(OpKind::Read, seg(1), None, 9).unwrap_err();
-            assert!(job == 9 && matches!(&e, Error::PeerDisconnected { reason, .. } if reason.contains("unexpected")));
+            let e = s.send(OpKind::Read, seg(1), None).unwrap_err();
+            assert!(matches!(&e, Error::PeerDisconnected { reason, .. } if reason.contains("unexpected")));
             assert!(s.fail("later").is_empty());
             assert!(s.dead().unwrap().contains("unexpected"));
             assert!(s.receive(write_ack(1, &Ok(()))).is_err());
@@ -291,12 +336,27 @@ mod tests {
     }
 
     #[test]
-    fn messages_no_target_takes_are_refused_before_they_are_sent() {
+    fn a_stream_that_fails_while_a_message_is_written_gives_its_job_back_once_written() {
         let mut s = Initiator::new("p", 2);
+        send(&mut s, OpKind::Write, seg(1), None, "first");
+        let (_, out) = s.send(OpKind::Write, seg(1), None).unwrap();
+        // Failing the stream finishes what awaits answers, but not the message whose
+        // bytes are still being written: its memory stays in use until then.
+        let failed = s.fail("reset");
+        assert_eq!(failed.iter().map(|(j, _)| *j).collect::<Vec<_>>(), vec!["first"]);
+        let (job, e) = s.sent(out, "second").unwrap_err();
+        assert!(job == "second" && matches!(e, Error::PeerDisconnected { reason, .. } if reason == "reset"));
+        assert!(s.has_room() && s.awaiting() == 0);
+    }
+
+    #[test]
+    fn messages_no_target_takes_are_refused_before_they_are_sent() {
+        let mut s = Initiator::<u8>::new("p", 2);
         let too_long = vec![Seg { region: 1, addr: 0, len: crate::frame::MAX_PAYLOAD + 1 }];
-        assert!(matches!(s.send(OpKind::Write, too_long, None, 1), Err((1, Error::Protocol(_)))));
-        assert!(matches!(s.send(OpKind::Read, seg(1), Some(vec![1]), 2), Err((2, Error::InvalidArgument(_)))));
+        assert!(matches!(s.send(OpKind::Write, too_long, None), Err(Error::Protocol(_))));
+        assert!(matches!(s.send(OpKind::Read, seg(1), Some(vec![1])), Err(Error::InvalidArgument(_))));
         assert_eq!(s.awaiting(), 0);
+        assert_eq!(s.writing, 0, "nothing was framed");
         assert!(s.dead().is_none(), "the stream is untouched");
     }
 

@@ -317,15 +317,20 @@ impl Pair {
                 OpKind::Read => Vec::new(),
             };
             let (op, notif) = (req.op, req.notif.clone());
-            match self.streams[s].0.machine.send(op, segs, notif, job) {
-                Ok(header) => {
-                    assert!(self.streams[s].0.machine.awaiting() <= WINDOW_MOST, "beyond the window");
-                    if !self.lost {
-                        self.streams[s].2.write(&header, &payload);
-                    }
+            let (header, out) = match self.streams[s].0.machine.send(op, segs, notif) {
+                Ok(framed) => framed,
+                Err(e) => {
+                    self.report(job, Err(e));
+                    continue;
                 }
-                Err((job, e)) => self.report(job, Err(e)),
+            };
+            if !self.lost {
+                self.streams[s].2.write(&header, &payload);
             }
+            if let Err((job, e)) = self.streams[s].0.machine.sent(out, job) {
+                self.report(job, Err(e));
+            }
+            assert!(self.streams[s].0.machine.awaiting() <= WINDOW_MOST, "beyond the window");
         }
     }
 

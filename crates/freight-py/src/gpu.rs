@@ -27,8 +27,8 @@ pub fn compile_copy_kernel(py: Python<'_>, arch: &str) -> PyResult<usize> {
 #[pyfunction]
 #[pyo3(signature = (device = 0))]
 pub fn copy_kernel_occupancy(py: Python<'_>, device: usize) -> PyResult<HashMap<(String, u32), u32>> {
-    use freight_cuda::kernel::{Kernel, THREADS};
     use freight_core::{KernelMode, LaunchShape};
+    use freight_cuda::kernel::{Kernel, THREADS};
     py.detach(|| {
         let kernel = Kernel::on(freight_cuda::Device::get(device)?)?;
         let mut out = HashMap::new();

@@ -14,8 +14,8 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crossbeam_channel::{Receiver, RecvTimeoutError};
-use freight_cuda::driver::CopyBatch;
 use freight_core::{interrupt, Desc, DescList, Error, MemKind, Result};
+use freight_cuda::driver::CopyBatch;
 use serde::{Deserialize, Serialize};
 
 use crate::layout;

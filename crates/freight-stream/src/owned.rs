@@ -11,9 +11,9 @@
 use std::collections::HashMap;
 use std::sync::OnceLock;
 
+use freight_core::{Error, MemKind, Result};
 use freight_cuda::driver::{CopyBatch, DeviceBuffer};
 use freight_cuda::Device;
-use freight_core::{Error, MemKind, Result};
 use parking_lot::Mutex;
 
 /// Host memory the pool keeps for reuse.

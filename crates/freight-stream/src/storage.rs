@@ -36,8 +36,8 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use freight_cuda::driver::CopyBatch;
 use freight_core::{interrupt, Error, Result};
+use freight_cuda::driver::CopyBatch;
 use parking_lot::{Condvar, Mutex};
 use serde::Serialize;
 

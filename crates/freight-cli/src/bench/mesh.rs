@@ -16,8 +16,8 @@ use std::process::{Child, ChildStdin, ChildStdout, Stdio};
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use freight_cuda::driver::{self, DeviceBuffer};
 use freight_core::{Agent, Desc, DescList, MemKind, OpKind, SharedSegment, Status};
+use freight_cuda::driver::{self, DeviceBuffer};
 use serde::{Deserialize, Serialize};
 
 use crate::args::{format_size, parse_duration, CliError, CliResult, EngineOpts};

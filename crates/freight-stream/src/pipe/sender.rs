@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::Receiver;
-use freight_proto::frame::MAX_NOTIF;
 use freight_core::{interrupt, Agent, Desc, DescList, Error, OpKind, PreparedList, Request, Result, Status};
+use freight_proto::frame::MAX_NOTIF;
 use parking_lot::Mutex;
 
 use super::{align_up, deadline_after, wait_message, window_error, BufferInfo, PipeConfig, REASON_WAIT};

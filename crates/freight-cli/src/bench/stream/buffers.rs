@@ -3,9 +3,9 @@
 
 use std::sync::Arc;
 
+use freight_core::{Agent, Desc, MemKind, SharedSegment};
 use freight_cuda::driver::{copy_sync, DeviceBuffer};
 use freight_cuda::Device as Gpu;
-use freight_core::{Agent, Desc, MemKind, SharedSegment};
 
 use crate::args::{CliError, CliResult};
 use crate::pattern;

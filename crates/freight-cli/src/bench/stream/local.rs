@@ -7,10 +7,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use freight_cache::{CacheConfig, CacheEngine};
+use freight_core::Agent;
 use freight_cuda::bounce::PinnedBuffer;
 use freight_cuda::driver::{copy_sync, DeviceBuffer};
 use freight_cuda::Device as Gpu;
-use freight_core::Agent;
 use serde_json::json;
 
 use super::buffers::{check, Device, Memory};

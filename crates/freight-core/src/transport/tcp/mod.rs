@@ -3,9 +3,12 @@
 //! memory directly (writev/readv, no staging copy; large payloads leave without a copy
 //! at all, see [`super::zerocopy`]).
 //!
-//! Each stream has a sender thread (takes chunks, writes requests) and a receiver thread
-//! (reads the answers). A stream's answers come back in order, so the receiver learns
-//! what to expect from a bounded queue the sender fills: its capacity is the window.
+//! Each stream has a sender thread (takes chunks, writes messages) and a receiver
+//! thread (reads the answers). Their bookkeeping is one [`Initiator`] per stream, which
+//! both share under a lock: tags, the window of messages in flight, which message an
+//! answer settles, and what a failed stream fails (the protocol's state machine,
+//! [`freight_proto::data_stream`]). The threads do the I/O and wait for each other
+//! through it: the sender for room in the window, the receiver for a message to await.
 //!
 //! GPU memory, on either side, passes through pinned bounce buffers (see
 //! [`super::staged`]); such payloads are sent with ordinary copies, since a bounce
@@ -20,16 +23,17 @@ use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
 
-use crossbeam_channel::{bounded, unbounded, Receiver, Sender, TryRecvError};
-use parking_lot::Mutex;
+use crossbeam_channel::{unbounded, Receiver, Sender};
+use parking_lot::{Condvar, Mutex};
 
 use crate::frame_io;
 use crate::tracker::Tracker;
 use crate::transport::staged::{Alternating, GpuRegions, Landing, Piece};
 use crate::transport::zerocopy::ZeroCopySocket;
 use freight_host::nic::{self, Pinning};
+use freight_proto::data_stream::{remote_segs, Answer, Initiator};
 use freight_proto::error::{Error, Result};
-use freight_proto::frame::{self, Frame, Seg};
+use freight_proto::frame;
 use freight_proto::op::OpKind;
 use freight_proto::plan::Chunk;
 
@@ -170,7 +174,7 @@ impl TcpConn {
         let mut streams = Vec::with_capacity(sockets.len());
         for (i, sock) in sockets.into_iter().enumerate() {
             let (job_tx, job_rx) = unbounded::<Job>();
-            let (exp_tx, exp_rx) = bounded::<(u64, Job)>(cfg.window.max(1));
+            let stream = Arc::new(Stream::new(peer, cfg.window));
             let writer = sock.try_clone()?;
             // A chunk larger than the socket buffers to a peer that stopped reading
             // fails within the timeout instead of blocking the stream for ever.
@@ -179,15 +183,16 @@ impl TcpConn {
             let reader = sock.try_clone()?;
             reader.set_read_timeout(Some(timeout))?;
             let (h1, h2) = (health.clone(), health.clone());
-            let (p1, p2) = (peer.to_string(), peer.to_string());
+            let (s1, s2) = (stream.clone(), stream);
             let (pin1, pin2, local) = (cfg.pin.clone(), cfg.pin.clone(), sock.local_addr().ok());
             thread::Builder::new().name(format!("freight-tcp-tx{i}")).spawn(move || {
                 nic::pin_stream_thread(&pin1, 2 * i, local, gpu_node);
-                send_loop(writer, zc, job_rx, exp_tx, h1, p1)
+                send_loop(writer, zc, job_rx, &s1, &h1);
+                s1.sender_gone();
             })?;
             thread::Builder::new().name(format!("freight-tcp-rx{i}")).spawn(move || {
                 nic::pin_stream_thread(&pin2, 2 * i + 1, local, gpu_node);
-                receive_loop(reader, exp_rx, h2, p2)
+                receive_loop(reader, &s2, &h2)
             })?;
             streams.push(job_tx);
             health.watch(sock);
@@ -250,8 +255,68 @@ impl Drop for TcpConn {
     }
 }
 
-fn segs_of(chunk: &Chunk) -> Vec<Seg> {
-    chunk.segs.iter().map(|o| Seg { region: o.remote_region, addr: o.remote_addr, len: o.len }).collect()
+/// One stream's bookkeeping, shared by its sender and receiver threads, and how they
+/// wait for each other: the sender for room in the window, the receiver for a message
+/// to await (or for the sender to be gone).
+struct Stream {
+    peer: String,
+    state: Mutex<StreamState>,
+    changed: Condvar,
+}
+
+struct StreamState {
+    machine: Initiator<Job>,
+    /// The sender thread ended: nothing more will be sent.
+    sender_gone: bool,
+}
+
+impl Stream {
+    fn new(peer: &str, window: usize) -> Stream {
+        Stream {
+            peer: peer.to_string(),
+            state: Mutex::new(StreamState { machine: Initiator::new(peer, window), sender_gone: false }),
+            changed: Condvar::new(),
+        }
+    }
+
+    /// Fails the stream: every message awaiting an answer fails, once.
+    fn fail(&self, reason: &str) {
+        let failed = self.state.lock().machine.fail(reason);
+        self.changed.notify_all();
+        for (job, e) in failed {
+            job.tracker.finish_part(Err(e));
+        }
+    }
+
+    /// `e` broke the stream: the whole connection goes (every stream of it), and what
+    /// awaits answers here fails with the connection's first reason.
+    fn break_with(&self, health: &Health, sock: &TcpStream, e: &Error) -> String {
+        health.kill(e.to_string());
+        let _ = sock.shutdown(Shutdown::Both);
+        let reason = health.reason().unwrap_or_else(|| e.to_string());
+        self.fail(&reason);
+        reason
+    }
+
+    fn sender_gone(&self) {
+        self.state.lock().sender_gone = true;
+        self.changed.notify_all();
+    }
+
+    /// Waits until a message awaits its answer; `false` once none will (the sender is
+    /// gone and everything was answered). What `idle` does runs before each wait.
+    fn await_message(&self, mut idle: impl FnMut()) -> bool {
+        let mut st = self.state.lock();
+        while st.machine.awaiting() == 0 && !st.sender_gone {
+            drop(st);
+            idle();
+            st = self.state.lock();
+            if st.machine.awaiting() == 0 && !st.sender_gone {
+                self.changed.wait(&mut st);
+            }
+        }
+        st.machine.awaiting() > 0
+    }
 }
 
 /// Starts gathering a WRITE chunk that holds GPU memory; returns its slot (`None`:
@@ -263,15 +328,7 @@ fn start_staging(staging: &mut Alternating, job: &Job) -> Result<Option<usize>> 
     staging.gather(&job.local_pieces()).map(Some)
 }
 
-fn send_loop(
-    mut sock: TcpStream,
-    mut zc: ZeroCopySocket,
-    jobs: Receiver<Job>,
-    expect: Sender<(u64, Job)>,
-    health: Arc<Health>,
-    peer: String,
-) {
-    let mut tag = 0u64;
+fn send_loop(mut sock: TcpStream, mut zc: ZeroCopySocket, jobs: Receiver<Job>, stream: &Stream, health: &Health) {
     let mut staging = Alternating::default();
     let mut ahead: Option<(Job, Result<Option<usize>>)> = None;
     loop {
@@ -285,6 +342,7 @@ fn send_loop(
                 Err(_) => break,
             },
         };
+        // While this chunk's GPU bytes are gathered, start gathering the next one's.
         if matches!(slot, Ok(Some(_))) {
             if let Ok(next) = jobs.try_recv() {
                 let next_slot = start_staging(&mut staging, &next);
@@ -292,8 +350,8 @@ fn send_loop(
             }
         }
         if let Some(reason) = health.reason() {
-            job.tracker.finish_part(Err(Error::PeerDisconnected { peer: peer.clone(), reason }));
-            continue;
+            // Another stream of the connection failed: this one fails too.
+            stream.fail(&reason);
         }
         let notif = job.notif.take();
         let chunk = job.chunk();
@@ -301,7 +359,9 @@ fn send_loop(
         let payload = match slot.and_then(|s| s.map(|s| staging.ready(s, chunk.bytes as usize)).transpose()) {
             Ok(Some(bytes)) => vec![IoSlice::new(bytes)],
             // SAFETY: the request holds guards on the local regions until every chunk has
-            // been answered, so the memory stays registered and mapped while we read it.
+            // been answered, and this chunk joins those awaiting answers only once it is
+            // written (`Initiator::sent`): the memory stays registered and mapped while
+            // it is read here.
             Ok(None) if job.op == OpKind::Write => chunk
                 .segs
                 .iter()
@@ -314,13 +374,19 @@ fn send_loop(
                 continue;
             }
         };
-        tag += 1;
-        let frame = match job.op {
-            OpKind::Write => Frame::Write { tag, segs: segs_of(chunk), notif },
-            OpKind::Read => Frame::Read { tag, segs: segs_of(chunk) },
+        let framed = {
+            let mut st = stream.state.lock();
+            stream.changed.wait_while(&mut st, |st| !st.machine.has_room());
+            st.machine.send(job.op, remote_segs(chunk), notif)
         };
-        let header = frame::encode(&frame);
-        let result = if staged_payload {
+        let (header, message) = match framed {
+            Ok((frame, message)) => (frame::encode(&frame), message),
+            Err(e) => {
+                job.tracker.finish_part(Err(e));
+                continue;
+            }
+        };
+        let written = if staged_payload {
             // A bounce buffer is reused once this returns: no zero-copy for it.
             let mut slices = vec![IoSlice::new(&header)];
             slices.extend(payload);
@@ -328,100 +394,95 @@ fn send_loop(
         } else {
             zc.write_all(&mut sock, &header, &payload)
         };
-        // Hand the expectation over before anything else can fail: from here on the
-        // receiver owns the job's completion (exactly one report per part).
-        let job_tracker = job.tracker.clone();
-        if expect.send((tag, job)).is_err() {
-            job_tracker.finish_part(Err(Error::Io("receiver stopped".into())));
-            continue;
+        // From here on the receiver owns the chunk's completion (exactly one report per
+        // part), unless the stream failed meanwhile.
+        let sent = stream.state.lock().machine.sent(message, job);
+        stream.changed.notify_all();
+        if let Err((job, e)) = sent {
+            job.tracker.finish_part(Err(e));
         }
-        if let Err(e) = result {
-            health.kill(format!("write failed: {e}"));
-            let _ = sock.shutdown(Shutdown::Both);
+        if let Err(e) = written {
+            stream.break_with(health, &sock, &Error::Io(format!("write failed: {e}")));
         }
     }
 }
 
 /// Reads a stream's answers in order. A READ into GPU memory is finished only once its
 /// copies out of the bounce buffer are done; they run while the next answer is read.
-fn receive_loop(mut sock: TcpStream, expect: Receiver<(u64, Job)>, health: Arc<Health>, peer: String) {
+fn receive_loop(mut sock: TcpStream, stream: &Stream, health: &Health) {
     let mut landing: Landing<Job> = Landing::default();
     let finish = |job: Job, outcome: Result<()>| job.tracker.finish_part(outcome);
-    loop {
-        let (tag, job) = match expect.try_recv() {
-            Ok(next) => next,
-            Err(TryRecvError::Disconnected) => break,
-            Err(TryRecvError::Empty) => {
-                // Nothing more to read yet: what is still being copied must not wait.
-                landing.settle(finish);
-                match expect.recv() {
-                    Ok(next) => next,
-                    Err(_) => break,
+    // Nothing more to read yet: what is still being copied must not wait.
+    while stream.await_message(|| landing.settle(finish)) {
+        if let Some(reason) = health.reason() {
+            stream.fail(&reason);
+            continue;
+        }
+        let answer = read_answer(&mut sock).and_then(|header| {
+            let answer = stream.state.lock().machine.receive(header);
+            stream.changed.notify_all();
+            answer
+        });
+        let (job, outcome) = match answer {
+            Ok(Answer::Settled { job, result }) => (job, result),
+            Ok(Answer::Data { job, len }) => match receive_data(&mut sock, &job, len, &mut landing) {
+                Ok(()) if job.staged() => {
+                    landing.hold(job, finish);
+                    continue;
                 }
+                Ok(()) => (job, Ok(())),
+                // A failed local copy fails this chunk only.
+                Err(Ok(e)) => (job, Err(e)),
+                // The stream is out of step: it fails, and this chunk with it.
+                Err(Err(e)) => {
+                    let reason = stream.break_with(health, &sock, &e);
+                    (job, Err(Error::PeerDisconnected { peer: stream.peer.clone(), reason }))
+                }
+            },
+            Err(e) => {
+                stream.break_with(health, &sock, &e);
+                continue;
             }
         };
-        let outcome = match health.reason() {
-            Some(reason) => Err(Error::PeerDisconnected { peer: peer.clone(), reason }),
-            // The peer's refusal or a failed local copy fails this chunk only; anything
-            // else leaves the stream out of step, so the connection goes.
-            None => receive_answer(&mut sock, tag, &job, &peer, &mut landing).unwrap_or_else(|e| {
-                health.kill(e.to_string());
-                let _ = sock.shutdown(Shutdown::Both);
-                Err(match e {
-                    Error::PeerDisconnected { .. } => e,
-                    other => Error::PeerDisconnected { peer: peer.clone(), reason: other.to_string() },
-                })
-            }),
-        };
-        if outcome.is_ok() && job.op == OpKind::Read && job.staged() {
-            landing.hold(job, finish);
-        } else {
-            landing.settle(finish);
-            finish(job, outcome);
-        }
+        landing.settle(finish);
+        finish(job, outcome);
     }
     landing.settle(finish);
 }
 
-/// Reads the answer for one chunk. The outer error means the stream failed; the inner
-/// one that only this chunk did.
-fn receive_answer(
-    sock: &mut TcpStream,
-    tag: u64,
-    job: &Job,
-    peer: &str,
-    landing: &mut Landing<Job>,
-) -> Result<Result<()>> {
-    let frame = match frame_io::read_frame(sock) {
-        Ok(Some(f)) => f,
-        Ok(None) => return Err(Error::Io("the peer closed the connection".into())),
-        Err(Error::Timeout(_)) => return Err(Error::Timeout("no answer from the peer within the peer timeout".into())),
-        Err(e) => return Err(e),
-    };
-    let rejected = |reason| Error::RemoteRejected { peer: peer.to_string(), reason };
-    match (job.op, frame) {
-        (OpKind::Write, Frame::WriteAck { tag: t, error }) if t == tag => {
-            Ok(error.map_or(Ok(()), |r| Err(rejected(r))))
-        }
-        (OpKind::Read, Frame::ReadData { tag: t, error }) if t == tag => {
-            if let Some(r) = error {
-                return Ok(Err(rejected(r)));
-            }
-            let chunk = job.chunk();
-            if job.staged() {
-                return landing.receive(sock, &job.local_pieces(), chunk.bytes);
-            }
-            // SAFETY: local destination regions are guarded for the request's lifetime.
-            let mut slices: Vec<IoSliceMut<'_>> = chunk
-                .segs
-                .iter()
-                .map(|o| {
-                    IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(o.local_addr as *mut u8, o.len as usize) })
-                })
-                .collect();
-            frame_io::read_exact_vectored(sock, &mut slices)?;
-            Ok(Ok(()))
-        }
-        (_, other) => Err(Error::Protocol(format!("unexpected answer {other:?} for message {tag}"))),
+/// The next answer's header; an error: the stream failed.
+fn read_answer(sock: &mut TcpStream) -> Result<frame::Frame> {
+    match frame_io::read_frame(sock) {
+        Ok(Some(f)) => Ok(f),
+        Ok(None) => Err(Error::Io("the peer closed the connection".into())),
+        Err(Error::Timeout(_)) => Err(Error::Timeout("no answer from the peer within the peer timeout".into())),
+        Err(e) => Err(e),
     }
+}
+
+/// Reads the `len` bytes of a READ's data into the chunk's memory (through the landing
+/// buffers where it is GPU memory, whose copies then run on). `Err(Ok(e))`: this chunk
+/// failed and the stream is in step; `Err(Err(e))`: the stream failed.
+fn receive_data(
+    sock: &mut TcpStream,
+    job: &Job,
+    len: u64,
+    landing: &mut Landing<Job>,
+) -> std::result::Result<(), Result<Error>> {
+    let chunk = job.chunk();
+    debug_assert_eq!(len, chunk.bytes, "a READ's data is its chunk's bytes");
+    if job.staged() {
+        return match landing.receive(sock, &job.local_pieces(), len) {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(Ok(e)),
+            Err(e) => Err(Err(e)),
+        };
+    }
+    // SAFETY: local destination regions are guarded for the request's lifetime.
+    let mut slices: Vec<IoSliceMut<'_>> = chunk
+        .segs
+        .iter()
+        .map(|o| IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(o.local_addr as *mut u8, o.len as usize) }))
+        .collect();
+    frame_io::read_exact_vectored(sock, &mut slices).map_err(|e| Err(e.into()))
 }

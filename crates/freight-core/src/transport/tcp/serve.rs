@@ -23,8 +23,9 @@ use crate::memory::{Region, Registry};
 use crate::transport::staged::{self, Alternating, Piece};
 use crate::transport::zerocopy::ZeroCopySocket;
 use freight_cuda::bounce::Bounce;
+use freight_proto::data_stream::{self, Message};
 use freight_proto::error::{Error, Result};
-use freight_proto::frame::{self, Frame, Seg};
+use freight_proto::frame::{self, Seg};
 use freight_proto::region::MemKind;
 
 /// A notification that rides on a write goes to `deliver` once the payload is in place,
@@ -66,17 +67,17 @@ fn serve_messages(
     let mut zc = ZeroCopySocket::new(sock, cfg.zerocopy);
     let mut incoming: Option<Bounce> = None;
     let mut outgoing = Alternating::default();
-    // A frame read early, while a READ's copies ran.
-    let mut ahead: Option<Frame> = None;
+    // A message read early, while a READ's copies ran.
+    let mut ahead: Option<Message> = None;
     loop {
-        let frame = match ahead.take() {
-            Some(f) => f,
+        let message = match ahead.take() {
+            Some(m) => m,
             None => {
                 // Idle: sleep until the next message (or the end of the stream) begins,
                 // however long that takes. From its first byte on, reads time out.
                 zc.wait_readable(sock)?;
                 match frame_io::read_frame(sock)? {
-                    Some(f) => f,
+                    Some(f) => Message::parse(f)?,
                     None => return Ok(()),
                 }
             }
@@ -86,30 +87,27 @@ fn serve_messages(
             // or out of its memory.
             return Ok(());
         }
-        match frame {
-            Frame::Write { tag, segs, notif } => {
-                let outcome = receive_write(sock, registry, &segs, &mut incoming)?;
-                // The payload is in place; a notification that cannot be queued fails
-                // the write, so that the initiator does not report it delivered.
-                let outcome = match (outcome, notif) {
-                    (Ok(()), Some(msg)) => deliver(msg),
-                    (outcome, _) => outcome,
-                };
+        match message {
+            Message::Write { tag, segs, notif, len } => {
+                let placed = receive_write(sock, registry, &segs, len, &mut incoming)?;
+                let outcome = data_stream::settle_write(placed, notif, &deliver);
                 if let Err(e) = &outcome {
                     tracing::warn!(peer, error = %e, "refused a remote write");
                 }
-                let error = outcome.err().map(|e| e.to_string());
-                frame_io::write_frame(sock, &Frame::WriteAck { tag, error }, &[])?;
+                frame_io::write_frame(sock, &data_stream::write_ack(tag, &outcome), &[])?;
             }
-            Frame::Read { tag, segs } => {
-                let mut answer = Answer::start(registry, tag, segs, &mut outgoing)?;
+            Message::Read { tag, segs, len } => {
+                let mut answer = Answer::start(registry, tag, segs, len, &mut outgoing);
                 loop {
-                    let following = match answer.is_staged().then(|| frame_io::try_read_frame(sock)).transpose()? {
-                        Some(Some(Frame::Read { tag, segs })) => {
-                            Some(Answer::start(registry, tag, segs, &mut outgoing)?)
+                    // While this answer's GPU bytes are gathered, take the next READ if it
+                    // is here already, and start gathering its bytes too.
+                    let next = answer.is_staged().then(|| frame_io::try_read_frame(sock)).transpose()?.flatten();
+                    let following = match next.map(Message::parse).transpose()? {
+                        Some(Message::Read { tag, segs, len }) => {
+                            Some(Answer::start(registry, tag, segs, len, &mut outgoing))
                         }
                         other => {
-                            ahead = other.flatten();
+                            ahead = other;
                             None
                         }
                     };
@@ -120,7 +118,6 @@ fn serve_messages(
                     }
                 }
             }
-            other => return Err(Error::Protocol(format!("unexpected message on a data stream: {other:?}"))),
         }
     }
 }
@@ -132,9 +129,9 @@ fn receive_write(
     sock: &mut TcpStream,
     registry: &Registry,
     segs: &[Seg],
+    total: u64,
     bounce: &mut Option<Bounce>,
 ) -> Result<Result<()>> {
-    let total = frame::seg_bytes(segs)?;
     match check_access(registry, segs, true) {
         Ok((guards, Some(pieces))) => {
             let outcome = staged::receive(sock, bounce, &pieces, total)?;
@@ -174,14 +171,13 @@ struct Answer {
 }
 
 impl Answer {
-    /// Checks the access and queues the GPU copies, if any. Errors: the frame is malformed.
-    fn start(registry: &Registry, tag: u64, segs: Vec<Seg>, staging: &mut Alternating) -> Result<Answer> {
-        let total = frame::seg_bytes(&segs)? as usize;
+    /// Checks the access and queues the GPU copies, if any.
+    fn start(registry: &Registry, tag: u64, segs: Vec<Seg>, total: u64, staging: &mut Alternating) -> Answer {
         let access = check_access(registry, &segs, false).and_then(|(guards, pieces)| match pieces {
             Some(pieces) => Ok((guards, Some(staging.gather(&pieces)?))),
             None => Ok((guards, None)),
         });
-        Ok(Answer { tag, segs, total, access })
+        Answer { tag, segs, total: total as usize, access }
     }
 
     /// Whether copies out of the GPU are running for this answer.
@@ -196,7 +192,7 @@ impl Answer {
             Ok((_guards, Some(slot))) => match staging.ready(slot, total) {
                 Ok(bytes) => {
                     // The bounce buffer is reused two answers later: an ordinary send.
-                    let header = frame::encode(&Frame::ReadData { tag, error: None });
+                    let header = frame::encode(&data_stream::read_data(tag, &Ok(())));
                     frame_io::write_all_vectored(sock, &mut [IoSlice::new(&header), IoSlice::new(bytes)])?;
                     None
                 }
@@ -208,14 +204,14 @@ impl Answer {
                     .iter()
                     .map(|s| IoSlice::new(unsafe { std::slice::from_raw_parts(s.addr as *const u8, s.len as usize) }))
                     .collect();
-                zc.write_all(sock, &frame::encode(&Frame::ReadData { tag, error: None }), &payload)?;
+                zc.write_all(sock, &frame::encode(&data_stream::read_data(tag, &Ok(()))), &payload)?;
                 None
             }
             Err(e) => Some(e),
         };
         if let Some(e) = refused {
             tracing::warn!(peer, error = %e, "refused a remote read");
-            frame_io::write_frame(sock, &Frame::ReadData { tag, error: Some(e.to_string()) }, &[])?;
+            frame_io::write_frame(sock, &data_stream::read_data(tag, &Err(e)), &[])?;
         }
         Ok(())
     }
