@@ -11,6 +11,7 @@
 //! listener, and [`agent`] (the public face).
 
 pub mod agent;
+pub mod config;
 pub mod exchange;
 pub mod frame_io;
 pub mod interrupt;
@@ -27,7 +28,8 @@ mod net;
 mod peer;
 mod server;
 
-pub use agent::{Agent, AgentConfig, RemoteList, Request};
+pub use agent::{Agent, RemoteList, Request};
+pub use config::AgentConfig;
 pub use freight_cuda::completion::CompletionMode;
 pub use freight_cuda::kernel::{KernelMode, LaunchShape};
 pub use freight_host::nic::Pinning;

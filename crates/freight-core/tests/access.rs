@@ -113,7 +113,9 @@ fn a_listener_that_serves_no_metadata_refuses_every_request_for_it() {
 
 #[test]
 fn tokens_that_guard_nothing_are_refused_at_creation() {
-    for (token, why) in [(vec![], "empty token"), (vec![1; freight_core::agent::MAX_TOKEN + 1], "at most")] {
+    for (token, why) in
+        [(vec![], "AgentConfig.token is empty"), (vec![1; freight_core::config::MAX_TOKEN + 1], "at most")]
+    {
         let cfg = AgentConfig { token: Some(token), ..Default::default() };
         match Agent::new("t", cfg) {
             Err(Error::InvalidArgument(m)) => assert!(m.contains(why), "{m}"),

@@ -7,192 +7,45 @@
 //! agent's own threads, which block on sockets and queues and use no CPU while idle.
 
 use std::collections::HashMap;
-use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use parking_lot::RwLock;
 
-use crate::memory::{Registry, SharedSegment};
+use crate::config::AgentConfig;
+use crate::memory::SharedSegment;
 use crate::net::{self, Introduction};
-use crate::notify::{NotifQueue, Notification, Waker};
+use crate::notify::{Notification, Waker};
 use crate::peer::{ConnectionStats, DialContext, Peer};
-use crate::server::{self, Server};
+use crate::server::{self, Served};
 use crate::tracker::Tracker;
-use crate::transport::cuda::{self as gpu, CudaConfig};
-use crate::transport::fabric::{self, Fabric, FabricConfig};
+use crate::transport::cuda as gpu;
+use crate::transport::fabric::Fabric;
 use crate::transport::pool::CopyPool;
-use crate::transport::shm::ShmConfig;
-use crate::transport::staged;
-use crate::transport::tcp::TcpConfig;
 use freight_cuda::completion::Completions;
 use freight_proto::desc::DescList;
 use freight_proto::error::{invalid, Error, Result};
 use freight_proto::frame::{self, Frame};
-use freight_proto::metadata::{AgentMetadata, HostIdentity};
+use freight_proto::metadata::AgentMetadata;
 use freight_proto::op::OpKind;
-use freight_proto::path_choice::{self, PathFacts, PathPolicy, TransferPath, TransportKind};
+use freight_proto::path_choice::{PathPolicy, TransferPath, TransportKind};
 use freight_proto::plan::{Plan, PreparedList};
 use freight_proto::region::{Access, MemKind};
 
+mod policy;
 mod request;
 pub use request::Request;
 
-/// Everything an agent can be told at creation.
-#[derive(Debug, Clone)]
-pub struct AgentConfig {
-    /// Address of the agent's listener (peers connect here). Port 0 picks a free port.
-    pub listen: String,
-    /// Addresses to advertise instead of the bound ones (behind NAT, several NICs).
-    pub advertise: Vec<String>,
-    /// Transports this agent may use and serve.
-    pub transports: Vec<TransportKind>,
-    /// When set, every transfer must use this transport or fail.
-    pub require: Option<TransportKind>,
-    pub tcp: TcpConfig,
-    pub shm: ShmConfig,
-    pub cuda: CudaConfig,
-    pub fabric: FabricConfig,
-    /// A peer that does not answer for this long is declared dead.
-    pub peer_timeout: Duration,
-    /// Bound on connecting and on each handshake.
-    pub connect_timeout: Duration,
-    /// When set, every connection to this agent must present this token: metadata
-    /// requests, control, data and fabric connections alike (compared in constant
-    /// time). Unset, anyone who can reach the listener may ask for the metadata, whose
-    /// secret opens every other connection: see docs/engine.md, "Security model".
-    pub token: Option<Vec<u8>>,
-    /// Whether the listener answers metadata requests ([`Agent::connect`]). Off for an
-    /// agent whose metadata travels another way only, as the KV server's and clients'
-    /// do (over their authenticated control plane): then nothing on the listener hands
-    /// out the secret, token or no token.
-    pub serve_metadata: bool,
-}
-
-/// The longest access token (it travels in every hello).
-pub const MAX_TOKEN: usize = 4096;
-
-impl Default for AgentConfig {
-    fn default() -> Self {
-        AgentConfig {
-            listen: "127.0.0.1:0".into(),
-            advertise: Vec::new(),
-            transports: TransportKind::ALL.to_vec(),
-            require: None,
-            tcp: TcpConfig::default(),
-            shm: ShmConfig::default(),
-            cuda: CudaConfig::default(),
-            fabric: FabricConfig::default(),
-            peer_timeout: Duration::from_secs(30),
-            connect_timeout: Duration::from_secs(5),
-            token: None,
-            serve_metadata: true,
-        }
-    }
-}
-
-impl AgentConfig {
-    fn validate(&self) -> Result<()> {
-        if let Some(t) = self.require {
-            if !self.transports.contains(&t) {
-                return Err(invalid(format!("required transport {t} is not among the enabled transports")));
-            }
-        }
-        if self.tcp.streams == 0 || self.tcp.window == 0 || self.tcp.chunk_size == 0 {
-            return Err(invalid("tcp streams, window and chunk size must be positive"));
-        }
-        if matches!(&self.tcp.pin, freight_host::nic::Pinning::Cores(cores) if cores.is_empty()) {
-            return Err(invalid("tcp pinning to cores needs at least one core"));
-        }
-        if self.tcp.chunk_size > frame::MAX_PAYLOAD {
-            return Err(invalid(format!("tcp chunk size must be at most {} bytes", frame::MAX_PAYLOAD)));
-        }
-        if self.shm.threads == 0 {
-            return Err(invalid("shm copy threads must be at least 1"));
-        }
-        if self.peer_timeout.is_zero() || self.connect_timeout.is_zero() {
-            return Err(invalid("timeouts must be positive"));
-        }
-        match self.token.as_deref() {
-            // A peer that presents none presents the empty token: it would match.
-            Some([]) => return Err(invalid("an empty token lets every peer in: give a non-empty one, or none")),
-            Some(t) if t.len() > MAX_TOKEN => {
-                return Err(invalid(format!("the token is {} bytes; at most {MAX_TOKEN} are allowed", t.len())))
-            }
-            _ => {}
-        }
-        self.fabric.validate()?;
-        self.cuda.validate()
-    }
-}
-
-/// The configuration's transport policy, with `FREIGHT_TRANSPORT` applied (logged, so
-/// that a run's logs say which transport was asked for and by whom).
-fn transport_policy(agent: &str, config: &AgentConfig) -> Result<PathPolicy> {
-    let mut policy =
-        PathPolicy { enabled: config.transports.clone(), require: config.require, required_by: "configuration".into() };
-    let env = std::env::var(path_choice::TRANSPORT_ENV).ok();
-    if path_choice::apply_transport_env(&mut policy, env.as_deref())? {
-        tracing::warn!(agent, configured = ?config.require, by = %policy.required_by, "the environment overrides the configured transport");
-    }
-    match policy.require {
-        Some(t) => {
-            tracing::info!(agent, transport = %t, by = %policy.required_by, "every transfer must use one transport")
-        }
-        None => tracing::debug!(agent, enabled = ?policy.enabled, "transports chosen per path"),
-    }
-    Ok(policy)
-}
-
-/// Opens the fabric transport where the policy requires it or a provider is named
-/// (by the configuration or [`fabric::PROVIDER_ENV`]). Failing to open it is an error
-/// only where it is required; a named provider that cannot open is logged and left out.
-fn open_fabric(agent: &str, config: &AgentConfig, policy: &PathPolicy) -> Result<Option<Arc<Fabric>>> {
-    if !policy.enabled.contains(&TransportKind::Fabric) {
-        return Ok(None);
-    }
-    let cfg = config.fabric.with_env(|name| std::env::var(name).ok())?;
-    let required = policy.require == Some(TransportKind::Fabric);
-    if !required && cfg.provider.is_none() {
-        return Ok(None);
-    }
-    match Fabric::open(&cfg) {
-        Ok(f) => Ok(Some(Arc::new(f))),
-        Err(e) if required => {
-            let why = match e {
-                Error::TransportUnavailable(why) => why,
-                other => other.to_string(),
-            };
-            Err(Error::TransportUnavailable(format!(
-                "fabric is required ({}) but cannot be opened: {why}",
-                policy.required_by
-            )))
-        }
-        Err(e) => {
-            tracing::warn!(agent, provider = ?cfg.provider, error = %e, "the fabric transport cannot be opened; not offering it");
-            Ok(None)
-        }
-    }
-}
-
+/// The agent behind its handles (an [`Agent`], its requests).
 pub struct AgentInner {
-    pub(crate) name: String,
-    pub(crate) id: u64,
-    pub(crate) secret: [u8; 16],
-    pub(crate) host: Arc<HostIdentity>,
-    pub(crate) config: AgentConfig,
+    /// What the agent serves its peers; the listener's threads hold it too.
+    pub(crate) served: Arc<Served>,
     /// Which transports paths may take: the configuration's, or `FREIGHT_TRANSPORT`'s.
     policy: PathPolicy,
-    pub(crate) registry: Registry,
     peers: RwLock<HashMap<String, Arc<Peer>>>,
-    pub(crate) notifs: Arc<NotifQueue>,
-    pub(crate) server: Server,
     copy_pool: OnceLock<CopyPool>,
     completions: OnceLock<Completions>,
-    /// The fabric transport, where it was opened (see [`open_fabric`]).
-    pub(crate) fabric: Option<Arc<Fabric>>,
-    closed: AtomicBool,
 }
 
 /// See the module documentation for the threading contract.
@@ -206,51 +59,43 @@ impl Agent {
             return Err(invalid("agent name must be 1..256 printable characters without '/'"));
         }
         config.validate()?;
-        let policy = transport_policy(name, &config)?;
-        let fabric = open_fabric(name, &config, &policy)?;
+        let policy = policy::transport_policy(name, &config)?;
+        let fabric = policy::open_fabric(name, &config, &policy)?;
+        let served = Arc::new(Served::new(name, freight_host::identity(), config, fabric));
+        server::listen(&served, &served.config.listen)?;
         let inner = Arc::new(AgentInner {
-            name: name.to_string(),
-            id: rand::random::<u64>() | 1,
-            secret: rand::random(),
-            host: Arc::new(freight_host::identity()),
-            config,
+            served,
             policy,
-            registry: Registry::new(),
             peers: RwLock::new(HashMap::new()),
-            notifs: Arc::default(),
-            server: Server::default(),
             copy_pool: OnceLock::new(),
             completions: OnceLock::new(),
-            fabric,
-            closed: AtomicBool::new(false),
         });
-        server::listen(&inner, &inner.config.listen.clone())?;
         Ok(Agent { inner })
     }
 
     pub fn name(&self) -> &str {
-        &self.inner.name
+        &self.inner.served.name
     }
 
     /// Who host memory pinned for region `key` belongs to (see [`freight_cuda::pinned`]):
     /// released when the region is deregistered or the agent goes away.
     pub fn pin_owner(&self, key: u64) -> freight_cuda::pinned::Owner {
-        freight_cuda::pinned::Owner::Region { agent: self.inner.id, key }
+        freight_cuda::pinned::Owner::Region { agent: self.inner.served.id, key }
     }
 
     pub fn config(&self) -> &AgentConfig {
-        &self.inner.config
+        &self.inner.served.config
     }
 
     /// Listens on one more address (for example a well-known port for metadata).
     pub fn listen(&self, addr: &str) -> Result<SocketAddr> {
         self.inner.check_open()?;
-        server::listen(&self.inner, addr)
+        server::listen(&self.inner.served, addr)
     }
 
     /// Addresses peers are told to use.
     pub fn addresses(&self) -> Vec<String> {
-        self.inner.advertised()
+        self.inner.served.advertised()
     }
 
     // -- memory ----------------------------------------------------------------------
@@ -275,7 +120,7 @@ impl Agent {
     fn register_as(&self, kind: MemKind, addr: u64, len: u64, dev: u64, access: Access) -> Result<u64> {
         self.inner.check_open()?;
         let export = if kind == MemKind::Vram { gpu::export_region(addr, len, dev)? } else { None };
-        let key = self.inner.registry.register_gpu(kind, addr, len, dev, export, access)?;
+        let key = self.inner.served.registry.register_gpu(kind, addr, len, dev, export, access)?;
         self.register_gpu_with_fabric(key, false);
         Ok(key)
     }
@@ -285,8 +130,8 @@ impl Agent {
     /// from here on whether it worked (else the rails stage GPU memory, as they do for
     /// a provider without `FI_HMEM`).
     fn register_gpu_with_fabric(&self, key: u64, private: bool) {
-        let Some(fabric) = self.inner.fabric.as_ref().filter(|f| f.gpu_direct()) else { return };
-        if let Some(region) = self.inner.registry.get(key).filter(|r| r.info.kind == MemKind::Vram) {
+        let Some(fabric) = self.inner.served.fabric.as_ref().filter(|f| f.gpu_direct()) else { return };
+        if let Some(region) = self.inner.served.registry.get(key).filter(|r| r.info.kind == MemKind::Vram) {
             fabric.register_gpu(&region.info, private);
         }
     }
@@ -311,7 +156,7 @@ impl Agent {
         if kind == MemKind::Vram {
             gpu::check_region(addr, len, dev)?;
         }
-        let key = self.inner.registry.register_private(kind, addr, len, dev)?;
+        let key = self.inner.served.registry.register_private(kind, addr, len, dev)?;
         self.register_gpu_with_fabric(key, true);
         Ok(key)
     }
@@ -320,13 +165,13 @@ impl Agent {
     /// may map it (shared segments, GPU memory) are told to forget it; private regions,
     /// which no peer knows, are not announced.
     pub fn deregister(&self, key: u64) -> Result<()> {
-        let info = self.inner.registry.get(key).map(|r| (r.info.clone(), r.is_private()));
-        self.inner.registry.deregister(key)?;
+        let info = self.inner.served.registry.get(key).map(|r| (r.info.clone(), r.is_private()));
+        self.inner.served.registry.deregister(key)?;
         // Peers' one-sided accesses fail from here on.
-        let fabric_keys = self.inner.fabric.as_ref().is_some_and(|f| f.forget(key));
+        let fabric_keys = self.inner.served.fabric.as_ref().is_some_and(|f| f.forget(key));
         if let Some((info, private)) = info {
             if !private && (info.shared.is_some() || info.gpu.is_some() || fabric_keys) {
-                self.inner.server.broadcast(&Frame::Revoke { region: key });
+                self.inner.served.server.broadcast(&Frame::Revoke { region: key });
             }
             if info.kind == MemKind::Dram && freight_cuda::pinned::any() {
                 freight_cuda::pinned::release(self.pin_owner(key));
@@ -336,7 +181,7 @@ impl Agent {
     }
 
     pub fn registered_regions(&self) -> usize {
-        self.inner.registry.len()
+        self.inner.served.registry.len()
     }
 
     /// Allocates host memory that same-host peers can reach through shm.
@@ -356,7 +201,7 @@ impl Agent {
     /// This agent's metadata, for peers: its addresses and its public regions (private
     /// regions are never listed).
     pub fn metadata(&self) -> Vec<u8> {
-        self.inner.metadata_bytes()
+        self.inner.served.metadata_bytes()
     }
 
     /// Adds a peer from its metadata; returns its name. Metadata of a peer already known
@@ -384,17 +229,17 @@ impl Agent {
                 if let Some(t) = token {
                     known.set_token(t);
                 }
-                tracing::debug!(agent = %self.inner.name, peer = %name, regions = md.regions.len(), "refreshed peer");
+                tracing::debug!(agent = %self.inner.served.name, peer = %name, regions = md.regions.len(), "refreshed peer");
                 return Ok(name);
             }
         }
-        let same_host = self.inner.host.same_host(&md.host);
+        let same_host = self.inner.served.host.same_host(&md.host);
         let peer = Arc::new(Peer::new(md, same_host, token));
         let old = self.inner.peers.write().insert(name.clone(), peer);
         if let Some(old) = old {
             old.shutdown("replaced by new metadata");
         }
-        tracing::info!(agent = %self.inner.name, peer = %name, same_host, "added peer");
+        tracing::info!(agent = %self.inner.served.name, peer = %name, same_host, "added peer");
         Ok(name)
     }
 
@@ -404,15 +249,15 @@ impl Agent {
     /// talking on to an agent that no longer answers it.
     pub fn disconnect_peer(&self, name: &str) {
         let removed = self.remove_peer(name).is_ok();
-        let hung_up = self.inner.server.hang_up(name);
-        tracing::info!(agent = %self.inner.name, peer = %name, removed, hung_up, "disconnected peer");
+        let hung_up = self.inner.served.server.hang_up(name);
+        tracing::info!(agent = %self.inner.served.name, peer = %name, removed, hung_up, "disconnected peer");
     }
 
     pub fn remove_peer(&self, name: &str) -> Result<()> {
         self.inner.check_open()?;
         let peer = self.inner.peers.write().remove(name).ok_or_else(|| Error::UnknownPeer(name.into()))?;
         peer.shutdown("removed");
-        tracing::info!(agent = %self.inner.name, peer = %name, "removed peer");
+        tracing::info!(agent = %self.inner.served.name, peer = %name, "removed peer");
         Ok(())
     }
 
@@ -439,7 +284,7 @@ impl Agent {
     /// connection to it from then on.
     pub fn connect(&self, addr: &str, token: Option<&[u8]>) -> Result<String> {
         self.inner.check_open()?;
-        let bytes = net::fetch_metadata(addr, token.unwrap_or_default(), self.inner.config.connect_timeout)?;
+        let bytes = net::fetch_metadata(addr, token.unwrap_or_default(), self.inner.served.config.connect_timeout)?;
         self.add_peer_with_token(&bytes, token)
     }
 
@@ -464,7 +309,7 @@ impl Agent {
     pub fn path_to(&self, peer: &str) -> Result<TransferPath> {
         let peer = self.inner.peer(peer)?;
         // This agent's end may be private memory: look at every local region.
-        let local = self.inner.registry.local_regions();
+        let local = self.inner.served.registry.local_regions();
         let local_gpu = local.iter().find(|r| r.kind == MemKind::Vram).cloned();
         let remote_gpu = peer.regions.read().iter().find(|r| r.kind == MemKind::Vram).cloned();
         let kind = |r: &Option<_>| if r.is_some() { MemKind::Vram } else { MemKind::Dram };
@@ -480,9 +325,14 @@ impl Agent {
         // Where one side has no GPU memory, its host memory is the other end.
         let local_end = local_gpu.or_else(|| local.into_iter().next());
         let remote_end = remote_gpu.or_else(|| peer.regions.read().iter().find(|r| r.shared.is_some()).cloned());
-        let gpu = gpu::path_facts(local_end.as_ref(), remote_end.as_ref(), peer.same_host);
-        let staging = staged::path_facts(local_end.as_ref(), remote_end.as_ref());
-        self.inner.choose_path(&peer, local_kind, remote_kind, shared, gpu, staging)
+        let ends = policy::Ends {
+            local: local_kind,
+            remote: remote_kind,
+            shared,
+            local_region: local_end.as_ref(),
+            remote_region: remote_end.as_ref(),
+        };
+        self.inner.choose_path(&peer, ends)
     }
 
     /// Opens now the connections that transfers to `peer` take (on the path
@@ -496,7 +346,7 @@ impl Agent {
         match path.transport {
             // Mapping transports need the control link: revocations arrive on it.
             TransportKind::Shm | TransportKind::Cuda => drop(peer.control(&ctx)?),
-            TransportKind::Tcp => drop(peer.tcp(&ctx, &self.inner.config.tcp, None)?),
+            TransportKind::Tcp => drop(peer.tcp(&ctx, &self.inner.served.config.tcp, None)?),
             TransportKind::Fabric => drop(peer.fabric(&ctx, self.inner.fabric()?)?),
         }
         Ok(path)
@@ -505,7 +355,7 @@ impl Agent {
     // -- descriptors and requests ----------------------------------------------------
 
     pub fn prepare_local(&self, list: &DescList) -> Result<PreparedList> {
-        self.inner.registry.prepare(list)
+        self.inner.served.registry.prepare(list)
     }
 
     pub fn prepare_remote(&self, peer: &str, list: &DescList) -> Result<RemoteList> {
@@ -535,7 +385,7 @@ impl Agent {
         // Nothing is written into read-only memory: ours for a READ, the peer's for a
         // WRITE (which its transports would refuse too, where they serve it).
         if op == OpKind::Read {
-            plan.local_regions.iter().try_for_each(|&k| match self.inner.registry.get(k) {
+            plan.local_regions.iter().try_for_each(|&k| match self.inner.served.registry.get(k) {
                 Some(r) => r.info.check_writable(),
                 None => Ok(()),
             })?;
@@ -567,18 +417,25 @@ impl Agent {
             }
             shared
         };
-        let (gpu, staging) = if local.kind() == MemKind::Vram || remote.list.kind() == MemKind::Vram {
-            let local_region =
-                local.regions().first().and_then(|&k| self.inner.registry.get(k)).map(|r| r.info.clone());
-            let remote_region = remote.list.regions().first().and_then(|&k| peer.regions.read().get(k).cloned());
-            (
-                gpu::path_facts(local_region.as_ref(), remote_region.as_ref(), peer.same_host),
-                staged::path_facts(local_region.as_ref(), remote_region.as_ref()),
-            )
-        } else {
-            (Err("no GPU memory on either side".into()), Ok(()))
+        // The first region of each side stands for its GPU (a request's memory on one
+        // side is on one GPU, or the transport refuses it when compiling).
+        let gpu_involved = local.kind() == MemKind::Vram || remote.list.kind() == MemKind::Vram;
+        let local_region = local
+            .regions()
+            .first()
+            .filter(|_| gpu_involved)
+            .and_then(|&k| self.inner.served.registry.get(k))
+            .map(|r| r.info.clone());
+        let remote_region =
+            remote.list.regions().first().filter(|_| gpu_involved).and_then(|&k| peer.regions.read().get(k).cloned());
+        let ends = policy::Ends {
+            local: local.kind(),
+            remote: remote.list.kind(),
+            shared,
+            local_region: local_region.as_ref(),
+            remote_region: remote_region.as_ref(),
         };
-        let path = self.inner.choose_path(&peer, local.kind(), remote.list.kind(), shared, gpu, staging)?;
+        let path = self.inner.choose_path(&peer, ends)?;
         let checked = started.elapsed();
         let request = Request {
             agent: self.inner.clone(),
@@ -641,29 +498,29 @@ impl Agent {
     pub fn get_notifs(&self) -> Vec<Notification> {
         // Pull what the kernel already holds: a polling caller need not wait for the
         // connection thread to wake up (see `crate::inbox`).
-        self.inner.server.inboxes.pump(&self.inner.notifs);
-        self.inner.notifs.drain()
+        self.inner.served.server.inboxes.pump(&self.inner.served.notifs);
+        self.inner.served.notifs.drain()
     }
 
     /// Returns notifications taken with [`Agent::get_notifs`] or [`Agent::wait_notifs`]
     /// that the taker does not handle (a component that stops owning the queue): they
     /// come first in line again, in their order.
     pub fn give_back_notifs(&self, notifs: Vec<Notification>) {
-        self.inner.notifs.give_back(notifs);
+        self.inner.served.notifs.give_back(notifs);
     }
 
     /// Waits up to `timeout` for at least one notification.
     pub fn wait_notifs(&self, timeout: Duration) -> Vec<Notification> {
-        let inboxes = &self.inner.server.inboxes;
-        inboxes.pump(&self.inner.notifs);
-        let ready = self.inner.notifs.drain();
+        let inboxes = &self.inner.served.server.inboxes;
+        inboxes.pump(&self.inner.served.notifs);
+        let ready = self.inner.served.notifs.drain();
         if !ready.is_empty() {
             return ready;
         }
         // Senders ring only while someone sleeps here: say so, then look once more.
         inboxes.sleeping(true);
-        inboxes.pump(&self.inner.notifs);
-        let got = self.inner.notifs.wait(timeout);
+        inboxes.pump(&self.inner.served.notifs);
+        let got = self.inner.served.notifs.wait(timeout);
         inboxes.sleeping(false);
         got
     }
@@ -672,21 +529,21 @@ impl Agent {
     /// [`Request::on_settled`] hook, so that one thread can wait for notifications and
     /// for its own transfers at once.
     pub fn waker(&self) -> Waker {
-        Waker(self.inner.notifs.clone())
+        Waker(self.inner.served.notifs.clone())
     }
 
     /// Stops listening and closes every connection. In-flight requests fail.
     pub fn close(&self) {
-        if self.inner.closed.swap(true, Ordering::AcqRel) {
+        if !self.inner.served.close() {
             return;
         }
-        self.inner.server.shutdown();
+        self.inner.served.server.shutdown();
         // Out of the table first: shutting a peer down may wait, and lookups must not.
         let peers: Vec<_> = self.inner.peers.write().drain().collect();
         for (_, p) in peers {
             p.shutdown("the local agent closed");
         }
-        tracing::info!(agent = %self.inner.name, "closed");
+        tracing::info!(agent = %self.inner.served.name, "closed");
     }
 }
 
@@ -701,19 +558,15 @@ impl Drop for AgentInner {
     /// unpinned, also where the application never deregistered it.
     fn drop(&mut self) {
         if freight_cuda::pinned::any() {
-            freight_cuda::pinned::release_agent(self.id);
+            freight_cuda::pinned::release_agent(self.served.id);
         }
     }
 }
 
 impl AgentInner {
-    pub(crate) fn is_closed(&self) -> bool {
-        self.closed.load(Ordering::Acquire)
-    }
-
     fn check_open(&self) -> Result<()> {
-        if self.is_closed() {
-            return Err(Error::InvalidState(format!("agent '{}' is closed", self.name)));
+        if self.served.is_closed() {
+            return Err(Error::InvalidState(format!("agent '{}' is closed", self.served.name)));
         }
         Ok(())
     }
@@ -727,120 +580,44 @@ impl AgentInner {
     fn dial_context(&self) -> DialContext {
         DialContext {
             intro: Introduction {
-                from_name: self.name.clone(),
-                from_id: self.id,
+                from_name: self.served.name.clone(),
+                from_id: self.served.id,
                 target_id: 0,
                 secret: Vec::new(),
                 token: Vec::new(),
             },
-            timeout: self.config.connect_timeout,
-            peer_timeout: self.config.peer_timeout,
-            host: self.host.clone(),
+            timeout: self.served.config.connect_timeout,
+            peer_timeout: self.served.config.peer_timeout,
+            host: self.served.host.clone(),
         }
     }
 
-    fn choose_path(
-        &self,
-        peer: &Peer,
-        local: MemKind,
-        remote: MemKind,
-        shared: std::result::Result<(), String>,
-        gpu: std::result::Result<String, String>,
-        staging: std::result::Result<(), String>,
-    ) -> Result<TransferPath> {
-        let facts = PathFacts {
-            same_host: peer.same_host,
-            peer_transports: peer.md.transports.clone(),
-            local_kind: local,
-            remote_kind: remote,
-            remote_shared: shared,
-            gpu,
-            staging,
-            fabric: match &self.fabric {
-                Some(f) => Ok(path_choice::FabricFacts {
-                    description: f.describe(),
-                    hardware: f.is_hardware(),
-                    delivery_complete: f.delivery_complete,
-                    gpu_staged: f.gpu_staged_why(),
-                }),
-                None => Err(format!(
-                    "not open on this agent (it opens where {}=fabric or {} names a provider)",
-                    path_choice::TRANSPORT_ENV,
-                    fabric::PROVIDER_ENV
-                )),
-            },
-        };
-        path_choice::choose(&self.policy, &facts)
-    }
-
-    pub(crate) fn advertised(&self) -> Vec<String> {
-        if !self.config.advertise.is_empty() {
-            return self.config.advertise.clone();
-        }
-        let mut out = Vec::new();
-        for a in self.server.addresses() {
-            if a.ip().is_unspecified() {
-                for ip in local_ips() {
-                    out.push(SocketAddr::new(ip, a.port()).to_string());
-                }
-            } else {
-                out.push(a.to_string());
-            }
-        }
-        out
-    }
-
-    /// What peers are told: public regions only (see [`Agent::register_private`]).
-    pub(crate) fn metadata_bytes(&self) -> Vec<u8> {
-        let (_, regions) = self.registry.snapshot();
-        AgentMetadata {
-            name: self.name.clone(),
-            agent_id: self.id,
-            secret: self.secret,
-            host: (*self.host).clone(),
-            addresses: self.advertised(),
-            transports: self
-                .config
-                .transports
-                .iter()
-                .filter(|&&t| t != TransportKind::Fabric || self.fabric.is_some())
-                .map(|t| t.as_str().to_string())
-                .collect(),
-            regions,
-        }
-        .encode()
+    fn choose_path(&self, peer: &Peer, ends: policy::Ends<'_>) -> Result<TransferPath> {
+        policy::choose(&self.policy, self.served.fabric.as_deref(), peer, ends)
     }
 
     fn completions(&self) -> Result<&Completions> {
         if let Some(c) = self.completions.get() {
             return Ok(c);
         }
-        let c = Completions::start(&self.name, self.config.cuda.completion)?;
+        let c = Completions::start(&self.served.name, self.served.config.cuda.completion)?;
         Ok(self.completions.get_or_init(|| c))
     }
 
     fn fabric(&self) -> Result<&Arc<Fabric>> {
-        self.fabric.as_ref().ok_or_else(|| Error::TransportUnavailable("fabric is not open on this agent".into()))
+        self.served
+            .fabric
+            .as_ref()
+            .ok_or_else(|| Error::TransportUnavailable("fabric is not open on this agent".into()))
     }
 
     fn copy_pool(&self) -> Result<&CopyPool> {
         if let Some(p) = self.copy_pool.get() {
             return Ok(p);
         }
-        let pool = CopyPool::new(self.config.shm.threads)?;
+        let pool = CopyPool::new(self.served.config.shm.threads)?;
         Ok(self.copy_pool.get_or_init(|| pool))
     }
-}
-
-/// The host's IPv4 addresses, non-loopback first (for listeners bound to 0.0.0.0).
-fn local_ips() -> Vec<IpAddr> {
-    let mut ips: Vec<IpAddr> = freight_host::nic::local_nics().into_iter().map(|n| IpAddr::V4(n.addr)).collect();
-    ips.sort_by_key(|ip| ip.is_loopback());
-    ips.dedup();
-    if ips.is_empty() {
-        ips.push(IpAddr::from([127, 0, 0, 1]));
-    }
-    ips
 }
 
 /// A descriptor list prepared against a peer's memory.

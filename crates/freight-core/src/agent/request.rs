@@ -98,7 +98,7 @@ impl Request {
         self.peer.check_alive()?;
         let mut guards = Vec::with_capacity(self.plan.local_regions.len());
         for &k in &self.plan.local_regions {
-            let g = self.agent.registry.get(k).ok_or_else(|| {
+            let g = self.agent.served.registry.get(k).ok_or_else(|| {
                 Error::InvalidState(format!("local region {k} was deregistered after this request was made"))
             })?;
             guards.push(g);
@@ -134,7 +134,7 @@ impl Request {
                     .as_ref()
                     .and_then(|g| g.first())
                     .and_then(|d| freight_host::pci::device(std::path::Path::new("/"), &d.bus_id));
-                let conn = self.peer.tcp(&ctx, &self.agent.config.tcp, gpu_place)?;
+                let conn = self.peer.tcp(&ctx, &self.agent.served.config.tcp, gpu_place)?;
                 self.tracker.begin(chunks.len() as u64, finisher)?;
                 conn.submit(self.op, chunks.clone(), &self.tracker, local_gpu.clone(), riding);
                 Ok(())
@@ -157,7 +157,7 @@ impl Request {
             TransportKind::Cuda => Program::Cuda(Arc::new(self.compile_cuda()?)),
             TransportKind::Fabric => Program::Fabric(Arc::new(self.compile_fabric(self.agent.fabric()?, ctx)?)),
             TransportKind::Tcp => Program::Tcp {
-                chunks: Arc::new(chunk_ops(&self.plan.ops, self.agent.config.tcp.chunk_size, frame::MAX_SEGS)),
+                chunks: Arc::new(chunk_ops(&self.plan.ops, self.agent.served.config.tcp.chunk_size, frame::MAX_SEGS)),
                 local_gpu: self.local_gpu_regions()?,
             },
         };
@@ -191,11 +191,11 @@ impl Request {
         let program = CudaProgram::compile(
             &self.plan.ops,
             self.op,
-            |k| self.agent.registry.get(k).map(|r| r.info.clone()),
+            |k| self.agent.served.registry.get(k).map(|r| r.info.clone()),
             |k| remote.get(&k).cloned(),
             &view,
-            &self.agent.config.cuda,
-            self.agent.id,
+            &self.agent.served.config.cuda,
+            self.agent.served.id,
         )?;
         // A region revoked while the program was compiled from the copy: the revocation
         // let go of the imports it knew, and the compile may have opened one again since.
@@ -213,19 +213,20 @@ impl Request {
             &link,
             &self.plan.ops,
             self.op,
-            |k| self.agent.registry.get(k).map(|r| (r.info.clone(), r.is_private())),
+            |k| self.agent.served.registry.get(k).map(|r| (r.info.clone(), r.is_private())),
             |k| self.peer.regions.read().get(k).cloned(),
         )
     }
 
     /// For tcp: the local GPU regions, whose bytes are staged (`None`: host memory only).
     fn local_gpu_regions(&self) -> Result<Option<Arc<GpuRegions>>> {
-        let regions: Vec<_> = self.plan.local_regions.iter().filter_map(|&k| self.agent.registry.get(k)).collect();
+        let regions: Vec<_> =
+            self.plan.local_regions.iter().filter_map(|&k| self.agent.served.registry.get(k)).collect();
         GpuRegions::of(regions.iter().map(|r| &r.info))
     }
 
     fn compile_shm(&self) -> Result<ShmProgram> {
         let regions = self.peer.regions.read();
-        self.peer.shm.compile(&self.plan.ops, |k| regions.get(k).cloned(), &self.agent.config.shm)
+        self.peer.shm.compile(&self.plan.ops, |k| regions.get(k).cloned(), &self.agent.served.config.shm)
     }
 }

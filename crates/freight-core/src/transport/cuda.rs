@@ -71,14 +71,6 @@ impl Default for CudaConfig {
     }
 }
 
-impl CudaConfig {
-    /// Refuses values the kernel cannot run with (InvalidArgument, saying which).
-    pub fn validate(&self) -> Result<()> {
-        kernel::validate_item_bytes(self.kernel_item_bytes)?;
-        self.kernel_shape.validate()
-    }
-}
-
 /// The cuda view of one peer: its GPU allocations opened here.
 #[derive(Default)]
 pub struct CudaPeer {
