@@ -25,7 +25,7 @@ prints one JSON object, what happened, as its last line. The attacks:
                                                        metadata, guess secrets, try to
                                                        read and write; counts what worked
 
-The wire format (see crates/freight-core/src/wire.rs): a little-endian u32 length, then
+The wire format (see crates/freight-proto/src/frame.rs): a little-endian u32 length, then
 the postcard encoding of a frame: an enum is its variant's index as a varint, integers
 are varints (signed ones zigzagged), strings and byte vectors a varint length and the
 bytes, an option 0 or 1 and the value, a struct its fields in order.
@@ -49,7 +49,7 @@ METADATA, OUTBOX, OUTBOX_REPLY, WAKE = 9, 10, 11, 12
 LIVE_REGIONS = 22
 ROLES = {"control": 0, "data": 1, "metadata": 2, "fabric": 3}
 
-# The notification ring's header (crates/freight-core/src/outbox.rs).
+# The notification ring's header (crates/freight-proto/src/notif_ring.rs).
 RING_LINE = 128
 RING_HEADER = 3 * RING_LINE
 RING_MAGIC = b"FRTRING1"

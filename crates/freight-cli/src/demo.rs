@@ -47,7 +47,7 @@ pub fn run(a: &DemoArgs, ctx: &Context) -> CliResult<()> {
     }
     let len = usize::try_from(a.size).map_err(|_| CliError::usage("--size does not fit in memory"))?;
     // A buffer here and one in the target, on this host.
-    crate::host::ensure_room(a.size.saturating_mul(2), "demo (this process and its target)", "lower --size")?;
+    crate::host_memory::ensure_room(a.size.saturating_mul(2), "demo (this process and its target)", "lower --size")?;
     let passes: Vec<Option<TransportKind>> = match a.transport {
         TransportChoice::Auto => vec![None, Some(TransportKind::Tcp)],
         t => vec![t.require()],

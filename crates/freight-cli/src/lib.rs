@@ -6,7 +6,7 @@ mod bench;
 mod child;
 mod demo;
 mod doctor;
-mod host;
+mod host_memory;
 mod kv_bench;
 mod pattern;
 mod proto;

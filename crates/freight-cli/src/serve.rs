@@ -137,7 +137,7 @@ fn check(a: &ServeArgs) -> CliResult<Checked> {
         metrics_listen: resolve("--metrics-listen", a.metrics_listen.as_ref())?,
         tls: tls_identity(a)?,
     };
-    crate::host::ensure_room(
+    crate::host_memory::ensure_room(
         a.memory_mb << 20,
         &format!("--memory-mb {} (the value pool, allocated and touched at start)", a.memory_mb),
         "lower --memory-mb",

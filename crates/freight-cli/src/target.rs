@@ -163,7 +163,7 @@ impl Target<'_> {
             let len = usize::try_from(bytes).map_err(|_| format!("{bytes} bytes do not fit in memory"))?;
             let remedy = "the initiator must ask for less (bench p2p: smaller --block-sizes x --batch-sizes, \
                           --total-bytes or --max-request-bytes)";
-            crate::host::ensure_room(bytes, "the target's buffer", remedy).map_err(|e| e.to_string())?;
+            crate::host_memory::ensure_room(bytes, "the target's buffer", remedy).map_err(|e| e.to_string())?;
             let seg = self.agent.alloc(len).map_err(|e| e.to_string())?;
             // Registered under the kind the initiator asked for, so that the engine itself
             // reports which kinds it cannot move.

@@ -24,11 +24,11 @@ use freight_proto::region::GpuLocation;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
+use crate::engine_relay::{self as relay, Backend, Relay};
 use crate::kernels::{
     fp8_row_bytes, CombineArgs, Control, DispatchInputs, DispatchOutputs, Kernels, PlanScratch, Site, FP8_GROUP,
 };
 use crate::layout::{Config, Shape};
-use crate::relay::{self, Backend, Relay};
 use crate::rendezvous::{Group, RENDEZVOUS_LOST};
 use crate::status;
 

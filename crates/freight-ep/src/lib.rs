@@ -12,13 +12,13 @@
 //! - [`status`]: why a kernel gave up, as an error.
 
 pub mod buffer;
+pub mod engine_relay;
 pub mod kernels;
 pub mod layout;
-pub mod relay;
 pub mod rendezvous;
 pub mod status;
 
 pub use buffer::{Buffer, DispatchCounts, Options};
+pub use engine_relay::Backend;
 pub use kernels::{CombineArgs, DispatchInputs, DispatchOutputs};
 pub use layout::Config;
-pub use relay::Backend;

@@ -426,7 +426,7 @@ fn ensure_host_room(n: usize, block: u64, on_gpus: bool) -> CliResult<()> {
     if !on_gpus {
         remedy.push_str(", or keep the blocks on GPUs (--mesh-memory gpu) where there are some");
     }
-    crate::host::ensure_room(
+    crate::host_memory::ensure_room(
         block.saturating_mul(blocks_each).saturating_mul(n as u64),
         &format!("--full-mesh {n} with {} blocks", format_size(block)),
         &remedy,

@@ -278,7 +278,7 @@ impl P2pArgs {
     fn ensure_host_room(&self, grid: &Grid, child_target: bool) -> CliResult<()> {
         let buffers = 1 + u64::from(child_target) + u64::from(self.memcpy_baseline);
         let what = if child_target { "bench p2p (initiator and target)" } else { "bench p2p (the initiator)" };
-        crate::host::ensure_room(
+        crate::host_memory::ensure_room(
             grid.largest().saturating_mul(buffers),
             what,
             "lower --block-sizes x --batch-sizes, --total-bytes or --max-request-bytes",

@@ -13,7 +13,7 @@ use crate::config::AgentConfig;
 use crate::peer::Peer;
 use crate::transport::cuda as gpu;
 use crate::transport::fabric::{self, Fabric};
-use crate::transport::staged;
+use crate::transport::gpu_bounce;
 
 /// The configuration's transport policy, with `FREIGHT_TRANSPORT` applied (logged, so
 /// that a run's logs say which transport was asked for and by whom).
@@ -86,7 +86,7 @@ pub(super) fn choose(
     let (gpu, staging) = if ends.local == MemKind::Vram || ends.remote == MemKind::Vram {
         (
             gpu::path_facts(ends.local_region, ends.remote_region, peer.same_host),
-            staged::path_facts(ends.local_region, ends.remote_region),
+            gpu_bounce::path_facts(ends.local_region, ends.remote_region),
         )
     } else {
         (Err("no GPU memory on either side".into()), Ok(()))

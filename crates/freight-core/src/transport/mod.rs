@@ -3,8 +3,8 @@
 
 pub mod cuda;
 pub mod fabric;
+pub mod gpu_bounce;
 pub mod pool;
 pub mod shm;
-pub mod staged;
 pub mod tcp;
 pub mod zerocopy;

@@ -59,7 +59,7 @@ impl Memory {
         let n = usize::try_from(len).map_err(|_| CliError::usage("size too large for this machine"))?;
         let memory = match device {
             Device::Cpu => {
-                crate::host::ensure_room(len, "this process's share of the benchmark", remedy)?;
+                crate::host_memory::ensure_room(len, "this process's share of the benchmark", remedy)?;
                 let seg = agent.alloc(n).map_err(|e| CliError::runtime(format!("cannot allocate {len} bytes: {e}")))?;
                 Memory { kind: MemKind::Dram, dev: 0, addr: seg.addr(), len, _host: Some(seg), _gpu: None }
             }

@@ -33,7 +33,7 @@ pub fn run_local(a: &StreamArgs) -> CliResult<()> {
     let host_bytes = bytes.saturating_add(spec.chunk_bytes());
     let remedy = format!("lower {KV_SIZE_OPTIONS}");
     let kv_on_host = if device == Device::Cpu { bytes } else { 0 };
-    crate::host::ensure_room(host_bytes.saturating_add(kv_on_host), "bench cache-engine --role local", &remedy)?;
+    crate::host_memory::ensure_room(host_bytes.saturating_add(kv_on_host), "bench cache-engine --role local", &remedy)?;
     let kv = Memory::alloc(&agent, device, bytes, &remedy)?;
     for i in 0..shape.num_objs {
         kv.fill(i * shape.obj_size, shape.obj_size, seed_of(i))?;

@@ -301,7 +301,7 @@ fn check_both_sides(product: Product, a: &StreamArgs) -> CliResult<()> {
         None => (0, 0),
     };
     let needed = round.saturating_add(a.buffer_size).saturating_add(receiver_kv).saturating_add(sender_tier);
-    crate::host::ensure_room(
+    crate::host_memory::ensure_room(
         needed,
         &format!("bench {} (sender and receiver)", product.command()),
         &product.host_remedy(),

@@ -30,7 +30,7 @@ pub fn run(product: Product, a: &StreamArgs) -> CliResult<()> {
     say(a.json, &target::listen_line(&agent.addresses(), std::process::id()));
     let (buffer, _memory) = match device {
         Device::Cpu => {
-            crate::host::ensure_room(a.buffer_size, "the receiver's buffer", "lower --buffer-size")?;
+            crate::host_memory::ensure_room(a.buffer_size, "the receiver's buffer", "lower --buffer-size")?;
             (Buffer::Host { capacity: a.buffer_size }, None)
         }
         Device::Cuda(_) => {

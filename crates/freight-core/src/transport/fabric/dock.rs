@@ -14,7 +14,7 @@ use std::sync::Arc;
 use super::rail::{Mr, Rail};
 use super::Fabric;
 use crate::memory::Registry;
-use crate::transport::staged::{self, Piece};
+use crate::transport::gpu_bounce::{self, Piece};
 use freight_cuda::bounce::Bounce;
 use freight_cuda::driver::Device;
 use freight_proto::error::{invalid, Error, Result};
@@ -70,7 +70,7 @@ impl Docks {
         // Pinned through a GPU this agent serves already (that of its first GPU region),
         // so that lending docks never opens a context on a GPU the process does not use.
         let gpu: Option<&'static Device> =
-            registry.snapshot().1.iter().filter(|r| r.kind == MemKind::Vram).find_map(|r| staged::gpu_of(r).ok());
+            registry.snapshot().1.iter().filter(|r| r.kind == MemKind::Vram).find_map(|r| gpu_bounce::gpu_of(r).ok());
         let mut docks = Vec::with_capacity(count as usize);
         for _ in 0..count {
             let bytes = match gpu {
@@ -123,14 +123,14 @@ impl Docks {
         let guard = registry.get_checked(seg.region, seg.addr, seg.len, landing)?;
         let gpu = match guard.info.kind {
             MemKind::Dram => None,
-            MemKind::Vram => Some(staged::gpu_of(&guard.info)?),
+            MemKind::Vram => Some(gpu_bounce::gpu_of(&guard.info)?),
             other => return Err(Error::TransportUnavailable(format!("fabric cannot stage {other} memory"))),
         };
         let piece = Piece { addr: seg.addr, len: seg.len, gpu };
         let len = seg.len as usize;
         match (&mut d.bytes, gpu) {
-            (Bytes::Pinned(b), _) if landing => staged::scatter(b, &[piece]),
-            (Bytes::Pinned(b), _) => staged::gather(b, &[piece]).and_then(|_| b.wait()),
+            (Bytes::Pinned(b), _) if landing => gpu_bounce::scatter(b, &[piece]),
+            (Bytes::Pinned(b), _) => gpu_bounce::gather(b, &[piece]).and_then(|_| b.wait()),
             // Lent before this agent had GPU memory: not pinned, so the driver copies
             // through pageable memory (slower, but the relay keeps working).
             (Bytes::Plain(v), Some(device)) => {

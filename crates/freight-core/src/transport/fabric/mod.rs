@@ -17,7 +17,7 @@
 //! data in place.
 //!
 //! Memory the provider cannot register is staged. Local GPU memory passes through the
-//! rail's own pinned buffers ([`staging`]); the peer's GPU memory through landing
+//! rail's own pinned buffers ([`rail_staging`]); the peer's GPU memory through landing
 //! buffers the peer lends and copies in and out of when told to
 //! ([`freight_proto::fabric::pipeline`], [`relay`], [`dock`]).
 
@@ -26,13 +26,13 @@ pub mod ffi;
 pub mod link;
 pub mod progress;
 pub mod rail;
+mod rail_staging;
 pub mod relay;
-mod staging;
 
 use std::sync::Arc;
 
 use crate::tracker::{Finisher, Tracker};
-use crate::transport::staged;
+use crate::transport::gpu_bounce;
 use ffi::Lib;
 use freight_cuda::driver::Device;
 use freight_proto::error::{invalid, Error, Result};
@@ -325,7 +325,7 @@ impl Fabric {
             let (gpu, desc) = match lr.kind {
                 MemKind::Vram => match here.gpu_registration(&lr, private) {
                     Some(mr) => (None, mr.desc as usize),
-                    None => (Some(staged::gpu_of(&lr)?), 0),
+                    None => (Some(gpu_bounce::gpu_of(&lr)?), 0),
                 },
                 _ => (None, here.registration(&lr, private)?.desc as usize),
             };

@@ -17,8 +17,8 @@ use crossbeam_channel::{unbounded, Receiver, Sender, TryRecvError};
 
 use super::ffi::{FiCqEntry, FI_EAGAIN, FI_EAVAIL, FI_ECANCELED, FI_ETIMEDOUT};
 use super::rail::Rail;
+use super::rail_staging::Staging;
 use super::relay;
-use super::staging::Staging;
 use crate::tracker::Tracker;
 use freight_cuda::driver::Device;
 use freight_proto::error::{Error, Result};

@@ -11,7 +11,7 @@
 //! through it: the sender for room in the window, the receiver for a message to await.
 //!
 //! GPU memory, on either side, passes through pinned bounce buffers (see
-//! [`super::staged`]); such payloads are sent with ordinary copies, since a bounce
+//! [`super::gpu_bounce`]); such payloads are sent with ordinary copies, since a bounce
 //! buffer is reused as soon as its message is out. READ answers for GPU memory land in
 //! two buffers in turn, so that copying one into the GPU overlaps reading the next. The
 //! target's side is [`serve`].
@@ -28,7 +28,7 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::frame_io;
 use crate::tracker::Tracker;
-use crate::transport::staged::{Alternating, GpuRegions, Landing, Piece};
+use crate::transport::gpu_bounce::{Alternating, GpuRegions, Landing, Piece};
 use crate::transport::zerocopy::ZeroCopySocket;
 use freight_host::nic::{self, Pinning};
 use freight_proto::data_stream::{remote_segs, Answer, Initiator};

@@ -20,7 +20,7 @@ use std::time::Duration;
 use super::TcpConfig;
 use crate::frame_io;
 use crate::memory::{Region, Registry};
-use crate::transport::staged::{self, Alternating, Piece};
+use crate::transport::gpu_bounce::{self, Alternating, Piece};
 use crate::transport::zerocopy::ZeroCopySocket;
 use freight_cuda::bounce::Bounce;
 use freight_proto::data_stream::{self, Message};
@@ -134,7 +134,7 @@ fn receive_write(
 ) -> Result<Result<()>> {
     match check_access(registry, segs, true) {
         Ok((guards, Some(pieces))) => {
-            let outcome = staged::receive(sock, bounce, &pieces, total)?;
+            let outcome = gpu_bounce::receive(sock, bounce, &pieces, total)?;
             drop(guards);
             Ok(outcome)
         }
@@ -248,7 +248,7 @@ fn check_access(registry: &Registry, segs: &[Seg], write: bool) -> Result<Access
     let mut pieces = Vec::with_capacity(segs.len());
     for s in segs {
         let g = guards.iter().find(|g| g.info.key == s.region).expect("every segment has its guard");
-        let gpu = if g.info.kind == MemKind::Vram { Some(staged::gpu_of(&g.info)?) } else { None };
+        let gpu = if g.info.kind == MemKind::Vram { Some(gpu_bounce::gpu_of(&g.info)?) } else { None };
         pieces.push(Piece { addr: s.addr, len: s.len, gpu });
     }
     Ok((guards, Some(pieces)))

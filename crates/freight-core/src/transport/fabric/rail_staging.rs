@@ -8,7 +8,7 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use super::rail::{Mr, Rail};
-use crate::transport::staged::{self, Piece};
+use crate::transport::gpu_bounce::{self, Piece};
 use freight_cuda::bounce::Bounce;
 use freight_cuda::driver::Device;
 use freight_proto::error::Result;
@@ -69,12 +69,12 @@ impl Staging {
     /// Copies `len` bytes of GPU memory at `gpu_addr` into the buffer, and waits.
     pub fn gather(&mut self, slot: usize, device: &'static Device, gpu_addr: u64, len: u64) -> Result<()> {
         let bounce = &mut self.slots[slot].bounce;
-        staged::gather(bounce, &[Piece { addr: gpu_addr, len, gpu: Some(device) }])?;
+        gpu_bounce::gather(bounce, &[Piece { addr: gpu_addr, len, gpu: Some(device) }])?;
         bounce.wait()
     }
 
     /// Copies the buffer's first `len` bytes to GPU memory at `gpu_addr`, and waits.
     pub fn scatter(&mut self, slot: usize, device: &'static Device, gpu_addr: u64, len: u64) -> Result<()> {
-        staged::scatter(&mut self.slots[slot].bounce, &[Piece { addr: gpu_addr, len, gpu: Some(device) }])
+        gpu_bounce::scatter(&mut self.slots[slot].bounce, &[Piece { addr: gpu_addr, len, gpu: Some(device) }])
     }
 }
