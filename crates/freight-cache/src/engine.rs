@@ -38,10 +38,11 @@ use std::time::{Duration, Instant};
 use freight_core::{Agent, Error, MemKind, Result};
 use freight_stream::{Outgoing, StoreReceiver, StoreSender, StoredObject};
 
-use crate::chunk_bytes::{copy, move_runs, staged_on, Direction, Place};
+use crate::chunk_bytes::{copy, move_runs, staged_on};
 use crate::gpu_scratch;
 use crate::key::{self, chunk_keys, ChunkKey};
 use crate::layout::{runs_of_valid, KvLayout, KvShape, Run};
+use crate::place::{Direction, Place};
 use crate::tier::Tier;
 
 /// What an engine is made of.

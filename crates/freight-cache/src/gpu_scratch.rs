@@ -16,9 +16,9 @@ use freight_cuda::driver::{Event, Stream};
 use freight_cuda::kernel::{items_of, Item, Kernel, LaunchShape};
 use freight_cuda::Device;
 
-use crate::chunk_bytes::{Direction, Place};
 use crate::layout::Run;
 use crate::per_gpu::{Grown, ItemTable, PerGpu};
+use crate::place::{Direction, Place};
 
 /// Bytes of a segment: small enough that the one kernel left unhidden is short (a few
 /// microseconds), large enough that the copy engine moves each piece at full speed and

@@ -16,10 +16,11 @@ pub mod gpu_scratch;
 pub mod key;
 pub mod layout;
 mod per_gpu;
+mod place;
 pub mod slots;
 pub mod tier;
 
-pub use chunk_bytes::Place;
 pub use engine::{CacheConfig, CacheEngine, KvMemory, StoreReport, StoreTimes, DEFAULT_COMMITS_IN_FLIGHT};
 pub use key::{chunk_keys, ChunkKey};
 pub use layout::{KvLayout, KvShape, Run};
+pub use place::Place;

@@ -4,7 +4,8 @@ use std::sync::Arc;
 
 use freight_core::{Agent, Desc, Error, Result};
 
-use crate::chunk_bytes::{Arena, Place};
+use crate::chunk_bytes::Arena;
+use crate::place::Place;
 use crate::slots::{Evicted, Slots};
 
 pub struct Tier {

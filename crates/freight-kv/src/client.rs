@@ -23,9 +23,9 @@ use tonic::transport::Channel;
 
 use tonic::service::interceptor::InterceptedService;
 
-use crate::rpc::proto::kv_control_client::KvControlClient;
-use crate::rpc::proto::*;
-use crate::rpc::TokenSend;
+use crate::control::proto::kv_control_client::KvControlClient;
+use crate::control::proto::*;
+use crate::control::TokenSend;
 use crate::wire::{self, Buffer, Outcome, Reply};
 
 /// How a client connects.
@@ -58,7 +58,7 @@ pub struct ClientConfig {
 impl Default for ClientConfig {
     fn default() -> Self {
         ClientConfig {
-            server: format!("http://{}", crate::server::DEFAULT_LISTEN),
+            server: format!("http://{}", crate::control::DEFAULT_LISTEN),
             buffer_bytes: 64 << 20,
             name: "freight-kv-client".into(),
             engine: AgentConfig::default(),
@@ -714,7 +714,8 @@ fn rpc_error(server: &str, e: tonic::Status) -> Error {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::server::{test_server as server, Server, ServerConfig};
+    use crate::server::test_support::{test_config, test_server as server};
+    use crate::server::{Server, ServerConfig};
 
     fn client(server: &Server) -> Client {
         Client::connect(ClientConfig {
@@ -871,7 +872,7 @@ mod tests {
 
     #[test]
     fn a_batch_past_the_engines_notification_limit_goes_as_several_requests() {
-        let s = Server::start(ServerConfig { memory_bytes: 64 << 20, ..crate::server::test_config() }).unwrap();
+        let s = Server::start(ServerConfig { memory_bytes: 64 << 20, ..test_config() }).unwrap();
         let mut c =
             Client::connect(ClientConfig { server: s.url(), buffer_bytes: 1 << 20, ..Default::default() }).unwrap();
         // Small values under long keys: some 20 MB of request.
@@ -948,7 +949,7 @@ mod tests {
     fn a_client_that_takes_no_answers_loses_its_session_instead_of_holding_up_the_others() {
         let peer_timeout = Duration::from_secs(1);
         let engine = AgentConfig { peer_timeout, ..Default::default() };
-        let s = Server::start(ServerConfig { engine, ..crate::server::test_config() }).unwrap();
+        let s = Server::start(ServerConfig { engine, ..test_config() }).unwrap();
         let mut other = client(&s);
         let sent = std::env::temp_dir().join(format!(
             "freight-kv-stalled-{}-{:08x}",

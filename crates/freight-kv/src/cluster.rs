@@ -854,7 +854,7 @@ mod tests {
     /// Two servers published by hand as "a" and "b", so that a test can take one off the
     /// list and put it back (as a lease that ran out and was granted again would).
     fn published(etcd: &Etcd) -> ([crate::Server; 2], EtcdDirectory) {
-        let start = crate::server::test_server;
+        let start = crate::server::test_support::test_server;
         let servers = [start(), start()];
         let directory = etcd.config().directory().unwrap();
         directory.publish("a", servers[0].url().as_bytes()).unwrap();
@@ -952,7 +952,7 @@ mod tests {
     #[test]
     fn a_member_listed_under_a_new_url_gets_a_new_client() {
         let Some(etcd) = Etcd::start() else { return };
-        let start = crate::server::test_server;
+        let start = crate::server::test_support::test_server;
         let (first, second) = (start(), start());
         let config = etcd.config();
         let directory = config.directory().unwrap();

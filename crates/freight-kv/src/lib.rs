@@ -7,20 +7,20 @@
 //! what the server does with each, apart from moving the bytes, is [`service`]. These
 //! four are bookkeeping only, tested without sockets.
 //!
-//! Around them: the [`server`] (the pool, the data-plane worker that moves every value
-//! as one engine transfer per request, the gRPC control plane of [`rpc`]) and the
-//! [`client`]; servers share a key space through etcd ([`cluster`]). docs/kv.md
+//! Around them: the [`server`] (the pool, the clients' sessions, the data-plane worker
+//! that moves every value as one engine transfer per request, the gRPC control plane)
+//! and the [`client`], which speak the [`control`] protocol; servers share a key space
+//! through etcd ([`cluster`]). docs/kv.md
 //! describes the whole.
 
 pub mod client;
 pub mod cluster;
+pub mod control;
 pub mod index;
-pub mod metrics;
 mod notif_wait;
 pub mod pool;
 mod pool_memory;
 pub mod reach;
-pub mod rpc;
 pub mod server;
 pub mod service;
 pub mod wire;

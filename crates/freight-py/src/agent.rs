@@ -37,7 +37,7 @@ pub struct PyAgent {
     /// registered (and while any request of this agent exists).
     keep: Mutex<HashMap<u64, Py<PyAny>>>,
     /// Request objects of this agent that exist.
-    pub(crate) requests: AtomicUsize,
+    pub(crate) requests: Arc<AtomicUsize>,
     /// The pipe router, once a pipe end was made here: from then on it owns the engine's
     /// notification queue, and the agent's own notifications are read from it. Held
     /// for the agent's life so that notifications it keeps are never dropped with it.
@@ -86,8 +86,9 @@ impl PyAgent {
     }
 
     fn request(slf: &Bound<'_, Self>, inner: freight_core::Request, peer: String) -> PyRequest {
-        slf.get().requests.fetch_add(1, Ordering::AcqRel);
-        PyRequest { inner, peer, _owner: slf.clone().unbind() }
+        let counted = slf.get().requests.clone();
+        counted.fetch_add(1, Ordering::AcqRel);
+        PyRequest { inner, peer, _owner: slf.clone().into_any().unbind(), counted }
     }
 
     /// True when nothing of this agent can move bytes any more: no request object, and
@@ -243,7 +244,7 @@ impl PyAgent {
             inner: ManuallyDrop::new(inner),
             id: NEXT_AGENT_ID.fetch_add(1, Ordering::Relaxed),
             keep: Mutex::default(),
-            requests: AtomicUsize::new(0),
+            requests: Arc::default(),
             router: OnceLock::new(),
             queue_gate: RwLock::new(()),
         })

@@ -5,7 +5,10 @@
 //! cannot express); this module looks them up once and instantiates them with the
 //! engine's message plus structured attributes (`peer`, `key`, `addr`, ...).
 
+use std::cell::RefCell;
+
 use freight_core::Error;
+use pyo3::exceptions::PyKeyboardInterrupt;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::IntoPyObjectExt;
@@ -90,7 +93,7 @@ fn build(py: Python<'_>, e: Error) -> PyResult<PyErr> {
             "PeerDisconnectedError"
         }
         Error::Timeout(_) => "TimeoutError",
-        Error::Interrupted(_) => return Ok(crate::interrupt::raised(msg)),
+        Error::Interrupted(_) => return Ok(raised(msg)),
         Error::InvalidState(_) => "InvalidStateError",
         Error::Io(_) => "IoError",
         Error::NoSpace(_) => "NoSpaceError",
@@ -103,4 +106,22 @@ fn build(py: Python<'_>, e: Error) -> PyResult<PyErr> {
         exc.setattr(k, v)?;
     }
     Ok(PyErr::from_value(exc))
+}
+
+thread_local! {
+    /// What a signal handler raised during this thread's current call (see
+    /// [`crate::interrupt`]): the exception an interrupted wait raises.
+    static RAISED: RefCell<Option<PyErr>> = const { RefCell::new(None) };
+}
+
+/// Keeps what a signal handler raised during this thread's call (`None`: forgets it,
+/// as a new call starts).
+pub(crate) fn keep_raised(e: Option<PyErr>) {
+    RAISED.with(|r| *r.borrow_mut() = e);
+}
+
+/// The exception an interrupted wait raises: the signal handler's, or a plain
+/// `KeyboardInterrupt` when the check that stopped it was not ours.
+pub(crate) fn raised(msg: String) -> PyErr {
+    RAISED.with(|r| r.borrow_mut().take()).unwrap_or_else(|| PyKeyboardInterrupt::new_err(msg))
 }

@@ -1,12 +1,12 @@
 //! Requests: post, poll, wait.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use freight_core::{Error, Request, Status};
 use pyo3::prelude::*;
 
-use crate::agent::PyAgent;
 use crate::errors::{to_py_err, OrRaise};
 use crate::util::timeout_arg;
 
@@ -21,7 +21,10 @@ pub(crate) const SIGNAL_SLICE: Duration = Duration::from_millis(100);
 pub struct PyRequest {
     pub(crate) inner: Request,
     pub(crate) peer: String,
-    pub(crate) _owner: Py<PyAgent>,
+    /// The agent's Python object, kept alive while the request is.
+    pub(crate) _owner: Py<PyAny>,
+    /// The agent's count of request objects, which this one is among until dropped.
+    pub(crate) counted: Arc<AtomicUsize>,
 }
 
 fn status_str(s: &Status) -> &'static str {
@@ -155,6 +158,6 @@ impl PyRequest {
 
 impl Drop for PyRequest {
     fn drop(&mut self) {
-        self._owner.get().requests.fetch_sub(1, Ordering::AcqRel);
+        self.counted.fetch_sub(1, Ordering::AcqRel);
     }
 }

@@ -1,17 +1,15 @@
-//! The gRPC control plane: sessions, and the operations that move no value (exists,
-//! delete, stats). Generated from proto/kv.proto.
+//! The gRPC control plane's service: sessions, and the operations that move no value
+//! (exists, delete, stats). Its messages and the token check are [`crate::control`]'s.
 
 use std::sync::Arc;
 
-use tonic::service::interceptor::{InterceptedService, Interceptor};
+use tonic::service::interceptor::InterceptedService;
 use tonic::{Request, Response, Status};
 
-use crate::server::Shared;
+use super::Shared;
 
-#[allow(clippy::all)]
-pub mod proto {
-    tonic::include_proto!("freight.kv.v1");
-}
+use crate::control::proto;
+use crate::control::TokenCheck;
 
 use proto::kv_control_server::{KvControl, KvControlServer};
 use proto::*;
@@ -21,59 +19,7 @@ pub(crate) fn service(
     shared: Arc<Shared>,
     token: Option<String>,
 ) -> InterceptedService<KvControlServer<Control>, TokenCheck> {
-    InterceptedService::new(KvControlServer::new(Control { shared }), TokenCheck { token })
-}
-
-/// The metadata key that carries the shared secret: "authorization: Bearer <token>".
-pub const AUTHORIZATION: &str = "authorization";
-
-/// Refuses calls without the server's token. The data plane needs no check of its own:
-/// the engine accepts a connection only with the secret in the server agent's metadata,
-/// which the server hands out only in answer to an authenticated Hello.
-#[derive(Clone)]
-pub(crate) struct TokenCheck {
-    token: Option<String>,
-}
-
-impl Interceptor for TokenCheck {
-    fn call(&mut self, request: Request<()>) -> Result<Request<()>, Status> {
-        let Some(token) = &self.token else { return Ok(request) };
-        let given = request.metadata().get(AUTHORIZATION).and_then(|v| v.to_str().ok()).unwrap_or("");
-        let given = given.strip_prefix("Bearer ").unwrap_or("");
-        if freight_core::same_secret(given.as_bytes(), token.as_bytes()) {
-            Ok(request)
-        } else {
-            Err(Status::unauthenticated("missing or wrong token (the server was started with one)"))
-        }
-    }
-}
-
-/// Adds the token to every call of a client.
-#[derive(Clone)]
-pub struct TokenSend {
-    header: Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>,
-}
-
-impl TokenSend {
-    pub fn new(token: Option<&str>) -> freight_core::Result<TokenSend> {
-        let header = token
-            .map(|t| {
-                format!("Bearer {t}").parse().map_err(|_| {
-                    freight_core::Error::InvalidArgument("a token must be printable ASCII without line breaks".into())
-                })
-            })
-            .transpose()?;
-        Ok(TokenSend { header })
-    }
-}
-
-impl Interceptor for TokenSend {
-    fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
-        if let Some(h) = &self.header {
-            request.metadata_mut().insert(AUTHORIZATION, h.clone());
-        }
-        Ok(request)
-    }
+    InterceptedService::new(KvControlServer::new(Control { shared }), TokenCheck::new(token))
 }
 
 pub(crate) struct Control {

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use axum::extract::State;
 use axum::routing::get;
 
+use super::Shared;
 use crate::index::Stats;
-use crate::server::Shared;
 
 pub(crate) fn router(shared: Arc<Shared>) -> axum::Router {
     axum::Router::new().route("/metrics", get(metrics)).with_state(shared)
