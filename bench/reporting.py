@@ -22,7 +22,7 @@ HOST_CASE = (32 * MIB, 32)
 
 
 #: How every benchmark's percentiles are taken, freight's and every peer's alike (and
-#: freight's CLI, crates/freight-cli/src/bench/report.rs): the reports say it.
+#: freight's CLI, crates/freight-bench/src/report.rs): the reports say it.
 PERCENTILE = "nearest rank: the ceil(p * n)-th smallest of n samples, never an interpolation"
 
 

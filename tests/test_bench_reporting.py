@@ -1,5 +1,5 @@
 """bench/reporting.py's percentile: the one definition every benchmark uses, for freight
-and its peers alike, and the same as the CLI's (crates/freight-cli/src/bench/report.rs,
+and its peers alike, and the same as the CLI's (crates/freight-bench/src/report.rs,
 `stats_use_nearest_rank`)."""
 
 from __future__ import annotations

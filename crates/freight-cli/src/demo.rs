@@ -8,10 +8,10 @@ use std::time::Instant;
 use clap::Args;
 use freight_core::{Agent, AgentConfig, Desc, DescList, MemKind, OpKind, SharedSegment, TransportKind};
 
-use crate::args::{format_size, parse_positive_size, CliError, CliResult, TransportChoice, SIZE_GRAMMAR};
-use crate::child::{Link, TargetProcess};
-use crate::proto::Command;
-use crate::{emit, pattern, wait_done, Context};
+use freight_bench::options::{format_size, parse_positive_size, CliError, CliResult, TransportChoice, SIZE_GRAMMAR};
+use freight_bench::target::child::{Link, TargetProcess};
+use freight_bench::target::messages::Command;
+use freight_bench::{emit, pattern, wait_done, Context};
 
 #[derive(Debug, Args)]
 #[command(after_help = SIZE_GRAMMAR)]
@@ -47,7 +47,11 @@ pub fn run(a: &DemoArgs, ctx: &Context) -> CliResult<()> {
     }
     let len = usize::try_from(a.size).map_err(|_| CliError::usage("--size does not fit in memory"))?;
     // A buffer here and one in the target, on this host.
-    crate::host_memory::ensure_room(a.size.saturating_mul(2), "demo (this process and its target)", "lower --size")?;
+    freight_bench::host_memory::ensure_room(
+        a.size.saturating_mul(2),
+        "demo (this process and its target)",
+        "lower --size",
+    )?;
     let passes: Vec<Option<TransportKind>> = match a.transport {
         TransportChoice::Auto => vec![None, Some(TransportKind::Tcp)],
         t => vec![t.require()],

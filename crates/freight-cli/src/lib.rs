@@ -1,25 +1,19 @@
 //! The `freight` command line, as a library so that the Python wheel can expose it too:
 //! the binary and `python -m freight` both end up in [`run`].
 
-pub mod args;
-mod bench;
-mod child;
 mod demo;
 mod doctor;
-mod host_memory;
-mod kv_bench;
-mod pattern;
-mod proto;
 mod serve;
-mod target;
 
-use std::io::{IsTerminal, Write};
-use std::time::Duration;
+/// The options and values the commands share (`freight_bench::options`).
+pub use freight_bench::options as args;
+use freight_bench::{kv_bench, mesh, target, BenchCommand, Context};
+
+use std::io::IsTerminal;
 
 use clap::{Parser, Subcommand};
-use freight_core::{Request, Status};
 
-use crate::args::{CliError, CliResult};
+use freight_bench::options::{CliError, CliResult};
 
 const ABOUT: &str = "freight: moves bytes between the registered memory of processes \
 (shared memory on one host, tcp across hosts), with prepared, batched, notified transfers.";
@@ -58,7 +52,7 @@ enum Command {
     /// expert parallelism across GPUs (ep).
     Bench {
         #[command(subcommand)]
-        which: bench::BenchCommand,
+        which: BenchCommand,
     },
     /// The KV cache server: values in a memory pool, a gRPC control plane, a zero-copy
     /// data plane through the engine.
@@ -83,16 +77,8 @@ enum Command {
     #[command(name = target::SUBCOMMAND, hide = true)]
     Target(target::TargetArgs),
     /// One process of `bench p2p --full-mesh`, started by it.
-    #[command(name = bench::mesh::SUBCOMMAND, hide = true)]
-    MeshMember(bench::mesh::MemberArgs),
-}
-
-/// What commands need from the invocation besides their own arguments.
-pub(crate) struct Context {
-    /// How to start this same CLI again (for the target process).
-    pub self_command: Vec<String>,
-    /// Passed on to child processes so that both sides log alike.
-    pub log_level: Option<String>,
+    #[command(name = mesh::SUBCOMMAND, hide = true)]
+    MeshMember(mesh::MemberArgs),
 }
 
 /// Runs the CLI. `args` is the full argument vector (`args[0]` is the program name);
@@ -113,7 +99,7 @@ pub fn run(args: Vec<String>, self_command: Vec<String>) -> i32 {
         let ctx = Context { self_command, log_level: cli.log_level.clone() };
         match &cli.command {
             Command::Demo(a) => demo::run(a, &ctx),
-            Command::Bench { which } => bench::run(which, &ctx),
+            Command::Bench { which } => freight_bench::run(which, &ctx),
             Command::Serve(a) => serve::run(a),
             // Only the native binary gets here: the Python package's `freight` takes
             // `proxy` before the native CLI sees it.
@@ -124,7 +110,7 @@ pub fn run(args: Vec<String>, self_command: Vec<String>) -> i32 {
             Command::KvBench(a) => kv_bench::run(a),
             Command::Doctor(a) => doctor::run(a),
             Command::Target(a) => target::run_child(a),
-            Command::MeshMember(a) => bench::mesh::run_member(a),
+            Command::MeshMember(a) => mesh::run_member(a),
         }
     });
     match result {
@@ -162,26 +148,4 @@ fn init_logging(level: Option<&str>) -> CliResult<()> {
     // A host process (Python) may call run() more than once: the first subscriber stays.
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).try_init();
     Ok(())
-}
-
-/// Writes to stdout in one piece; a closed pipe (`| head`) is a quiet failure, not a panic.
-pub(crate) fn emit(text: &str) -> CliResult<()> {
-    let mut out = std::io::stdout().lock();
-    out.write_all(text.as_bytes())
-        .and_then(|()| out.flush())
-        .map_err(|e| CliError::runtime(format!("cannot write to stdout: {e}")))
-}
-
-/// Generous: a stalled transfer should fail with a message, not hang a benchmark forever.
-pub(crate) const TRANSFER_TIMEOUT: Duration = Duration::from_secs(120);
-
-pub(crate) fn wait_done(req: &Request, what: &str) -> CliResult<()> {
-    match req.wait(Some(TRANSFER_TIMEOUT)) {
-        Status::Done => Ok(()),
-        Status::Error(e) => Err(CliError::runtime(format!("{what} failed: {e}"))),
-        other => Err(CliError::runtime(format!(
-            "{what} did not finish within {}s (status {other:?})",
-            TRANSFER_TIMEOUT.as_secs()
-        ))),
-    }
 }

@@ -8,8 +8,8 @@ use rustls_pki_types::pem::{PemObject, SectionKind};
 use clap::Args;
 use freight_kv::{Server, ServerConfig};
 
-use crate::args::{resolve_addr, CliError, CliResult, EngineOpts};
-use crate::emit;
+use freight_bench::emit;
+use freight_bench::options::{resolve_addr, CliError, CliResult, EngineOpts};
 
 #[derive(Debug, Args)]
 pub struct ServeArgs {
@@ -137,7 +137,7 @@ fn check(a: &ServeArgs) -> CliResult<Checked> {
         metrics_listen: resolve("--metrics-listen", a.metrics_listen.as_ref())?,
         tls: tls_identity(a)?,
     };
-    crate::host_memory::ensure_room(
+    freight_bench::host_memory::ensure_room(
         a.memory_mb << 20,
         &format!("--memory-mb {} (the value pool, allocated and touched at start)", a.memory_mb),
         "lower --memory-mb",

@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use clap::Args;
 use serde::Serialize;
 
-use crate::args::{CliError, CliResult};
+use freight_bench::options::{CliError, CliResult};
 use host::Root;
 
 #[derive(Args, Debug)]
@@ -60,9 +60,9 @@ pub fn run(args: &DoctorArgs) -> CliResult<()> {
     let report = report(&root);
     if args.json {
         let text = serde_json::to_string_pretty(&report).map_err(|e| CliError::Runtime(e.to_string()))?;
-        crate::emit(&format!("{text}\n"))
+        freight_bench::emit(&format!("{text}\n"))
     } else {
-        crate::emit(&render(&report))
+        freight_bench::emit(&render(&report))
     }
 }
 

@@ -7,7 +7,7 @@ use freight_core::{Agent, Desc, MemKind, SharedSegment};
 use freight_cuda::driver::{copy_sync, DeviceBuffer};
 use freight_cuda::Device as Gpu;
 
-use crate::args::{CliError, CliResult};
+use crate::options::{CliError, CliResult};
 use crate::pattern;
 
 /// Where a process keeps its data.

@@ -10,10 +10,10 @@ use rand::seq::SliceRandom;
 use serde::Serialize;
 
 use super::report::{round4, Stats};
-use crate::args::{format_size, CliError, CliResult};
-use crate::child::{Link, Remote};
+use crate::options::{format_size, CliError, CliResult};
 use crate::pattern;
-use crate::proto::Command;
+use crate::target::child::{Link, Remote};
+use crate::target::messages::Command;
 use crate::wait_done;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

@@ -11,11 +11,11 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use super::measure::{Budget, Mode, RowResult, Runner};
 use super::report::{p2p_header, p2p_json, p2p_table};
-use crate::args::{
+use crate::options::{
     format_size, parse_count_list, parse_duration, parse_positive_size, parse_size_list, resolve_addr, CliError,
     CliResult, EngineOpts, NumList, SegKind, SIZE_GRAMMAR,
 };
-use crate::child::{Link, TargetProcess};
+use crate::target::child::{Link, TargetProcess};
 use crate::{emit, target, Context};
 
 /// After [`SIZE_GRAMMAR`] in the help's footer.

@@ -1,16 +1,64 @@
-//! `freight bench`: measurements, printed as aligned tables or as JSON.
+//! freight's benchmark programs, run by the `freight` command: `freight bench p2p |
+//! descriptors | pipe | channel | storage | cache-engine` ([`BenchCommand`]) and
+//! `freight kv-bench` ([`kv_bench`]), each printing an aligned table or JSON; and the
+//! two-process harness they share with `freight demo` ([`target`]: a target process
+//! started as a child, what the two say to each other, and the [`pattern`] every moved
+//! byte is checked against).
+//!
+//! The statistics every program reports, and how they are defined (percentiles by
+//! nearest rank), are [`report`]'s: the same definition as bench/reporting.py, which
+//! the scripts under bench/ use for freight and its peers alike.
 
 mod descriptors;
+pub mod host_memory;
+pub mod kv_bench;
 mod measure;
 pub mod mesh;
+pub mod options;
 mod p2p;
-pub(crate) mod report;
+pub mod pattern;
+pub mod report;
 mod stream;
+pub mod target;
+
+use std::io::Write;
+use std::time::Duration;
 
 use clap::Subcommand;
+use freight_core::{Request, Status};
 
-use crate::args::{CliError, CliResult};
-use crate::Context;
+use crate::options::{CliError, CliResult};
+
+/// What commands need from the invocation besides their own arguments.
+pub struct Context {
+    /// How to start this same command again (for a target or member process).
+    pub self_command: Vec<String>,
+    /// Passed on to child processes so that both sides log alike.
+    pub log_level: Option<String>,
+}
+
+/// Writes to stdout in one piece; a closed pipe (`| head`) is a quiet failure, not a panic.
+pub fn emit(text: &str) -> CliResult<()> {
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_bytes())
+        .and_then(|()| out.flush())
+        .map_err(|e| CliError::runtime(format!("cannot write to stdout: {e}")))
+}
+
+/// Generous: a stalled transfer should fail with a message, not hang a benchmark forever.
+pub const TRANSFER_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Waits for `req`, naming `what` in the error where it fails or does not finish.
+pub fn wait_done(req: &Request, what: &str) -> CliResult<()> {
+    match req.wait(Some(TRANSFER_TIMEOUT)) {
+        Status::Done => Ok(()),
+        Status::Error(e) => Err(CliError::runtime(format!("{what} failed: {e}"))),
+        other => Err(CliError::runtime(format!(
+            "{what} did not finish within {}s (status {other:?})",
+            TRANSFER_TIMEOUT.as_secs()
+        ))),
+    }
+}
 
 #[derive(Debug, Subcommand)]
 pub enum BenchCommand {

@@ -10,9 +10,9 @@ use serde_json::json;
 
 use super::buffers::{Device, Memory};
 use super::{gbps, mean_std, say, seed_of, work_after, Product, Round, Shape, StreamArgs};
-use crate::args::{format_size, CliError, CliResult};
-use crate::bench::report::host_json;
 use crate::emit;
+use crate::options::{format_size, CliError, CliResult};
+use crate::report::host_json;
 
 /// The sender's simulated work per 10 objects.
 const SENDER_WORK_MS: u64 = 50;

@@ -16,9 +16,9 @@ use serde_json::json;
 use super::buffers::{check, Device, Memory};
 use super::cache::{kv_memory, tokens_of};
 use super::{gbps, mean_std, say, seed_of, Product, Round, Shape, StreamArgs, KV_SIZE_OPTIONS};
-use crate::args::{CliError, CliResult};
-use crate::bench::report::host_json;
 use crate::emit;
+use crate::options::{CliError, CliResult};
+use crate::report::host_json;
 
 /// Bytes moved to measure the pinned copy bandwidth.
 const CEILING_BYTES: u64 = 1 << 30;

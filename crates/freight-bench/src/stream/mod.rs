@@ -24,8 +24,8 @@ use std::time::Duration;
 use clap::{Args, ValueEnum};
 use serde::{Deserialize, Serialize};
 
-use crate::args::{format_size, parse_duration, parse_positive_size, CliError, CliResult, EngineOpts, SIZE_GRAMMAR};
-use crate::child::TargetProcess;
+use crate::options::{format_size, parse_duration, parse_positive_size, CliError, CliResult, EngineOpts, SIZE_GRAMMAR};
+use crate::target::child::TargetProcess;
 use crate::Context;
 
 pub use buffers::Device;

@@ -12,7 +12,7 @@ use freight_stream::{Buffer, BufferInfo, ChannelReceiver, PipeConfig, PipeListen
 use super::buffers::{check, Device, Memory};
 use super::sender::key_of;
 use super::{gbps, say, seed_of, work_after, Product, Round, Shape, StreamArgs};
-use crate::args::{format_size, CliError, CliResult};
+use crate::options::{format_size, CliError, CliResult};
 use crate::target;
 
 /// The receiver's simulated work per 10 objects.
@@ -22,7 +22,7 @@ pub const AGENT_NAME: &str = "freight-stream-receiver";
 
 pub fn run(product: Product, a: &StreamArgs) -> CliResult<()> {
     if a.exit_with_parent {
-        crate::child::exit_with_parent()?;
+        crate::target::child::exit_with_parent()?;
     }
     let device = Device::parse(&a.device, 1)?;
     let agent = Arc::new(Agent::new(AGENT_NAME, a.engine.agent_config(&a.listen, a.engine.transport.require()))?);

@@ -10,9 +10,9 @@ use clap::{Args, ValueEnum};
 use freight_kv::{Client, ClientConfig, Server, ServerConfig};
 use serde_json::json;
 
-use crate::args::{format_size, parse_positive_size, CliError, CliResult, EngineOpts};
-use crate::bench::report::host_json;
 use crate::emit;
+use crate::options::{format_size, parse_positive_size, CliError, CliResult, EngineOpts};
+use crate::report::host_json;
 
 #[derive(Debug, Args)]
 pub struct KvBenchArgs {

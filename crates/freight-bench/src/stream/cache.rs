@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 
 use super::buffers::{check, Device, Memory};
 use super::{seed_of, Shape};
-use crate::args::{format_size, parse_positive_size, CliError, CliResult};
+use crate::options::{format_size, parse_positive_size, CliError, CliResult};
 
 #[derive(Debug, Clone, Args)]
 #[command(next_help_heading = "KV cache (cache-engine)")]

@@ -7,7 +7,7 @@ use serde_json::{json, Value};
 
 use super::measure::{Budget, Mode, RowResult};
 use super::p2p::{Grid, P2pArgs, TargetInfo, DEFAULT_BATCHES};
-use crate::args::format_size;
+use crate::options::format_size;
 
 /// Summary of timing samples, in microseconds.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]

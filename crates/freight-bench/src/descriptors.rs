@@ -9,8 +9,8 @@ use serde::Serialize;
 use serde_json::json;
 
 use super::report::{fmt_us, host_json, round4, Table};
-use crate::args::{format_size, parse_positive_size, CliError, CliResult, SIZE_GRAMMAR};
 use crate::emit;
+use crate::options::{format_size, parse_positive_size, CliError, CliResult, SIZE_GRAMMAR};
 
 #[derive(Debug, Args)]
 #[command(after_help = SIZE_GRAMMAR)]

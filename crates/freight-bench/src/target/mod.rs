@@ -1,5 +1,5 @@
 //! The target side of `demo` and `bench p2p`: an agent that owns a buffer, and does what
-//! initiators ask of it through notifications (see [`crate::proto`]).
+//! initiators ask of it through notifications (see [`messages`]).
 
 use std::io::Write;
 use std::sync::Arc;
@@ -8,9 +8,13 @@ use std::time::Duration;
 use clap::Args;
 use freight_core::{Agent, MemKind, Notification, SharedSegment};
 
-use crate::args::{format_size, CliError, CliResult, EngineOpts};
+use crate::options::{format_size, CliError, CliResult, EngineOpts};
 use crate::pattern;
-use crate::proto::{Command, Reply};
+
+pub mod child;
+pub mod messages;
+
+use messages::{Command, Reply};
 
 /// The hidden subcommand that starts a target as a child process.
 pub const SUBCOMMAND: &str = "__target";
@@ -31,7 +35,7 @@ pub struct TargetArgs {
 
 /// As a child process: exits by itself when the parent goes away (its stdin closes).
 pub fn run_child(a: &TargetArgs) -> CliResult<()> {
-    crate::child::exit_with_parent()?;
+    child::exit_with_parent()?;
     serve(&a.listen, false, &a.engine)
 }
 

@@ -3,7 +3,7 @@
 //! and fresh memory is only committed when it is touched, long after the options that
 //! sized it were read.
 
-use crate::args::{format_size, CliError, CliResult};
+use crate::options::{format_size, CliError, CliResult};
 
 /// Host memory the kernel says it can still hand out (`MemAvailable`), if it says.
 pub fn available() -> Option<u64> {

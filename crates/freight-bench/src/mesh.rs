@@ -20,7 +20,7 @@ use freight_core::{Agent, Desc, DescList, MemKind, OpKind, SharedSegment, Status
 use freight_cuda::driver::{self, DeviceBuffer};
 use serde::{Deserialize, Serialize};
 
-use crate::args::{format_size, parse_duration, CliError, CliResult, EngineOpts};
+use crate::options::{format_size, parse_duration, CliError, CliResult, EngineOpts};
 use crate::{emit, pattern, Context};
 
 /// The hidden subcommand a member runs.

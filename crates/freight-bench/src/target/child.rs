@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use freight_core::{Agent, MemKind};
 
-use crate::args::{CliError, CliResult};
-use crate::proto::{Command, Reply};
+use super::messages::{Command, Reply};
+use crate::options::{CliError, CliResult};
 use crate::target;
 
 /// A Python interpreter starting the CLI can take a while on a cold cache.
