@@ -6,8 +6,8 @@ costs, if anything.
         --machine "2-vCPU VM" --out bench/results/before-after.json
 
 Rounds alternate the builds (before, after, before, after, ...), so that whatever the
-machine does meanwhile hits both alike. Each figure is the median of its rounds; beside
-it, the spread of the rounds (lowest to highest), and after/before. A figure counts as
+machine does meanwhile hits both alike. Each figure is the median of its rounds
+(bench/reporting.py's: one of the rounds, never a mean of two); beside it, the spread of the rounds (lowest to highest), and after/before. A figure counts as
 "within noise" when the after median lies inside the before rounds' spread widened by
 5% (or the other way round).
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import kv  # noqa: E402  (bench/kv.py: its freight_run)
-from reporting import host_machine, logger, run_json  # noqa: E402
+from reporting import PERCENTILE, host_machine, logger, median, run_json  # noqa: E402
 
 log = logger("before-after")
 TOKEN = "before-after-token"
@@ -68,7 +67,7 @@ def kv_figures(freight: str, scale: float) -> dict:
 
 
 def judge(before: list, after: list, higher_is_better: bool) -> dict:
-    b, a = statistics.median(before), statistics.median(after)
+    b, a = median(before), median(after)
     lo, hi = min(before), max(before)
     within = lo * 0.95 <= a <= hi * 1.05 or min(after) * 0.95 <= b <= max(after) * 1.05
     return {
@@ -113,6 +112,7 @@ def main() -> int:
     doc = {
         "tool": "bench/before_after.py",
         "machine": {"label": args.machine, **host_machine()},
+        "percentile": PERCENTILE,
         "before": args.before, "after": args.after, "rounds": args.rounds, "kv_scale": args.scale,
         "kv_token": True,
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),

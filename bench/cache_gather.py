@@ -11,7 +11,7 @@ one run per block, layer and K/V (1024 runs of 32 KiB). For each layout:
            gathers end to end, with the engine's own overhead, per chunk
   kernel   the batched copy kernel alone on runs of that length, as one prepared
            request between two processes on this GPU (the target is
-           tests/gpu_peer.py), for each launch shape and work-item size: what a launch
+           bench/gpu_peer.py), for each launch shape and work-item size: what a launch
            could take
 
     python3 bench/cache_gather.py --out gather.json [--quick]
@@ -22,14 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
-from gpu import Target, stats  # noqa: E402
+from gpu import Target, machine  # noqa: E402
+from reporting import PERCENTILE, percentile  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, CHUNK_TOKENS, ELEM, BLOCK = 32, 8, 128, 256, 2, 16
 CHUNK = LAYERS * 2 * CHUNK_TOKENS * HEADS * HEAD_DIM * ELEM
@@ -114,7 +114,7 @@ def kernel_rates(quick: bool, layout: str) -> list:
                         req.wait(timeout=30)
                         if i >= 10:
                             times.append(time.perf_counter() - t)
-                    p50, _ = stats(times)
+                    p50 = percentile(times, 50)
                     row = {"layout": layout, "run_bytes": run, "mode": mode, "threads": threads, "blocks_per_sm": per_sm, "item_bytes": item,
                            "us": round(p50 * 1e6, 1), "gbps": round(CHUNK / p50 / 1e9, 1)}
                     print(f"[gather] kernel {row}", flush=True)
@@ -141,8 +141,8 @@ def main() -> None:
         print(f"[gather] store into the GPU tier: {store[-1]}", flush=True)
         if not args.no_kernel:
             kernel += kernel_rates(args.quick, layout)
-    doc = {"tool": "bench/cache_gather.py", "machine": {"gpu": torch.cuda.get_device_name(0),
-           "host": platform.node(), "torch": torch.__version__}, "store": store, "kernel": kernel}
+    doc = {"tool": "bench/cache_gather.py", "percentile": PERCENTILE, "machine": machine(torch), "store": store,
+           "kernel": kernel}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1))
 

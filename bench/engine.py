@@ -29,45 +29,22 @@ import json
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MIB = 1 << 20
+sys.path.insert(0, str(ROOT / "bench"))
+from reporting import MIB, PERCENTILE, free_port, host_machine, logger, median, run_json  # noqa: E402
 
-
-def log(msg: str) -> None:
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+log = logger("bench")
 
 
 def machine_info(label: str) -> dict:
-    """What the numbers were measured on."""
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem_gib = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                mem_gib = round(int(line.split()[1]) / (1 << 20), 1)
-    except OSError:
-        pass
-    return {
-        "label": label,
-        "cpu_model": model,
-        "cpus": os.cpu_count(),
-        "memory_gib": mem_gib,
-        "kernel": platform.release(),
-        "load_average_at_start": list(os.getloadavg()),
-    }
+    """What the numbers were measured on, and how busy it was."""
+    return {"label": label, **host_machine(), "kernel": platform.release(),
+            "load_average_at_start": list(os.getloadavg())}
 
 
 class Runner:
@@ -78,20 +55,13 @@ class Runner:
     def freight_json(self, *args: str) -> dict:
         cmd = [self.freight, "bench", *args, "--json"]
         log(" ".join(cmd[1:]))
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=900)
-        return json.loads(out.stdout)
+        return run_json(cmd, timeout=900, check=True)
 
     def p2p(self, *args: str) -> dict:
         return self.freight_json("p2p", *args)
 
     def iters(self, full: int, quick: int) -> str:
         return str(quick if self.quick else full)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def iperf3_gbps(iperf3: str, streams: int, seconds: int, length: int | None) -> dict:
@@ -151,7 +121,7 @@ def shm_suite(r: Runner) -> tuple[dict, list]:
             min(ratios) >= 0.90, "x",
             f"worst: {worst['batch_size']} x {worst['block_size'] // 1024} KiB at "
             f"{worst['gbps']} GB/s vs memcpy {worst['memcpy_gbps']} GB/s; "
-            f"median ratio {sorted(ratios)[len(ratios) // 2]}"))
+            f"median ratio {median(ratios)}"))
 
     doc = r.p2p("--transport", "shm", "--op", "WRITE", "--block-sizes", "4KiB",
                 "--batch-sizes", "1", "--iters", r.iters(20000, 2000), "--warmup", "1000")
@@ -241,7 +211,7 @@ def notif_suite(r: Runner, python: str | None) -> tuple[dict, list]:
                           "freight's Python module not found (scripts/setup.sh, or --python): not measured")]
     cmd = [python, str(ROOT / "bench" / "peers" / "notif_latency.py"), "--count", r.iters(5000, 500)]
     log(" ".join(cmd[1:]))
-    doc = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=900).stdout)
+    doc = run_json(cmd, timeout=900, check=True)
     seen = doc["post_to_seen_us"]
     return {"latency_4k_write_notif": doc}, [check(
         name, seen["p50"], "<= 20 us", seen["p50"] <= 20.0, "us",
@@ -289,7 +259,7 @@ def main() -> int:
         ap.error(f"no freight binary at {args.freight} (build it with cargo build --release -p freight-cli)")
     suites = args.only or ["shm", "tcp", "descriptors", "notif"]
     r = Runner(args.freight, args.quick)
-    doc = {"tool": "bench/engine.py", "machine": machine_info(args.machine),
+    doc = {"tool": "bench/engine.py", "percentile": PERCENTILE, "machine": machine_info(args.machine),
            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "quick": args.quick,
            "results": {}, "checks": []}
     t0 = time.monotonic()

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Expert-parallel benchmarks of the EP issue, each beside its NCCL baseline in the same
-run: ``freight bench ep`` with 2 and 4 ranks (as many as the machine has GPUs, one rank
+run: bench/ep_bench.py with 2 and 4 ranks (as many as the machine has GPUs, one rank
 per GPU), hidden 7168, top-8, 8 experts per rank:
 
 * 128 tokens, e2e, low-latency mode captured in a CUDA graph (target: <= 80 us on four
@@ -16,10 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import sys
+from pathlib import Path
 
-from reporting import run_json
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from reporting import PERCENTILE, host_machine, run_json  # noqa: E402
+
+EP_BENCH = Path(__file__).resolve().parent / "ep_bench.py"
 
 CASES = [
     # (name, tokens, mode, extra flags)
@@ -30,31 +33,36 @@ CASES = [
 ]
 
 
-def gpu_count() -> int:
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+def run(python: list, world: int, tokens: int, mode: str, extra: list, iters: int) -> dict:
+    return run_json(python + [str(EP_BENCH), f"--num-processes={world}", f"--tokens={tokens}", "--hidden=7168",
+                              "--topk=8", "--experts-per-rank=8", f"--mode={mode}", f"--iters={iters}", "--json",
+                              *extra])
 
 
-def run(freight: list, world: int, tokens: int, mode: str, extra: list, iters: int) -> dict:
-    return run_json(freight + ["bench", "ep", f"--num-processes={world}", f"--tokens={tokens}", "--hidden=7168",
-                               "--topk=8", "--experts-per-rank=8", f"--mode={mode}", f"--iters={iters}", "--json",
-                               *extra])
+def interpreter(args, p: argparse.ArgumentParser) -> list:
+    """--python; or the interpreter of the older --freight 'PYTHON -m freight', from when
+    the benchmark was a freight command."""
+    if not args.freight:
+        return args.python.split()
+    words = args.freight.split()
+    if words[-2:] != ["-m", "freight"] or len(words) < 3:
+        p.error("--freight takes 'PYTHON -m freight' (its PYTHON runs bench/ep_bench.py); or give --python")
+    return words[:-2]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--machine", required=True, help="what the machine is, for the results")
     p.add_argument("--out", required=True, help="JSON file for all results")
-    p.add_argument("--freight", default=f"{sys.executable} -m freight", help="how to start the freight CLI")
+    p.add_argument("--python", default=sys.executable,
+                   help="the interpreter that runs bench/ep_bench.py (it needs freight and PyTorch)")
+    p.add_argument("--freight", help="the older way to name that interpreter: 'PYTHON -m freight'")
     p.add_argument("--worlds", default="2,4", help="rank counts to run (those above the GPU count are skipped)")
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--ceiling-gbps", type=float, default=370.0, help="NVLink copy ceiling per direction")
     args = p.parse_args()
-    gpus = gpu_count()
-    freight = args.freight.split()
+    python = interpreter(args, p)
+    gpus = len(host_machine().get("gpus", []))
     rows, runs = [], []
     for world in (int(w) for w in args.worlds.split(",")):
         if world > gpus:
@@ -62,12 +70,12 @@ def main() -> None:
             continue
         for name, tokens, mode, extra in CASES:
             print(f"[ep] {world} ranks: {name}", file=sys.stderr, flush=True)
-            report = run(freight, world, tokens, mode, extra, args.iters)
+            report = run(python, world, tokens, mode, extra, args.iters)
             runs.append({"ranks": world, "case": name, **report})
             f, n = report.get("freight"), report.get("nccl")
             rows.append((world, name, report.get("ranks_passed"), f, n, report.get("speedup_vs_nccl")))
     json.dump({"machine": args.machine, "host": platform.node(), "gpus": gpus, "ceiling_gbps": args.ceiling_gbps,
-               "runs": runs}, open(args.out, "w"), indent=1)
+               "percentile": PERCENTILE, "runs": runs}, open(args.out, "w"), indent=1)
     print("| ranks | case | passed | freight us | freight GB/s per rank | of ceiling | NCCL us | speed-up |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for world, name, passed, f, n, speedup in rows:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """freight's GPU benchmarks: two processes on two GPUs of one host.
 
-The initiator (this process) uses GPU 0; the target is tests/gpu_peer.py on GPU 1,
+The initiator (this process) uses GPU 0; the target is bench/gpu_peer.py on GPU 1,
 each process seeing only its own GPU (CUDA_VISIBLE_DEVICES), as the NIXL comparison in
 bench/peers/ does. Writes rows {"system": "freight", "test", "op", "block", "count",
 "gbps", "p50_us", "p99_us"} that bench/gpu_report.py sets beside NIXL and the ceilings.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from reporting import PERCENTILE, percentile  # noqa: E402
+from reporting import PERCENTILE, host_machine, percentile  # noqa: E402
 
 MIB = 1 << 20
 SIZE = 4 << 30
@@ -32,12 +32,12 @@ CASES = [(32 * MIB, 128), (2 * MIB, 2048), (256 << 10, 16384), (64 << 10, 65536)
 
 
 class Target:
-    """tests/gpu_peer.py in its own process."""
+    """bench/gpu_peer.py in its own process."""
 
     def __init__(self, size: int, kind: str, gpu: str, name: str = "target"):
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
         self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "gpu_peer.py"), "--name", name, "--size", str(size), "--kind", kind, "--gpu", "0"],
+            [sys.executable, str(ROOT / "bench" / "gpu_peer.py"), "--name", name, "--size", str(size), "--kind", kind, "--gpu", "0"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
         )
         hello = json.loads(self.proc.stdout.readline() or "{}")
@@ -64,6 +64,11 @@ class Target:
 
 def stats(samples_s):
     return percentile(samples_s, 50), percentile(samples_s, 99)
+
+
+def machine(torch) -> dict:
+    """What the figures were measured on: the host, and the GPU and PyTorch of this process."""
+    return {**host_machine(), "gpu": torch.cuda.get_device_name(0), "host": platform.node(), "torch": torch.__version__}
 
 
 def row(test, op, block, count, gbps=None, p50=None, p99=None, **extra):
@@ -315,8 +320,7 @@ def main() -> None:
         tool = f"bench/gpu.py --only {args.only}"
         if args.only == "fabric":
             tool += f" (provider {os.environ['FREIGHT_FABRIC_PROVIDER']})"
-        doc = {"tool": tool, "machine": {"gpu": torch.cuda.get_device_name(0),
-               "host": platform.node(), "torch": torch.__version__}, "rows": rows}
+        doc = {"tool": tool, "percentile": PERCENTILE, "machine": machine(torch), "rows": rows}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=1))
         return
@@ -343,8 +347,8 @@ def main() -> None:
                     rows.append({"system": "freight", "error": repr(e)})
     finally:
         target.close()
-    doc = {"tool": "bench/gpu.py", "percentile": PERCENTILE, "machine": {"gpu": torch.cuda.get_device_name(0), "host": platform.node(),
-           "torch": torch.__version__}, "path": f"{path.transport}: {path.reason}", "rows": rows}
+    doc = {"tool": "bench/gpu.py", "percentile": PERCENTILE, "machine": machine(torch),
+           "path": f"{path.transport}: {path.reason}", "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1))
     print(f"[gpu] wrote {args.out}")

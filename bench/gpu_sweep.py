@@ -4,7 +4,7 @@ to choose the defaults: two processes on two GPUs of one host, like bench/gpu.py
 
 The initiator (this process, GPU 0) creates one freight agent per configuration (mode
 warp or block, threads per CUDA block, blocks per SM, longest work item) and measures
-WRITE and READ over these lists against the target (tests/gpu_peer.py on GPU 1):
+WRITE and READ over these lists against the target (bench/gpu_peer.py on GPU 1):
 
   65536 x 4 KiB, 65536 x 16 KiB, 16384 x 256 KiB, 128 x 32 MiB   remote blocks in random order
   65536 x 4 KiB sequential                                      merges into one 256 MiB copy
@@ -18,7 +18,7 @@ best over all cases runs again with each completion mode ("event", "poll").
 The destination bytes are checked for every case and direction, on the first
 configuration and under "poll": the source is refilled and the destination poisoned
 before the run, and afterwards each side fingerprints its blocks where they are
-(tests/gpu_peer.py fingerprint()). Exits non-zero on any error or failed check.
+(bench/gpu_peer.py fingerprint()). Exits non-zero on any error or failed check.
 
     python3 bench/gpu_sweep.py --out build/gpu-results/sweep.json [--quick]
 
@@ -39,10 +39,9 @@ from typing import Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT / "tests"))
-from gpu import Target, stats, timed  # noqa: E402
+from gpu import Target, timed  # noqa: E402
 from gpu_peer import fingerprint  # noqa: E402
-from reporting import GIB, KIB, MIB, finish, host_machine, human, logger  # noqa: E402
+from reporting import GIB, KIB, MIB, PERCENTILE, finish, host_machine, human, logger, percentile  # noqa: E402
 
 log = logger("sweep")
 
@@ -217,7 +216,7 @@ class Sweep:
         req = agent.make_request(op, lp, None, rp, None)
         timed(req, self.warm)
         times = timed(req, self.iters)
-        p50, _ = stats(times)
+        p50 = percentile(times, 50)
         row = self.row(stage, config, case, op, p50, min(times), copies=req.copies)
         if checking:
             row["verified"] = self.check(case, op, config)
@@ -321,7 +320,7 @@ def main() -> int:
     args = ap.parse_args()
     t0 = time.monotonic()
     shapes, items = (QUICK_SHAPES, QUICK_ITEMS) if args.quick else (SHAPES, ITEMS)
-    doc = {"tool": "bench/gpu_sweep.py", "machine": host_machine(), "quick": args.quick,
+    doc = {"tool": "bench/gpu_sweep.py", "machine": host_machine(), "quick": args.quick, "percentile": PERCENTILE,
            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "rows": [], "overall": [], "skipped": [], "verify": {}, "errors": []}
     os.environ["CUDA_VISIBLE_DEVICES"] = "0"

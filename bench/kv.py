@@ -29,7 +29,6 @@ import io
 import json
 import os
 import pathlib
-import platform
 import shutil
 import socket
 import subprocess
@@ -37,18 +36,15 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from reporting import PERCENTILE, free_port, host_machine, median, run_json  # noqa: E402
+
 SIZES = {"4KiB": 4096, "64KiB": 65536, "1MiB": 1 << 20}
 # Keys per size (freight's kv-bench reads each once, across its threads; Redis's
 # benchmark makes as many GETs over as many keys): enough for about a second of reads
 # on a small machine, within its memory.
 KEYS = {"4KiB": 50_000, "64KiB": 10_000, "1MiB": 1_000}
 CLIENTS = 4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ensure_redis() -> None:
@@ -79,8 +75,10 @@ REPEATS = 3
 
 
 def median_run(runs: list[dict]) -> dict:
-    best = sorted(runs, key=lambda r: r["ops_per_sec"])[len(runs) // 2]
-    return {**best, "runs_ops_per_sec": [r["ops_per_sec"] for r in runs]}
+    """The run whose GET ops/s is the median (reporting.median), with every run's."""
+    rates = [r["ops_per_sec"] for r in runs]
+    middle = median(rates)
+    return {**next(r for r in runs if r["ops_per_sec"] == middle), "runs_ops_per_sec": rates}
 
 
 def measure(server_cmd: list[str], port: int, what: str, run_once) -> dict:
@@ -211,14 +209,10 @@ def freight_run(freight: list[str], size: int, keys: int, transport: str) -> dic
     memory_mb = max(64, keys * size * 5 // 4 // (1 << 20) + 16)
 
     def once() -> dict:
-        out = subprocess.run(
-            [*freight, "kv-bench", "--server-addr", f"http://127.0.0.1:{port}", "--num-keys", str(keys),
-             "--value-size", str(size), "--num-threads", str(CLIENTS), "--buffer-mb",
-             str(max(8, 2 * size >> 20)), "--transport", transport, "--verify", "sample", "--warmup", "100",
-             "--json"],
-            check=True, capture_output=True, text=True, timeout=600,
-        ).stdout
-        d = json.loads(out)
+        d = run_json([*freight, "kv-bench", "--server-addr", f"http://127.0.0.1:{port}", "--num-keys", str(keys),
+                      "--value-size", str(size), "--num-threads", str(CLIENTS), "--buffer-mb",
+                      str(max(8, 2 * size >> 20)), "--transport", transport, "--verify", "sample", "--warmup", "100",
+                      "--json"], check=True)
         return {
             "ops_per_sec": d["read"]["ops_per_sec"],
             "p50_us": d["read_latency_us"]["median"],
@@ -270,7 +264,11 @@ def main() -> int:
     doc = {
         "benchmark": "bench/kv.py",
         "machine": args.machine,
-        "host": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "host": host_machine(),
+        # freight's percentiles are the CLI's (the same definition); Redis's are redis-benchmark's own,
+        # which prints only its summary.
+        "percentile": PERCENTILE,
+        "redis_percentile": "redis-benchmark's own (its --csv summary), not taken from samples here",
         "clients": CLIENTS,
         "redis": subprocess.run(["redis-server", "--version"], capture_output=True, text=True).stdout.strip(),
         "results": results,

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
-import platform
 import socket
 import subprocess
 import sys
@@ -28,16 +26,13 @@ import time
 import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from reporting import free_port, host_machine  # noqa: E402
+
 SIZES = {"64KiB": 64 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20}
 KEYS = 64
 READERS = 4
 ROUNDS = 5  # each reader reads every key this many times
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def value(i: int, size: int) -> np.ndarray:
@@ -125,7 +120,7 @@ def main() -> int:
         server.terminate()
         server.wait(timeout=20)
     doc = {"benchmark": "bench/kv_gpu.py", "machine": args.machine, "device": args.device,
-           "host": {"cpus": os.cpu_count(), "platform": platform.platform()},
+           "host": host_machine(),
            "readers": READERS, "keys": KEYS, "rounds": ROUNDS, "results": rows}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

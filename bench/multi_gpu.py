@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """The multi-GPU runs in one command, for any number of GPUs (8 on the machine that has
-them): the expert-parallel benchmark with the seed's configuration (128 tokens, hidden
-7168, top-8, 36 experts per rank; dispatch, combine and e2e) and at 4096 tokens, each
-beside its NCCL baseline; then the full-mesh point-to-point benchmark (every process
+them): the expert-parallel benchmark (bench/ep_bench.py) with the seed's configuration
+(128 tokens, hidden 7168, top-8, 36 experts per rank; dispatch, combine and e2e) and at
+4096 tokens, each beside its NCCL baseline; then the full-mesh point-to-point benchmark (every process
 writes to every other at once, one GPU each, block sizes 4 KiB to 64 MiB) beside NCCL's
 all-to-all and send/recv on the same machine (bench/peers/nccl_mesh.py).
 
@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
-from reporting import run_json
-
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from reporting import PERCENTILE, host_machine, run_json  # noqa: E402
+
 SIZES = ["4KiB", "64KiB", "1MiB", "16MiB", "64MiB"]
 EP_CASES = [
     # (case, tokens, mode, extra flags)
@@ -35,15 +35,16 @@ EP_CASES = [
 
 
 def gpu_count() -> int:
-    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
-    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+    return len(host_machine().get("gpus", []))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--machine", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--freight", default=f"{sys.executable} -m freight")
+    p.add_argument("--freight", default=f"{sys.executable} -m freight", help="the freight command (full mesh)")
+    p.add_argument("--python", default=sys.executable,
+                   help="the interpreter that runs bench/ep_bench.py (it needs freight and PyTorch)")
     p.add_argument("--gpus", type=int, default=0, help="GPUs (ranks) to use; default: all")
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--mesh-seconds", default="2s")
@@ -57,13 +58,14 @@ def main() -> None:
     if gpus > gpu_count() and not args.share_gpus:
         raise SystemExit(f"{gpus} ranks asked, {gpu_count()} GPUs here (--share-gpus for a smoke run)")
     freight = args.freight.split()
-    report = {"machine": args.machine, "gpus": gpus, "gpus_here": gpu_count(), "ep": [], "mesh": [], "nccl_mesh": None}
+    report = {"machine": args.machine, "gpus": gpus, "gpus_here": gpu_count(), "percentile": PERCENTILE, "ep": [],
+              "mesh": [], "nccl_mesh": None}
 
     for case, tokens, mode, extra in EP_CASES:
         print(f"[multi-gpu] ep: {case}, {mode}", file=sys.stderr, flush=True)
-        doc = run_json(freight + ["bench", "ep", f"--num-processes={gpus}", f"--tokens={tokens}", "--hidden=7168",
-                                  "--topk=8", "--experts-per-rank=36", f"--mode={mode}", f"--iters={args.iters}",
-                                  "--json", *extra])
+        doc = run_json([*args.python.split(), str(HERE / "ep_bench.py"), f"--num-processes={gpus}",
+                        f"--tokens={tokens}", "--hidden=7168", "--topk=8", "--experts-per-rank=36", f"--mode={mode}",
+                        f"--iters={args.iters}", "--json", *extra])
         report["ep"].append({"case": case, "tokens": tokens, "mode": mode, **doc})
 
     for block in SIZES:

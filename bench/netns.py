@@ -22,12 +22,14 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import subprocess
 import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from reporting import host_machine  # noqa: E402
+
 NETNS = ROOT / "scripts" / "netns.sh"
 PAIRS = (1, 2, 4)
 SECONDS = 3
@@ -183,7 +185,7 @@ def gpu_only(args) -> int:
         rows.append({"pairs": pairs, "gpu_tcp_gbps": doc["gbps"], "verified": doc["verified"], "path": doc["path"]})
         print(f"[netns] {pairs} pair(s): GPU memory over tcp {doc['gbps']:.2f} GB/s", flush=True)
     doc = {"benchmark": "bench/netns.py --gpu-only", "machine": args.machine,
-           "host": {"cpus": os.cpu_count(), "platform": platform.platform()},
+           "host": host_machine(),
            "request_bytes": 64 << 20, "seconds": SECONDS, "results": rows}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -213,7 +215,7 @@ def main() -> int:
     rows = scaling(freight, delays)
     tuned = [] if args.no_tuning else tuning(freight)
     doc = {"benchmark": "bench/netns.py", "machine": args.machine,
-           "host": {"cpus": os.cpu_count(), "platform": platform.platform()},
+           "host": host_machine(),
            "request_bytes": 64 << 20, "seconds": SECONDS, "results": rows, "tuning": tuned,
            "netem": no_netem or "available"}
     if args.out:

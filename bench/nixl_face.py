@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 import uuid
@@ -36,7 +35,7 @@ import numpy as np
 os.environ.setdefault("UCX_MODULES", "^ib")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reporting import KIB, MIB, finish, host_machine, human, logger  # noqa: E402
+from reporting import KIB, MIB, PERCENTILE, finish, host_machine, human, logger, median  # noqa: E402
 
 import freight  # noqa: E402
 from freight import nixl as face  # noqa: E402
@@ -128,7 +127,7 @@ def face_vs_native(seconds: float, verify: Dict[str, bool], errors: List[str]) -
             t_native += timed_rounds(native, seconds / 12)
             t_poll += timed_rounds(native_poll, seconds / 12)
             t_face += timed_rounds(nixl_face, seconds / 12)
-        mn, mp, mf = statistics.median(t_native), statistics.median(t_poll), statistics.median(t_face)
+        mn, mp, mf = median(t_native), median(t_poll), median(t_face)
         nbytes = block * count
         rows.append({"block": block, "count": count, "bytes": nbytes, "transport": transport,
                      "native_us": mn * 1e6, "native_poll_us": mp * 1e6, "face_us": mf * 1e6, "native_gbps": nbytes / mn / 1e9,
@@ -184,8 +183,8 @@ def prep_and_make(api, rounds: int, verify: Dict[str, bool], label: str) -> dict
         a.release_dlist_handle(lh)
         a.release_dlist_handle(rh)
     a.remove_remote_agent(b.name)
-    return {"prep_ms": statistics.median(prep) * 1e3, "make_ms": statistics.median(make) * 1e3,
-            "total_ms": (statistics.median(prep) + statistics.median(make)) * 1e3, "rounds": rounds}
+    return {"prep_ms": median(prep) * 1e3, "make_ms": median(make) * 1e3,
+            "total_ms": (median(prep) + median(make)) * 1e3, "rounds": rounds}
 
 
 def main() -> int:
@@ -200,7 +199,7 @@ def main() -> int:
     verify: Dict[str, bool] = {}
     errors: List[str] = []
     doc: dict = {"machine": args.machine, "host": host_machine(), "date": time.strftime("%Y-%m-%d"),
-                 "percentile": "median of per-round times", "verify": verify, "errors": errors}
+                 "percentile": f"median of per-round times; {PERCENTILE}", "verify": verify, "errors": errors}
     doc["face_vs_native"] = face_vs_native(args.seconds, verify, errors)
     real = None
     if not args.skip_nixl:

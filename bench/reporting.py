@@ -1,13 +1,17 @@
-"""Small helpers the benchmark scripts share: sizes for people, prefixed logs, the one
-percentile definition, and the end of a run (write the JSON, print the table and the
-byte checks, pick the exit code)."""
+"""The benchmark scripts' statistics and the helpers they share, for freight and every
+peer alike: the one percentile definition (and the median by it), what the machine is,
+running a benchmark command for its JSON, a free port, sizes for people, prefixed logs,
+and the end of a run (write the JSON, print the table and the byte checks, pick the exit
+code)."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import platform
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +26,7 @@ HOST_CASE = (32 * MIB, 32)
 
 
 #: How every benchmark's percentiles are taken, freight's and every peer's alike (and
-#: freight's CLI, crates/freight-bench/src/report.rs): the reports say it.
+#: freight's CLI, crates/freight-bench/src/stats.rs): the reports say it.
 PERCENTILE = "nearest rank: the ceil(p * n)-th smallest of n samples, never an interpolation"
 
 
@@ -37,6 +41,20 @@ def percentile(values: Iterable[float], p: float) -> float:
     return s[min(len(s), max(1, math.ceil(p / 100 * len(s)))) - 1]
 
 
+def median(values: Iterable[float]) -> float:
+    """The median as every benchmark takes it: ``percentile(values, 50)``, one of the
+    samples (of an even count, the lower middle one), never the mean of the two middle
+    ones that ``statistics.median`` and ``numpy.median`` give."""
+    return percentile(values, 50)
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that was free a moment ago, for a server the script starts."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def human(n: int) -> str:
     """4096 -> "4 KiB"; sizes that are not whole units stay in bytes."""
     for unit, size in (("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
@@ -45,24 +63,31 @@ def human(n: int) -> str:
     return f"{n} B"
 
 
-def run_json(cmd: list, timeout: int = 600) -> dict:
+def run_json(cmd: list, timeout: int = 600, *, check: bool = False) -> dict:
     """Runs a benchmark command that prints a JSON document last; returns the document
-    (or {"error": why}) with the command and its wall time added."""
+    (or {"error": why}) with the command and its wall time added. With `check`, a
+    command that fails or prints no document raises RuntimeError instead (for scripts
+    that cannot go on without its figures)."""
     import time
 
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout} s", "command": " ".join(cmd), "wall_s": time.monotonic() - t0}
-    start = proc.stdout.find("{")
-    try:
-        doc = json.loads(proc.stdout[start:]) if start >= 0 else None
-    except ValueError:
-        doc = None
-    if not isinstance(doc, dict):
-        doc = {"error": f"no JSON report; exit {proc.returncode}: {proc.stderr[-1500:]}"}
-    doc["command"] = " ".join(cmd)
+        doc = {"error": f"timed out after {timeout} s"}
+    else:
+        start = proc.stdout.find("{")
+        try:
+            doc = json.loads(proc.stdout[start:]) if start >= 0 else None
+        except ValueError:
+            doc = None
+        if not isinstance(doc, dict):
+            doc = {"error": f"no JSON report; exit {proc.returncode}: {proc.stderr[-1500:]}"}
+        elif check and proc.returncode != 0:
+            doc = {"error": f"exit {proc.returncode}: {proc.stderr[-1500:]}"}
+    if check and "error" in doc:
+        raise RuntimeError(f"{' '.join(map(str, cmd))}: {doc['error']}")
+    doc["command"] = " ".join(map(str, cmd))
     doc["wall_s"] = time.monotonic() - t0
     return doc
 
@@ -93,8 +118,20 @@ def finish(doc: dict, out: Optional[Path], table: str, log: Callable[[str], None
 
 
 def host_machine() -> dict:
-    """GPU names and the driver, without touching CUDA in this process."""
-    info: dict = {"hostname": os.uname().nodename, "cpus": os.cpu_count()}
+    """What the figures were measured on: the host, its CPUs and memory, its GPUs' names
+    and the driver, without touching CUDA in this process."""
+    info: dict = {"hostname": os.uname().nodename, "cpus": os.cpu_count(), "cpu_model": "", "memory_gib": None,
+                  "platform": platform.platform()}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                info["memory_gib"] = round(int(line.split()[1]) / (1 << 20), 1)
+    except OSError:
+        pass
     smi = shutil.which("nvidia-smi")
     if smi:
         try:

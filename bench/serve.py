@@ -60,7 +60,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 os.environ.setdefault("FREIGHT_VLLM_VENV", sys.prefix)
 
 import vllm_serving as vs  # noqa: E402
-from reporting import logger  # noqa: E402
+from reporting import PERCENTILE, logger  # noqa: E402
 from vllm_pd import MODEL  # noqa: E402
 
 log = logger("serve")
@@ -105,6 +105,10 @@ METRICS = [
 # Each side's end of scripts/netns.sh's first veth pair.
 NETNS_ADDRESS = {"a": "10.77.0.1", "b": "10.77.0.2"}
 HIGHER_IS_BETTER = {"output_tokens_per_s", "requests_per_s"}
+# vllm bench serve takes the percentiles itself, and its saved result holds them, not the
+# samples: the report says whose they are.
+SERVE_PERCENTILE = (f"vllm bench serve's own, the same for every configuration: numpy's median and percentile, "
+                    f"which interpolate between two samples (not bench/reporting.py's {PERCENTILE})")
 NIXL_HANDSHAKE = re.compile(r"NIXL handshake: (?:get metadata|add agent) took: ([0-9.eE+-]+)")
 
 
@@ -379,6 +383,7 @@ def main() -> int:
     import vllm
 
     doc = {"benchmark": "serve-pd", "machine": args.machine, "cpus": os.cpu_count(), "vllm": vllm.__version__,
+           "percentile": SERVE_PERCENTILE,
            "model": {**MODEL, "dtype": args.dtype,
                      "kv_bytes_per_token": meta["kv_bytes_per_token"] * (2 if args.dtype == "float32" else 1)},
            "prefill_netns": args.prefill_netns,

@@ -25,7 +25,6 @@ import dataclasses
 import json
 import pathlib
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -33,8 +32,10 @@ from typing import Dict
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import vllm_gpu_peer as peer  # noqa: E402
+from reporting import PERCENTILE, median  # noqa: E402
 
 TOKEN = "bench-token"
 BLOCKS = (16, 64, 256)
@@ -203,11 +204,11 @@ def main() -> int:
             raw_s.append(time.perf_counter() - started)
         raw_s = raw_s[1:]
         load_phases = [phases_of_a_load(n) for _ in range(args.repeats)]
-        steps = {k: statistics.median(p[k] for p in load_phases) for k in load_phases[0]}
+        steps = {k: median(p[k] for p in load_phases) for k in load_phases[0]}
         pushes = [push_of_a_load(n) for _ in range(args.repeats)]
-        push = {k: statistics.median(p[k] for p in pushes) for k in pushes[0]}
-        connector = statistics.median(caches_s)
-        plain = statistics.median(raw_s)
+        push = {k: median(p[k] for p in pushes) for k in pushes[0]}
+        connector = median(caches_s)
+        plain = median(raw_s)
         rows.append({"blocks": n, "tokens": n * shape.block_size, "bytes": nbytes,
                      "descriptors": n * shape.num_layers,
                      "connector_s": caches_s, "raw_s": raw_s, "post_s": post_s, "engine_s": engine_s,
@@ -220,7 +221,7 @@ def main() -> int:
     proc.wait(timeout=30)
 
     result = {"benchmark": "vllm-connector-gpu", "machine": args.machine, "layout": args.layout,
-              "shape": peer.asdict(shape), "block_bytes_per_layer": block_bytes, "repeats": args.repeats,
+              "percentile": PERCENTILE, "shape": peer.asdict(shape), "block_bytes_per_layer": block_bytes, "repeats": args.repeats,
               "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0) if on_gpu else None,
               "device": args.device, "agent_config": agent_extra, "rows": rows}
     if args.out:
@@ -230,15 +231,15 @@ def main() -> int:
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['bytes'] >> 20} MiB ({r['tokens']} tokens) | {r['descriptors']} | {r['connector_gbps']:.1f} | "
-              f"{r['raw_gbps']:.1f} | {r['ratio']:.2f} | {statistics.median(r['post_s']) * 1e3:.3f} | "
-              f"{statistics.median(r['engine_s']) * 1e3:.3f} |")
+              f"{r['raw_gbps']:.1f} | {r['ratio']:.2f} | {median(r['post_s']) * 1e3:.3f} | "
+              f"{median(r['engine_s']) * 1e3:.3f} |")
     print()
     print("| KV per request | pull: one READ of all layers (ms) | push: a WRITE per layer, summed (ms) | "
           "push: the last layer's WRITE (ms) |")
     print("| --- | --- | --- | --- |")
     for r in rows:
         p = r["push"]
-        print(f"| {r['bytes'] >> 20} MiB | {statistics.median(r['connector_s']) * 1e3:.3f} | "
+        print(f"| {r['bytes'] >> 20} MiB | {median(r['connector_s']) * 1e3:.3f} | "
               f"{p['push_sum_s'] * 1e3:.3f} | {p['push_last_layer_s'] * 1e3:.3f} |")
     print()
     print("posting steps (ms, median): " + ", ".join(rows[0]["posting_steps_s"]))

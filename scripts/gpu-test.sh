@@ -87,7 +87,7 @@ fi
 
 if [ "${EP:-1}" = 1 ] && [ "$gpus" -ge 2 ]; then
     log "expert parallelism beside NCCL"
-    timeout 900 "$PY" bench/ep.py --machine "$machine" --out "$OUT/ep.json" --freight "$PY -m freight" \
+    timeout 900 "$PY" bench/ep.py --machine "$machine" --out "$OUT/ep.json" --python "$PY" \
         2>&1 | tee "$OUT/ep.log"
     bench_done "${PIPESTATUS[0]}" ep
 fi

@@ -1,17 +1,19 @@
 """bench/reporting.py's percentile: the one definition every benchmark uses, for freight
-and its peers alike, and the same as the CLI's (crates/freight-bench/src/report.rs,
+and its peers alike, and the same as the CLI's (crates/freight-bench/src/stats.rs,
 `stats_use_nearest_rank`)."""
 
 from __future__ import annotations
 
 import random
+import re
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from reporting import PERCENTILE, percentile  # noqa: E402
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+sys.path.insert(0, str(BENCH))
+from reporting import PERCENTILE, median, percentile  # noqa: E402
 
 
 def test_nearest_rank_as_the_cli_takes_it():
@@ -19,6 +21,11 @@ def test_nearest_rank_as_the_cli_takes_it():
     v = [float(i) for i in range(1, 201)]
     assert (percentile(v, 50), percentile(v, 99)) == (100.0, 198.0)
     assert "nearest rank" in PERCENTILE
+
+
+def test_the_median_is_the_50th_percentile_a_sample_never_a_mean_of_two():
+    assert median([4.0, 1.0, 3.0, 2.0]) == 2.0  # statistics.median would say 2.5
+    assert median([5.0, 1.0, 3.0]) == 3.0
 
 
 def test_a_percentile_is_always_one_of_the_samples_never_between_two():
@@ -37,3 +44,43 @@ def test_a_percentile_is_always_one_of_the_samples_never_between_two():
 def test_no_samples_or_a_percentile_out_of_range_is_an_error(values, p):
     with pytest.raises(ValueError):
         percentile(values, p)
+
+
+# A script takes statistics where it mentions them (its own are what this guards against).
+MENTIONS_STATISTICS = re.compile(r"p50|p99|median|percentile", re.I)
+IMPORTS_REPORTING = re.compile(r"^from reporting import|^import reporting\b", re.M)
+OWN_STATISTICS = re.compile(r"statistics\.(median\w*|quantiles)|(np|numpy)\.(median|percentile|quantile)"
+                            r"|\[len\(\w+\) // 2\]")
+
+
+def benchmark_scripts() -> list:
+    scripts = sorted(BENCH.glob("*.py")) + sorted(BENCH.glob("peers/*.py"))
+    return [p for p in scripts if p.name != "reporting.py"]
+
+
+def test_every_benchmark_takes_its_statistics_from_reporting_and_says_which():
+    """One definition for freight and every peer: a script under bench/ that speaks of
+    percentiles or medians imports bench/reporting.py, states reporting.PERCENTILE in its
+    report, and computes none of its own (statistics.median, numpy's, a middle index)."""
+    scripts = benchmark_scripts()
+    assert len(scripts) > 10 and BENCH / "ep_bench.py" in scripts, scripts
+    problems = []
+    for path in scripts:
+        text = path.read_text()
+        name = path.relative_to(BENCH.parent)
+        problems += [f"{name}: {m.group()}" for m in OWN_STATISTICS.finditer(text)]
+        if MENTIONS_STATISTICS.search(text):
+            if not IMPORTS_REPORTING.search(text):
+                problems.append(f"{name}: speaks of percentiles or medians but does not import reporting")
+            if "PERCENTILE" not in text:
+                problems.append(f"{name}: does not state reporting.PERCENTILE in its report")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_cli_benchmarks_state_the_same_definition():
+    """freight's own benchmark programs (crates/freight-bench) take percentiles the same
+    way and say so in the same words as the scripts."""
+    stats = (Path(__file__).resolve().parents[1] / "crates" / "freight-bench" / "src" / "stats.rs").read_text()
+    stated = re.search(r'pub const PERCENTILE: &str = "([^"]*)";', stats)
+    assert stated is not None, "crates/freight-bench/src/stats.rs states no PERCENTILE"
+    assert stated.group(1) == PERCENTILE

@@ -213,19 +213,61 @@ def test_expert_parallel_kernels_compile_for_hopper():
     check_kernel_compile(ep.compile_kernels)
 
 
+EP_BENCH = HERE.parent / "bench" / "ep_bench.py"
+
+
+def run_ep_bench(*args: str, env: "dict | None" = None) -> subprocess.CompletedProcess:
+    """bench/ep_bench.py, as a person runs it: a script of the source tree."""
+    return subprocess.run([sys.executable, str(EP_BENCH), *args], capture_output=True, text=True, timeout=60,
+                          env=env)
+
+
 def test_the_benchmark_explains_itself_and_refuses_what_it_cannot_do():
-    run = lambda *a: subprocess.run([sys.executable, "-m", "freight", "bench", "ep", *a], capture_output=True, text=True, timeout=60)  # noqa: E731
-    helped = run("--help")
+    helped = run_ep_bench("--help")
     assert helped.returncode == 0
     for option in ("--num-processes", "--mode", "--tokens", "--hidden", "--experts-per-rank", "--topk",
-                   "--nvlink-backend", "--warmup", "--iters", "--low-latency", "--cuda-graph", "--json"):
+                   "--nvlink-backend", "--warmup", "--iters", "--low-latency", "--cuda-graph", "--json",
+                   "--log-level"):
         assert option in helped.stdout
-    graph = run("--cuda-graph")
+    graph = run_ep_bench("--cuda-graph")
     assert graph.returncode == 2 and "--low-latency" in graph.stderr
-    backend = run("--nvlink-backend", "none", "--low-latency")
+    backend = run_ep_bench("--nvlink-backend", "none", "--low-latency")
     assert backend.returncode == 2 and "needs --nvlink-backend ipc" in backend.stderr
-    bad = run("--mode", "sideways")
+    bad = run_ep_bench("--mode", "sideways")
     assert bad.returncode == 2
+    # --log-level (freight's, for the engine in every rank) may stand anywhere; the
+    # benchmark gets to its own checks (an invalid --num-processes, so no GPU is needed).
+    for args in (("--log-level", "debug", "--num-processes", "0"), ("--num-processes", "0", "--log-level=debug")):
+        p = run_ep_bench(*args)
+        assert p.returncode == 2, p.stderr
+        assert p.stderr.strip() == "bench/ep_bench.py: --num-processes must be positive", p.stderr
+
+
+# Stand-ins for PyTorch, first on the path: one that does not import, one without a GPU.
+NO_TORCH = "raise ImportError('No module named torch (hidden by the test)')\n"
+NO_GPU = """
+__version__ = "0.0-test"
+class version:
+    cuda = None
+class cuda:
+    is_available = staticmethod(lambda: False)
+    device_count = staticmethod(lambda: 0)
+"""
+
+
+@pytest.mark.parametrize(
+    "torch_source, message",
+    [(NO_TORCH, "needs PyTorch, which cannot be imported here"), (NO_GPU, "needs a GPU that PyTorch can use")],
+    ids=["no-torch", "no-gpu"],
+)
+def test_the_benchmark_without_what_it_needs_says_so_once(tmp_path, torch_source, message):
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(torch_source)
+    path = [str(tmp_path)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    p = run_ep_bench("--num-processes", "2", env=dict(os.environ, PYTHONPATH=os.pathsep.join(path)))
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    assert p.stderr.startswith(f"bench/ep_bench.py: {message}") and p.stderr.count("\n") == 1, p.stderr
+    assert "ranks passed" not in p.stdout, p.stdout
 
 
 def _run_ranks(world: int, scenario: str, timeout: float = 240, **opts) -> list:

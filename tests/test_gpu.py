@@ -19,7 +19,8 @@ import pytest
 import freight
 from conftest import check_kernel_compile, libfabric_missing
 
-HERE = Path(__file__).resolve().parent
+# The remote side of the transfers, which the GPU benchmarks use too.
+GPU_PEER = Path(__file__).resolve().parent.parent / "bench" / "gpu_peer.py"
 from gpu_env import CUDA_OK, CUDA_WHY, TORCH_GPUS, needs_gpu, torch  # noqa: F401
 MIB = 1 << 20
 
@@ -55,11 +56,11 @@ def test_gpu_memory_without_cuda_is_refused_with_the_reason():
 
 
 class Peer:
-    """A gpu_peer.py process: the remote side of the transfers."""
+    """A bench/gpu_peer.py process: the remote side of the transfers."""
 
     def __init__(self, size: int, kind: str = "VRAM", gpu: int = 0, env=None):
         self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "gpu_peer.py"), "--size", str(size), "--kind", kind, "--gpu", str(gpu)],
+            [sys.executable, str(GPU_PEER), "--size", str(size), "--kind", kind, "--gpu", str(gpu)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
         )
         hello = json.loads(self.proc.stdout.readline() or "{}")

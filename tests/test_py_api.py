@@ -294,7 +294,7 @@ def test_dropping_an_agent_lets_other_threads_run_while_it_shuts_down():
 def test_transport_docs_name_every_transport():
     for doc in (freight.Request.transport.__doc__, inspect.getsource(freight.agent.Path)):
         assert all(t in doc for t in ("cuda", "shm", "fabric", "tcp")), doc
-    assert "fabric connections" in freight._native.Agent.connection_stats.__doc__
+    assert "fabric_connections" in freight._native.Agent.connection_stats.__doc__
 
 
 @pytest.mark.parametrize("shm", [True, False], ids=["shm", "tcp"])

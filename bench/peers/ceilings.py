@@ -13,7 +13,8 @@
   h2d, d2h          pinned host memory <-> GPU memory, 32 x 32 MiB cudaMemcpyAsync calls on
                     one stream; measured on both GPUs, the better one is the ceiling
 
-Each figure is bytes / median time over the timed iterations. Output rows have the shape
+Each figure is bytes / median time over the timed iterations (bench/reporting.py's median,
+as for freight and NIXL). Output rows have the shape
 of the transfer benchmarks' rows:
 
   {"system": "ceiling", "test": "bw"|"h2d"|"d2h", "op": "WRITE"|"READ", "block": bytes,
@@ -34,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from reporting import BW_CASES, GIB, HOST_CASE, KIB, MIB, finish, host_machine, human, logger  # noqa: E402,F401
+from reporting import BW_CASES, GIB, HOST_CASE, KIB, MIB, PERCENTILE, finish, host_machine, human, logger, median  # noqa: E402,F401
 
 # One CUDA block per descriptor at a time (grid-stride over descriptors); each thread keeps
 # four 16-byte loads in flight before storing them.
@@ -114,7 +115,7 @@ class Ceilings:
                 end.record()
                 end.synchronize()
                 ts.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
-        return float(self.np.median(ts))
+        return median(ts)
 
     def enable_peer(self, dev: int, peer: int) -> None:
         cp = self.cp
@@ -156,7 +157,7 @@ class Ceilings:
             dst.copy_(src)
             sync()
             ts.append(time.perf_counter() - t0)
-        t = float(self.np.median(ts))
+        t = median(ts)
         probe = slice(self.nbytes - MIB, self.nbytes)
         self.verify["ce_write"] = bool(torch.equal(dst[probe].cpu(), src[probe].cpu()))
         return {"gbps": round(self.nbytes / t / 1e9, 3), "median_ms": round(t * 1e3, 4), "iters": len(ts)}
@@ -269,7 +270,7 @@ def main() -> int:
         ap.error("--bytes must be at least 64 MiB (two 32 MiB blocks)")
 
     t0 = time.monotonic()
-    doc = {"tool": "ceilings", "machine": {}, "quick": args.quick,
+    doc = {"tool": "ceilings", "machine": {}, "quick": args.quick, "percentile": PERCENTILE,
            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "config": {"gpus": [a, b], "bytes": args.bytes}, "rows": [], "verify": {}, "errors": []}
     rows = doc["rows"]

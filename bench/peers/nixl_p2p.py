@@ -57,7 +57,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from reporting import BW_CASES, GIB, HOST_CASE, KIB, MIB, PERCENTILE, finish, host_machine, human, logger, percentile  # noqa: E402,F401
+from reporting import BW_CASES, GIB, HOST_CASE, KIB, MIB, PERCENTILE, finish, host_machine, human, logger, median, percentile  # noqa: E402,F401
 
 ONESHOT = (32 * MIB, 128)
 VERIFY = 1 * MIB  # bytes checked per direction
@@ -336,7 +336,7 @@ class Initiator:
             ts = self.timed(lambda: self.run_once(xh), warm, iters, 5.0 if self.quick else 15.0)
         finally:
             self.release(xh, lh, rh)
-        t = float(self.np.median(ts))
+        t = median(ts)
         return {"gbps": round(block * count / t / 1e9, 3), "iters": len(ts),
                 "median_ms": round(t * 1e3, 4), "prep_ms": round(prep_ms, 3)}
 
@@ -370,7 +370,7 @@ class Initiator:
 
         warm, iters = (1, 3) if self.quick else (2, 10)
         ts = self.timed(once, warm, iters, 5.0 if self.quick else 15.0)
-        t = float(np.median(ts))
+        t = median(ts)
         method = ("prep_xfer_dlist x2 + make_prepped_xfer + transfer" if api == "prepped"
                   else "get_xfer_descs x2 + initialize_xfer + transfer")
         return {"gbps": round(block * count / t / 1e9, 3), "iters": len(ts),
@@ -383,8 +383,8 @@ class Initiator:
             ts = self.timed(lambda: self.run_once(xh), warm, iters, 20.0)
         finally:
             self.release(xh, lh, rh)
-        us = [t * 1e6 for t in ts]
-        return {"p50_us": round(percentile(us, 50), 2), "p99_us": round(percentile(us, 99), 2), "iters": len(ts)}
+        p50, p99 = percentiles([t * 1e6 for t in ts])
+        return {"p50_us": p50, "p99_us": p99, "iters": len(ts)}
 
     def notif_posts(self) -> dict:
         """Posts 4 KiB WRITEs with notifications; the target timestamps their arrival. The

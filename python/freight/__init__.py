@@ -58,6 +58,8 @@ if "FREIGHT_CUDA_LIB_DIRS" not in _os.environ:
 
 from . import _native, errors  # noqa: E402
 from ._native import (  # noqa: E402
+    TRANSPORTS,
+    AgentConfig,
     EtcdDirectory,
     PreparedLocal,
     PreparedRemote,
@@ -71,7 +73,6 @@ from ._native import (  # noqa: E402
     release_pooled_memory,
 )
 from .agent import Agent, Path
-from .config import TRANSPORTS, AgentConfig
 from .descs import DescList
 from .stream import (  # noqa: E402
     ChannelReceiver,

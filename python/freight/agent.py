@@ -1,24 +1,25 @@
-"""The agent: registers memory, knows peers, moves bytes, sends notifications."""
+"""The agent: registers memory, knows peers, moves bytes, sends notifications.
+
+:class:`Agent` is the engine's own class (``freight._native.Agent``) with what takes
+Python objects added: arrays, buffers, tensors and descriptor lists are turned into the
+address ranges the engine takes. Everything else (peers, notifications, closing) is the
+native class's, documented there and in ``freight/_native.pyi``.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, List, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 
 from . import _native
 from ._objects import describe, indices, is_readonly, normalize_kind, to_bytes
-from .config import AgentConfig
 from .descs import _triple_array, as_desclist
 from .errors import InvalidArgumentError
 
 __all__ = ["Agent", "Path"]
 
-Request = _native.Request
-PreparedLocal = _native.PreparedLocal
-PreparedRemote = _native.PreparedRemote
-EtcdDirectory = _native.EtcdDirectory
-SharedSegment = _native.SharedSegment
+from ._native import EtcdDirectory, PreparedLocal, PreparedRemote, Request, SharedSegment
 
 BytesLike = Union[bytes, bytearray, memoryview, str]
 
@@ -32,7 +33,7 @@ class Path(NamedTuple):
     reason: str
 
 
-class Agent:
+class Agent(_native.Agent):
     """A freight agent: one per process (or per engine instance).
 
     ``Agent(name, config=None)`` creates the agent and starts its listener.
@@ -58,85 +59,7 @@ class Agent:
     Agents are context managers (``close()`` on exit).
     """
 
-    def __init__(self, name: str, config: Optional[Union[AgentConfig, dict]] = None) -> None:
-        if not isinstance(name, str):
-            raise TypeError(f"agent name must be a str, got {type(name).__name__}")
-        if config is None:
-            config = AgentConfig()
-        elif isinstance(config, dict):
-            config = AgentConfig(**config)
-        elif not isinstance(config, AgentConfig):
-            raise TypeError(f"config must be a freight.AgentConfig, got {type(config).__name__}")
-        _native._init_logging_from_env()
-        self._config = config
-        self._core = _native.Agent(name, **config._native_kwargs())
-        self._closed = False
-
-    # ------------------------------------------------------------------ basics
-
-    @property
-    def name(self) -> str:
-        """The agent's name."""
-        return self._core.name
-
-    @property
-    def config(self) -> AgentConfig:
-        """The configuration the agent was created with."""
-        return self._config
-
-    @property
-    def addresses(self) -> List[str]:
-        """Addresses (``"ip:port"``) that peers are told to use."""
-        return self._core.addresses
-
-    @property
-    def peers(self) -> List[str]:
-        """Names of known peers, sorted."""
-        return self._core.peers
-
-    @property
-    def registered_regions(self) -> int:
-        """Number of registered regions."""
-        return self._core.registered_regions
-
-    @property
-    def closed(self) -> bool:
-        """True once :meth:`close` was called."""
-        return self._closed
-
-    def close(self) -> None:
-        """Stops listening and closes every connection; in-flight requests fail.
-        Idempotent. Registered memory stays alive while requests of this agent exist."""
-        self._closed = True
-        self._core.close()
-
-    def __enter__(self) -> "Agent":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else ", ".join(self.addresses)
-        return f"<freight.Agent {self.name!r} [{state}] peers={self.peers}>"
-
-    def listen(self, addr: str) -> str:
-        """Listens on one more address (e.g. a well-known port peers :meth:`connect`
-        to); returns the bound ``"ip:port"``."""
-        return self._core.listen(addr)
-
     # ------------------------------------------------------------------ memory
-
-    def alloc(self, nbytes: int) -> np.ndarray:
-        """Allocates ``nbytes`` of zeroed host memory that same-host peers can reach
-        through shm, as a uint8 numpy array (its ``.base`` is a
-        :class:`freight.SharedSegment` that keeps the memory alive). Register it (or
-        parts of it) with :meth:`register` to make it transferable."""
-        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)):
-            raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
-        if nbytes <= 0:
-            raise InvalidArgumentError(f"nbytes must be positive, got {nbytes}")
-        return self._core.alloc(int(nbytes))
 
     def share_in_place(self, obj: Any) -> SharedSegment:
         """Makes host memory this process already has (a CPU tensor, a numpy array, any
@@ -157,7 +80,7 @@ class Agent:
         lies partly in a shared segment.
         """
         r = describe(obj, "DRAM", readonly_ok=False)
-        return self._core.share_in_place(r.addr, r.length)
+        return self._share_in_place(r.addr, r.length)
 
     def register(self, obj: Any, kind: Optional[str] = None, *, readonly_ok: bool = False) -> int:
         """Registers memory so that transfers (local and remote) may touch it; returns
@@ -185,7 +108,7 @@ class Agent:
         k = normalize_kind(kind) if kind is not None else None
         r = describe(obj, k, readonly_ok=readonly_ok)
         read_only = not isinstance(obj, tuple) and is_readonly(obj)
-        return self._core.register(r.kind, r.addr, r.length, r.device, r.keep, read_only)
+        return self._register(r.kind, r.addr, r.length, r.device, r.keep, read_only)
 
     def register_many(self, objs: Any, kind: Optional[str] = None, *, readonly_ok: bool = False) -> List[int]:
         """Registers many objects (anything :meth:`register` accepts) in one call into
@@ -196,7 +119,7 @@ class Agent:
         ``(addr, length, device)`` rows (kind ``kind``, default "DRAM")."""
         k = normalize_kind(kind) if kind is not None else None
         if isinstance(objs, np.ndarray):
-            return self._core.register_many(k or "DRAM", _triple_array(objs), None)
+            return self._register_many(k or "DRAM", _triple_array(objs), None)
         groups: dict = {}
         order: List[Tuple[str, int]] = []
         for i, obj in enumerate(objs):
@@ -216,7 +139,7 @@ class Agent:
         try:
             for gk, (triples, keeps, positions) in groups.items():
                 try:
-                    keys = self._core.register_many(gk[0], triples, keeps, gk[1])
+                    keys = self._register_many(gk[0], triples, keeps, gk[1])
                 except Exception as e:
                     if isinstance(getattr(e, "index", None), int):
                         e.index = positions[e.index]  # type: ignore[attr-defined]
@@ -225,75 +148,15 @@ class Agent:
                 done.extend(keys)
         except BaseException:
             for key in done:
-                self._core.deregister(key)
+                self.deregister(key)
             raise
         return [keys_by_kind[gk][j] for gk, j in order]
 
-    def deregister(self, key: int) -> None:
-        """Deregisters a region (and releases the object registered with it).
-        :class:`freight.RegionBusyError` while a transfer uses it,
-        :class:`freight.UnknownRegionError` for an unknown key. Peers learn of it and
-        fail later accesses with :class:`freight.RemoteRejectedError`."""
-        if isinstance(key, (int, np.integer)) and key < 0:
-            # No key is negative: the int did not come from register().
-            raise InvalidArgumentError(f"region keys are what register() returned, never negative; got {key}")
-        self._core.deregister(key)
-
-    # ------------------------------------------------------------------ metadata and peers
-
-    def metadata(self) -> bytes:
-        """This agent's metadata (name, addresses, transports, registered regions and the
-        secret that authorises access to them) as bytes. Give it to peers only."""
-        return self._core.metadata()
-
-    def add_peer(self, metadata: Union[bytes, bytearray, memoryview], token: Optional[BytesLike] = None) -> str:
-        """Adds (or replaces) a peer from its metadata bytes; returns its name.
-        :class:`freight.MetadataError` for bytes that are not valid metadata.
-        ``token`` is the peer's :attr:`AgentConfig.token`, where it has one: every
-        connection to the peer presents it (without it they fail with
-        :class:`freight.AuthError`). Replacing a peer (e.g. a restarted process with
-        new metadata) closes the old connections; requests prepared against the old
-        one fail."""
-        if isinstance(metadata, str):
-            raise TypeError("metadata must be bytes (use bytes.fromhex() for hex text)")
-        if not isinstance(metadata, (bytes, bytearray, memoryview)):
-            raise TypeError(
-                "metadata must be bytes, bytearray or memoryview (what the peer's Agent.metadata() returned), "
-                f"got {type(metadata).__name__}"
-            )
-        return self._core.add_peer(bytes(metadata), None if token is None else to_bytes(token, "token"))
-
-    def remove_peer(self, name: str) -> None:
-        """Forgets a peer and closes its connections (:class:`freight.UnknownPeerError`
-        if unknown)."""
-        self._core.remove_peer(name)
-
-    def connect(self, addr: str, token: Optional[BytesLike] = None) -> str:
-        """Fetches a peer's metadata from its listener at ``"ip:port"`` and adds the peer;
-        returns its name. ``token`` must match the peer's :attr:`AgentConfig.token` if it
-        has one (else :class:`freight.AuthError`), and is presented on every connection
-        to the peer from then on. A peer whose listener serves no metadata
-        (``serve_metadata=False``) refuses with :class:`freight.AuthError`."""
-        return self._core.connect(addr, None if token is None else to_bytes(token, "token"))
-
-    def refresh_peer(self, name: str, token: Optional[BytesLike] = None) -> None:
-        """Re-reads a known peer's metadata from its listener (to see regions it
-        registered since), with ``token``, or else the token it was added with."""
-        self._core.refresh_peer(name, None if token is None else to_bytes(token, "token"))
+    # ------------------------------------------------------------------ peers
 
     def path_to(self, peer: str) -> Path:
         """Which transport serves host-memory transfers to ``peer``, and why."""
-        return Path(*self._core.path_to(peer))
-
-    def connection_stats(self, peer: str) -> Dict[str, int]:
-        """The connections this agent made to ``peer`` since it was added:
-        ``control_connections``, ``tcp_connections`` and ``fabric_connections`` (more than
-        one of any means it reconnected), ``handshakes`` (one per control connection, tcp
-        data stream and fabric exchange), ``setup_us`` (time spent setting them all up)
-        and ``last_setup_us``."""
-        names = ("control_connections", "tcp_connections", "fabric_connections", "handshakes", "setup_us",
-                 "last_setup_us")
-        return dict(zip(names, self._core.connection_stats(peer)))
+        return Path(*self._path_to(peer))
 
     # ------------------------------------------------------------------ etcd
 
@@ -322,12 +185,12 @@ class Agent:
         """Checks descriptors (a :class:`DescList` or anything it accepts) against this
         agent's registered memory; the result is reusable for any number of requests.
         :class:`freight.NotRegisteredError` / :class:`freight.OutOfBoundsError`."""
-        return self._core.prepare_local(as_desclist(descs)._raw)
+        return self._prepare_local(as_desclist(descs)._raw)
 
     def prepare_remote(self, peer: str, descs: Any) -> PreparedRemote:
         """Checks descriptors against ``peer``'s advertised memory (as of the metadata
         last added or refreshed); reusable."""
-        return self._core.prepare_remote(peer, as_desclist(descs)._raw)
+        return self._prepare_remote(peer, as_desclist(descs)._raw)
 
     def make_request(
         self,
@@ -350,7 +213,7 @@ class Agent:
             raise TypeError(f"local_prepared must come from Agent.prepare_local, got {type(local_prepared).__name__}")
         if not isinstance(remote_prepared, PreparedRemote):
             raise TypeError(f"remote_prepared must come from Agent.prepare_remote, got {type(remote_prepared).__name__}")
-        return self._core.make_request(
+        return self._make_request(
             _op(op),
             local_prepared,
             indices(local_indices),
@@ -371,27 +234,7 @@ class Agent:
             _check_writable(local_descs)
         local = as_desclist(local_descs)
         remote = as_desclist(remote_descs)
-        return self._core.transfer(_op(op), local._raw, peer, remote._raw, None if notif is None else to_bytes(notif, "notif"))
-
-    # ------------------------------------------------------------------ notifications
-
-    def notify(self, peer: str, msg: BytesLike) -> None:
-        """Sends a notification (bytes; str is sent UTF-8 encoded). Notifications to one
-        peer arrive in the order they were sent. To a peer on this host they go through
-        shared memory; if it takes none for ``peer_timeout`` (it does not run) this raises
-        :class:`freight.TimeoutError`, and :class:`freight.PeerDisconnectedError` once it is
-        gone."""
-        self._core.notify(peer, to_bytes(msg, "msg"))
-
-    def get_notifs(self) -> List[Tuple[str, bytes]]:
-        """Notifications received so far, as ``[(peer, bytes)]``, oldest first.
-        Non-blocking; each notification is returned once."""
-        return self._core.get_notifs()
-
-    def wait_notifs(self, timeout: Optional[float] = None) -> List[Tuple[str, bytes]]:
-        """Waits up to ``timeout`` seconds (None: no limit) for at least one
-        notification; returns all received so far (``[]`` on timeout)."""
-        return self._core.wait_notifs(timeout)
+        return self._transfer(_op(op), local._raw, peer, remote._raw, None if notif is None else to_bytes(notif, "notif"))
 
 
 def _check_writable(descs: Any) -> None:

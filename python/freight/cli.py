@@ -6,7 +6,6 @@ hands over the arguments and how to start the CLI again in a child process.
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 from typing import List, Optional, Sequence
@@ -26,41 +25,9 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         from .proxy import main as proxy_main
 
         return proxy_main(args[1:])
-    command, level = _split_log_level(args)
-    if command[:2] == ["bench", "ep"]:
-        # Expert parallelism runs on PyTorch tensors: its benchmark lives in Python.
-        from . import ep_bench
-
-        if level is not None:
-            # The engine's log filter, as the native CLI's --log-level sets it.
-            os.environ["FREIGHT_LOG"] = level
-        return ep_bench.main(command[2:])
     from . import _native
 
     return _native.cli_main(["freight", *args], self_command())
-
-
-def _split_log_level(args: list) -> tuple:
-    """The command line without its ``--log-level LEVEL`` (or ``--log-level=LEVEL``)
-    options, and the last level given. The option is global in the native CLI, so it
-    may come anywhere: before the command, between ``bench`` and ``ep``, or after."""
-    rest: list = []
-    level = None
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if arg == "--":
-            rest += args[i:]
-            break
-        if arg.startswith("--log-level="):
-            level = arg.split("=", 1)[1]
-        elif arg == "--log-level" and i + 1 < len(args):
-            level = args[i + 1]
-            i += 1
-        else:
-            rest.append(arg)
-        i += 1
-    return rest, level
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -76,17 +76,17 @@ DEFAULT_BUFFER = 4 << 30
 ALIGN = 256
 
 
-def _core(agent: Any) -> Any:
+def _core(agent: Any) -> Agent:
     if not isinstance(agent, Agent):
         raise TypeError(f"expected a freight.Agent, got {type(agent).__name__}")
-    return agent._core
+    return agent
 
 
 def _register_if_needed(agent: Agent, r: Range) -> Optional[int]:
     """Registers ``r`` with ``agent`` unless it is already registered; returns the key
     of a registration made here (None if the memory was registered before)."""
     try:
-        return agent._core.register(r.kind, r.addr, r.length, r.device, r.keep)
+        return agent._register(r.kind, r.addr, r.length, r.device, r.keep)
     except OverlapError:
         # Registered already (typically inside a pool the caller registered); if only
         # partly, the transfer itself says so (NotRegisteredError / OutOfBoundsError).
@@ -100,7 +100,7 @@ def _deregister_all(agent: Agent, keys: List[int]) -> None:
     busy = []
     for key in keys:
         try:
-            agent._core.deregister(key)
+            agent.deregister(key)
         except RegionBusyError as e:
             log.warning("a temporary region %d is still in use; deregistering it later: %s", key, e)
             busy.append(key)

@@ -84,8 +84,7 @@ impl Samples {
             .map(|(op, items, v)| {
                 let mut us: Vec<f64> = v.iter().map(|d| d.as_secs_f64() * 1e6).collect();
                 us.sort_by(f64::total_cmp);
-                let mid = us.len() / 2;
-                let median = if us.len() % 2 == 1 { us[mid] } else { (us[mid - 1] + us[mid]) / 2.0 };
+                let median = crate::stats::median(&us);
                 Row {
                     operation: op.clone(),
                     items: *items,
@@ -160,6 +159,7 @@ pub fn run(a: &DescriptorArgs) -> CliResult<()> {
         let doc = json!({
             "tool": "freight bench descriptors",
             "version": env!("CARGO_PKG_VERSION"),
+            "percentile": crate::stats::PERCENTILE,
             "host": host_json(),
             "config": { "regions": a.regions, "descriptors": n, "block": a.block, "reps": a.reps },
             "copies_per_request": copies,

@@ -253,6 +253,7 @@ pub fn run(a: &KvBenchArgs) -> CliResult<()> {
     if a.json {
         let doc = json!({
             "benchmark": "freight kv-bench",
+            "percentile": crate::stats::PERCENTILE,
             "host": host_json(),
             "server": url,
             "embedded": a.embedded,
@@ -401,7 +402,7 @@ impl Latency {
     fn of(micros: &mut [f64]) -> Latency {
         micros.sort_by(f64::total_cmp);
         let n = micros.len();
-        let at = |q: f64| micros[((q * n as f64).ceil() as usize).clamp(1, n) - 1];
+        let at = |q: f64| crate::stats::percentile(micros, q);
         Latency {
             min: micros[0],
             median: at(0.5),

@@ -6,7 +6,7 @@
 //! byte is checked against).
 //!
 //! The statistics every program reports, and how they are defined (percentiles by
-//! nearest rank), are [`report`]'s: the same definition as bench/reporting.py, which
+//! nearest rank), are [`stats`]'s: the same definition as bench/reporting.py, which
 //! the scripts under bench/ use for freight and its peers alike.
 
 mod descriptors;
@@ -18,6 +18,7 @@ pub mod options;
 mod p2p;
 pub mod pattern;
 pub mod report;
+pub mod stats;
 mod stream;
 pub mod target;
 
@@ -81,10 +82,10 @@ pub enum BenchCommand {
     /// retrieves them into its own KV memory.
     #[command(name = "cache-engine")]
     CacheEngine(Box<stream::StreamArgs>),
-    /// MoE expert parallelism: dispatch/combine across GPU ranks beside an NCCL
-    /// all_to_all baseline. Runs on PyTorch, so the Python package implements it
-    /// (`freight bench ep --help` from the installed `freight` command).
-    #[command(disable_help_flag = true)]
+    /// MoE expert parallelism (dispatch/combine across GPU ranks beside NCCL) is not a
+    /// command: it needs PyTorch and NCCL, which the wheel does not ship, so it is a
+    /// script of the source tree, bench/ep_bench.py (this says so).
+    #[command(disable_help_flag = true, hide = true)]
     Ep {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
         args: Vec<String>,
@@ -99,11 +100,10 @@ pub fn run(cmd: &BenchCommand, ctx: &Context) -> CliResult<()> {
         BenchCommand::Channel(a) => stream::run(stream::Product::Channel, a, ctx),
         BenchCommand::Storage(a) => stream::run(stream::Product::Storage, a, ctx),
         BenchCommand::CacheEngine(a) => stream::run(stream::Product::CacheEngine, a, ctx),
-        // Only the native binary gets here: the Python package's `freight` takes `bench
-        // ep` (with --log-level anywhere) before the native CLI sees it.
         BenchCommand::Ep { .. } => Err(CliError::usage(
-            "bench ep runs on PyTorch, so only the Python package's `freight` command runs it \
-             (`python -m freight bench ep`), not this binary",
+            "freight bench ep: the expert-parallel benchmark is a script of freight's source tree, not a \
+             freight command: run python bench/ep_bench.py (same options) from a checkout, since it needs \
+             PyTorch and NCCL, which the freight wheel does not ship",
         )),
     }
 }

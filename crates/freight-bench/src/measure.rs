@@ -9,7 +9,8 @@ use freight_core::{Agent, DescList, MemKind, OpKind, Request, SharedSegment};
 use rand::seq::SliceRandom;
 use serde::Serialize;
 
-use super::report::{round4, Stats};
+use super::report::round4;
+use super::stats::Stats;
 use crate::options::{format_size, CliError, CliResult};
 use crate::pattern;
 use crate::target::child::{Link, Remote};

@@ -1,50 +1,16 @@
-//! Turning samples into numbers and numbers into tables and JSON.
+//! Turning numbers into tables and JSON (the statistics themselves are [`crate::stats`]'s).
 
 use std::collections::BTreeSet;
 
-use serde::Serialize;
 use serde_json::{json, Value};
 
 use super::measure::{Budget, Mode, RowResult};
 use super::p2p::{Grid, P2pArgs, TargetInfo, DEFAULT_BATCHES};
 use crate::options::format_size;
 
-/// Summary of timing samples, in microseconds.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub struct Stats {
-    pub avg: f64,
-    pub p50: f64,
-    pub p99: f64,
-    pub min: f64,
-    pub max: f64,
-    pub samples: usize,
-}
-
-impl Stats {
-    /// `None` for no samples. Percentiles are nearest-rank (the ceil(p * n)-th smallest,
-    /// as bench/reporting.py's `percentile` for the scripts and the peers): p99 of 200
-    /// samples is the 198th smallest, never an interpolation between two runs.
-    pub fn of(samples: &[f64]) -> Option<Stats> {
-        if samples.is_empty() {
-            return None;
-        }
-        let mut s = samples.to_vec();
-        s.sort_by(f64::total_cmp);
-        let rank = |p: f64| s[((p * s.len() as f64).ceil() as usize).clamp(1, s.len()) - 1];
-        Some(Stats {
-            avg: nanos(s.iter().sum::<f64>() / s.len() as f64),
-            p50: nanos(rank(0.50)),
-            p99: nanos(rank(0.99)),
-            min: nanos(s[0]),
-            max: nanos(s[s.len() - 1]),
-            samples: s.len(),
-        })
-    }
-}
-
 /// Microseconds rounded to the nanosecond: the clock resolves no finer, and JSON readers
 /// should not see 0.21284999999999998.
-fn nanos(us: f64) -> f64 {
+pub fn nanos(us: f64) -> f64 {
     (us * 1e3).round() / 1e3
 }
 
@@ -240,6 +206,7 @@ pub(super) fn p2p_json(a: &P2pArgs, grid: &Grid, rows: &[RowResult], target: &Ta
     let doc = json!({
         "tool": "freight bench p2p",
         "version": env!("CARGO_PKG_VERSION"),
+        "percentile": crate::stats::PERCENTILE,
         "host": host_json(),
         "config": {
             "op": a.op.kind().as_str(),
@@ -271,16 +238,6 @@ pub(super) fn p2p_json(a: &P2pArgs, grid: &Grid, rows: &[RowResult], target: &Ta
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn stats_use_nearest_rank() {
-        assert_eq!(Stats::of(&[]), None);
-        let s = Stats::of(&[3.0, 1.0, 2.0]).unwrap();
-        assert_eq!((s.avg, s.p50, s.p99, s.min, s.max), (2.0, 2.0, 3.0, 1.0, 3.0));
-        let v: Vec<f64> = (1..=200).map(f64::from).collect();
-        let s = Stats::of(&v).unwrap();
-        assert_eq!((s.p50, s.p99), (100.0, 198.0));
-    }
 
     #[test]
     fn tables_align() {

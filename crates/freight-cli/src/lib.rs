@@ -48,8 +48,8 @@ enum Command {
     /// (needs no GPU and nothing else running).
     Demo(demo::DemoArgs),
     /// Benchmarks: transfers between two processes (p2p), descriptor handling
-    /// (descriptors), disaggregated prefill (pipe, channel, storage, cache-engine), MoE
-    /// expert parallelism across GPUs (ep).
+    /// (descriptors), disaggregated prefill (pipe, channel, storage, cache-engine). MoE
+    /// expert parallelism's is the script bench/ep_bench.py of the source tree.
     Bench {
         #[command(subcommand)]
         which: BenchCommand,

@@ -113,7 +113,8 @@ impl AgentConfig {
             return Err(bad("fabric_chunk_size", "must be at least 1, got 0"));
         }
         kernel::validate_item_bytes(self.cuda.kernel_item_bytes).map_err(naming("cuda_kernel_item_bytes"))?;
-        self.cuda.kernel_shape.validate().map_err(naming("cuda_kernel_threads / cuda_kernel_blocks_per_sm"))?;
+        self.cuda.kernel_shape.validate_threads().map_err(naming("cuda_kernel_threads"))?;
+        self.cuda.kernel_shape.validate_blocks_per_sm().map_err(naming("cuda_kernel_blocks_per_sm"))?;
         for (field, t) in [("peer_timeout", self.peer_timeout), ("connect_timeout", self.connect_timeout)] {
             if t.is_zero() {
                 return Err(bad(field, "must be a positive number of seconds"));
@@ -157,6 +158,7 @@ mod tests {
             ("fabric_chunk_size", Box::new(|c| c.fabric.chunk_size = 0)),
             ("cuda_kernel_item_bytes", Box::new(|c| c.cuda.kernel_item_bytes = 1000)),
             ("cuda_kernel_threads", Box::new(|c| c.cuda.kernel_shape.threads = 100)),
+            ("cuda_kernel_blocks_per_sm", Box::new(|c| c.cuda.kernel_shape.blocks_per_sm = 0)),
             ("peer_timeout", Box::new(|c| c.peer_timeout = Duration::ZERO)),
             ("connect_timeout", Box::new(|c| c.connect_timeout = Duration::ZERO)),
             ("token", Box::new(|c| c.token = Some(Vec::new()))),

@@ -131,12 +131,23 @@ impl LaunchShape {
     pub const WARP_PER_ITEM: LaunchShape = LaunchShape { mode: KernelMode::Warp, threads: 256, blocks_per_sm: 8 };
 
     pub fn validate(&self) -> Result<()> {
+        self.validate_threads()?;
+        self.validate_blocks_per_sm()
+    }
+
+    /// Threads per block: one of [`THREADS`].
+    pub fn validate_threads(&self) -> Result<()> {
         if !THREADS.contains(&self.threads) {
             return Err(Error::InvalidArgument(format!(
                 "cuda kernel threads per block must be one of {THREADS:?}, got {}",
                 self.threads
             )));
         }
+        Ok(())
+    }
+
+    /// Blocks per SM: 1 to [`MAX_BLOCKS_PER_SM`].
+    pub fn validate_blocks_per_sm(&self) -> Result<()> {
         if !(1..=MAX_BLOCKS_PER_SM).contains(&self.blocks_per_sm) {
             return Err(Error::InvalidArgument(format!(
                 "cuda kernel blocks per SM must be 1 to {MAX_BLOCKS_PER_SM}, got {}",

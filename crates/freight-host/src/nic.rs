@@ -65,6 +65,15 @@ impl Pinning {
         }
     }
 
+    /// The spelling [`Pinning::parse`] reads back: `off`, `numa` or the core list.
+    pub fn spec(&self) -> String {
+        match self {
+            Pinning::Off => "off".into(),
+            Pinning::Numa => "numa".into(),
+            Pinning::Cores(list) => list.iter().map(usize::to_string).collect::<Vec<_>>().join(","),
+        }
+    }
+
     /// The cores for thread `slot` of a stream whose NIC is on `numa_node` (`None`:
     /// leave the thread alone).
     pub fn cores_for(&self, slot: usize, numa_node: Option<u32>) -> Option<Vec<usize>> {

@@ -2,35 +2,36 @@
 
 use std::collections::HashMap;
 use std::mem::ManuallyDrop;
-use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
-use freight_core::{
-    Agent, AgentConfig, CompletionMode, CudaConfig, FabricConfig, KernelMode, LaunchShape, MemKind, OpKind, Pinning,
-    SharedSegment, ShmConfig, TcpConfig, TransportKind,
-};
+use freight_core::{Agent, MemKind, OpKind, SharedSegment};
 use freight_stream::router::Router;
 use numpy::ndarray::ArrayView1;
 use numpy::PyArray1;
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyDict, PyString, PyTuple};
 
+use crate::config::{config_from, PyAgentConfig};
 use crate::descs::{for_each_triple, indices, parse_kind, PyDescList, PyPreparedLocal, PyPreparedRemote};
 use crate::errors::{invalid, to_py_err, OrRaise};
 use crate::request::{PyRequest, SIGNAL_SLICE};
 use crate::segment::PySharedSegment;
-use crate::util::{seconds, timeout_arg};
+use crate::util::{bytes_like, bytes_or_str, positive_int, timeout_arg};
 
 static NEXT_AGENT_ID: AtomicU64 = AtomicU64::new(1);
 
-/// Native agent (use `freight.Agent`, which wraps it with Python conveniences).
-#[pyclass(frozen, name = "Agent", module = "freight._native")]
+/// The engine's agent (`freight.Agent` adds what takes Python objects: arrays, buffers,
+/// tensors and descriptor lists, converted to the ranges this class takes).
+#[pyclass(frozen, subclass, name = "Agent", module = "freight._native")]
 pub struct PyAgent {
     /// Taken out by `Drop` only (closing an agent waits on its peers: not with the GIL
     /// held). Clone it with `Arc::clone`: a `ManuallyDrop` clone would never be dropped.
     pub(crate) inner: ManuallyDrop<Arc<Agent>>,
+    /// The configuration the agent was created with.
+    config: Py<PyAgentConfig>,
     /// Identifies this agent in prepared lists (so that they are not used with another).
     id: u64,
     /// Python objects whose memory is registered, by region key: they stay alive while
@@ -118,130 +119,22 @@ impl PyAgent {
     }
 }
 
-fn transport(s: &str) -> PyResult<TransportKind> {
-    TransportKind::parse(s).or_raise()
-}
-
 #[pymethods]
 impl PyAgent {
-    /// Creates an agent and starts its listener. Arguments mirror `freight.AgentConfig`.
+    /// Creates an agent and starts its listener. `config`: a `freight.AgentConfig`, a
+    /// dict of its settings, or None for the defaults.
     #[new]
-    #[pyo3(signature = (
-        name, *, listen = "127.0.0.1:0".to_string(), advertise = Vec::new(),
-        transports = vec!["shm".to_string(), "tcp".to_string()], require = None,
-        tcp_streams = 4, tcp_chunk_size = 1 << 20, tcp_window = 8, tcp_local_addrs = Vec::new(), tcp_zerocopy = true, tcp_pin = "numa".to_string(),
-        fabric_provider = None, fabric_domains = Vec::new(), fabric_chunk_size = 4 << 20, fabric_stage_remote_host = false,
-        fabric_gpu_direct = true,
-        shm_threads = None, shm_inline_bytes = None, cuda_copy_engine_min_host = None,
-        cuda_copy_engine_min_peer = None, cuda_kernel_item_bytes = None, cuda_kernel_blocks_per_sm = None,
-        cuda_kernel_threads = None, cuda_kernel_mode = None, cuda_completion = None, peer_timeout = 30.0,
-        connect_timeout = 5.0, token = None, serve_metadata = true,
-    ))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        py: Python<'_>,
-        name: String,
-        listen: String,
-        advertise: Vec<String>,
-        transports: Vec<String>,
-        require: Option<String>,
-        tcp_streams: usize,
-        tcp_chunk_size: u64,
-        tcp_window: usize,
-        tcp_local_addrs: Vec<String>,
-        tcp_zerocopy: bool,
-        tcp_pin: String,
-        fabric_provider: Option<String>,
-        fabric_domains: Vec<String>,
-        fabric_chunk_size: u64,
-        fabric_stage_remote_host: bool,
-        fabric_gpu_direct: bool,
-        shm_threads: Option<usize>,
-        shm_inline_bytes: Option<u64>,
-        cuda_copy_engine_min_host: Option<u64>,
-        cuda_copy_engine_min_peer: Option<u64>,
-        cuda_kernel_item_bytes: Option<u64>,
-        cuda_kernel_blocks_per_sm: Option<u32>,
-        cuda_kernel_threads: Option<u32>,
-        cuda_kernel_mode: Option<String>,
-        cuda_completion: Option<String>,
-        peer_timeout: f64,
-        connect_timeout: f64,
-        token: Option<Vec<u8>>,
-        serve_metadata: bool,
-    ) -> PyResult<Self> {
-        if transports.is_empty() {
-            return Err(invalid("at least one transport must be enabled"));
-        }
-        let mut kinds = Vec::with_capacity(transports.len());
-        for t in &transports {
-            let k = transport(t)?;
-            if !kinds.contains(&k) {
-                kinds.push(k);
-            }
-        }
-        let local_addrs = tcp_local_addrs
-            .iter()
-            .map(|a| a.parse::<IpAddr>().map_err(|_| invalid(format!("tcp_local_addrs: '{a}' is not an IP address"))))
-            .collect::<PyResult<Vec<_>>>()?;
-        let shm_default = ShmConfig::default();
-        let config = AgentConfig {
-            listen,
-            advertise,
-            transports: kinds,
-            require: require.as_deref().map(transport).transpose()?,
-            tcp: TcpConfig {
-                streams: tcp_streams,
-                chunk_size: tcp_chunk_size,
-                window: tcp_window,
-                local_addrs,
-                pin: Pinning::parse(&tcp_pin).map_err(|e| invalid(format!("tcp_pin: {e}")))?,
-                zerocopy: tcp_zerocopy,
-            },
-            fabric: FabricConfig {
-                provider: fabric_provider,
-                domains: fabric_domains,
-                chunk_size: fabric_chunk_size,
-                stage_remote_host: fabric_stage_remote_host,
-                gpu_direct: fabric_gpu_direct,
-            },
-            shm: ShmConfig {
-                threads: shm_threads.unwrap_or(shm_default.threads),
-                inline_bytes: shm_inline_bytes.unwrap_or(shm_default.inline_bytes),
-                ..shm_default
-            },
-            cuda: {
-                let d = CudaConfig::default();
-                CudaConfig {
-                    copy_engine_min_host: cuda_copy_engine_min_host.unwrap_or(d.copy_engine_min_host),
-                    copy_engine_min_peer: cuda_copy_engine_min_peer.unwrap_or(d.copy_engine_min_peer),
-                    kernel_item_bytes: cuda_kernel_item_bytes.unwrap_or(d.kernel_item_bytes),
-                    kernel_shape: LaunchShape {
-                        mode: cuda_kernel_mode
-                            .as_deref()
-                            .map(KernelMode::parse)
-                            .transpose()
-                            .or_raise()?
-                            .unwrap_or(d.kernel_shape.mode),
-                        threads: cuda_kernel_threads.unwrap_or(d.kernel_shape.threads),
-                        blocks_per_sm: cuda_kernel_blocks_per_sm.unwrap_or(d.kernel_shape.blocks_per_sm),
-                    },
-                    completion: cuda_completion
-                        .as_deref()
-                        .map(CompletionMode::parse)
-                        .transpose()
-                        .or_raise()?
-                        .unwrap_or(d.completion),
-                }
-            },
-            peer_timeout: seconds(peer_timeout, "peer_timeout")?,
-            connect_timeout: seconds(connect_timeout, "connect_timeout")?,
-            token,
-            serve_metadata,
-        };
-        let inner = Arc::new(py.detach(|| Agent::new(&name, config)).or_raise()?);
+    #[pyo3(signature = (name, config = None))]
+    fn new(py: Python<'_>, name: String, config: Option<Bound<'_, PyAny>>) -> PyResult<Self> {
+        let config = config_from(py, config.as_ref())?;
+        // Logs of the agent's start-up reach FREIGHT_LOG's destination too.
+        crate::logging::_init_logging_from_env()?;
+        let engine_config = config.get().inner.clone();
+        let config = config.unbind();
+        let inner = Arc::new(py.detach(|| Agent::new(&name, engine_config)).or_raise()?);
         Ok(PyAgent {
             inner: ManuallyDrop::new(inner),
+            config,
             id: NEXT_AGENT_ID.fetch_add(1, Ordering::Relaxed),
             keep: Mutex::default(),
             requests: Arc::default(),
@@ -262,6 +155,18 @@ impl PyAgent {
         self.inner.addresses()
     }
 
+    /// The configuration the agent was created with.
+    #[getter]
+    fn config(&self, py: Python<'_>) -> Py<PyAgentConfig> {
+        self.config.clone_ref(py)
+    }
+
+    /// True once `close()` was called.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.inner.is_closed()
+    }
+
     /// Names of known peers, sorted.
     #[getter]
     fn peers(&self) -> Vec<String> {
@@ -274,9 +179,10 @@ impl PyAgent {
         self.inner.registered_regions()
     }
 
-    /// Stops listening and closes every connection; in-flight requests fail. The objects
-    /// kept for registered memory are let go once nothing of the agent can still use
-    /// them (no request object, pipe end, store or cache engine), else with the agent.
+    /// Stops listening and closes every connection; in-flight requests fail. Idempotent.
+    /// The objects kept for registered memory are let go once nothing of the agent can
+    /// still use them (no request object, pipe end, store or cache engine), else with
+    /// the agent.
     fn close(&self, py: Python<'_>) {
         py.detach(|| self.inner.close());
         if self.idle() {
@@ -285,17 +191,28 @@ impl PyAgent {
         }
     }
 
-    /// Listens on one more address; returns the bound ip:port.
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) {
+        self.close(py)
+    }
+
+    /// Listens on one more address (for example a well-known port peers `connect` to);
+    /// returns the bound "ip:port".
     fn listen(&self, py: Python<'_>, addr: &str) -> PyResult<String> {
         py.detach(|| self.inner.listen(addr)).or_raise().map(|a| a.to_string())
     }
 
     // -- memory ----------------------------------------------------------------------
 
-    /// Allocates `nbytes` of zeroed host memory in a shared segment (reachable by
-    /// same-host peers through shm) and returns it as a uint8 numpy array whose base
-    /// (a `freight.SharedSegment`) keeps the memory alive.
-    fn alloc<'py>(&self, py: Python<'py>, nbytes: usize) -> PyResult<Bound<'py, PyArray1<u8>>> {
+    /// Allocates `nbytes` of zeroed host memory that same-host peers can reach through
+    /// shm, as a uint8 numpy array whose base (a `freight.SharedSegment`) keeps the
+    /// memory alive. Register it (or parts of it) to make it transferable.
+    fn alloc<'py>(&self, py: Python<'py>, nbytes: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<u8>>> {
+        let nbytes = positive_int("nbytes", nbytes)?;
         let seg: Arc<SharedSegment> = py.detach(|| self.inner.alloc(nbytes)).or_raise()?;
         let (ptr, len) = (seg.as_ptr() as *const u8, seg.len());
         let holder = Bound::new(py, PySharedSegment { seg })?;
@@ -311,7 +228,7 @@ impl PyAgent {
     /// Lays a shared segment under `[addr, addr + length)` of this process's host
     /// memory, keeping its bytes and addresses, so that same-host peers reach it
     /// through shm once it is registered; returns the segment (`freight.SharedSegment`).
-    fn share_in_place(&self, py: Python<'_>, addr: u64, length: u64) -> PyResult<PySharedSegment> {
+    fn _share_in_place(&self, py: Python<'_>, addr: u64, length: u64) -> PyResult<PySharedSegment> {
         let seg = py.detach(|| self.inner.share_in_place(addr, length)).or_raise()?;
         Ok(PySharedSegment { seg })
     }
@@ -321,7 +238,7 @@ impl PyAgent {
     /// transfer may write it (peers only read it).
     #[pyo3(signature = (kind, addr, length, device = 0, keep = None, read_only = false))]
     #[allow(clippy::too_many_arguments)]
-    fn register(
+    fn _register(
         &self,
         py: Python<'_>,
         kind: &str,
@@ -342,7 +259,7 @@ impl PyAgent {
     /// Registers every (addr, length, device) of a list of tuples or an Nx3 array, all or nothing (on
     /// error nothing stays registered and the exception's `index` names the culprit).
     #[pyo3(signature = (kind, triples, keeps = None, read_only = false))]
-    fn register_many(
+    fn _register_many(
         &self,
         py: Python<'_>,
         kind: &str,
@@ -391,9 +308,14 @@ impl PyAgent {
         }
     }
 
-    /// Deregisters a region. RegionBusyError while a transfer uses it;
-    /// UnknownRegionError for a key that is not registered.
-    fn deregister(&self, py: Python<'_>, key: u64) -> PyResult<()> {
+    /// Deregisters a region (and lets go of the object registered with it).
+    /// `RegionBusyError` while a transfer uses it, `UnknownRegionError` for a key that is
+    /// not registered. Peers learn of it and fail later accesses with
+    /// `RemoteRejectedError`.
+    fn deregister(&self, py: Python<'_>, key: i64) -> PyResult<()> {
+        // No key is negative: such an int did not come from register().
+        let key = u64::try_from(key)
+            .map_err(|_| invalid(format!("region keys are what register() returned, never negative; got {key}")))?;
         py.detach(|| self.inner.deregister(key)).or_raise()?;
         let released = self.keep().remove(&key);
         drop(released);
@@ -402,60 +324,93 @@ impl PyAgent {
 
     // -- metadata and peers ----------------------------------------------------------
 
-    /// This agent's metadata (addresses, transports, registered regions) as bytes.
+    /// This agent's metadata (name, addresses, transports, registered regions and the
+    /// secret that opens them) as bytes. Give it to peers only.
     fn metadata<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
         let md = py.detach(|| self.inner.metadata());
         PyBytes::new(py, &md)
     }
 
     /// Adds (or replaces) a peer from its metadata bytes; returns its name.
-    /// Adds a peer from its metadata; `token`: the peer's access token, if it has one.
+    /// `MetadataError` for bytes that are not metadata. `token` (bytes or str): the
+    /// peer's `AgentConfig.token`, where it has one, presented on every connection to
+    /// it. Replacing a peer (a restarted process) closes the old connections; requests
+    /// prepared against the old one fail.
     #[pyo3(signature = (metadata, token = None))]
-    fn add_peer(&self, py: Python<'_>, metadata: Vec<u8>, token: Option<Vec<u8>>) -> PyResult<String> {
+    fn add_peer(
+        &self,
+        py: Python<'_>,
+        metadata: &Bound<'_, PyAny>,
+        token: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<String> {
+        if metadata.is_instance_of::<PyString>() {
+            return Err(PyTypeError::new_err("metadata must be bytes (use bytes.fromhex() for hex text)"));
+        }
+        let metadata = bytes_like("metadata", metadata)?;
+        let token = token.map(|t| bytes_or_str("token", t)).transpose()?;
         py.detach(|| self.inner.add_peer_with_token(&metadata, token.as_deref())).or_raise()
     }
 
-    /// Forgets a peer and closes its connections.
+    /// Forgets a peer and closes its connections (`UnknownPeerError` if unknown).
     fn remove_peer(&self, py: Python<'_>, name: &str) -> PyResult<()> {
         py.detach(|| self.inner.remove_peer(name)).or_raise()
     }
 
-    /// Fetches a peer's metadata from its listener at `addr` and adds the peer.
+    /// Fetches a peer's metadata from its listener at "ip:port" and adds the peer;
+    /// returns its name. `token` must match the peer's `AgentConfig.token` where it has
+    /// one (else `AuthError`), and is presented on every connection to it from then on.
     #[pyo3(signature = (addr, token = None))]
-    fn connect(&self, py: Python<'_>, addr: &str, token: Option<Vec<u8>>) -> PyResult<String> {
+    fn connect(&self, py: Python<'_>, addr: &str, token: Option<&Bound<'_, PyAny>>) -> PyResult<String> {
+        let token = token.map(|t| bytes_or_str("token", t)).transpose()?;
         py.detach(|| self.inner.connect(addr, token.as_deref())).or_raise()
     }
 
-    /// Re-reads a known peer's metadata from its listener.
+    /// Re-reads a known peer's metadata from its listener (to see regions it
+    /// registered since), with `token`, or else the token it was added with.
     #[pyo3(signature = (name, token = None))]
-    fn refresh_peer(&self, py: Python<'_>, name: &str, token: Option<Vec<u8>>) -> PyResult<()> {
+    fn refresh_peer(&self, py: Python<'_>, name: &str, token: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let token = token.map(|t| bytes_or_str("token", t)).transpose()?;
         py.detach(|| self.inner.refresh_peer(name, token.as_deref())).or_raise()
     }
 
     /// (transport, reason) for host-memory transfers to `peer`.
-    fn path_to(&self, py: Python<'_>, peer: &str) -> PyResult<(&'static str, String)> {
+    fn _path_to(&self, py: Python<'_>, peer: &str) -> PyResult<(&'static str, String)> {
         let p = py.detach(|| self.inner.path_to(peer)).or_raise()?;
         Ok((p.transport.as_str(), p.reason))
     }
 
-    /// (control connections, tcp connections, fabric connections, handshakes, set-up us,
-    /// last set-up us).
-    fn connection_stats(&self, peer: &str) -> PyResult<(u64, u64, u64, u64, u64, u64)> {
+    /// The connections this agent made to `peer` since it was added:
+    /// `control_connections`, `tcp_connections` and `fabric_connections` (more than one
+    /// of any means it reconnected), `handshakes` (one per control connection, tcp data
+    /// stream and fabric exchange), `setup_us` (time spent setting them all up) and
+    /// `last_setup_us`.
+    fn connection_stats<'py>(&self, py: Python<'py>, peer: &str) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.connection_stats(peer).or_raise()?;
-        Ok((s.control_connections, s.tcp_connections, s.fabric_connections, s.handshakes, s.setup_us, s.last_setup_us))
+        let d = PyDict::new(py);
+        for (k, v) in [
+            ("control_connections", s.control_connections),
+            ("tcp_connections", s.tcp_connections),
+            ("fabric_connections", s.fabric_connections),
+            ("handshakes", s.handshakes),
+            ("setup_us", s.setup_us),
+            ("last_setup_us", s.last_setup_us),
+        ] {
+            d.set_item(k, v)?;
+        }
+        Ok(d)
     }
 
     // -- descriptors and requests ----------------------------------------------------
 
     /// Checks a descriptor list against this agent's registered memory.
-    fn prepare_local(&self, py: Python<'_>, descs: PyRef<'_, PyDescList>) -> PyResult<PyPreparedLocal> {
+    fn _prepare_local(&self, py: Python<'_>, descs: PyRef<'_, PyDescList>) -> PyResult<PyPreparedLocal> {
         let list = &descs.inner;
         let inner = py.detach(|| self.inner.prepare_local(list)).or_raise()?;
         Ok(PyPreparedLocal { inner, agent_id: self.id })
     }
 
     /// Checks a descriptor list against `peer`'s advertised memory.
-    fn prepare_remote(&self, py: Python<'_>, peer: &str, descs: PyRef<'_, PyDescList>) -> PyResult<PyPreparedRemote> {
+    fn _prepare_remote(&self, py: Python<'_>, peer: &str, descs: PyRef<'_, PyDescList>) -> PyResult<PyPreparedRemote> {
         let list = &descs.inner;
         let inner = py.detach(|| self.inner.prepare_remote(peer, list)).or_raise()?;
         Ok(PyPreparedRemote { inner, agent_id: self.id })
@@ -463,7 +418,7 @@ impl PyAgent {
 
     /// Builds an idle request (see freight.Agent.make_request).
     #[pyo3(signature = (op, local, local_indices, remote, remote_indices, notif = None))]
-    fn make_request(
+    fn _make_request(
         slf: &Bound<'_, Self>,
         op: &str,
         local: &Bound<'_, PyPreparedLocal>,
@@ -488,7 +443,7 @@ impl PyAgent {
 
     /// One-shot: prepares both lists, builds the request and posts it.
     #[pyo3(signature = (op, local, peer, remote, notif = None))]
-    fn transfer(
+    fn _transfer(
         slf: &Bound<'_, Self>,
         op: &str,
         local: PyRef<'_, PyDescList>,
@@ -505,8 +460,12 @@ impl PyAgent {
 
     // -- notifications ---------------------------------------------------------------
 
-    /// Sends a notification to `peer` (ordered with the other notifications to it).
-    fn notify(&self, py: Python<'_>, peer: &str, msg: Vec<u8>) -> PyResult<()> {
+    /// Sends a notification (bytes; a str is sent UTF-8 encoded). Notifications to one
+    /// peer arrive in the order they were sent. To a peer on this host they go through
+    /// shared memory; if it takes none for `peer_timeout` (it does not run) this raises
+    /// `TimeoutError`, and `PeerDisconnectedError` once it is gone.
+    fn notify(&self, py: Python<'_>, peer: &str, msg: &Bound<'_, PyAny>) -> PyResult<()> {
+        let msg = bytes_or_str("msg", msg)?;
         py.detach(|| self.inner.notify(peer, msg)).or_raise()
     }
 
@@ -540,7 +499,8 @@ impl PyAgent {
     }
 
     fn __repr__(&self) -> String {
-        format!("<freight._native.Agent '{}' at {:?}>", self.inner.name(), self.inner.addresses())
+        let state = if self.inner.is_closed() { "closed".to_string() } else { self.inner.addresses().join(", ") };
+        format!("<freight.Agent '{}' [{state}] peers={:?}>", self.inner.name(), self.inner.peers())
     }
 }
 

@@ -7,6 +7,7 @@ use pyo3::prelude::*;
 mod agent;
 mod cache;
 mod cli;
+mod config;
 mod descs;
 mod ep;
 mod errors;
@@ -26,6 +27,8 @@ mod util;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<agent::PyAgent>()?;
+    m.add_class::<config::PyAgentConfig>()?;
+    m.add("TRANSPORTS", config::TRANSPORTS)?;
     m.add_class::<descs::PyDescList>()?;
     m.add_class::<descs::PyPreparedLocal>()?;
     m.add_class::<descs::PyPreparedRemote>()?;

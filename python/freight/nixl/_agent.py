@@ -22,7 +22,7 @@ import numpy as np
 
 from .. import errors as fe
 from ..agent import Agent
-from ..config import AgentConfig
+from .._native import AgentConfig
 from ..descs import DescList
 from . import _backends, _metadata
 from ._exchange import Exchange, etcd_endpoints

@@ -73,6 +73,11 @@ impl Agent {
         Ok(Agent { inner })
     }
 
+    /// Whether [`Agent::close`] was called.
+    pub fn is_closed(&self) -> bool {
+        self.inner.served.is_closed()
+    }
+
     pub fn name(&self) -> &str {
         &self.inner.served.name
     }

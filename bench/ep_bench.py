@@ -1,9 +1,15 @@
-"""``freight bench ep``: the expert-parallel data-plane benchmark.
+#!/usr/bin/env python3
+"""The expert-parallel data-plane benchmark, beside NCCL:
 
-Starts ``--num-processes`` ranks (one process each, GPU ``rank % GPUs``) that find each
-other through a rank server run by this process, then measures dispatch, combine, or
-both (``--mode``) with random top-k routing, and checks every rank's result against a
-reference (identity experts: combine(dispatch(x)) must equal x times the sum of its
+    python3 bench/ep_bench.py --num-processes 4 --tokens 128 --hidden 7168 --topk 8 --mode e2e
+
+A script of the source tree, not a command of the freight package: it needs PyTorch and
+NCCL, which the wheel does not ship (and freight's Python package, installed).
+
+Starts ``--num-processes`` ranks (one process each, running this script, GPU
+``rank % GPUs``) that find each other through a rank server run by this process, then
+measures dispatch, combine, or both (``--mode``) with random top-k routing, and checks
+every rank's result against a reference (identity experts: combine(dispatch(x)) must equal x times the sum of its
 top-k weights). In the same run, the same inputs go through a baseline built from
 ``torch.distributed.all_to_all_single`` over NCCL (counts exchange, one row per (token,
 expert) pair out, the rows back, weighted sum), checked against the same reference.
@@ -17,6 +23,8 @@ per 128 channels, inside the timed dispatch) and sends values and scales packed 
 byte row, so it is given the same byte count and the bandwidths compare as the
 latencies do.
 Bandwidth = those bytes / latency, per rank; the report gives avg/min/max across ranks.
+Latency is the mean of the timed steps; each rank's p50 is bench/reporting.py's
+percentile, which the JSON report states.
 """
 
 from __future__ import annotations
@@ -25,11 +33,17 @@ import argparse
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import List, Optional, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from reporting import PERCENTILE, free_port, percentile  # noqa: E402
+
+SCRIPT = Path(__file__).resolve()  # what the ranks run
+PROG = "bench/ep_bench.py"
 
 for _k, _v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
     os.environ.setdefault(_k, _v)
@@ -37,10 +51,9 @@ for _k, _v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="freight bench ep",
+        prog=PROG,
         description="Expert-parallel dispatch/combine across GPU ranks, beside an NCCL all_to_all baseline.",
-        epilog="The global option --log-level LEVEL (anywhere on the command line, as for every freight command) "
-               "sets the engine's log filter in every rank. Needs PyTorch and a GPU it can use.",
+        epilog="Needs freight's Python package, PyTorch and a GPU it can use.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--num-processes", type=int, default=8, help="ranks, one process each (GPU rank %% GPUs)")
@@ -66,6 +79,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=120.0, help="seconds a rank waits for the others")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    p.add_argument("--log-level", metavar="LEVEL",
+                   help="the engine's log filter in every rank, as freight's --log-level (default: $FREIGHT_LOG)")
     # Set by the runner for its ranks.
     p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     p.add_argument("--server", help=argparse.SUPPRESS)
@@ -187,11 +202,11 @@ def dequantize_rows(packed, hidden: int):
 def _worker(args) -> dict:
     import torch
 
-    from . import ep
+    from freight import ep
 
     gpus = torch.cuda.device_count()
     if gpus == 0:
-        raise SystemExit("freight bench ep needs GPUs (none visible)")
+        raise SystemExit(f"{PROG} needs GPUs (none visible)")
     device = torch.device("cuda", args.rank % gpus)
     torch.cuda.set_device(device)
     group = ep.Group.join(args.rank, args.num_processes, args.server, timeout=args.timeout)
@@ -315,23 +330,16 @@ def _nccl(args, device, x, idx, weights, check, counted_bytes) -> dict:
 
 
 def _summary(times: Sequence[float], nbytes: int) -> dict:
-    times = sorted(times)
     mean = sum(times) / len(times)
     return {
         "latency_us": mean * 1e6,
-        "p50_us": times[len(times) // 2] * 1e6,
+        "p50_us": percentile(times, 50) * 1e6,
         "gbps": nbytes / mean / 1e9,
         "bytes": nbytes,
     }
 
 
 # ----------------------------------------------------------------------------- runner
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spread(values: Sequence[float]) -> dict:
@@ -353,36 +361,39 @@ def _missing_requirement() -> Optional[str]:
 
 
 def run(args) -> int:
-    from . import ep
-
     if args.cuda_graph and not args.low_latency:
-        print("freight bench ep: --cuda-graph needs --low-latency (normal dispatch waits for the GPU)", file=sys.stderr)
+        print(f"{PROG}: --cuda-graph needs --low-latency (normal dispatch waits for the GPU)", file=sys.stderr)
         return 2
     if args.fp8 and args.hidden % 512:
-        print("freight bench ep: --fp8 needs a hidden size that is a multiple of 512", file=sys.stderr)
+        print(f"{PROG}: --fp8 needs a hidden size that is a multiple of 512", file=sys.stderr)
         return 2
     if args.low_latency and args.nvlink_backend != "ipc":
-        print("freight bench ep: --low-latency needs --nvlink-backend ipc (the engine backends ship from the host)",
+        print(f"{PROG}: --low-latency needs --nvlink-backend ipc (the engine backends ship from the host)",
               file=sys.stderr)
         return 2
     for name in ("num_processes", "tokens", "hidden", "experts_per_rank", "topk", "iters"):
         if getattr(args, name) <= 0:
-            print(f"freight bench ep: --{name.replace('_', '-')} must be positive", file=sys.stderr)
+            print(f"{PROG}: --{name.replace('_', '-')} must be positive", file=sys.stderr)
             return 2
     if args.topk > args.num_processes * args.experts_per_rank:
-        print("freight bench ep: --topk is larger than the number of experts", file=sys.stderr)
+        print(f"{PROG}: --topk is larger than the number of experts", file=sys.stderr)
         return 2
     missing = _missing_requirement()
     if missing:
-        print(f"freight bench ep: {missing}", file=sys.stderr)
+        print(f"{PROG}: {missing}", file=sys.stderr)
         return 2
+    if args.log_level is not None:
+        # freight reads it when its first agent is made, here and in the ranks (which inherit it).
+        os.environ["FREIGHT_LOG"] = args.log_level
+    from freight import ep
+
     # Only the ranks started here may join: they get the token through their environment.
     token = secrets.token_hex(16)
     server = ep.RankServer("127.0.0.1:0", args.num_processes, token)
-    nccl_port = _free_port()
+    nccl_port = free_port()
     procs = []
     for rank in range(args.num_processes):
-        cmd = [sys.executable, "-m", "freight.ep_bench", f"--rank={rank}", f"--server={server.address}",
+        cmd = [sys.executable, str(SCRIPT), f"--rank={rank}", f"--server={server.address}",
                f"--nccl-port={nccl_port}"] + _forward(args)
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, ep.TOKEN_ENV: token}))
     results, failures = [], []
@@ -411,6 +422,7 @@ def _forward(args) -> List[str]:
 
 def _report(args, results: List[dict], failures: List[str]) -> dict:
     report = {
+        "percentile": PERCENTILE,
         "config": {k: getattr(args, k) for k in ("num_processes", "mode", "tokens", "hidden", "experts_per_rank",
                                                  "topk", "nvlink_backend", "low_latency", "cuda_graph", "fp8",
                                                  "warmup", "iters")},

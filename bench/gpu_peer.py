@@ -1,9 +1,10 @@
 """A freight agent in its own process that owns one buffer (GPU or host memory) and
 answers commands on stdin, one JSON object per line, with one JSON line on stdout.
 
-The GPU tests and the GPU benchmark use it as the remote side of transfers:
+The GPU benchmarks (bench/gpu.py, bench/gpu_sweep.py, bench/cache_gather.py) and the
+GPU tests (tests/test_gpu.py) use it as the remote side of transfers:
 
-    python gpu_peer.py --name target --gpu 1 --size 268435456 --kind VRAM
+    python bench/gpu_peer.py --name target --gpu 1 --size 268435456 --kind VRAM
 
 prints ``{"addr": "127.0.0.1:PORT", "base": ADDRESS, "size": N, "kind": "VRAM"}`` once
 ready, then serves:
