@@ -4,7 +4,8 @@
 #   1. system packages (Debian/Ubuntu, apt-get): protoc, etcd, iperf3, iproute2, libfabric, C toolchain,
 #      pkg-config
 #   2. Rust toolchain check (cargo >= 1.80)
-#   3. Python virtualenv at .venv with maturin, numpy, pytest, pytest-timeout, aiohttp, prometheus_client
+#   3. Python virtualenv at .venv with maturin, numpy, pytest, pytest-timeout, aiohttp, prometheus_client,
+#      mypy (type checks of the package and its native stubs)
 #   4. build the extension and install it into .venv (maturin develop --release)
 #
 # Environment:
@@ -125,17 +126,17 @@ if "$VENV/bin/python" - >/dev/null 2>&1 <<'EOF'
 import importlib.metadata as md, sys
 def v(name):
     return tuple(int(p) for p in md.version(name).split(".")[:2] if p.isdigit())
-import numpy, pytest, pytest_timeout, aiohttp, prometheus_client  # noqa: F401
-ok = (1, 5) <= v("maturin") < (2, 0) and v("numpy") >= (1, 22) and v("pytest") >= (7,)
+import numpy, pytest, pytest_timeout, aiohttp, prometheus_client, mypy  # noqa: F401
+ok = (1, 5) <= v("maturin") < (2, 0) and v("numpy") >= (1, 22) and v("pytest") >= (7,) and v("mypy") >= (1, 18)
 sys.exit(0 if ok else 1)
 EOF
 then
     say "python tools in .venv: ok"
 else
-    say "installing python tools into .venv (maturin, numpy, pytest, pytest-timeout; aiohttp and prometheus_client for the P/D proxy)"
+    say "installing python tools into .venv (maturin, numpy, pytest, pytest-timeout, mypy; aiohttp and prometheus_client for the P/D proxy)"
     "$VENV/bin/python" -m pip install -q --upgrade pip
     "$VENV/bin/python" -m pip install -q "maturin>=1.5,<2" "numpy>=1.22" "pytest>=7" pytest-timeout \
-        "aiohttp>=3.9" "prometheus_client>=0.16"
+        "aiohttp>=3.9" "prometheus_client>=0.16" "mypy>=1.18"
 fi
 
 # NVRTC from PyPI (no GPU needed): the tests compile the GPU copy kernel with it, so a

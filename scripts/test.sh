@@ -59,6 +59,16 @@ if [ -z "${FREIGHT_CUDA_LIB_DIRS:-}" ]; then
     export FREIGHT_CUDA_LIB_DIRS
 fi
 
+# The layers: which crate may use what, and no import cycle among any crate's modules.
+say "layers"
+python3 "$ROOT/scripts/check-layers.py"
+record layers $?
+
+# Types: the package against the native module's stubs, the stubs against the module.
+say "types (mypy, stubtest)"
+"$PYO3_PYTHON" -m mypy && "$PYO3_PYTHON" -m mypy.stubtest freight._native
+record types $?
+
 say "cargo test --workspace --release"
 cargo test --workspace --release
 record cargo-test $?

@@ -121,12 +121,12 @@ class Agent(_native.Agent):
         if isinstance(objs, np.ndarray):
             return self._register_many(k or "DRAM", _triple_array(objs), None)
         groups: dict = {}
-        order: List[Tuple[str, int]] = []
+        order: List[Tuple[Tuple[str, bool], int]] = []
         for i, obj in enumerate(objs):
             try:
                 r = describe(obj, k, readonly_ok=readonly_ok)
             except (InvalidArgumentError, TypeError) as e:
-                e.index = i  # type: ignore[attr-defined]
+                setattr(e, "index", i)  # which object, for the caller
                 raise
             group = (r.kind, is_readonly(obj))
             triples, keeps, positions = groups.setdefault(group, ([], [], []))

@@ -38,6 +38,8 @@ class DescList:
 
     __slots__ = ("_raw",)
 
+    _raw: _native.DescList
+
     def __init__(self, descs: Any = (), kind: Optional[str] = None) -> None:
         if isinstance(descs, DescList):
             k = normalize_kind(kind) if kind is not None else descs.kind

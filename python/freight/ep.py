@@ -50,6 +50,9 @@ class Group:
 
     def __init__(self, native: Any):
         self._native = native
+        # The rank server rank 0 started for the group (from_process_group), kept for
+        # as long as the group lives.
+        self._server: Optional[RankServer] = None
 
     @classmethod
     def join(cls, rank: int, world: int, server: str, timeout: float = DEFAULT_TIMEOUT_S,
@@ -87,8 +90,10 @@ class Group:
             port = server.address.rsplit(":", 1)[1]
             box[:] = [f"{_reachable_address()}:{port}", token]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-        joined = cls.join(rank, world, box[0], timeout, token=box[1])
-        joined._server = server  # lives as long as the group
+        address, shared = box
+        assert address is not None, "rank 0 broadcast the rank server's address"
+        joined = cls.join(rank, world, address, timeout, token=shared)
+        joined._server = server
         return joined
 
     @property
@@ -318,7 +323,7 @@ class Buffer:
             # The dispatch completed without the bad choices, and the peers go on to the
             # combine that undoes it: the outputs travel with the error, so that this
             # rank can take part.
-            bad_routing.result = result
+            setattr(bad_routing, "result", result)
             raise bad_routing
         return result
 

@@ -111,10 +111,18 @@ class AuthError(FreightError, PermissionError):
 class RemoteRejectedError(FreightError):
     """The remote agent refused an access (unregistered, out of bounds, revoked)."""
 
+    #: The peer that refused, and why (set by the engine).
+    peer: str
+    reason: str
+
 
 class PeerDisconnectedError(FreightError, ConnectionError):
     """The peer went away or stopped answering within ``peer_timeout``. Add it again
     (with fresh metadata) to reconnect."""
+
+    #: The peer's name, and why it is considered gone (set by the engine).
+    peer: str
+    reason: str
 
 
 class TimeoutError(FreightError, builtins.TimeoutError):  # noqa: A001 (shadows the builtin on purpose)

@@ -352,7 +352,7 @@ class Client:
 
     def __init__(
         self,
-        server: str = "http://[::1]:50051",
+        server: Union[str, "Server"] = "http://[::1]:50051",
         buffer_size: int = 64 << 20,
         name: str = "freight-kv-client",
         timeout: float = 30.0,
@@ -427,7 +427,7 @@ class Client:
 
     def put_many(
         self, items: Union[Mapping[Key, Any], Iterable[Tuple[Key, Any]]], ttl: float = 0.0
-    ) -> List[Union[int, FreightError]]:
+    ) -> List[Union[int, BaseException]]:
         """Stores several values (a dict, or ``(key, value)`` pairs) in as few requests
         as :attr:`buffer_size` allows, all with the same ``ttl``.
 

@@ -639,9 +639,9 @@ class ChannelSender(_PeerEnd):
         temp: List[int] = []
         try:
             for r, _ in described:
-                key = _register_if_needed(self._agent, r)
-                if key is not None:
-                    temp.append(key)
+                registered = _register_if_needed(self._agent, r)
+                if registered is not None:
+                    temp.append(registered)
             objects = [(k, r.kind, r.addr, r.length, r.device, meta) for k, (r, meta) in zip(keys, described)]
             messages = self._raw.send(objects)
             if temp:
@@ -820,7 +820,8 @@ def _split_buffer(agent: Agent, n: int, buffer: Any) -> Tuple[dict, Optional[int
     (a size in bytes, or an object registered here if it is not yet), and the key of a
     registration made here (the caller deregisters it when done)."""
     capacity, region, key = _buffer_region(agent, buffer)
-    total = capacity if region is None else region.length
+    total = region.length if region is not None else capacity
+    assert total is not None, "a buffer is a size or a region"
     part = total // n // ALIGN * ALIGN
     if part == 0:
         if key is not None:

@@ -8,12 +8,6 @@ use super::measure::{Budget, Mode, RowResult};
 use super::p2p::{Grid, P2pArgs, TargetInfo, DEFAULT_BATCHES};
 use crate::options::format_size;
 
-/// Microseconds rounded to the nanosecond: the clock resolves no finer, and JSON readers
-/// should not see 0.21284999999999998.
-pub fn nanos(us: f64) -> f64 {
-    (us * 1e3).round() / 1e3
-}
-
 /// Rounds a bandwidth or ratio for JSON.
 pub fn round4(x: f64) -> f64 {
     (x * 1e4).round() / 1e4

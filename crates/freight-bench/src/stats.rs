@@ -5,8 +5,6 @@
 
 use serde::Serialize;
 
-use crate::report::nanos;
-
 /// How the reports' percentiles are taken, as they state it (the same words as
 /// bench/reporting.py's `PERCENTILE`).
 pub const PERCENTILE: &str = "nearest rank: the ceil(p * n)-th smallest of n samples, never an interpolation";
@@ -52,6 +50,12 @@ impl Stats {
             samples: s.len(),
         })
     }
+}
+
+/// Microseconds rounded to the nanosecond: the clock resolves no finer, and JSON readers
+/// should not see 0.21284999999999998.
+fn nanos(us: f64) -> f64 {
+    (us * 1e3).round() / 1e3
 }
 
 #[cfg(test)]

@@ -28,7 +28,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<agent::PyAgent>()?;
     m.add_class::<config::PyAgentConfig>()?;
-    m.add("TRANSPORTS", config::TRANSPORTS)?;
+    m.add("TRANSPORTS", pyo3::types::PyTuple::new(m.py(), config::TRANSPORTS)?)?;
     m.add_class::<descs::PyDescList>()?;
     m.add_class::<descs::PyPreparedLocal>()?;
     m.add_class::<descs::PyPreparedRemote>()?;

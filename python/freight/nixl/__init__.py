@@ -16,7 +16,12 @@ from __future__ import annotations
 import sys
 
 from . import _api, _bindings, _utils, logging
-from ._api import (
+from ._bindings import *  # noqa: F401,F403  (NIXL's namespace holds its bindings' names too)
+from ._bindings import __all__ as _binding_names
+
+# After the bindings' names: where both have one (nixl_thread_sync_t, DEFAULT_COMM_PORT),
+# the package exports the Python API's, as __all__ says.
+from ._api import (  # type: ignore[assignment]  # noqa: E402
     DEFAULT_COMM_PORT,
     nixl_agent,
     nixl_agent_config,
@@ -25,8 +30,6 @@ from ._api import (
     nixl_thread_sync_t,
     nixl_xfer_handle,
 )
-from ._bindings import *  # noqa: F401,F403  (NIXL's namespace holds its bindings' names too)
-from ._bindings import __all__ as _binding_names
 
 __all__ = ["install", "shim_path", "nixl_agent", "nixl_agent_config", "nixl_backend_handle",
            "nixl_prepped_dlist_handle", "nixl_thread_sync_t", "nixl_xfer_handle", "DEFAULT_COMM_PORT",

@@ -110,7 +110,8 @@ class _Prepped(NamedTuple):
     peer: Optional[str]  # None: the local side
     prepared: Any  # PreparedLocal / PreparedRemote
     mem: nixl_mem_t
-    count: int
+    #: Descriptors in the list (not `count`: a tuple has a method of that name).
+    entries: int
 
 
 class _Xfer:
@@ -575,7 +576,7 @@ class nixlAgent:
             local, remote = self._dlists[lh], self._dlists[rh]
             with mapped_errors():
                 req = self._fa.make_request(op, local.prepared, None, remote.prepared, None, _msg(notif_msg) or None)
-            return self._new_xfer(req, remote.peer or "", local.count, backends)
+            return self._new_xfer(req, remote.peer or "", local.entries, backends)
         finally:
             self._dlists.pop(lh, None)
             self._dlists.pop(rh, None)

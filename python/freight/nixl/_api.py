@@ -271,7 +271,7 @@ class nixl_agent:
             h = self.agent.prepXferDlist(agent_name, descs, handles)
         return nixl_prepped_dlist_handle(self.agent, h)
 
-    def estimate_xfer_cost(self, req_handle: nixl_xfer_handle) -> Tuple[int, int, str]:
+    def estimate_xfer_cost(self, req_handle: nixl_xfer_handle) -> Tuple[int, int, int]:
         return self.agent.estimateXferCost(req_handle._handle)
 
     def make_prepped_xfer(self, operation: str, local_xfer_side: nixl_prepped_dlist_handle,
@@ -378,7 +378,7 @@ class nixl_agent:
 
     def check_remote_metadata(self, agent: str, descs: Any = None) -> bool:
         if descs is None:
-            descs = _bindings.nixlXferDList(_bindings.DRAM_SEG)
+            descs = _bindings.nixlXferDList(nixl_mem_t.DRAM_SEG)
         return self.agent.checkRemoteMD(agent, descs) == nixl_status_t.NIXL_SUCCESS
 
     # ------------------------------------------------------------------ descriptor lists

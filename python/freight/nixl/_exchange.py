@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Callable, Dict, Optional
 
+from .._native import EtcdDirectory
 from . import _side_channel
 
 log = logging.getLogger("freight.nixl")
@@ -43,16 +44,15 @@ class Exchange:
         self._load = load
         self._watch_timeout = watch_timeout
         self._jobs: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
-        self._dirs: Dict[str, object] = {}
+        self._dirs: Dict[str, EtcdDirectory] = {}
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
         self._closed = False
 
     # ------------------------------------------------------------------ etcd
 
-    def directory(self, label: str = ""):
+    def directory(self, label: str = "") -> EtcdDirectory:
         """The etcd directory for full metadata (label "") or for one label's."""
-        from .. import EtcdDirectory
 
         endpoints = etcd_endpoints()
         ns = os.environ.get("NIXL_ETCD_NAMESPACE", "/nixl/agents/")

@@ -219,10 +219,15 @@ class _DescList:
         self._rows = rows
         self._n = len(rows)
         self._tail: List[Tuple[int, int, int]] = []
+        self._extra: Optional[List[Any]] = None
         if self._WIDTH == 4:
             self._extra = extra if extra is not None else [self._EMPTY_EXTRA] * self._n
-        else:
-            self._extra = None
+
+    @property
+    def _fourths(self) -> List[Any]:
+        """The fourth elements, in a list of four-element descriptors (which has them)."""
+        assert self._extra is not None, "a list of three-element descriptors has no fourth"
+        return self._extra
 
     @classmethod
     def _over(cls, mem: Any, descs: np.ndarray) -> "Any":
@@ -543,7 +548,7 @@ class nixlRegDList(_Indexed, _DescList):
         return _blob(value, where)
 
     def _describe_extra(self, i: int) -> str:
-        return ", Metadata: " + self._extra[i].decode("utf-8", "backslashreplace")
+        return ", Metadata: " + self._fourths[i].decode("utf-8", "backslashreplace")
 
     def trim(self) -> nixlXferDList:
         """A nixlXferDList of the same descriptors, without their metaInfo."""
@@ -554,7 +559,7 @@ class nixlRegDList(_Indexed, _DescList):
 
     def _serialize_rows(self) -> bytes:
         rows = self._triples()
-        metas = self._extra
+        metas = self._fourths
         if not any(metas):
             records = np.empty(len(rows), dtype=_BLOB_RECORD)
             records["len"] = _ROW_BYTES
@@ -586,7 +591,7 @@ class nixlRegDList(_Indexed, _DescList):
 
     def _metas(self) -> List[bytes]:
         """The metaInfo of every descriptor, in order."""
-        return list(self._extra)
+        return list(self._fourths)
 
 
 class nixlRemoteDList(_DescList):
@@ -627,7 +632,7 @@ class nixlRemoteDList(_DescList):
 
     def _agents(self) -> List[str]:
         """The remote agent name of every descriptor, in order."""
-        return list(self._extra)
+        return list(self._fourths)
 
 
 nixlXferDList._FAMILY = nixlXferDList

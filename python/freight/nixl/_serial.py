@@ -27,10 +27,8 @@ _HEAD = struct.Struct("<BBQ")
 
 
 def dumps(descs: Any) -> bytes:
-    for code, cls in enumerate(_CLASSES):
-        if isinstance(descs, cls):
-            break
-    else:
+    code = next((c for c, cls in enumerate(_CLASSES) if isinstance(descs, cls)), None)
+    if code is None:
         raise TypeError(f"only NIXL descriptor lists serialize, not {type(descs).__name__}")
     n = descs.descCount()
     parts = [MAGIC, _HEAD.pack(code, int(descs.getType()), n)]

@@ -45,7 +45,7 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from ._wire import (
     CLIENT, NONCE_SIZE, SERVER, REQUEST_KINDS, AuthenticationError, Decoder, Frame, Handshake, Kind,
-    WireError, clip_utf8, encode, encode_body, encode_frame, normalize_token,
+    Value, WireError, clip_utf8, encode, encode_body, encode_frame, normalize_token,
 )
 
 __all__ = [
@@ -384,7 +384,7 @@ class Listener:
         except OSError:
             pass
 
-    def _dispatch(self, request: Frame, peer: str) -> Tuple[Kind, object]:
+    def _dispatch(self, request: Frame, peer: str) -> Tuple[Kind, Value]:
         try:
             if request.kind is Kind.PUSH:
                 self._on_push(request.value)  # type: ignore[arg-type]
@@ -465,7 +465,7 @@ def _read_reply(reader: _Reader, deadline: float, timeout: float, peer: str, wha
     return frame
 
 
-def _request(ip: str, port: int, kind: Kind, value: object, token: Token, timeout: float,
+def _request(ip: str, port: int, kind: Kind, value: Value, token: Token, timeout: float,
              expect: Kind) -> Frame:
     """One exchange: returns the reply frame, of kind ``expect``, authenticated."""
     token = normalize_token(token)

@@ -31,7 +31,7 @@ from .pool import Instance, NoInstance, Pool
 log = logging.getLogger("freight.proxy")
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
-PROXY = web.AppKey("proxy", "Proxy")
+PROXY: "web.AppKey[Proxy]" = web.AppKey("proxy")
 # Headers of the client's request that go on to the instances.
 PASSED_HEADERS = ("authorization", "x-request-id")
 # A connection to an instance that broke (reset, closed, its answer cut short). Only a

@@ -122,12 +122,12 @@ class Load:
 
 def wants_remote_prefill(params: Optional[Mapping[str, Any]]) -> bool:
     """Whether a request arrived at a decode instance to load its prompt's KV."""
-    return bool(params) and bool(params.get("do_remote_prefill"))
+    return params is not None and bool(params.get("do_remote_prefill"))
 
 
 def wants_remote_decode(params: Optional[Mapping[str, Any]]) -> bool:
     """Whether a request arrived at a prefill instance to hand its KV on."""
-    return bool(params) and bool(params.get("do_remote_decode"))
+    return params is not None and bool(params.get("do_remote_decode"))
 
 
 # Notifications between the workers: the decode side tells the prefill side that it has

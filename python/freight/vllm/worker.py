@@ -139,9 +139,8 @@ class WorkerSide:
         """The settings as the worker's agent takes them."""
         token = self.settings.token.encode() if self.settings.token else None
         # Inline: every shm copy on the posting thread, whatever its size.
-        inline = {"shm_inline_bytes": 1 << 62} if self.settings.copies_inline else {}
         return AgentConfig(listen=self.settings.listen, token=token, connect_timeout=self.settings.connect_timeout,
-                           **inline)
+                           shm_inline_bytes=1 << 62 if self.settings.copies_inline else None)
 
     def _share(self, start: int, length: int) -> None:
         """Lays shared memory under a host KV cache, in place (vLLM allocates it as
