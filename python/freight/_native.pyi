@@ -4,6 +4,7 @@
 # without its stub here fails the tests. Docs: each class's and method's docstring (the
 # Rust doc comments), docs/engine.md.
 
+import os
 from types import TracebackType
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, final
 
@@ -580,24 +581,29 @@ class CacheEngine:
 class KvServer:
     def __new__(
         cls,
-        listen: str,
-        memory_bytes: int,
+        listen: str = ...,
+        memory_size: Optional[int] = None,
         evict: bool = True,
+        *,
         data_listen: str = ...,
         transport: str = "auto",
         token: Optional[str] = None,
-        tls_cert: Optional[str] = None,
-        tls_key: Optional[str] = None,
+        tls_cert: Optional[Union[str, "os.PathLike[str]"]] = None,
+        tls_key: Optional[Union[str, "os.PathLike[str]"]] = None,
         metrics_listen: Optional[str] = None,
     ) -> KvServer: ...
+    def __enter__(self) -> KvServer: ...
+    def __exit__(self, *_exc: Any) -> None: ...
     @property
     def url(self) -> str: ...
     @property
     def address(self) -> str: ...
     @property
-    def metrics_address(self) -> Optional[str]: ...
+    def port(self) -> int: ...
     @property
-    def memory_bytes(self) -> int: ...
+    def metrics_url(self) -> Optional[str]: ...
+    @property
+    def memory_size(self) -> int: ...
     @property
     def evict(self) -> bool: ...
     @property

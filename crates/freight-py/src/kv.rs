@@ -20,7 +20,7 @@ use pyo3::IntoPyObjectExt;
 
 use crate::errors::{invalid, to_py_err, OrRaise};
 use crate::interrupt;
-use crate::util::seconds;
+use crate::util::{positive_int, seconds};
 
 /// `get_many` asks for at most this many keys at once per this many bytes of the
 /// client's buffer (the buffer is shared out evenly between the keys of one request).
@@ -81,22 +81,44 @@ fn stats_dict<'py>(py: Python<'py>, fields: &[(&str, u64)]) -> PyResult<Bound<'p
 
 // -- the server -------------------------------------------------------------------------
 
-/// Native KV server (use `freight.kv.Server`).
-#[pyclass(frozen, name = "KvServer", module = "freight._native")]
+/// A KV server running in this process: the same server as `freight serve`, reached by
+/// clients of any process through `listen` ("ip:port"; port 0 picks a free one: see
+/// `url`).
+///
+/// `memory_size`: bytes of the value pool (allocated and touched at start). `evict`: a
+/// full pool evicts least recently used values; False: it refuses writes with
+/// `freight.NoSpaceError`. `data_listen`: the data plane's engine listener (clients on
+/// other hosts reach it over TCP). `transport`: "auto" (shared memory on the same host,
+/// else TCP), "shm" or "tcp".
+///
+/// Securing it as `freight serve` options do: `token` (`--token`), a secret every
+/// client must present (`Client`'s `token`; others get `freight.AuthError`). Unlike
+/// `freight serve`, the server does not read FREIGHT_KV_TOKEN: pass
+/// `token=os.environ["FREIGHT_KV_TOKEN"]` for that. `tls_cert` and `tls_key`
+/// (`--tls-cert`, `--tls-key`): paths of PEM files, the server's certificate chain and
+/// its private key, to serve the control plane over TLS (`url` is then https://...;
+/// clients give `tls_ca`). A self-signed certificate must not be a CA certificate
+/// (docs/kv.md shows an `openssl` line that makes one). `metrics_listen`
+/// (`--metrics-listen`): an "ip:port" to serve Prometheus metrics on (see
+/// `metrics_url`).
+///
+/// Context manager: `shutdown()` on exit (dropping the object shuts it down too).
+#[pyclass(frozen, name = "Server", module = "freight.kv")]
 pub struct PyKvServer {
     inner: Mutex<Option<Server>>,
-    /// The control plane's URL, as a client's `server`: "http://127.0.0.1:PORT".
+    /// The control plane's URL, what clients connect to: "http://127.0.0.1:PORT"
+    /// (https with TLS).
     #[pyo3(get)]
     url: String,
     /// The control plane's bound "ip:port" (with the port picked, where 0 was asked).
     #[pyo3(get)]
     address: String,
+    /// Bytes of the value pool.
     #[pyo3(get)]
-    memory_bytes: u64,
+    memory_size: u64,
+    /// Whether a full pool evicts least recently used values.
     #[pyo3(get)]
     evict: bool,
-    /// Where Prometheus metrics are served ("ip:port"), when they are.
-    #[pyo3(get)]
     metrics_address: Option<String>,
 }
 
@@ -112,20 +134,17 @@ impl PyKvServer {
 
 #[pymethods]
 impl PyKvServer {
-    /// Starts a server: the control plane on `listen`, the data plane's engine agent on
-    /// `data_listen`, a pool of `memory_bytes`. `token`: the secret every client must
-    /// present; `tls_cert` and `tls_key`: PEM files, for a control plane over TLS;
-    /// `metrics_listen`: where to serve Prometheus metrics.
     #[new]
     #[pyo3(signature = (
-        listen, memory_bytes, evict = true, data_listen = "127.0.0.1:0".to_string(), transport = "auto",
-        token = None, tls_cert = None, tls_key = None, metrics_listen = None,
+        listen = "127.0.0.1:0".to_string(), memory_size = None, evict = true, *,
+        data_listen = "127.0.0.1:0".to_string(), transport = "auto", token = None, tls_cert = None,
+        tls_key = None, metrics_listen = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         listen: String,
-        memory_bytes: u64,
+        memory_size: Option<&Bound<'_, PyAny>>,
         evict: bool,
         data_listen: String,
         transport: &str,
@@ -134,6 +153,10 @@ impl PyKvServer {
         tls_key: Option<PathBuf>,
         metrics_listen: Option<String>,
     ) -> PyResult<Self> {
+        let memory_size = match memory_size {
+            Some(v) => positive_int("memory_size", v)? as u64,
+            None => 1 << 30,
+        };
         let require = transport_arg(transport)?;
         let tls = match (tls_cert, tls_key) {
             (None, None) => None,
@@ -143,9 +166,10 @@ impl PyKvServer {
             }),
             _ => return Err(invalid("tls_cert and tls_key go together: give both, or neither")),
         };
+        crate::logging::_init_logging_from_env()?;
         let config = ServerConfig {
             listen,
-            memory_bytes,
+            memory_bytes: memory_size,
             evict,
             engine: AgentConfig { listen: data_listen, require, ..AgentConfig::default() },
             token,
@@ -159,9 +183,36 @@ impl PyKvServer {
             address: server.addr().to_string(),
             metrics_address: server.metrics_addr().map(|a| a.to_string()),
             inner: Mutex::new(Some(server)),
-            memory_bytes,
+            memory_size,
             evict,
         })
+    }
+
+    /// The control plane's port (the one picked, where 0 was asked for).
+    #[getter]
+    fn port(&self) -> u16 {
+        self.address.rsplit(':').next().and_then(|p| p.parse().ok()).unwrap_or(0)
+    }
+
+    /// Where Prometheus metrics are served ("http://ip:port/metrics"), or None without
+    /// `metrics_listen`.
+    #[getter]
+    fn metrics_url(&self) -> Option<String> {
+        self.metrics_address.as_ref().map(|a| format!("http://{a}/metrics"))
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) {
+        self.shutdown(py)
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let state = if self.live(py) { self.url.clone() } else { "shut down".into() };
+        format!("<freight.kv.Server {state}, pool {} bytes>", self.memory_size)
     }
 
     /// False once shut down.
@@ -170,7 +221,12 @@ impl PyKvServer {
         py.detach(|| lock(&self.inner).is_some())
     }
 
-    /// The pool's counters, as a dict.
+    /// The pool's counters: `keys`, `bytes` (of values), `pool_used` (with alignment
+    /// and values being written or still read), `capacity`, `index_bytes` (the keys'
+    /// share of the capacity: each key's bytes plus an estimate of the index's memory
+    /// for it), `hits` (values served), `misses`, `evictions`, `expirations`,
+    /// `pending_puts` (values reserved by PUTs not yet committed). Raises
+    /// `freight.InvalidStateError` once shut down.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.with(py, |s| s.stats())?;
         stats_dict(
@@ -190,8 +246,8 @@ impl PyKvServer {
         )
     }
 
-    /// Stops taking requests, finishes those in flight, releases the pool. Harmless
-    /// when called again.
+    /// Stops taking requests, lets those in flight finish, and frees the pool; clients'
+    /// later calls fail. Harmless when called again.
     fn shutdown(&self, py: Python<'_>) {
         py.detach(|| {
             if let Some(s) = lock(&self.inner).take() {

@@ -46,7 +46,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<stream::PyStoreReceiver>()?;
     m.add_class::<stream::PyStoredObject>()?;
     m.add_class::<cache::PyCacheEngine>()?;
-    m.add_class::<kv::PyKvServer>()?;
+    // freight.kv.Server, as it is named there.
+    m.add("KvServer", m.py().get_type::<kv::PyKvServer>())?;
     m.add_class::<kv::PyKvClient>()?;
     m.add_class::<ep::PyRankServer>()?;
     m.add_class::<ep::PyGroup>()?;

@@ -124,6 +124,12 @@ impl Server {
                 "an empty token lets every client in: give a non-empty one, or none (unset FREIGHT_KV_TOKEN)".into(),
             ));
         }
+        if config.token.as_deref().is_some_and(|t| !t.bytes().all(|b| (b' '..=b'~').contains(&b))) {
+            // It travels in an HTTP header ("authorization: Bearer <token>").
+            return Err(Error::InvalidArgument(
+                "the token must be printable ASCII (no line breaks or other control characters)".into(),
+            ));
+        }
         let metrics_listen: Option<SocketAddr> = config
             .metrics_listen
             .as_deref()
