@@ -140,7 +140,8 @@ mod tests {
 
     #[test]
     fn each_refusal_names_its_setting() {
-        let cases: Vec<(&str, Box<dyn Fn(&mut AgentConfig)>)> = vec![
+        type Change = Box<dyn Fn(&mut AgentConfig)>;
+        let cases: Vec<(&str, Change)> = vec![
             ("transports", Box::new(|c| c.transports.clear())),
             (
                 "require",

@@ -370,9 +370,13 @@ mod tests {
         );
         assert!(matches!(Message::parse(Frame::Wake), Err(Error::Protocol(_))));
         let mut delivered = Vec::new();
-        assert_eq!(settle_write(Ok(()), Some(b"a".to_vec()), |m| Ok(delivered.push(m))), Ok(()));
+        let mut deliver = |m| {
+            delivered.push(m);
+            Ok(())
+        };
+        assert_eq!(settle_write(Ok(()), Some(b"a".to_vec()), &mut deliver), Ok(()));
         let refused = Err(Error::UnknownRegion(3));
-        assert_eq!(settle_write(refused.clone(), Some(b"b".to_vec()), |m| Ok(delivered.push(m))), refused);
+        assert_eq!(settle_write(refused.clone(), Some(b"b".to_vec()), &mut deliver), refused);
         assert_eq!(delivered, vec![b"a".to_vec()], "never for a refused write");
         let full = Err(Error::NoSpace("queue".into()));
         assert_eq!(settle_write(Ok(()), Some(b"c".to_vec()), |_| full.clone()), full);
