@@ -41,6 +41,22 @@ struct SimRegion {
     read_only: bool,
 }
 
+impl SimRegion {
+    /// What its owner tells peers of it, and checks their accesses against.
+    fn info(&self) -> RegionInfo {
+        RegionInfo {
+            key: self.key,
+            kind: MemKind::Dram,
+            addr: self.addr,
+            len: self.bytes.len() as u64,
+            dev: 0,
+            shared: None,
+            gpu: None,
+            read_only: self.read_only,
+        }
+    }
+}
+
 impl Memory {
     fn region(&self, key: u64) -> Option<&SimRegion> {
         self.regions.iter().find(|r| r.key == key)
@@ -50,17 +66,7 @@ impl Memory {
     /// `get_checked` does): a known region, in bounds, writable where it is written.
     fn check(&self, segs: &[Seg], write: bool) -> Result<()> {
         for s in segs {
-            let r = self.region(s.region).ok_or(Error::UnknownRegion(s.region))?;
-            let info = RegionInfo {
-                key: r.key,
-                kind: MemKind::Dram,
-                addr: r.addr,
-                len: r.bytes.len() as u64,
-                dev: 0,
-                shared: None,
-                gpu: None,
-                read_only: r.read_only,
-            };
+            let info = self.region(s.region).ok_or(Error::UnknownRegion(s.region))?.info();
             info.check_contains(s.addr, s.len)?;
             if write {
                 info.check_writable()?;
@@ -83,19 +89,7 @@ impl Memory {
 
     /// What a peer learns of this memory from metadata.
     fn advertised(&self) -> Vec<RegionInfo> {
-        self.regions
-            .iter()
-            .map(|r| RegionInfo {
-                key: r.key,
-                kind: MemKind::Dram,
-                addr: r.addr,
-                len: r.bytes.len() as u64,
-                dev: 0,
-                shared: None,
-                gpu: None,
-                read_only: r.read_only,
-            })
-            .collect()
+        self.regions.iter().map(SimRegion::info).collect()
     }
 
     fn span(&self, addr: u64, len: u64) -> Result<RegionSpan> {
