@@ -11,11 +11,20 @@ machine does meanwhile hits both alike. Each figure is the median of its rounds
 "within noise" when the after median lies inside the before rounds' spread widened by
 5% (or the other way round).
 
-The figures are those of docs/bench-engine.md (shm) and docs/kv.md (the KV server),
-with the KV server started with a token, as a deployment runs it:
+The figures are those of docs/bench-engine.md (shm), docs/kv.md (the KV server),
+with the KV server started with a token, as a deployment runs it, and docs/bench-gpu.md
+(what one GPU measures):
   shm    4 KiB WRITE, post to done, p50 (us); WRITE bandwidth at 256 KiB and 8 MiB blocks
   kv     GET ops/s and p50 (us) of 4 KiB and 64 KiB values, 4 client threads, over shm
          and over tcp (bench/kv.py's freight run: the median of three runs a round)
+  gpu    two processes on one GPU (bench/gpu.py --only same-gpu): WRITE and READ
+         bandwidth at 32 MiB, 16 KiB and 4 KiB blocks in random order, 4 KiB WRITE post
+         to done p50 and p99, host to GPU and GPU to host. The builds are Python packages
+         here: --before-site and --after-site name folders to put first on PYTHONPATH
+         (a wheel installed with pip --target), --before and --after are not needed.
+
+    python3 bench/before_after.py --only gpu --before-site /tmp/site-old --after-site /tmp/site-new \
+        --machine "one H200" --out bench/results/before-after-gpu.json
 """
 
 from __future__ import annotations
@@ -23,7 +32,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -66,6 +77,27 @@ def kv_figures(freight: str, scale: float) -> dict:
     return out
 
 
+def gpu_figures(site: str) -> dict:
+    """bench/gpu.py --only same-gpu with the freight package in `site`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "gpu.json"
+        env = {**os.environ, "PYTHONPATH": site + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        subprocess.run([sys.executable, str(HERE / "gpu.py"), "--only", "same-gpu", "--out", str(out)], env=env,
+                       check=True, timeout=600)
+        rows = json.loads(out.read_text())["rows"]
+    figures = {}
+    for r in rows:
+        block = f"{r['block'] >> 20} MiB" if r["block"] >= 1 << 20 else f"{r['block'] >> 10} KiB"
+        if r["test"] == "bw" and r.get("order") == "random":
+            figures[f"gpu {r['op']} {block} blocks x {r['count']} (GB/s)"] = r["gbps"]
+        elif r["test"] == "lat4k":
+            figures["gpu 4 KiB WRITE post-to-done p50 (us)"] = r["p50_us"]
+            figures["gpu 4 KiB WRITE post-to-done p99 (us)"] = r["p99_us"]
+        elif r["test"] in ("h2d", "d2h"):
+            figures[f"gpu {r['test']} 32 x 32 MiB (GB/s)"] = r["gbps"]
+    return figures
+
+
 def judge(before: list, after: list, higher_is_better: bool) -> dict:
     b, a = median(before), median(after)
     lo, hi = min(before), max(before)
@@ -80,15 +112,23 @@ def judge(before: list, after: list, higher_is_better: bool) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--before", required=True, help="the freight binary before the change")
-    ap.add_argument("--after", required=True, help="the freight binary after it")
+    ap.add_argument("--before", help="the freight binary before the change (shm, kv)")
+    ap.add_argument("--after", help="the freight binary after it (shm, kv)")
+    ap.add_argument("--before-site", help="the freight Python package before the change, a folder for PYTHONPATH (gpu)")
+    ap.add_argument("--after-site", help="the freight Python package after it (gpu)")
     ap.add_argument("--machine", required=True, help="the machine, in words")
     ap.add_argument("--out", type=Path, help="JSON file to write")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of each build (default 3)")
     ap.add_argument("--scale", type=float, default=0.5, help="multiplies the KV runs' numbers of keys")
-    ap.add_argument("--only", choices=["shm", "kv"], action="append", help="one suite (repeatable)")
+    ap.add_argument("--only", choices=["shm", "kv", "gpu"], action="append",
+                    help="one suite (repeatable; default shm and kv)")
     args = ap.parse_args()
     suites = args.only or ["shm", "kv"]
+    for suite, needs in (("shm", ("before", "after")), ("kv", ("before", "after")),
+                         ("gpu", ("before_site", "after_site"))):
+        missing = [n for n in needs if suite in suites and not getattr(args, n)]
+        if missing:
+            ap.error(f"the {suite} suite needs " + " and ".join("--" + n.replace("_", "-") for n in missing))
     # The KV runs of bench/kv.py with the server's token: `freight serve` and `freight
     # kv-bench` both read it from the environment.
     os.environ["FREIGHT_KV_TOKEN"] = TOKEN
@@ -96,13 +136,15 @@ def main() -> int:
     rounds: dict = {"before": [], "after": []}
     for r in range(args.rounds):
         for side in ("before", "after"):
-            binary = getattr(args, side)
-            log(f"round {r + 1}/{args.rounds}: {side} ({binary})")
+            binary, site = getattr(args, side), getattr(args, f"{side}_site")
+            log(f"round {r + 1}/{args.rounds}: {side} ({binary or site})")
             figures = {}
             if "shm" in suites:
                 figures.update(shm_figures(binary))
             if "kv" in suites:
                 figures.update(kv_figures(binary, args.scale))
+            if "gpu" in suites:
+                figures.update(gpu_figures(site))
             rounds[side].append(figures)
     names = list(rounds["before"][0])
     table = {}
@@ -113,7 +155,8 @@ def main() -> int:
         "tool": "bench/before_after.py",
         "machine": {"label": args.machine, **host_machine()},
         "percentile": PERCENTILE,
-        "before": args.before, "after": args.after, "rounds": args.rounds, "kv_scale": args.scale,
+        "before": args.before or args.before_site, "after": args.after or args.after_site,
+        "suites": suites, "rounds": args.rounds, "kv_scale": args.scale,
         "kv_token": True,
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
         "seconds": round(time.time() - started),

@@ -93,7 +93,7 @@ def timed(req, iters):
     return times
 
 
-def bandwidth(agent, name, local, base, quick):
+def bandwidth(agent, name, local, base, quick, cases=CASES):
     """Block i here <-> block order[i] there. In sequential order the blocks are
     neighbours on both sides and freight merges them (NIXL gets the same lists); in
     random order nothing merges and the kernel does every copy."""
@@ -101,7 +101,7 @@ def bandwidth(agent, name, local, base, quick):
 
     rows = []
     rng = random.Random(1)
-    for block, count in CASES:
+    for block, count in cases:
         count = min(count, SIZE // block)
         shuffled = list(range(count))
         rng.shuffle(shuffled)
@@ -209,13 +209,13 @@ def latency(agent, name, local, base, target, quick):
     return rows
 
 
-def host_device(agent, quick):
+def host_device(agent, quick, target_gpu="1"):
     """Host memory here <-> GPU memory of the other process (32 x 32 MiB)."""
     import numpy as np
     import freight
 
     block, count = 32 * MIB, 32
-    target = Target(block * count, "VRAM", "1", name="host-test-target")
+    target = Target(block * count, "VRAM", target_gpu, name="host-test-target")
     try:
         name = agent.connect(target.addr)
         host = np.empty(block * count, dtype=np.uint8)
@@ -282,10 +282,16 @@ def over_network(quick, transport="tcp", target_gpu="1"):
     return rows
 
 
+#: The bandwidth rows a machine of one GPU measures (both processes on it).
+ONE_GPU_CASES = [(32 * MIB, 128), (16 << 10, 65536), (4 << 10, 65536)]
+
+
 def one_gpu(part, quick):
     """One part of the benchmark with the target on the same GPU (GPU 0)."""
     if part in ("tcp", "fabric"):
         return over_network(quick, part, target_gpu="0")
+    if part == "same-gpu":
+        return same_gpu(quick)
     import torch
     import freight
 
@@ -300,13 +306,37 @@ def one_gpu(part, quick):
         target.close()
 
 
+def same_gpu(quick):
+    """What one GPU measures of the cuda transport, both processes on it: bandwidth at
+    32 MiB, 16 KiB and 4 KiB blocks, the 4 KiB latency and notification rows, host
+    memory to and from the other process's GPU memory."""
+    import torch
+    import freight
+
+    rows = []
+    target = Target(SIZE, "VRAM", "0")
+    try:
+        with freight.Agent("initiator") as agent:
+            name = agent.connect(target.addr)
+            local = torch.full((SIZE,), 3, dtype=torch.uint8, device="cuda:0")
+            agent.register(local)
+            rows += bandwidth(agent, name, local, target.base, quick, ONE_GPU_CASES)
+            rows += latency(agent, name, local, target.base, target, quick)
+            rows += host_device(agent, quick, target_gpu="0")
+    finally:
+        target.close()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True, help="JSON file to write")
     ap.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
-    ap.add_argument("--only", choices=("tcp", "fabric", "latency"),
+    ap.add_argument("--only", choices=("tcp", "fabric", "latency", "same-gpu"),
                     help="on a machine with one GPU, both processes on it: only GPU memory over tcp "
-                         "or fabric, or only the 4 KiB latency and notification rows")
+                         "or fabric, only the 4 KiB latency and notification rows, or what one GPU "
+                         "measures of the cuda transport (bandwidth at 32 MiB, 16 KiB and 4 KiB blocks, "
+                         "the latency rows, host to and from GPU)")
     args = ap.parse_args()
     os.environ["CUDA_VISIBLE_DEVICES"] = "0"
     import torch
