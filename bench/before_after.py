@@ -15,6 +15,7 @@ The figures are those of docs/bench-engine.md (shm), docs/kv.md (the KV server),
 with the KV server started with a token, as a deployment runs it, and docs/bench-gpu.md
 (what one GPU measures):
   shm    4 KiB WRITE, post to done, p50 (us); WRITE bandwidth at 256 KiB and 8 MiB blocks
+  tcp    the same over tcp on loopback, at 64 KiB and 8 MiB blocks
   kv     GET ops/s and p50 (us) of 4 KiB and 64 KiB values, 4 client threads, over shm
          and over tcp (bench/kv.py's freight run: the median of three runs a round)
   gpu    two processes on one GPU (bench/gpu.py --only same-gpu): WRITE and READ
@@ -48,20 +49,30 @@ log = logger("before-after")
 TOKEN = "before-after-token"
 
 
-def shm_figures(freight: str) -> dict:
-    lat = run_json([freight, "bench", "p2p", "--transport", "shm", "--block-sizes", "4KiB", "--batch-sizes", "1",
-                    "--iters", "20000", "--json"])
-    bw = run_json([freight, "bench", "p2p", "--transport", "shm", "--block-sizes", "256KiB,8MiB", "--batch-sizes",
-                   "1", "--json"])
+def p2p_figures(freight: str, transport: str, iters: int, blocks: tuple) -> dict:
+    """`freight bench p2p` over `transport`: one 4 KiB WRITE, post to done, and WRITE
+    bandwidth at `blocks` ("256KiB", ...)."""
+    lat = run_json([freight, "bench", "p2p", "--transport", transport, "--block-sizes", "4KiB", "--batch-sizes", "1",
+                    "--iters", str(iters), "--json"])
+    bw = run_json([freight, "bench", "p2p", "--transport", transport, "--block-sizes", ",".join(blocks),
+                   "--batch-sizes", "1", "--json"])
     for doc in (lat, bw):
         if "error" in doc:
             sys.exit(f"{freight}: {doc['error']}")
-    rows = {r["block_size"]: r for r in bw["rows"]}
-    return {
-        "shm 4 KiB WRITE post-to-done p50 (us)": lat["rows"][0]["transfer_us"]["p50"],
-        "shm WRITE 256 KiB blocks (GB/s)": rows[256 << 10]["gbps"],
-        "shm WRITE 8 MiB blocks (GB/s)": rows[8 << 20]["gbps"],
-    }
+    figures = {f"{transport} 4 KiB WRITE post-to-done p50 (us)": lat["rows"][0]["transfer_us"]["p50"]}
+    for r in bw["rows"]:
+        size = f"{r['block_size'] >> 20} MiB" if r["block_size"] >= 1 << 20 else f"{r['block_size'] >> 10} KiB"
+        figures[f"{transport} WRITE {size} blocks (GB/s)"] = r["gbps"]
+    return figures
+
+
+def shm_figures(freight: str) -> dict:
+    return p2p_figures(freight, "shm", 20000, ("256KiB", "8MiB"))
+
+
+def tcp_figures(freight: str) -> dict:
+    """The tcp transport on loopback (its streams' bookkeeping is the protocol crate's)."""
+    return p2p_figures(freight, "tcp", 5000, ("64KiB", "8MiB"))
 
 
 def kv_figures(freight: str, scale: float) -> dict:
@@ -120,11 +131,11 @@ def main() -> int:
     ap.add_argument("--out", type=Path, help="JSON file to write")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of each build (default 3)")
     ap.add_argument("--scale", type=float, default=0.5, help="multiplies the KV runs' numbers of keys")
-    ap.add_argument("--only", choices=["shm", "kv", "gpu"], action="append",
+    ap.add_argument("--only", choices=["shm", "tcp", "kv", "gpu"], action="append",
                     help="one suite (repeatable; default shm and kv)")
     args = ap.parse_args()
     suites = args.only or ["shm", "kv"]
-    for suite, needs in (("shm", ("before", "after")), ("kv", ("before", "after")),
+    for suite, needs in (("shm", ("before", "after")), ("tcp", ("before", "after")), ("kv", ("before", "after")),
                          ("gpu", ("before_site", "after_site"))):
         missing = [n for n in needs if suite in suites and not getattr(args, n)]
         if missing:
@@ -141,6 +152,8 @@ def main() -> int:
             figures = {}
             if "shm" in suites:
                 figures.update(shm_figures(binary))
+            if "tcp" in suites:
+                figures.update(tcp_figures(binary))
             if "kv" in suites:
                 figures.update(kv_figures(binary, args.scale))
             if "gpu" in suites:
