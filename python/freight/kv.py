@@ -38,26 +38,19 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-import logging
-import math
-import os
 import sys
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from . import _native
 from ._objects import is_tensor, to_bytes
-from .errors import FreightError, InvalidArgumentError, InvalidStateError, PeerDisconnectedError
+from .errors import FreightError, InvalidArgumentError, InvalidStateError
 
 __all__ = ["AsyncClient", "Client", "Server", "Key"]
 
 #: What a key may be: str (encoded as UTF-8) or bytes-like.
 Key = Union[str, bytes, bytearray, memoryview]
-
-_TRANSPORTS = ("auto", "shm", "tcp")
-
-log = logging.getLogger("freight.kv")
 
 
 def _key(key: Any) -> bytes:
@@ -144,60 +137,20 @@ def _out(out: Any) -> np.ndarray:
     return np.frombuffer(view, dtype=np.uint8) if view.nbytes else np.empty(0, np.uint8)
 
 
-def _size(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{what} must be an int (bytes), got {type(value).__name__} {value!r}")
-    if value <= 0:
-        raise InvalidArgumentError(f"{what} must be a positive number of bytes, got {value}")
-    return int(value)
-
-
-def _seconds(value: Any, what: str, zero_ok: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{what} must be a number of seconds, got {type(value).__name__} {value!r}")
-    value = float(value)
-    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
-        least = ">= 0" if zero_ok else "> 0"
-        raise InvalidArgumentError(f"{what} must be a finite number of seconds {least}, got {value}")
-    return value
-
-
-def _token(token: Any, what: str) -> Optional[str]:
-    """None, or a secret that fits an HTTP header ("authorization: Bearer <token>")."""
-    if token is None:
-        return None
-    if not isinstance(token, str):
-        raise TypeError(f"{what} must be a str, got {type(token).__name__}")
-    if not token:
-        # A server reads a client's missing header as an empty token: it would let
-        # every client in.
-        raise InvalidArgumentError(f"{what} is empty; give a secret, or None for none")
-    if not all(" " <= c <= "~" for c in token):
-        raise InvalidArgumentError(f"{what} must be printable ASCII (no line breaks or other control characters)")
-    return token
-
-
-def _path(path: Any, what: str) -> Optional[str]:
-    if path is None:
-        return None
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"{what} must be the path of a PEM file (str or os.PathLike), got {type(path).__name__}")
-    return os.fspath(path)
-
-
-def _transport(transport: Any) -> str:
-    if not isinstance(transport, str) or transport.strip().lower() not in _TRANSPORTS:
-        raise InvalidArgumentError(f"transport must be one of {_TRANSPORTS}, got {transport!r}")
-    return transport.strip().lower()
-
-
 #: A KV server running in this process (the engine's own class: see its docstring).
 Server = _native.KvServer
 
 
-class Client:
-    """A session with the KV server at ``server`` (its URL: ``"http://ip:port"``, as
-    :attr:`Server.url` gives and ``freight serve`` prints).
+class Client(_native.KvClient):
+    """``Client(server="http://[::1]:50051", buffer_size=64 << 20, name="freight-kv-client",
+    timeout=30.0, transport="auto", *, token=None, tls_ca=None)``: a session with the KV
+    server at ``server`` (its URL: ``"http://ip:port"``, as :attr:`Server.url` gives and
+    ``freight serve`` prints, or a running :class:`Server`).
+
+    The session itself (connecting, :attr:`server`, :attr:`buffer_size`,
+    :attr:`timeout`, :attr:`live`, :attr:`engine_addresses`, :meth:`stats`,
+    :meth:`close`, ``with``) is the engine's native class; this one turns keys and
+    values (str, numpy arrays, torch tensors) into the bytes it moves.
 
     ``buffer_size``: bytes of the client's receive buffer (shared memory), the largest
     value it can get or put, and the most one :meth:`put_many` request carries.
@@ -212,8 +165,8 @@ class Client:
 
     ``token``: the secret of a server started with one (``Server(token=...)``,
     ``freight serve --token``); None (the default) takes ``FREIGHT_KV_TOKEN`` from the
-    environment where it is set, as ``freight kv-bench`` does (an empty one is none). A missing or wrong one
-    raises :class:`freight.AuthError`; a server without a token ignores it.
+    environment where it is set, as ``freight kv-bench`` does (an empty one is none). A
+    missing or wrong one raises :class:`freight.AuthError`; a server without a token ignores it.
     ``tls_ca``: for an ``https://`` server, the path of a PEM file with the certificate
     of the authority that signed the server's (the server's own when it signed itself;
     the system's roots are not consulted), as ``kv-bench --tls-ca``.
@@ -234,67 +187,6 @@ class Client:
     saying so).
     """
 
-    def __init__(
-        self,
-        server: Union[str, "Server"] = "http://[::1]:50051",
-        buffer_size: int = 64 << 20,
-        name: str = "freight-kv-client",
-        timeout: float = 30.0,
-        transport: str = "auto",
-        *,
-        token: Optional[str] = None,
-        tls_ca: Optional[Union[str, "os.PathLike[str]"]] = None,
-    ) -> None:
-        if isinstance(server, Server):
-            server = server.url
-        if not isinstance(server, str) or not isinstance(name, str):
-            raise TypeError("server (a URL) and name must be strings")
-        what = "token"
-        if token is None:
-            token, what = os.environ.get("FREIGHT_KV_TOKEN"), "FREIGHT_KV_TOKEN"
-        if token == "":
-            # No token, to any server: a server reads a missing header as an empty one.
-            token = None
-        ca = _path(tls_ca, "tls_ca")
-        if ca is not None and not server.lower().startswith("https://"):
-            raise InvalidArgumentError(f"tls_ca is for https:// servers; {server!r} is not one")
-        _native._init_logging_from_env()
-        self._raw = _native.KvClient(
-            server,
-            _size(buffer_size, "buffer_size"),
-            name,
-            _seconds(timeout, "timeout", zero_ok=False),
-            _transport(transport),
-            _token(token, what),
-            ca,
-        )
-
-    @property
-    def server(self) -> str:
-        return self._raw.server
-
-    @property
-    def buffer_size(self) -> int:
-        """Bytes of the receive buffer: the largest value this client can get or put."""
-        return self._raw.buffer_bytes
-
-    @property
-    def timeout(self) -> float:
-        return self._raw.timeout
-
-    @property
-    def live(self) -> bool:
-        """False once closed, or once a call timed out or lost a server that lives on
-        (see above)."""
-        return self._raw.live
-
-    @property
-    def engine_addresses(self) -> List[str]:
-        """Where this client's engine agent listens: the addresses the server's agent
-        dials to move values (``"ip:port"``). It answers no metadata request there, and
-        where the server has a token it requires that token on every connection."""
-        return self._raw.engine_addresses
-
     # -- writes
 
     def put(self, key: Key, value: Any, ttl: float = 0.0) -> int:
@@ -307,7 +199,7 @@ class Client:
         A value larger than :attr:`buffer_size` raises
         :class:`freight.InvalidArgumentError` naming both sizes; a full pool without
         eviction, :class:`freight.NoSpaceError`."""
-        return self._raw.put(_key(key), _value(value), _seconds(ttl, "ttl", zero_ok=True))
+        return self._put(_key(key), _value(value), ttl)
 
     def put_many(
         self, items: Union[Mapping[Key, Any], Iterable[Tuple[Key, Any]]], ttl: float = 0.0
@@ -330,14 +222,14 @@ class Client:
                 raise TypeError(f"put_many takes a dict or (key, value) pairs; item {i} is {pair!r}")
             keys.append(_key(pair[0]))
             values.append(_value(pair[1], f"the value of item {i}"))
-        return self._raw.put_many(keys, values, _seconds(ttl, "ttl", zero_ok=True))
+        return self._put_many(keys, values, ttl)
 
     def delete(self, keys: Union[Key, Sequence[Key]]) -> Union[bool, List[bool]]:
         """Deletes ``keys`` (one key, or a sequence of them); says whether each was
         there (a bool for a single key, else a list). A value being read meanwhile
         stays readable to that reader."""
         raw, single = _one_or_many(keys)
-        deleted = self._raw.delete(raw)
+        deleted = self._delete(raw)
         return deleted[0] if single else deleted
 
     # -- reads
@@ -346,7 +238,7 @@ class Client:
         """The value of ``key`` as bytes, or None when there is none (never written,
         deleted, expired or evicted). A value larger than :attr:`buffer_size` raises
         :class:`freight.InvalidArgumentError` naming both sizes."""
-        return self._raw.get(_key(key))
+        return self._get(_key(key))
 
     def get_into(self, key: Key, out: Any) -> Optional[int]:
         """Copies the value of ``key`` into ``out`` (a writable C-contiguous numpy array
@@ -360,62 +252,27 @@ class Client:
         such call) with one host-to-device copy, finished when this returns; order your
         own GPU work on ``out`` before the call (``torch.cuda.synchronize()``)."""
         if is_tensor(out) and out.device.type == "cuda":
-            return self._get_into_gpu(_key(key), _tensor_bytes(out, "out"))
-        return self._raw.get_into(_key(key), _out(out))
-
-    def _get_into_gpu(self, key: bytes, flat: Any) -> Optional[int]:
-        device = flat.device.index if flat.device.index is not None else sys.modules["torch"].cuda.current_device()
-        return self._raw.get_into_gpu(key, flat.data_ptr(), flat.numel(), device)
+            flat = _tensor_bytes(out, "out")
+            device = flat.device.index if flat.device.index is not None else sys.modules["torch"].cuda.current_device()
+            return self._get_into_gpu(_key(key), flat.data_ptr(), flat.numel(), device)
+        return self._get_into(_key(key), _out(out))
 
     def get_many(self, keys: Sequence[Key]) -> List[Optional[bytes]]:
         """The values of ``keys``, in order: bytes, or None for a missing key. Keys are
         fetched in batches that share the receive buffer; a value larger than its share
         is fetched again on its own, so any value up to :attr:`buffer_size` is
         returned."""
-        return self._raw.get_many(_keys(keys))
+        return self._get_many(_keys(keys))
 
     def exists(self, keys: Union[Key, Sequence[Key]]) -> Union[bool, List[bool]]:
         """Whether each key has a live value (a bool for a single key, else a list).
         Reads nothing and does not count as a use for eviction."""
         raw, single = _one_or_many(keys)
-        found = self._raw.exists(raw)
+        found = self._exists(raw)
         return found[0] if single else found
 
     def __contains__(self, key: Key) -> bool:
         return bool(self.exists(key))
-
-    def stats(self) -> Dict[str, int]:
-        """The server's counters (see :meth:`Server.stats`), plus ``clients``: sessions
-        open."""
-        return self._raw.stats()
-
-    # -- lifetime
-
-    def close(self) -> None:
-        """Ends the session (the server releases what it holds for this client) and
-        frees the receive buffer. Harmless when called again, and when the server is
-        gone already (its sessions went with it); later calls raise
-        :class:`freight.InvalidStateError`."""
-        try:
-            self._raw.close()
-        except PeerDisconnectedError as e:
-            log.debug("closed a KV client whose server is gone: %s", e)
-
-    def __enter__(self) -> "Client":
-        return self
-
-    def __exit__(self, exc_type: Any, *exc: Any) -> None:
-        try:
-            self.close()
-        except FreightError:
-            # Leaving on an error (the server died, say): closing cannot tell the server
-            # and must not hide the error that got us here.
-            if exc_type is None:
-                raise
-
-    def __repr__(self) -> str:
-        state = "" if self.live else ", closed"
-        return f"<freight.kv.Client of {self.server}, buffer {self.buffer_size} bytes{state}>"
 
 
 class AsyncClient:

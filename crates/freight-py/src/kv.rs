@@ -14,6 +14,7 @@ use freight_core::{AgentConfig, Error, Result, TransportKind};
 use freight_kv::client::too_small;
 use freight_kv::{Client, ClientConfig, Server, ServerConfig, TlsIdentity};
 use numpy::{PyReadonlyArray1, PyReadwriteArray1};
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use pyo3::IntoPyObjectExt;
@@ -56,6 +57,45 @@ fn client_engine(require: Option<TransportKind>) -> AgentConfig {
 fn ttl_arg(ttl: f64) -> PyResult<Duration> {
     let d = seconds(ttl, "ttl")?;
     Ok(if d.is_zero() { d } else { d.max(Duration::from_millis(1)) })
+}
+
+/// A client's token: `given`, or where none is given, FREIGHT_KV_TOKEN (an empty one is
+/// none: a server reads a missing header as an empty token); printable ASCII, as an
+/// HTTP header carries it. Errors name where it came from.
+fn client_token(given: Option<&Bound<'_, PyAny>>) -> PyResult<Option<String>> {
+    let (token, what) = match given {
+        Some(t) => {
+            let t = t.extract::<String>().map_err(|_| {
+                PyTypeError::new_err(format!(
+                    "token must be a str, got {}",
+                    t.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+                ))
+            })?;
+            (Some(t), "token")
+        }
+        None => (std::env::var("FREIGHT_KV_TOKEN").ok(), "FREIGHT_KV_TOKEN"),
+    };
+    match token {
+        Some(t) if t.is_empty() => Ok(None),
+        Some(t) if !t.bytes().all(|b| (b' '..=b'~').contains(&b)) => {
+            Err(invalid(format!("{what} must be printable ASCII (no line breaks or other control characters)")))
+        }
+        t => Ok(t),
+    }
+}
+
+/// The path a Python argument names: a str or an `os.PathLike` (not bytes, which would
+/// more likely be a certificate given in place of its file).
+fn pem_path(arg: &Bound<'_, PyAny>, what: &str) -> PyResult<PathBuf> {
+    if arg.is_instance_of::<PyBytes>() || arg.is_instance_of::<pyo3::types::PyByteArray>() {
+        return Err(PyTypeError::new_err(format!(
+            "{what} must be the path of a PEM file (str or os.PathLike), got bytes"
+        )));
+    }
+    arg.extract::<PathBuf>().map_err(|_| {
+        let kind = arg.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+        PyTypeError::new_err(format!("{what} must be the path of a PEM file (str or os.PathLike), got {kind}"))
+    })
 }
 
 /// A PEM file named by a Python argument, read whole.
@@ -149,8 +189,8 @@ impl PyKvServer {
         data_listen: String,
         transport: &str,
         token: Option<String>,
-        tls_cert: Option<PathBuf>,
-        tls_key: Option<PathBuf>,
+        tls_cert: Option<&Bound<'_, PyAny>>,
+        tls_key: Option<&Bound<'_, PyAny>>,
         metrics_listen: Option<String>,
     ) -> PyResult<Self> {
         let memory_size = match memory_size {
@@ -161,8 +201,8 @@ impl PyKvServer {
         let tls = match (tls_cert, tls_key) {
             (None, None) => None,
             (Some(cert), Some(key)) => Some(TlsIdentity {
-                cert_pem: read_pem(&cert, "tls_cert").or_raise()?,
-                key_pem: read_pem(&key, "tls_key").or_raise()?,
+                cert_pem: read_pem(&pem_path(cert, "tls_cert")?, "tls_cert").or_raise()?,
+                key_pem: read_pem(&pem_path(key, "tls_key")?, "tls_key").or_raise()?,
             }),
             _ => return Err(invalid("tls_cert and tls_key go together: give both, or neither")),
         };
@@ -267,17 +307,25 @@ impl Drop for PyKvServer {
 
 // -- the client -------------------------------------------------------------------------
 
-/// Native KV client (use `freight.kv.Client`).
-#[pyclass(frozen, name = "KvClient", module = "freight._native")]
+/// A session with a KV server (`freight.kv.Client` adds the conversions of keys and
+/// values: str keys, any buffer, array or tensor as a value). Its settings, checked
+/// here: `server` (a URL "http://ip:port", or a `freight.kv.Server`), `buffer_size`,
+/// `name`, `timeout`, `transport` ("auto", "shm" or "tcp"), `token` (None: the
+/// FREIGHT_KV_TOKEN variable, where set; an empty one is none) and `tls_ca` (the PEM
+/// file of the authority that signed an https:// server's certificate).
+#[pyclass(frozen, subclass, name = "KvClient", module = "freight._native")]
 pub struct PyKvClient {
     inner: Mutex<Option<Client>>,
+    /// The server's URL.
     #[pyo3(get)]
     server: String,
+    /// The client's name, in the server's logs.
     #[pyo3(get)]
     name: String,
     /// Bytes of the receive buffer: the largest value this client can get or put.
     #[pyo3(get)]
-    buffer_bytes: u64,
+    buffer_size: u64,
+    /// Seconds one call may take to get the server's answer.
     #[pyo3(get)]
     timeout: f64,
 }
@@ -347,34 +395,53 @@ fn put_many(c: &mut Client, items: &[(&[u8], &[u8])], ttl: Duration) -> Result<V
 #[pymethods]
 impl PyKvClient {
     /// Connects to the server at `server` (its control plane's URL) with a receive buffer
-    /// of `buffer_bytes`; `timeout` (seconds) bounds each call's wait for the server,
+    /// of `buffer_size` bytes; `timeout` (seconds) bounds each call's wait for the server,
     /// a new session after it went away included (see `ClientConfig::timeout`).
     /// `token`: the server's secret; `tls_ca`: the PEM file of the authority to trust,
     /// for an https server.
     #[new]
     #[pyo3(signature = (
-        server, buffer_bytes, name = "freight-kv-client".to_string(), timeout = 30.0, transport = "auto",
-        token = None, tls_ca = None,
+        server = None, buffer_size = None, name = "freight-kv-client".to_string(), timeout = 30.0,
+        transport = "auto", *, token = None, tls_ca = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
-        server: String,
-        buffer_bytes: u64,
+        server: Option<&Bound<'_, PyAny>>,
+        buffer_size: Option<&Bound<'_, PyAny>>,
         name: String,
         timeout: f64,
         transport: &str,
-        token: Option<String>,
-        tls_ca: Option<PathBuf>,
+        token: Option<&Bound<'_, PyAny>>,
+        tls_ca: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
+        let server = match server {
+            None => format!("http://{}", freight_kv::control::DEFAULT_LISTEN),
+            Some(s) => match s.cast::<PyKvServer>() {
+                Ok(running) => running.get().url.clone(),
+                Err(_) => s.extract::<String>().map_err(|_| {
+                    PyTypeError::new_err("server must be a URL (\"http://ip:port\") or a freight.kv.Server")
+                })?,
+            },
+        };
+        let buffer_size = match buffer_size {
+            Some(v) => positive_int("buffer_size", v)? as u64,
+            None => 64 << 20,
+        };
         let wait = seconds(timeout, "timeout")?;
         if wait.is_zero() {
             return Err(invalid("timeout must be more than 0 seconds"));
         }
+        let token = client_token(token)?;
+        let tls_ca = tls_ca.map(|p| pem_path(p, "tls_ca")).transpose()?;
+        if tls_ca.is_some() && !server.to_ascii_lowercase().starts_with("https://") {
+            return Err(invalid(format!("tls_ca is for https:// servers; {server:?} is not one")));
+        }
         let tls_ca_pem = tls_ca.map(|p| read_pem(&p, "tls_ca")).transpose().or_raise()?;
+        crate::logging::_init_logging_from_env()?;
         let config = ClientConfig {
             server: server.clone(),
-            buffer_bytes,
+            buffer_bytes: buffer_size,
             name: name.clone(),
             engine: client_engine(transport_arg(transport)?),
             timeout: wait,
@@ -384,7 +451,7 @@ impl PyKvClient {
             tls_ca_pem,
         };
         let client = py.detach(move || Client::connect(config)).or_raise()?;
-        Ok(PyKvClient { buffer_bytes: client.buffer_bytes(), inner: Mutex::new(Some(client)), server, name, timeout })
+        Ok(PyKvClient { buffer_size: client.buffer_bytes(), inner: Mutex::new(Some(client)), server, name, timeout })
     }
 
     /// False once closed, or once a request timed out or lost its connection to a server
@@ -402,7 +469,7 @@ impl PyKvClient {
     }
 
     /// Stores `value` (a contiguous uint8 array) under `key`; returns its version.
-    fn put(&self, py: Python<'_>, key: &[u8], value: PyReadonlyArray1<'_, u8>, ttl: f64) -> PyResult<u64> {
+    fn _put(&self, py: Python<'_>, key: &[u8], value: PyReadonlyArray1<'_, u8>, ttl: f64) -> PyResult<u64> {
         let ttl = ttl_arg(ttl)?;
         let value = slice(&value, "the value")?;
         self.with(py, |c| c.put(key, value, ttl))
@@ -410,7 +477,7 @@ impl PyKvClient {
 
     /// Stores `values[i]` under `keys[i]`; one int (the version) or exception object per
     /// item.
-    fn put_many(
+    fn _put_many(
         &self,
         py: Python<'_>,
         keys: Vec<Bound<'_, PyBytes>>,
@@ -436,14 +503,14 @@ impl PyKvClient {
     }
 
     /// The value of `key` as bytes, or None.
-    fn get<'py>(&self, py: Python<'py>, key: &[u8]) -> PyResult<Option<Bound<'py, PyBytes>>> {
+    fn _get<'py>(&self, py: Python<'py>, key: &[u8]) -> PyResult<Option<Bound<'py, PyBytes>>> {
         let value = self.with(py, |c| c.get(key))?;
         Ok(value.map(|v| PyBytes::new(py, &v)))
     }
 
     /// Copies the value of `key` into `out` (a writable contiguous uint8 array); returns
     /// its length, or None when there is no such key.
-    fn get_into(&self, py: Python<'_>, key: &[u8], mut out: PyReadwriteArray1<'_, u8>) -> PyResult<Option<u64>> {
+    fn _get_into(&self, py: Python<'_>, key: &[u8], mut out: PyReadwriteArray1<'_, u8>) -> PyResult<Option<u64>> {
         let out = out.as_slice_mut().map_err(|_| invalid("out must be a contiguous uint8 array"))?;
         let copied = self.with(py, |c| {
             c.get_with(key, |v| {
@@ -459,7 +526,7 @@ impl PyKvClient {
 
     /// Copies the value of `key` into GPU memory (`capacity` bytes at device address
     /// `addr` on GPU `device`); its length, or None.
-    fn get_into_gpu(
+    fn _get_into_gpu(
         &self,
         py: Python<'_>,
         key: &[u8],
@@ -471,7 +538,7 @@ impl PyKvClient {
     }
 
     /// Values of `keys` (bytes or None each).
-    fn get_many<'py>(
+    fn _get_many<'py>(
         &self,
         py: Python<'py>,
         keys: Vec<Bound<'py, PyBytes>>,
@@ -482,13 +549,13 @@ impl PyKvClient {
     }
 
     /// Whether each key has a live value.
-    fn exists(&self, py: Python<'_>, keys: Vec<Bound<'_, PyBytes>>) -> PyResult<Vec<bool>> {
+    fn _exists(&self, py: Python<'_>, keys: Vec<Bound<'_, PyBytes>>) -> PyResult<Vec<bool>> {
         let raw: Vec<&[u8]> = keys.iter().map(|k| k.as_bytes()).collect();
         self.with(py, |c| c.exists(&raw))
     }
 
     /// Deletes the keys; whether each was there.
-    fn delete(&self, py: Python<'_>, keys: Vec<Bound<'_, PyBytes>>) -> PyResult<Vec<bool>> {
+    fn _delete(&self, py: Python<'_>, keys: Vec<Bound<'_, PyBytes>>) -> PyResult<Vec<bool>> {
         let raw: Vec<&[u8]> = keys.iter().map(|k| k.as_bytes()).collect();
         self.with(py, |c| c.delete(&raw))
     }
@@ -514,14 +581,44 @@ impl PyKvClient {
         )
     }
 
-    /// Ends the session. Harmless when called again; the client is closed even when
-    /// telling the server fails (the error is raised).
+    /// Ends the session (the server releases what it holds for this client) and frees
+    /// the receive buffer. Harmless when called again, and when the server is gone
+    /// already (its sessions went with it); later calls raise `InvalidStateError`.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| match lock(&self.inner).take() {
+        let closed = py.detach(|| match lock(&self.inner).take() {
             Some(c) => c.close(),
             None => Ok(()),
-        })
-        .or_raise()
+        });
+        match closed {
+            Err(Error::PeerDisconnected { reason, .. }) => {
+                tracing::debug!(%reason, "closed a KV client whose server is gone");
+                Ok(())
+            }
+            other => other.or_raise(),
+        }
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    /// Closes the client; leaving on an error, a failure to close does not hide it.
+    #[pyo3(signature = (exc_type = None, *_exc))]
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        exc_type: Option<&Bound<'_, PyAny>>,
+        _exc: &Bound<'_, pyo3::types::PyTuple>,
+    ) -> PyResult<()> {
+        match self.close(py) {
+            Err(_) if exc_type.is_some_and(|t| !t.is_none()) => Ok(()),
+            other => other,
+        }
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let state = if self.live(py) { "" } else { ", closed" };
+        format!("<freight.kv.Client of {}, buffer {} bytes{state}>", self.server, self.buffer_size)
     }
 }
 
