@@ -5,12 +5,49 @@
 use tonic::service::interceptor::Interceptor;
 use tonic::{Request, Status};
 
+use crate::index::Stats;
+
 /// The control plane's default address: loopback only, unless told otherwise.
 pub const DEFAULT_LISTEN: &str = "[::1]:50051";
 
 #[allow(clippy::all)]
 pub mod proto {
     tonic::include_proto!("freight.kv.v1");
+}
+
+impl proto::StatsReply {
+    /// The reply that carries the pool's counters and the number of sessions open.
+    pub fn new(pool: Stats, clients: u64) -> Self {
+        proto::StatsReply {
+            keys: pool.keys,
+            bytes: pool.bytes,
+            pool_used: pool.pool_used,
+            capacity: pool.capacity,
+            hits: pool.hits,
+            misses: pool.misses,
+            evictions: pool.evictions,
+            expirations: pool.expirations,
+            pending_puts: pool.pending_puts,
+            clients,
+            index_bytes: pool.index_bytes,
+        }
+    }
+
+    /// The pool's counters it carries.
+    pub fn pool(&self) -> Stats {
+        Stats {
+            keys: self.keys,
+            bytes: self.bytes,
+            pool_used: self.pool_used,
+            capacity: self.capacity,
+            index_bytes: self.index_bytes,
+            hits: self.hits,
+            misses: self.misses,
+            evictions: self.evictions,
+            expirations: self.expirations,
+            pending_puts: self.pending_puts,
+        }
+    }
 }
 
 /// The metadata key that carries the shared secret: "authorization: Bearer <token>".

@@ -112,6 +112,24 @@ pub struct Stats {
     pub pending_puts: u64,
 }
 
+impl Stats {
+    /// The counters by name (the names `stats()` dicts and the control plane use).
+    pub fn named(&self) -> [(&'static str, u64); 10] {
+        [
+            ("keys", self.keys),
+            ("bytes", self.bytes),
+            ("pool_used", self.pool_used),
+            ("capacity", self.capacity),
+            ("index_bytes", self.index_bytes),
+            ("hits", self.hits),
+            ("misses", self.misses),
+            ("evictions", self.evictions),
+            ("expirations", self.expirations),
+            ("pending_puts", self.pending_puts),
+        ]
+    }
+}
+
 /// A committed value.
 #[derive(Debug, Clone, Copy)]
 struct Value {

@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use freight_core::{AgentConfig, Error, Result, TransportKind};
 use freight_kv::client::too_small;
+use freight_kv::index::Stats;
 use freight_kv::{Client, ClientConfig, Server, ServerConfig, TlsIdentity};
 use numpy::{PyReadonlyArray1, PyReadwriteArray1};
 use pyo3::exceptions::PyTypeError;
@@ -111,10 +112,14 @@ fn drop_detached<T: Send>(v: T) {
     Python::attach(|py| py.detach(move || drop(v)));
 }
 
-fn stats_dict<'py>(py: Python<'py>, fields: &[(&str, u64)]) -> PyResult<Bound<'py, PyDict>> {
+/// The pool's counters as a dict, with `clients` (sessions open) where it is known.
+fn stats_dict<'py>(py: Python<'py>, pool: &Stats, clients: Option<u64>) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
-    for (k, v) in fields {
-        d.set_item(*k, *v)?;
+    for (k, v) in pool.named() {
+        d.set_item(k, v)?;
+    }
+    if let Some(clients) = clients {
+        d.set_item("clients", clients)?;
     }
     Ok(d)
 }
@@ -268,22 +273,8 @@ impl PyKvServer {
     /// `pending_puts` (values reserved by PUTs not yet committed). Raises
     /// `freight.InvalidStateError` once shut down.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.with(py, |s| s.stats())?;
-        stats_dict(
-            py,
-            &[
-                ("keys", s.keys),
-                ("bytes", s.bytes),
-                ("pool_used", s.pool_used),
-                ("capacity", s.capacity),
-                ("index_bytes", s.index_bytes),
-                ("hits", s.hits),
-                ("misses", s.misses),
-                ("evictions", s.evictions),
-                ("expirations", s.expirations),
-                ("pending_puts", s.pending_puts),
-            ],
-        )
+        let pool = self.with(py, |s| s.stats())?;
+        stats_dict(py, &pool, None)
     }
 
     /// Stops taking requests, lets those in flight finish, and frees the pool; clients'
@@ -562,23 +553,8 @@ impl PyKvClient {
 
     /// The server's counters, as a dict.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.with(py, |c| c.stats())?;
-        stats_dict(
-            py,
-            &[
-                ("keys", s.keys),
-                ("bytes", s.bytes),
-                ("pool_used", s.pool_used),
-                ("capacity", s.capacity),
-                ("index_bytes", s.index_bytes),
-                ("hits", s.hits),
-                ("misses", s.misses),
-                ("evictions", s.evictions),
-                ("expirations", s.expirations),
-                ("pending_puts", s.pending_puts),
-                ("clients", s.clients),
-            ],
-        )
+        let reply = self.with(py, |c| c.stats())?;
+        stats_dict(py, &reply.pool(), Some(reply.clients))
     }
 
     /// Ends the session (the server releases what it holds for this client) and frees

@@ -120,19 +120,7 @@ impl KvControl for Control {
     }
 
     async fn stats(&self, _request: Request<StatsRequest>) -> Result<Response<StatsReply>, Status> {
-        let s = self.shared.index.lock().stats();
-        Ok(Response::new(StatsReply {
-            keys: s.keys,
-            bytes: s.bytes,
-            pool_used: s.pool_used,
-            capacity: s.capacity,
-            hits: s.hits,
-            misses: s.misses,
-            evictions: s.evictions,
-            expirations: s.expirations,
-            pending_puts: s.pending_puts,
-            clients: self.shared.clients.lock().len() as u64,
-            index_bytes: s.index_bytes,
-        }))
+        let pool = self.shared.index.lock().stats();
+        Ok(Response::new(StatsReply::new(pool, self.shared.clients.lock().len() as u64)))
     }
 }
