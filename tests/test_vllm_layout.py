@@ -168,4 +168,4 @@ def test_inline_copies_reach_the_agent_as_a_posting_thread_copy_of_any_size():
     side = WorkerSide(Settings(role="kv_consumer", token="t", inline_copies=True))
     assert side.agent_config().shm_inline_bytes >= 1 << 40
     side = WorkerSide(Settings(role="kv_consumer", token="t", inline_copies=False))
-    assert side.agent_config().shm_inline_bytes is None
+    assert side.agent_config().shm_inline_bytes == freight.AgentConfig().shm_inline_bytes

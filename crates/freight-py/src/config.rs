@@ -9,7 +9,7 @@ use std::time::Duration;
 use freight_core::{AgentConfig, CompletionMode, KernelMode, Pinning, TransportKind};
 use pyo3::exceptions::{PyDeprecationWarning, PyTypeError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PyString, PyTuple};
 
 use crate::errors::{invalid, OrRaise};
 
@@ -61,6 +61,18 @@ fn token(field: &str, v: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
     v.extract::<Vec<u8>>().map_err(|_| type_error(field, "None, bytes or str", v))
 }
 
+/// A switch: True or False (not 0, 1 or a string, which may mean the opposite of what
+/// they look like: "no" is truthy), or the engine's default where None or not given.
+fn flag(field: &str, v: Option<Bound<'_, PyAny>>, default: bool) -> PyResult<bool> {
+    match v {
+        None => Ok(default),
+        Some(v) => match v.cast::<PyBool>() {
+            Ok(b) => Ok(b.is_true()),
+            Err(_) => Err(type_error(field, "a bool", &v)),
+        },
+    }
+}
+
 /// A count that must not be negative (the engine checks the lower bounds it needs).
 fn count(field: &str, v: i64) -> PyResult<u64> {
     u64::try_from(v).map_err(|_| invalid(format!("AgentConfig.{field} must be >= 0, got {v}")))
@@ -93,12 +105,12 @@ impl PyAgentConfig {
     #[new]
     #[pyo3(signature = (
         *, listen = "127.0.0.1:0".to_string(), advertise = None, transports = None, require = None,
-        tcp_streams = 4, tcp_chunk_size = 1 << 20, tcp_window = 8, tcp_local_addrs = None, tcp_zerocopy = true,
+        tcp_streams = 4, tcp_chunk_size = 1 << 20, tcp_window = 8, tcp_local_addrs = None, tcp_zerocopy = None,
         tcp_pin = None, fabric_provider = None, fabric_domains = None, fabric_chunk_size = 4 << 20,
-        fabric_stage_remote_host = false, fabric_gpu_direct = true, shm_threads = None, shm_inline_bytes = None,
+        fabric_stage_remote_host = None, fabric_gpu_direct = None, shm_threads = None, shm_inline_bytes = None,
         cuda_copy_engine_min_host = None, cuda_copy_engine_min_peer = None, cuda_kernel_mode = None,
         cuda_kernel_threads = None, cuda_kernel_blocks_per_sm = None, cuda_kernel_item_bytes = None,
-        cuda_completion = None, peer_timeout = 30.0, connect_timeout = 5.0, token = None, serve_metadata = true,
+        cuda_completion = None, peer_timeout = 30.0, connect_timeout = 5.0, token = None, serve_metadata = None,
         metadata_token = None,
     ))]
     #[allow(clippy::too_many_arguments)]
@@ -112,13 +124,13 @@ impl PyAgentConfig {
         tcp_chunk_size: i64,
         tcp_window: i64,
         tcp_local_addrs: Option<Bound<'_, PyAny>>,
-        tcp_zerocopy: bool,
+        tcp_zerocopy: Option<Bound<'_, PyAny>>,
         tcp_pin: Option<Bound<'_, PyAny>>,
         fabric_provider: Option<String>,
         fabric_domains: Option<Bound<'_, PyAny>>,
         fabric_chunk_size: i64,
-        fabric_stage_remote_host: bool,
-        fabric_gpu_direct: bool,
+        fabric_stage_remote_host: Option<Bound<'_, PyAny>>,
+        fabric_gpu_direct: Option<Bound<'_, PyAny>>,
         shm_threads: Option<i64>,
         shm_inline_bytes: Option<i64>,
         cuda_copy_engine_min_host: Option<i64>,
@@ -131,7 +143,7 @@ impl PyAgentConfig {
         peer_timeout: f64,
         connect_timeout: f64,
         token: Option<Bound<'_, PyAny>>,
-        serve_metadata: bool,
+        serve_metadata: Option<Bound<'_, PyAny>>,
         metadata_token: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let mut c = AgentConfig { listen, ..AgentConfig::default() };
@@ -161,7 +173,7 @@ impl PyAgentConfig {
                 })
                 .collect::<PyResult<_>>()?;
         }
-        c.tcp.zerocopy = tcp_zerocopy;
+        c.tcp.zerocopy = flag("tcp_zerocopy", tcp_zerocopy, c.tcp.zerocopy)?;
         if let Some(pin) = tcp_pin {
             let spec = match pin.extract::<Vec<usize>>() {
                 Ok(cores) if !pin.is_instance_of::<PyString>() && !cores.is_empty() => {
@@ -178,8 +190,9 @@ impl PyAgentConfig {
             c.fabric.domains = strings("fabric_domains", &d)?;
         }
         c.fabric.chunk_size = count("fabric_chunk_size", fabric_chunk_size)?;
-        c.fabric.stage_remote_host = fabric_stage_remote_host;
-        c.fabric.gpu_direct = fabric_gpu_direct;
+        c.fabric.stage_remote_host =
+            flag("fabric_stage_remote_host", fabric_stage_remote_host, c.fabric.stage_remote_host)?;
+        c.fabric.gpu_direct = flag("fabric_gpu_direct", fabric_gpu_direct, c.fabric.gpu_direct)?;
         if let Some(n) = shm_threads {
             c.shm.threads = count("shm_threads", n)? as usize;
         }
@@ -224,7 +237,7 @@ impl PyAgentConfig {
             }
             c.token = Some(old);
         }
-        c.serve_metadata = serve_metadata;
+        c.serve_metadata = flag("serve_metadata", serve_metadata, c.serve_metadata)?;
         c.validate().or_raise()?;
         Ok(PyAgentConfig { inner: c })
     }
