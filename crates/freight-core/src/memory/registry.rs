@@ -41,6 +41,23 @@ impl Region {
     }
 }
 
+/// How many public and private regions a shared segment holds.
+#[derive(Default, Clone, Copy)]
+struct SegmentUse {
+    public: usize,
+    private: usize,
+}
+
+impl SegmentUse {
+    fn count(&mut self, private: bool) -> &mut usize {
+        if private {
+            &mut self.private
+        } else {
+            &mut self.public
+        }
+    }
+}
+
 /// Lookup index: (kind, dev) -> start address -> region.
 type Index = HashMap<(MemKind, u64), BTreeMap<u64, Arc<Region>>>;
 
@@ -55,6 +72,10 @@ pub struct Registry {
 struct RegistryInner {
     index: Index,
     by_key: HashMap<u64, Arc<Region>>,
+    /// Regions registered in each shared segment, public and private (by segment id):
+    /// answers "does this segment mix private and public regions?" without walking the
+    /// segment's regions on every registration.
+    in_segment: HashMap<u64, SegmentUse>,
     /// Bumped on every change to the public regions (what [`Registry::snapshot`] lists)
     /// so that metadata snapshots can be cached. Private regions never change the
     /// snapshot, so registering or removing one leaves it as it is.
@@ -113,8 +134,7 @@ impl Registry {
         let dev = if kind == MemKind::Dram { 0 } else { dev };
         let segment = (kind == MemKind::Dram).then(|| SharedSegment::containing(addr, len)).flatten();
         let mut inner = self.inner.write();
-        let tree = inner.index.entry((kind, dev)).or_default();
-        if let Some(existing) = overlapping(tree, addr, len) {
+        if let Some(existing) = inner.index.get(&(kind, dev)).and_then(|tree| overlapping(tree, addr, len)) {
             return Err(Error::Overlap { addr, len, existing });
         }
         let key = self.next_key.fetch_add(1, Ordering::Relaxed);
@@ -126,26 +146,31 @@ impl Registry {
         });
         if let Some(s) = &segment {
             // Peers told about a public region in the segment can map all of it.
-            let (start, end) = (s.addr(), s.addr() + s.len() as u64);
-            if let Some((_, other)) = tree
-                .range(start..end)
-                .find(|(_, r)| r.private != private && r.info.shared.is_some_and(|l| l.segment == s.id()))
-            {
+            let counts = inner.in_segment.get(&s.id()).copied().unwrap_or_default();
+            let others = if private { counts.public } else { counts.private };
+            if others > 0 {
+                let (start, end) = (s.addr(), s.addr() + s.len() as u64);
+                let other = inner.index.get(&(kind, dev)).and_then(|tree| {
+                    tree.range(start..end)
+                        .find(|(_, r)| r.private != private && r.info.shared.is_some_and(|l| l.segment == s.id()))
+                        .map(|(_, r)| r.info.key)
+                });
                 tracing::warn!(
                     key,
-                    other = other.info.key,
+                    other,
                     segment = s.id(),
                     "a private and a public region share a shared segment: peers that may map the \
                      public one can map the private one too; give private memory a segment of its own"
                 );
             }
+            *inner.in_segment.entry(s.id()).or_default().count(private) += 1;
         }
         let region = Arc::new(Region {
             info: RegionInfo { key, kind, addr, len, dev, shared, gpu, read_only: access == Access::ReadOnly },
             private,
             _segment: segment,
         });
-        tree.insert(addr, region.clone());
+        inner.index.entry((kind, dev)).or_default().insert(addr, region.clone());
         inner.by_key.insert(key, region);
         if !private {
             inner.generation += 1;
@@ -167,6 +192,13 @@ impl Registry {
         inner.by_key.remove(&key);
         if let Some(tree) = inner.index.get_mut(&(info.kind, info.dev)) {
             tree.remove(&info.addr);
+        }
+        if let Some(segment) = info.shared.map(|l| l.segment) {
+            let counts = inner.in_segment.entry(segment).or_default();
+            *counts.count(private) -= 1;
+            if counts.public + counts.private == 0 {
+                inner.in_segment.remove(&segment);
+            }
         }
         if !private {
             inner.generation += 1;
@@ -245,6 +277,37 @@ impl Registry {
         })
     }
 
+    /// Whether shared segment `segment` holds both public and private regions (which
+    /// exposes the private ones to peers that map the segment: registration warns).
+    pub fn segment_mixes_access(&self, segment: u64) -> bool {
+        self.inner.read().in_segment.get(&segment).is_some_and(|u| u.public > 0 && u.private > 0)
+    }
+
+    /// Checks what the registry keeps twice: `by_key` and `index` list the same regions,
+    /// and `in_segment` counts exactly the registered regions of each segment (no entry
+    /// for a segment without any).
+    #[cfg(test)]
+    fn check_invariants(&self) {
+        let inner = self.inner.read();
+        let indexed: usize = inner.index.values().map(BTreeMap::len).sum();
+        assert_eq!(indexed, inner.by_key.len());
+        let mut counted: HashMap<u64, (usize, usize)> = HashMap::new();
+        for r in inner.by_key.values() {
+            assert!(Arc::ptr_eq(&inner.index[&(r.info.kind, r.info.dev)][&r.info.addr], r));
+            if let Some(l) = r.info.shared {
+                let c = counted.entry(l.segment).or_default();
+                if r.private {
+                    c.1 += 1
+                } else {
+                    c.0 += 1
+                }
+            }
+        }
+        let kept: HashMap<u64, (usize, usize)> =
+            inner.in_segment.iter().map(|(&s, u)| (s, (u.public, u.private))).collect();
+        assert_eq!(kept, counted);
+    }
+
     pub fn len(&self) -> usize {
         self.inner.read().by_key.len()
     }
@@ -306,6 +369,46 @@ mod tests {
         assert!(reg.register(MemKind::Dram, 0x1000, 0, 0).is_err());
         assert!(reg.register(MemKind::Dram, u64::MAX - 4, 16, 0).is_err());
         assert!(reg.register(MemKind::Dram, 0, 16, 0).is_err());
+    }
+
+    #[test]
+    fn segments_count_their_regions_through_register_and_deregister_cycles() {
+        let seg = SharedSegment::allocate(1 << 20).unwrap();
+        let reg = Registry::new();
+        let public = reg.register(MemKind::Dram, seg.addr(), 4096, 0).unwrap();
+        assert!(!reg.segment_mixes_access(seg.id()));
+        let private = reg.register_private(MemKind::Dram, seg.addr() + 4096, 4096, 0).unwrap();
+        assert!(reg.segment_mixes_access(seg.id()), "a private region beside a public one");
+        reg.deregister(public).unwrap();
+        assert!(!reg.segment_mixes_access(seg.id()));
+        reg.deregister(private).unwrap();
+        reg.check_invariants();
+        // Many cycles, public and private, in and out of the segment: counts stay exact,
+        // and nothing is left once every region is gone.
+        let mut keys = Vec::new();
+        for i in 0..2000u64 {
+            let addr = seg.addr() + (i % 256) * 4096;
+            if keys.len() == 256 || (i % 3 == 2 && !keys.is_empty()) {
+                let k = keys.swap_remove((i as usize * 7) % keys.len());
+                reg.deregister(k).unwrap();
+            }
+            let k = if i % 5 == 0 {
+                reg.register_private(MemKind::Dram, addr, 4096, 0)
+            } else {
+                reg.register(MemKind::Dram, addr, 4096, 0)
+            };
+            match k {
+                Ok(k) => keys.push(k),
+                Err(Error::Overlap { .. }) => {}
+                Err(e) => panic!("{e}"),
+            }
+            reg.check_invariants();
+        }
+        for k in keys {
+            reg.deregister(k).unwrap();
+        }
+        reg.check_invariants();
+        assert!(reg.is_empty() && reg.inner.read().in_segment.is_empty());
     }
 
     #[test]
