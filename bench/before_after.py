@@ -16,6 +16,8 @@ with the KV server started with a token, as a deployment runs it, and docs/bench
 (what one GPU measures):
   shm    4 KiB WRITE, post to done, p50 (us); WRITE bandwidth at 256 KiB and 8 MiB blocks
   tcp    the same over tcp on loopback, at 64 KiB and 8 MiB blocks
+  desc   freight bench descriptors: registering 10,000 regions, preparing and making
+         requests of 65,536 descriptors (median of 9 repetitions, us)
   kv     GET ops/s and p50 (us) of 4 KiB and 64 KiB values, 4 client threads, over shm
          and over tcp (bench/kv.py's freight run: the median of three runs a round)
   gpu    two processes on one GPU (bench/gpu.py --only same-gpu): WRITE and READ
@@ -75,6 +77,16 @@ def tcp_figures(freight: str) -> dict:
     return p2p_figures(freight, "tcp", 5000, ("64KiB", "8MiB"))
 
 
+def desc_figures(freight: str) -> dict:
+    """`freight bench descriptors`: registering and deregistering 10,000 regions, and
+    building requests of 65,536 descriptors (median of its repetitions). A row the
+    build does not have (added since) is left out of its figures."""
+    doc = run_json([freight, "bench", "descriptors", "--reps", "9", "--json"])
+    if "error" in doc:
+        sys.exit(f"{freight}: {doc['error']}")
+    return {f"desc {r['operation']} (us)": r["median_us"] for r in doc["rows"]}
+
+
 def kv_figures(freight: str, scale: float) -> dict:
     out = {}
     # freight_run starts `freight serve` and runs kv-bench against it; both get the token.
@@ -131,11 +143,12 @@ def main() -> int:
     ap.add_argument("--out", type=Path, help="JSON file to write")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of each build (default 3)")
     ap.add_argument("--scale", type=float, default=0.5, help="multiplies the KV runs' numbers of keys")
-    ap.add_argument("--only", choices=["shm", "tcp", "kv", "gpu"], action="append",
+    ap.add_argument("--only", choices=["shm", "tcp", "kv", "desc", "gpu"], action="append",
                     help="one suite (repeatable; default shm and kv)")
     args = ap.parse_args()
     suites = args.only or ["shm", "kv"]
     for suite, needs in (("shm", ("before", "after")), ("tcp", ("before", "after")), ("kv", ("before", "after")),
+                         ("desc", ("before", "after")),
                          ("gpu", ("before_site", "after_site"))):
         missing = [n for n in needs if suite in suites and not getattr(args, n)]
         if missing:
@@ -156,10 +169,13 @@ def main() -> int:
                 figures.update(tcp_figures(binary))
             if "kv" in suites:
                 figures.update(kv_figures(binary, args.scale))
+            if "desc" in suites:
+                figures.update(desc_figures(binary))
             if "gpu" in suites:
                 figures.update(gpu_figures(site))
             rounds[side].append(figures)
-    names = list(rounds["before"][0])
+    # Figures both builds report (a row added since is in the after build only).
+    names = [n for n in rounds["after"][0] if n in rounds["before"][0]]
     table = {}
     for name in names:
         higher = not name.endswith("(us)")

@@ -36,6 +36,13 @@ pub struct DescriptorArgs {
     json: bool,
 }
 
+/// The same descriptors in an order of their own, the same every run.
+fn scramble(mut descs: Vec<Desc>) -> Vec<Desc> {
+    use rand::{seq::SliceRandom, SeedableRng};
+    descs.shuffle(&mut rand::rngs::StdRng::seed_from_u64(1));
+    descs
+}
+
 fn parse_count(s: &str) -> Result<u64, String> {
     match s.trim().parse::<u64>() {
         Ok(n) if (1..=10_000_000).contains(&n) => Ok(n),
@@ -145,6 +152,15 @@ pub fn run(a: &DescriptorArgs) -> CliResult<()> {
         let rp = s.time("prepare_remote", n, || Ok(local.prepare_remote(&peer, &rlist)?))?;
         let req = s.time("make_request", n, || Ok(local.make_request(OpKind::Write, &lp, None, &rp, None, None)?))?;
         copies = req.copies();
+
+        // The remote blocks in a scrambled order: no two neighbours continue each
+        // other, so the plan has a copy per descriptor (what a KV cache load of
+        // scattered blocks asks for).
+        let scrambled = DescList::from_descs(MemKind::Dram, scramble(blocks(rbuf.addr()).collect()))?;
+        let rp = local.prepare_remote(&peer, &scrambled)?;
+        s.time("make_request, scrambled order", n, || {
+            Ok(local.make_request(OpKind::Write, &lp, None, &rp, None, None)?)
+        })?;
 
         let (ls, rs) = (strided(lbuf.addr())?, strided(rbuf.addr())?);
         let lp = s.time("prepare_local, strided run", n, || Ok(local.prepare_local(&ls)?))?;

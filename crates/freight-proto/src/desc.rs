@@ -96,6 +96,11 @@ impl DescList {
         let table = Arc::make_mut(&mut self.table);
         let mut result = Ok(());
         let mut descs = descs.into_iter().peekable();
+        // Room for a run per descriptor, as if none merged: growing the table step by
+        // step would copy it over and over. What merging leaves unused is given back
+        // below.
+        let runs_before = table.runs.len();
+        table.runs.reserve(descs.size_hint().0);
         while let Some(d) = descs.next() {
             if d.len == 0 {
                 result = Err(invalid(format!("descriptor at {:#x} has zero length", d.addr)));
@@ -111,12 +116,14 @@ impl DescList {
             };
             bytes = total;
             let runs = table.runs.len() as u64;
+            let room = table.runs.capacity();
             let merged = match table.runs.last_mut() {
                 Some(last) if last.len == d.len && last.dev == d.dev => {
                     if last.count == 1 && d.addr >= last.addr + last.len {
                         if table.first.is_empty() {
                             // Every run was one descriptor: run i starts at position i.
-                            table.first = (0..runs).collect();
+                            table.first = Vec::with_capacity(room);
+                            table.first.extend(0..runs);
                         }
                         last.stride = d.addr - last.addr;
                         last.count = 2;
@@ -161,6 +168,10 @@ impl DescList {
             bytes = total;
             last.count += more;
             count += more;
+        }
+        if table.runs.capacity() > 2 * table.runs.len() && table.runs.len() > runs_before {
+            table.runs.shrink_to_fit();
+            table.first.shrink_to_fit();
         }
         self.count = count;
         self.bytes = bytes;

@@ -267,7 +267,7 @@ impl Pair {
         let l = PreparedList::resolve(&list(local), |a, n, _| self.local.span(a, n)).unwrap();
         let r = PreparedList::remote(&list(remote), &self.view).unwrap();
         let plan = Plan::build(&l, None, &r, None).unwrap();
-        let chunks = chunk_ops(&plan.ops, 1000, 3);
+        let chunks = chunk_ops(plan.copies(), 1000, 3);
         let notif = notif.filter(|_| op == OpKind::Write && chunks.len() == 1);
         let mut round = Round::default();
         round.begin(chunks.len() as u64, ()).unwrap();

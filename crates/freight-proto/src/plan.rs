@@ -5,7 +5,7 @@
 //! not cut it at the same places. The plan is the list of copies that does that, with
 //! neighbours merged wherever both sides are contiguous in the same regions.
 
-use crate::desc::{Desc, DescList, Run};
+use crate::desc::{DescList, Run};
 use crate::error::{invalid, Error, Result};
 use crate::region::{MemKind, RemoteRegions};
 
@@ -132,19 +132,23 @@ impl PreparedList {
     }
 
     #[cfg(test)]
-    fn get(&self, i: u64) -> Option<(Desc, u64)> {
+    fn get(&self, i: u64) -> Option<(crate::desc::Desc, u64)> {
         let (r, k) = self.list.locate(i)?;
         Some((self.list.runs()[r].get(k), self.region_of_run(r)))
     }
 
-    /// The bytes selected by `indices` (all, in order, when `None`), as pieces with
-    /// their region: one piece per descriptor, except that descriptors of one dense run
-    /// (members back to back: `stride == len`) that are selected one after the other
-    /// make one piece. A KV cache load picks long stretches of consecutive blocks out
-    /// of a run per layer; so its plan costs a step per stretch, not per block (the
-    /// copies are the same: the plan merges contiguous neighbours anyway).
-    fn select<'a>(&'a self, indices: Option<&'a [u64]>) -> Pieces<'a> {
-        Pieces { list: self, indices, at: 0, member: 0 }
+    /// Every run, whole, as pieces: a plan pairs runs with runs, a step per run.
+    fn runs_as_pieces(&self) -> RunPieces<'_> {
+        RunPieces { runs: self.list.runs(), run_region: &self.run_region, keys: &self.keys, at: 0 }
+    }
+
+    /// The descriptors `indices` pick, as pieces: one per descriptor, except that
+    /// descriptors of one dense run (members back to back: `stride == len`) picked one
+    /// after the other make one piece. A KV cache load picks long stretches of
+    /// consecutive blocks out of a run per layer; so its plan costs a step per stretch,
+    /// not per block.
+    fn picked<'a>(&'a self, indices: &'a [u64]) -> Picked<'a> {
+        Picked { list: self, indices, at: 0, bad: None }
     }
 
     /// Resolves against a peer's advertised regions.
@@ -156,53 +160,114 @@ impl PreparedList {
     }
 }
 
-/// The iterator of [`PreparedList::select`].
-struct Pieces<'a> {
-    list: &'a PreparedList,
-    /// `None`: every descriptor, run by run.
-    indices: Option<&'a [u64]>,
-    /// The next index (with indices) or run (without).
-    at: usize,
-    /// Without indices: the next member of run `at` (a sparse run goes member by member).
-    member: u64,
+/// A strided piece of a selection: `count` members of `len` bytes, `stride` apart, in
+/// one region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Piece {
+    addr: u64,
+    len: u64,
+    stride: u64,
+    count: u64,
+    region: u64,
 }
 
-impl Iterator for Pieces<'_> {
-    type Item = Result<(Desc, u64)>;
+impl Piece {
+    fn dense(&self) -> bool {
+        self.stride == self.len || self.count == 1
+    }
 
-    fn next(&mut self) -> Option<Self::Item> {
-        let runs = self.list.list.runs();
-        let Some(idx) = self.indices else {
-            let run = runs.get(self.at)?;
-            let region = self.list.region_of_run(self.at);
-            if run.stride == run.len {
-                // Dense: the whole run at once (its bytes fit: the list's total does).
-                self.at += 1;
-                return Some(Ok((Desc { addr: run.addr, len: run.len * run.count, dev: run.dev }, region)));
-            }
-            let d = run.get(self.member);
-            self.member += 1;
-            if self.member == run.count {
-                (self.at, self.member) = (self.at + 1, 0);
-            }
-            return Some(Ok((d, region)));
-        };
+    /// Bytes from `off` into the first member that lie back to back.
+    fn contiguous(&self, off: u64) -> u64 {
+        if self.dense() {
+            self.len * self.count - off
+        } else {
+            self.len - off
+        }
+    }
+
+    /// Moves `n` bytes on from `off` into the first member; false once nothing is left.
+    fn consume(&mut self, off: &mut u64, n: u64) -> bool {
+        let at = *off + n;
+        let members = at / self.len;
+        *off = at % self.len;
+        self.skip(members)
+    }
+
+    /// Drops the first `members` members; false once nothing is left.
+    fn skip(&mut self, members: u64) -> bool {
+        self.count -= members;
+        // The address past the last member is never used, and may not exist.
+        self.addr = self.addr.wrapping_add(members.wrapping_mul(self.stride));
+        self.count > 0
+    }
+}
+
+/// Where one side's pieces come from, in order.
+trait Source {
+    /// The next piece; `None` at the end, or after an error, which [`Source::error`]
+    /// then holds (no `Result` on the hot path of planning).
+    fn next_piece(&mut self) -> Option<Piece>;
+    fn error(&mut self) -> Option<Error>;
+}
+
+/// A prepared list's runs, whole ([`PreparedList::runs_as_pieces`]).
+struct RunPieces<'a> {
+    runs: &'a [Run],
+    run_region: &'a [u32],
+    keys: &'a [u64],
+    at: usize,
+}
+
+impl Source for RunPieces<'_> {
+    #[inline(always)]
+    fn next_piece(&mut self) -> Option<Piece> {
+        let run = self.runs.get(self.at)?;
+        let region = self.keys[self.run_region[self.at] as usize];
+        self.at += 1;
+        Some(Piece { addr: run.addr, len: run.len, stride: run.stride, count: run.count, region })
+    }
+
+    fn error(&mut self) -> Option<Error> {
+        None
+    }
+}
+
+/// The descriptors of an index list ([`PreparedList::picked`]).
+struct Picked<'a> {
+    list: &'a PreparedList,
+    indices: &'a [u64],
+    /// The next index.
+    at: usize,
+    /// An index out of range, once met.
+    bad: Option<u64>,
+}
+
+impl Source for Picked<'_> {
+    fn next_piece(&mut self) -> Option<Piece> {
+        let idx = self.indices;
         let &i = idx.get(self.at)?;
         self.at += 1;
         let Some((r, k)) = self.list.list.locate(i) else {
-            return Some(Err(invalid(format!("index {i} out of range for a list of {} descriptors", self.list.len()))));
+            self.bad = Some(i);
+            return None;
         };
-        let run = &runs[r];
-        let mut d = run.get(k);
+        let run = &self.list.list.runs()[r];
+        let d = run.get(k);
+        let mut len = d.len;
         if run.stride == run.len {
             // The members after k in this run, for as long as the indices go on by one.
             let room = (run.count - 1 - k) as usize;
             let tail = &idx[self.at..];
             let stretch = tail.iter().take(room).zip(i + 1..).take_while(|(&next, want)| next == *want).count();
-            d.len += run.len * stretch as u64;
+            len += run.len * stretch as u64;
             self.at += stretch;
         }
-        Some(Ok((d, self.list.region_of_run(r))))
+        Some(Piece { addr: d.addr, len, stride: len, count: 1, region: self.list.region_of_run(r) })
+    }
+
+    fn error(&mut self) -> Option<Error> {
+        let i = self.bad.take()?;
+        Some(invalid(format!("index {i} out of range for a list of {} descriptors", self.list.len())))
     }
 }
 
@@ -256,98 +321,342 @@ pub struct Op {
     pub len: u64,
 }
 
-/// The copies a request performs, plus the regions it must hold while in flight.
+impl Op {
+    /// Whether `next` carries on where this copy ends, on both sides and in the same
+    /// regions: the two are one copy.
+    fn continued_by(&self, next: &Op) -> bool {
+        self.local_region == next.local_region
+            && self.remote_region == next.remote_region
+            && self.local_addr + self.len == next.local_addr
+            && self.remote_addr + self.len == next.remote_addr
+    }
+}
+
+/// `count` copies of `len` bytes: the i-th between `local_addr + i * local_stride` and
+/// `remote_addr + i * remote_stride`. A plan keeps strided families of blocks (a layer
+/// of a paged KV cache) as one run each; transports expand them when they compile.
+///
+/// Invariants (kept by [`Plan::build`]): `count >= 1`; a run of one copy has strides
+/// equal to `len`; no run has both strides equal to `len` and `count > 1` (such a run
+/// is one longer copy).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CopyRun {
+    pub local_addr: u64,
+    pub remote_addr: u64,
+    pub len: u64,
+    pub count: u64,
+    pub local_stride: u64,
+    pub remote_stride: u64,
+    pub local_region: u64,
+    pub remote_region: u64,
+}
+
+impl CopyRun {
+    /// The i-th copy of the run.
+    pub fn get(&self, i: u64) -> Op {
+        Op {
+            local_addr: self.local_addr + i * self.local_stride,
+            local_region: self.local_region,
+            remote_addr: self.remote_addr + i * self.remote_stride,
+            remote_region: self.remote_region,
+            len: self.len,
+        }
+    }
+}
+
+/// The copies a request performs, as runs (see [`CopyRun`]), plus the regions it must
+/// hold while in flight.
 #[derive(Debug, Clone, Default)]
 pub struct Plan {
-    pub ops: Vec<Op>,
+    runs: Vec<CopyRun>,
+    /// Copies the runs expand to, with neighbours that continue each other merged.
+    copies: usize,
     pub bytes: u64,
     pub local_regions: Vec<u64>,
     pub remote_regions: Vec<u64>,
 }
 
 impl Plan {
-    /// Pairs the selected local and remote descriptors byte for byte.
+    /// Pairs the selected local and remote descriptors byte for byte. Runs of the same
+    /// member length on both sides pair member for member in one step, so a plan of
+    /// strided runs costs a step per run; where the cuts differ, byte ranges pair one
+    /// at a time.
     pub fn build(
         local: &PreparedList,
         local_idx: Option<&[u64]>,
         remote: &PreparedList,
         remote_idx: Option<&[u64]>,
     ) -> Result<Plan> {
-        let mut ops: Vec<Op> = Vec::new();
         // Every index in order (what callers pass for "all", e.g. np.arange) is no
         // selection at all: the list run by run, a step per run instead of per index.
-        let mut locals = local.select(selection(local, local_idx));
-        let mut remotes = remote.select(selection(remote, remote_idx));
-        // The descriptor being consumed on each side, with its region key.
-        let mut l: Option<(Desc, u64)> = None;
-        let mut r: Option<(Desc, u64)> = None;
-        let (mut lbytes, mut rbytes) = (0u64, 0u64);
-        let mut local_regions = Vec::new();
-        let mut remote_regions = Vec::new();
-        loop {
-            if l.is_none() {
-                l = locals.next().transpose()?;
-                if let Some((d, k)) = l {
-                    lbytes += d.len;
-                    if local_regions.last() != Some(&k) {
-                        local_regions.push(k);
-                    }
-                }
-            }
-            if r.is_none() {
-                r = remotes.next().transpose()?;
-                if let Some((d, k)) = r {
-                    rbytes += d.len;
-                    if remote_regions.last() != Some(&k) {
-                        remote_regions.push(k);
-                    }
-                }
-            }
-            let (Some((ld, lk)), Some((rd, rk))) = (l.as_mut(), r.as_mut()) else { break };
-            let n = ld.len.min(rd.len);
-            let op = Op { local_addr: ld.addr, local_region: *lk, remote_addr: rd.addr, remote_region: *rk, len: n };
-            match ops.last_mut() {
-                Some(prev)
-                    if prev.local_region == op.local_region
-                        && prev.remote_region == op.remote_region
-                        && prev.local_addr + prev.len == op.local_addr
-                        && prev.remote_addr + prev.len == op.remote_addr =>
-                {
-                    prev.len += n
-                }
-                _ => ops.push(op),
-            }
-            ld.addr += n;
-            ld.len -= n;
-            rd.addr += n;
-            rd.len -= n;
-            if ld.len == 0 {
+        match (selection(local, local_idx), selection(remote, remote_idx)) {
+            (None, None) if uniform(local, remote) => Ok(zip_members(local, remote)),
+            (None, None) => pair(local.runs_as_pieces(), remote.runs_as_pieces()),
+            (None, Some(r)) => pair(local.runs_as_pieces(), remote.picked(r)),
+            (Some(l), None) => pair(local.picked(l), remote.runs_as_pieces()),
+            (Some(l), Some(r)) => pair(local.picked(l), remote.picked(r)),
+        }
+    }
+
+    /// The runs of copies, in order.
+    pub fn runs(&self) -> &[CopyRun] {
+        &self.runs
+    }
+
+    /// The plan's copies, one by one, each run expanded and copies that continue each
+    /// other merged: the list a transport works through.
+    pub fn copies(&self) -> Copies<'_> {
+        Copies { runs: self.runs.iter(), run: None, next: 0, pending: None }
+    }
+
+    /// How many copies [`Plan::copies`] yields.
+    pub fn copy_count(&self) -> usize {
+        self.copies
+    }
+}
+
+/// The pairing behind [`Plan::build`], for each kind of source on each side.
+fn pair(mut locals: impl Source, mut remotes: impl Source) -> Result<Plan> {
+    let mut plan = Builder::default();
+    // The piece being consumed on each side, and how far into its first member.
+    let (mut l, mut r): (Option<Piece>, Option<Piece>) = (None, None);
+    let (mut loff, mut roff) = (0u64, 0u64);
+    let (mut lbytes, mut rbytes) = (0u64, 0u64);
+    let (mut local_regions, mut remote_regions) = (Vec::new(), Vec::new());
+    loop {
+        if l.is_none() {
+            l = fetch(&mut locals, &mut lbytes, &mut local_regions);
+        }
+        if r.is_none() {
+            r = fetch(&mut remotes, &mut rbytes, &mut remote_regions);
+        }
+        let (Some(lp), Some(rp)) = (l.as_mut(), r.as_mut()) else { break };
+        if loff == 0 && roff == 0 && lp.len == rp.len {
+            // Member for member, as many as both sides have.
+            let count = lp.count.min(rp.count);
+            plan.push(CopyRun {
+                local_addr: lp.addr,
+                remote_addr: rp.addr,
+                len: lp.len,
+                count,
+                local_stride: lp.stride,
+                remote_stride: rp.stride,
+                local_region: lp.region,
+                remote_region: rp.region,
+            });
+            if !lp.skip(count) {
                 l = None;
             }
-            if rd.len == 0 {
+            if !rp.skip(count) {
+                r = None;
+            }
+        } else {
+            let n = lp.contiguous(loff).min(rp.contiguous(roff));
+            plan.push(CopyRun {
+                local_addr: lp.addr + loff,
+                remote_addr: rp.addr + roff,
+                len: n,
+                count: 1,
+                local_stride: n,
+                remote_stride: n,
+                local_region: lp.region,
+                remote_region: rp.region,
+            });
+            if !lp.consume(&mut loff, n) {
+                l = None;
+            }
+            if !rp.consume(&mut roff, n) {
                 r = None;
             }
         }
-        // Drain whichever side is longer to report both totals.
-        for x in locals {
-            lbytes += x?.0.len;
+    }
+    // Drain whichever side is longer to report both totals.
+    while let Some(p) = locals.next_piece() {
+        lbytes += p.len * p.count;
+    }
+    while let Some(p) = remotes.next_piece() {
+        rbytes += p.len * p.count;
+    }
+    if let Some(e) = locals.error().or_else(|| remotes.error()) {
+        return Err(e);
+    }
+    if l.is_some() || r.is_some() || lbytes != rbytes {
+        return Err(Error::InvalidArgument(format!(
+            "local descriptors total {lbytes} bytes but remote descriptors total {rbytes}; they must match"
+        )));
+    }
+    if lbytes == 0 {
+        return Err(invalid("a transfer needs at least one descriptor on each side"));
+    }
+    for regions in [&mut local_regions, &mut remote_regions] {
+        regions.sort_unstable();
+        regions.dedup();
+    }
+    Ok(Plan { runs: plan.runs, copies: plan.copies, bytes: lbytes, local_regions, remote_regions })
+}
+
+/// Whether every descriptor of both lists has one length: then the lists pair member
+/// for member ([`zip_members`]), which is what lists of KV cache blocks do.
+fn uniform(local: &PreparedList, remote: &PreparedList) -> bool {
+    let len = local.list.runs().first().map(|r| r.len);
+    local.total_bytes() == remote.total_bytes()
+        && local.total_bytes() > 0
+        && local.list.runs().iter().chain(remote.list.runs()).all(|r| Some(r.len) == len)
+}
+
+/// [`pair`] for lists of one descriptor length and the same total (see [`uniform`]):
+/// the runs of both sides zipped member for member, without cutting any.
+fn zip_members(local: &PreparedList, remote: &PreparedList) -> Plan {
+    let (lruns, rruns) = (local.list.runs(), remote.list.runs());
+    let mut plan = Builder { runs: Vec::with_capacity(lruns.len().max(rruns.len())), ..Builder::default() };
+    let (mut i, mut j) = (0, 0);
+    // Members of runs i and j already paired.
+    let (mut li, mut rj) = (0u64, 0u64);
+    while let (Some(l), Some(r)) = (lruns.get(i), rruns.get(j)) {
+        let count = (l.count - li).min(r.count - rj);
+        plan.push(CopyRun {
+            local_addr: l.addr + li * l.stride,
+            remote_addr: r.addr + rj * r.stride,
+            len: l.len,
+            count,
+            local_stride: l.stride,
+            remote_stride: r.stride,
+            local_region: local.region_of_run(i),
+            remote_region: remote.region_of_run(j),
+        });
+        li += count;
+        rj += count;
+        if li == l.count {
+            (i, li) = (i + 1, 0);
         }
-        for x in remotes {
-            rbytes += x?.0.len;
+        if rj == r.count {
+            (j, rj) = (j + 1, 0);
         }
-        if l.is_some() || r.is_some() || lbytes != rbytes {
-            return Err(Error::InvalidArgument(format!(
-                "local descriptors total {lbytes} bytes but remote descriptors total {rbytes}; they must match"
-            )));
+    }
+    Plan {
+        runs: plan.runs,
+        copies: plan.copies,
+        bytes: local.total_bytes(),
+        local_regions: local.regions().to_vec(),
+        remote_regions: remote.regions().to_vec(),
+    }
+}
+
+/// A plan's runs as they are appended, with where the last copy ends on each side.
+#[derive(Default)]
+struct Builder {
+    runs: Vec<CopyRun>,
+    copies: usize,
+    /// The end of the last run's last copy, local and remote.
+    end: (u64, u64),
+}
+
+impl Builder {
+    /// Appends a run: one copy where its members lie back to back on both sides, else
+    /// into the last copy where it continues it, else into the last run where it
+    /// carries it on, else on its own.
+    #[inline(always)]
+    fn push(&mut self, mut run: CopyRun) {
+        if run.count > 1 && run.local_stride == run.len && run.remote_stride == run.len {
+            // Fits: the members' bytes are part of the list's total.
+            (run.len, run.count) = (run.len * run.count, 1);
         }
-        if lbytes == 0 {
-            return Err(invalid("a transfer needs at least one descriptor on each side"));
+        if run.count == 1 {
+            (run.local_stride, run.remote_stride) = (run.len, run.len);
         }
-        local_regions.sort_unstable();
-        local_regions.dedup();
-        remote_regions.sort_unstable();
-        remote_regions.dedup();
-        Ok(Plan { ops, bytes: lbytes, local_regions, remote_regions })
+        let end_of = |run: &CopyRun| {
+            let last = run.count - 1;
+            (run.local_addr + last * run.local_stride + run.len, run.remote_addr + last * run.remote_stride + run.len)
+        };
+        let Some(last) = self.runs.last_mut() else {
+            self.copies = run.count as usize;
+            self.end = end_of(&run);
+            self.runs.push(run);
+            return;
+        };
+        let same_regions = last.local_region == run.local_region && last.remote_region == run.remote_region;
+        let touches = same_regions && self.end == (run.local_addr, run.remote_addr);
+        if touches && last.count == 1 && run.count == 1 {
+            last.len += run.len;
+            (last.local_stride, last.remote_stride) = (last.len, last.len);
+            self.end = (self.end.0 + run.len, self.end.1 + run.len);
+            return;
+        }
+        if !touches && same_regions && run.len == last.len {
+            // The next member of the last run's strides (a run of one takes any later
+            // copy of its length that does not overlap it as its second).
+            let (ls, rs) = if last.count == 1 {
+                (run.local_addr.wrapping_sub(last.local_addr), run.remote_addr.wrapping_sub(last.remote_addr))
+            } else {
+                (last.local_stride, last.remote_stride)
+            };
+            let apart = last.count > 1 || (run.local_addr >= self.end.0 && run.remote_addr >= self.end.1);
+            let first = (self.end.0 - last.len, self.end.1 - last.len);
+            let follows = apart
+                && first.0.checked_add(ls) == Some(run.local_addr)
+                && first.1.checked_add(rs) == Some(run.remote_addr)
+                && (run.count == 1 || (run.local_stride == ls && run.remote_stride == rs));
+            if follows {
+                (last.local_stride, last.remote_stride) = (ls, rs);
+                last.count += run.count;
+                self.copies += run.count as usize;
+                self.end = end_of(&run);
+                return;
+            }
+        }
+        // Expanding merges the two runs' touching copies into one (see `Plan::copies`).
+        self.copies += run.count as usize - usize::from(touches);
+        self.end = end_of(&run);
+        self.runs.push(run);
+    }
+}
+
+/// The next piece of a side, counted into its bytes and its regions.
+#[inline(always)]
+fn fetch(pieces: &mut impl Source, bytes: &mut u64, regions: &mut Vec<u64>) -> Option<Piece> {
+    let piece = pieces.next_piece()?;
+    *bytes += piece.len * piece.count;
+    if regions.last() != Some(&piece.region) {
+        regions.push(piece.region);
+    }
+    Some(piece)
+}
+
+/// The iterator of [`Plan::copies`].
+#[derive(Clone)]
+pub struct Copies<'a> {
+    runs: std::slice::Iter<'a, CopyRun>,
+    run: Option<&'a CopyRun>,
+    /// The next member of `run`.
+    next: u64,
+    /// A copy not yet handed out: the next may continue it.
+    pending: Option<Op>,
+}
+
+impl Iterator for Copies<'_> {
+    type Item = Op;
+
+    fn next(&mut self) -> Option<Op> {
+        loop {
+            let member = match self.run {
+                Some(run) if self.next < run.count => {
+                    self.next += 1;
+                    run.get(self.next - 1)
+                }
+                _ => match self.runs.next() {
+                    Some(run) => {
+                        (self.run, self.next) = (Some(run), 1);
+                        run.get(0)
+                    }
+                    None => return self.pending.take(),
+                },
+            };
+            match self.pending.as_mut() {
+                Some(p) if p.continued_by(&member) => p.len += member.len,
+                Some(p) => return Some(std::mem::replace(p, member)),
+                None => self.pending = Some(member),
+            }
+        }
     }
 }
 
@@ -361,12 +670,11 @@ pub struct Chunk {
 /// Cuts a plan into chunks of at most `chunk_size` bytes and `max_segs` copies: large
 /// copies are split (so they can be striped across streams), small ones are batched
 /// (so 4 KiB blocks do not each pay a message).
-pub fn chunk_ops(ops: &[Op], chunk_size: u64, max_segs: usize) -> Vec<Chunk> {
+pub fn chunk_ops(ops: impl IntoIterator<Item = Op>, chunk_size: u64, max_segs: usize) -> Vec<Chunk> {
     assert!(chunk_size > 0 && max_segs > 0);
     let mut chunks = Vec::new();
     let mut cur = Chunk { segs: Vec::new(), bytes: 0 };
-    for op in ops {
-        let mut op = *op;
+    for mut op in ops {
         while op.len > 0 {
             let room = chunk_size - cur.bytes;
             let n = op.len.min(room);
@@ -391,13 +699,21 @@ pub fn split_by_bytes(ops: &[Op], parts: usize) -> Vec<Vec<Op>> {
     let total: u64 = ops.iter().map(|o| o.len).sum();
     let parts = parts.max(1) as u64;
     let target = total.div_ceil(parts).max(1);
-    chunk_ops(ops, target, usize::MAX).into_iter().map(|c| c.segs).collect()
+    chunk_ops(ops.iter().copied(), target, usize::MAX).into_iter().map(|c| c.segs).collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::desc::Desc;
     use proptest::prelude::*;
+
+    /// The plan's copies, checked against its count of them.
+    fn ops(p: &Plan) -> Vec<Op> {
+        let v: Vec<Op> = p.copies().collect();
+        assert_eq!(v.len(), p.copy_count(), "copy_count agrees with the copies");
+        v
+    }
 
     fn prep(descs: &[(u64, u64)], region: u64) -> PreparedList {
         let list =
@@ -437,7 +753,38 @@ mod tests {
         let l = prep(&[(0, 4), (4, 4), (8, 4)], 1);
         let r = prep(&[(100, 8), (108, 4)], 2);
         let p = Plan::build(&l, None, &r, None).unwrap();
-        assert_eq!(p.ops, vec![Op { local_addr: 0, local_region: 1, remote_addr: 100, remote_region: 2, len: 12 }]);
+        assert_eq!(ops(&p), vec![Op { local_addr: 0, local_region: 1, remote_addr: 100, remote_region: 2, len: 12 }]);
+    }
+
+    #[test]
+    fn strided_runs_stay_runs_until_expanded() {
+        // 65536 blocks of 4 KiB, every other one, on both sides: one run, not 65536 copies.
+        let strided = |base: u64| {
+            let mut list = DescList::new(MemKind::Dram);
+            list.push_strided(base, 4096, 0, 8192, 65536).unwrap();
+            PreparedList::resolve(&list, |_, _, _| Ok(RegionSpan { key: base, start: 0, end: u64::MAX })).unwrap()
+        };
+        let (l, r) = (strided(0), strided(1 << 40));
+        let p = Plan::build(&l, None, &r, None).unwrap();
+        assert_eq!(p.runs().len(), 1);
+        assert_eq!(p.copy_count(), 65536);
+        assert_eq!(p.bytes, 65536 * 4096);
+        let copies = ops(&p);
+        assert_eq!(
+            copies[1],
+            Op { local_addr: 8192, local_region: 0, remote_addr: (1 << 40) + 8192, remote_region: 1 << 40, len: 4096 }
+        );
+        // The same blocks given one by one become the same run.
+        let singles = |base: u64| prep(&(0..65536).map(|i| (base + i * 8192, 4096)).collect::<Vec<_>>(), 7);
+        let p = Plan::build(&singles(0), None, &singles(1 << 40), None).unwrap();
+        assert_eq!((p.runs().len(), p.copy_count()), (1, 65536));
+        // Dense on both sides: one copy.
+        let dense = |base: u64| prep(&(0..1000).map(|i| (base + i * 16, 16)).collect::<Vec<_>>(), 7);
+        let p = Plan::build(&dense(0), None, &dense(1 << 30), None).unwrap();
+        assert_eq!(
+            ops(&p),
+            vec![Op { local_addr: 0, local_region: 7, remote_addr: 1 << 30, remote_region: 7, len: 16_000 }]
+        );
     }
 
     #[test]
@@ -445,7 +792,7 @@ mod tests {
         let l = prep(&[(0, 6), (50, 6)], 1);
         let r = prep(&[(100, 4), (200, 8)], 2);
         let p = Plan::build(&l, None, &r, None).unwrap();
-        let got: Vec<_> = p.ops.iter().map(|o| (o.local_addr, o.remote_addr, o.len)).collect();
+        let got: Vec<_> = ops(&p).iter().map(|o| (o.local_addr, o.remote_addr, o.len)).collect();
         assert_eq!(got, vec![(0, 100, 4), (4, 200, 2), (50, 202, 6)]);
     }
 
@@ -464,12 +811,12 @@ mod tests {
         let l = prep(&[(0, 4), (4, 4), (8, 4)], 1);
         let r = prep(&[(100, 4), (104, 4), (108, 4)], 2);
         let p = Plan::build(&l, Some(&[2, 0]), &r, Some(&[0, 1])).unwrap();
-        let got: Vec<_> = p.ops.iter().map(|o| (o.local_addr, o.remote_addr, o.len)).collect();
+        let got: Vec<_> = ops(&p).iter().map(|o| (o.local_addr, o.remote_addr, o.len)).collect();
         assert_eq!(got, vec![(8, 100, 4), (0, 104, 4)]);
         // Every index in order plans as no selection; a prefix of them does not.
         let all = Plan::build(&l, Some(&[0, 1, 2]), &r, Some(&[0, 1, 2])).unwrap();
-        assert_eq!(all.ops, Plan::build(&l, None, &r, None).unwrap().ops);
-        assert_eq!(all.ops.len(), 1);
+        assert_eq!(ops(&all), ops(&Plan::build(&l, None, &r, None).unwrap()));
+        assert_eq!(ops(&all).len(), 1);
         assert!(Plan::build(&l, Some(&[0, 1]), &r, None).is_err(), "8 bytes against 12");
     }
 
@@ -545,18 +892,27 @@ mod tests {
     #[test]
     fn consecutive_indices_of_a_dense_run_are_one_piece_and_others_are_not() {
         let p = mixed();
-        let pieces = |idx: Option<&[u64]>| -> Vec<(u64, u64, u64)> {
-            p.select(idx).map(|x| x.map(|(d, k)| (d.addr, d.len, k))).collect::<Result<_>>().unwrap()
+        let drain = |mut source: Box<dyn Source + '_>| -> Result<Vec<Piece>> {
+            let mut all = Vec::new();
+            while let Some(x) = source.next_piece() {
+                all.push(x);
+            }
+            source.error().map_or(Ok(all), Err)
+        };
+        let pieces = |idx: &[u64]| -> Vec<(u64, u64, u64)> {
+            let all = drain(Box::new(p.picked(idx))).unwrap();
+            assert!(all.iter().all(|x| x.count == 1 && x.stride == x.len), "one stretch a piece");
+            all.iter().map(|x| (x.addr, x.len, x.region)).collect()
         };
         // 1..4 of the dense run: one piece; on into the next run: a new piece.
-        assert_eq!(pieces(Some(&[1, 2, 3, 7, 8])), vec![(16, 48, 1), (112, 16, 1), (1000, 8, 1)]);
+        assert_eq!(pieces(&[1, 2, 3, 7, 8]), vec![(16, 48, 1), (112, 16, 1), (1000, 8, 1)]);
         // The sparse run: member by member even when consecutive; repeats stay apart.
-        assert_eq!(pieces(Some(&[9, 10, 10])), vec![(1032, 8, 1), (1064, 8, 1), (1064, 8, 1)]);
-        // Without indices: dense runs whole, the sparse one member by member.
-        let all = pieces(None);
-        assert_eq!(all.len(), 1 + 6 + 1 + 1);
-        assert_eq!((all[0], all[7], all[8]), ((0, 128, 1), (128, 16, 1), (5000, 40, 2)));
-        let e = p.select(Some(&[0, 1, 25])).map(|x| x.map(|_| ())).collect::<Result<Vec<_>>>().unwrap_err();
+        assert_eq!(pieces(&[9, 10, 10]), vec![(1032, 8, 1), (1064, 8, 1), (1064, 8, 1)]);
+        // Without indices: every run whole, dense or sparse.
+        let all = drain(Box::new(p.runs_as_pieces())).unwrap();
+        let runs: Vec<_> = all.iter().map(|x| (x.addr, x.len, x.stride, x.count, x.region)).collect();
+        assert_eq!(runs, vec![(0, 16, 16, 8, 1), (1000, 8, 32, 6, 1), (128, 16, 16, 1, 1), (5000, 4, 4, 10, 2)]);
+        let e = drain(Box::new(p.picked(&[0, 1, 25]))).unwrap_err();
         assert!(e.to_string().contains("index 25 out of range"), "{e}");
     }
 
@@ -582,15 +938,15 @@ mod tests {
             let slow = one_by_one(&l, Some(&li), &r, Some(&ri));
             match (fast, slow) {
                 (Ok(a), Ok(b)) => {
-                    prop_assert_eq!(a.ops, b.ops);
+                    prop_assert_eq!(ops(&a), ops(&b));
                     prop_assert_eq!(a.bytes, b.bytes);
                     prop_assert_eq!(a.local_regions, b.local_regions);
                     prop_assert_eq!(a.remote_regions, b.remote_regions);
                 }
-                (a, b) => prop_assert!(false, "{:?} / {:?}", a.map(|p| p.ops), b.map(|p| p.ops)),
+                (a, b) => prop_assert!(false, "{:?} / {:?}", a.map(|p| ops(&p)), b.map(|p| ops(&p))),
             }
             let whole = Plan::build(&l, None, &l, None).unwrap();
-            prop_assert_eq!(whole.ops, one_by_one(&l, None, &l, None).unwrap().ops);
+            prop_assert_eq!(ops(&whole), ops(&one_by_one(&l, None, &l, None).unwrap()));
         }
 
         /// Whatever the cuts, the plan maps local byte i to remote byte i exactly once.
@@ -614,16 +970,106 @@ mod tests {
             let lbytes = flat(&ld);
             let rbytes = flat(&rd);
             let mut pairs = Vec::new();
-            for op in &p.ops { for k in 0..op.len { pairs.push((op.local_addr + k, op.remote_addr + k)); } }
+            for op in &ops(&p) { for k in 0..op.len { pairs.push((op.local_addr + k, op.remote_addr + k)); } }
             let expect: Vec<_> = lbytes.into_iter().zip(rbytes).collect();
             prop_assert_eq!(pairs, expect);
+        }
+
+        /// Lists of strided runs, cut differently on each side: the plan still maps
+        /// local byte i to remote byte i exactly once, keeps its runs' invariants, and
+        /// expands to copies no two neighbours of which continue each other.
+        #[test]
+        fn runs_pair_byte_for_byte(
+            lruns in prop::collection::vec((1u64..12, 0u64..6, 1u64..7), 1..8),
+            rruns in prop::collection::vec((1u64..12, 0u64..6, 1u64..7), 1..8),
+        ) {
+            // Each side: runs laid out one after another, with gaps of `gap` bytes
+            // between members; the shorter side ends with one descriptor making up the
+            // difference.
+            let build = |runs: &[(u64, u64, u64)], base: u64, pad: u64| {
+                let mut list = DescList::new(MemKind::Dram);
+                let mut at = base;
+                for &(len, gap, count) in runs {
+                    list.push_strided(at, len, 0, len + gap, count).unwrap();
+                    at += (len + gap) * count + 5;
+                }
+                if pad > 0 {
+                    list.push(Desc { addr: at, len: pad, dev: 0 }).unwrap();
+                }
+                list
+            };
+            let total = |runs: &[(u64, u64, u64)]| runs.iter().map(|&(len, _, count)| len * count).sum::<u64>();
+            let (lt, rt) = (total(&lruns), total(&rruns));
+            let l = build(&lruns, 0, rt.saturating_sub(lt));
+            let r = build(&rruns, 1 << 20, lt.saturating_sub(rt));
+            let region = |key| move |_: u64, _: u64, _: u64| Ok(RegionSpan { key, start: 0, end: u64::MAX });
+            let lp = PreparedList::resolve(&l, region(1)).unwrap();
+            let rp = PreparedList::resolve(&r, region(2)).unwrap();
+            let p = Plan::build(&lp, None, &rp, None).unwrap();
+            for run in p.runs() {
+                prop_assert!(run.count >= 1);
+                if run.count == 1 {
+                    prop_assert_eq!((run.local_stride, run.remote_stride), (run.len, run.len));
+                } else {
+                    prop_assert!(!(run.local_stride == run.len && run.remote_stride == run.len), "{:?}", run);
+                }
+            }
+            let copies = ops(&p);
+            for w in copies.windows(2) {
+                prop_assert!(!w[0].continued_by(&w[1]), "{:?} then {:?}", w[0], w[1]);
+            }
+            let mut pairs = Vec::new();
+            for op in &copies { for k in 0..op.len { pairs.push((op.local_addr + k, op.remote_addr + k)); } }
+            let bytes = |list: &DescList| list.iter().flat_map(|d| d.addr..d.addr + d.len).collect::<Vec<_>>();
+            let expect: Vec<_> = bytes(&l).into_iter().zip(bytes(&r)).collect();
+            prop_assert_eq!(pairs, expect);
+            prop_assert_eq!(p.bytes, lt.max(rt));
+        }
+
+        /// Lists of one descriptor length take the zipping path; it plans the copies the
+        /// general pairing plans, in the same runs.
+        #[test]
+        fn uniform_lists_zip_as_the_general_pairing_pairs(
+            lruns in prop::collection::vec((0u64..3, 1u64..7), 1..8),
+            rruns in prop::collection::vec((0u64..3, 1u64..7), 1..8),
+            shuffled in any::<bool>(),
+        ) {
+            let count = |runs: &[(u64, u64)]| runs.iter().map(|r| r.1).sum::<u64>();
+            let build = |runs: &[(u64, u64)], base: u64, pad: u64, key: u64| {
+                let mut list = DescList::new(MemKind::Dram);
+                let mut at = base;
+                for &(gap, n) in runs {
+                    list.push_strided(at, 4, 0, 4 + 4 * gap, n).unwrap();
+                    at += (4 + 4 * gap) * n + 8;
+                }
+                if pad > 0 {
+                    list.push_strided(at, 4, 0, 12, pad).unwrap();
+                }
+                if shuffled {
+                    // Singles in a scrambled order: nothing strided left to find.
+                    let mut descs: Vec<Desc> = list.iter().collect();
+                    let n = descs.len();
+                    for i in 0..n { descs.swap(i, (i * 7 + 3) % n); }
+                    list = DescList::from_descs(MemKind::Dram, descs).unwrap();
+                }
+                PreparedList::resolve(&list, |_, _, _| Ok(RegionSpan { key, start: 0, end: u64::MAX })).unwrap()
+            };
+            let (lc, rc) = (count(&lruns), count(&rruns));
+            let l = build(&lruns, 0, rc.saturating_sub(lc), 1);
+            let r = build(&rruns, 1 << 20, lc.saturating_sub(rc), 2);
+            prop_assert!(uniform(&l, &r));
+            let zipped = zip_members(&l, &r);
+            let paired = pair(l.runs_as_pieces(), r.runs_as_pieces()).unwrap();
+            prop_assert_eq!(zipped.runs(), paired.runs());
+            prop_assert_eq!(ops(&zipped), ops(&paired));
+            prop_assert_eq!((zipped.bytes, &zipped.local_regions, &zipped.remote_regions), (paired.bytes, &paired.local_regions, &paired.remote_regions));
         }
 
         #[test]
         fn chunks_cover_every_byte_once(lens in prop::collection::vec(1u64..10_000, 1..50), chunk in 1u64..5000, max_segs in 1usize..8) {
             let mut a = 0;
             let ops: Vec<Op> = lens.iter().map(|&n| { let o = Op { local_addr: a, local_region: 1, remote_addr: a + 1_000_000, remote_region: 2, len: n }; a += n + 7; o }).collect();
-            let chunks = chunk_ops(&ops, chunk, max_segs);
+            let chunks = chunk_ops(ops.iter().copied(), chunk, max_segs);
             let mut covered = Vec::new();
             for c in &chunks {
                 prop_assert!(c.bytes <= chunk && c.segs.len() <= max_segs && c.bytes > 0);

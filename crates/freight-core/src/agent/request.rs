@@ -56,7 +56,7 @@ impl Request {
     }
     /// Copies after merging adjacent descriptors.
     pub fn copies(&self) -> usize {
-        self.plan.ops.len()
+        self.plan.copy_count()
     }
     pub fn status(&self) -> Status {
         self.tracker.status()
@@ -157,7 +157,11 @@ impl Request {
             TransportKind::Cuda => Program::Cuda(Arc::new(self.compile_cuda()?)),
             TransportKind::Fabric => Program::Fabric(Arc::new(self.compile_fabric(self.agent.fabric()?, ctx)?)),
             TransportKind::Tcp => Program::Tcp {
-                chunks: Arc::new(chunk_ops(&self.plan.ops, self.agent.served.config.tcp.chunk_size, frame::MAX_SEGS)),
+                chunks: Arc::new(chunk_ops(
+                    self.plan.copies(),
+                    self.agent.served.config.tcp.chunk_size,
+                    frame::MAX_SEGS,
+                )),
                 local_gpu: self.local_gpu_regions()?,
             },
         };
@@ -189,7 +193,7 @@ impl Request {
             same_process: self.peer.same_host && self.peer.md.host.pid == std::process::id(),
         };
         let program = CudaProgram::compile(
-            &self.plan.ops,
+            &self.plan,
             self.op,
             |k| self.agent.served.registry.get(k).map(|r| r.info.clone()),
             |k| remote.get(&k).cloned(),
@@ -211,7 +215,7 @@ impl Request {
         let link = self.peer.fabric(ctx, fabric)?;
         fabric.compile(
             &link,
-            &self.plan.ops,
+            &self.plan,
             self.op,
             |k| self.agent.served.registry.get(k).map(|r| (r.info.clone(), r.is_private())),
             |k| self.peer.regions.read().get(k).cloned(),
@@ -227,6 +231,6 @@ impl Request {
 
     fn compile_shm(&self) -> Result<ShmProgram> {
         let regions = self.peer.regions.read();
-        self.peer.shm.compile(&self.plan.ops, |k| regions.get(k).cloned(), &self.agent.served.config.shm)
+        self.peer.shm.compile(&self.plan, |k| regions.get(k).cloned(), &self.agent.served.config.shm)
     }
 }

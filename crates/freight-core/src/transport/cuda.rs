@@ -30,7 +30,7 @@ use freight_cuda::pinned;
 use freight_cuda::tables::Table;
 use freight_proto::error::{Error, Result};
 use freight_proto::op::OpKind;
-use freight_proto::plan::Op;
+use freight_proto::plan::Plan;
 use freight_proto::region::{MemKind, RegionInfo};
 
 /// Requests up to this size are waited for on the posting thread, briefly.
@@ -134,7 +134,7 @@ pub fn launch_device(local: &RegionInfo, remote: &RegionInfo) -> Result<&'static
 
 impl CudaProgram {
     pub fn compile(
-        ops: &[Op],
+        plan: &Plan,
         op: OpKind,
         local_region: impl Fn(u64) -> Option<RegionInfo>,
         remote_region: impl Fn(u64) -> Option<RegionInfo>,
@@ -142,7 +142,8 @@ impl CudaProgram {
         cfg: &CudaConfig,
         agent_id: u64,
     ) -> Result<CudaProgram> {
-        let first = ops.first().ok_or_else(|| Error::InvalidArgument("a request with nothing to copy".into()))?;
+        let first =
+            plan.copies().next().ok_or_else(|| Error::InvalidArgument("a request with nothing to copy".into()))?;
         let lr = local_region(first.local_region).ok_or(Error::UnknownRegion(first.local_region))?;
         let rr = remote_region(first.remote_region).ok_or(Error::UnknownRegion(first.remote_region))?;
         let device = launch_device(&lr, &rr)?;
@@ -153,7 +154,7 @@ impl CudaProgram {
         let mut remote_cache: Option<(RegionInfo, u64)> = None;
         let (mut kernel_copies, mut engine_copies) = (Vec::new(), Vec::new());
         let mut bytes = 0;
-        for o in ops {
+        for o in plan.copies() {
             let local = match &local_cache {
                 Some((r, s)) if r.key == o.local_region => Side { region: r, shift: *s },
                 _ => {

@@ -17,7 +17,7 @@ use crate::tracker::{Finisher, Tracker};
 use crate::transport::pool::{CopyPool, Task};
 use freight_proto::error::{Error, Result};
 use freight_proto::op::OpKind;
-use freight_proto::plan::{split_by_bytes, Op};
+use freight_proto::plan::{split_by_bytes, Op, Plan};
 use freight_proto::region::{RegionInfo, SharedLocation};
 
 /// Tunables of the shm transport.
@@ -395,17 +395,17 @@ impl ShmPeer {
     /// pieces for the copy threads.
     pub fn compile(
         &self,
-        ops: &[Op],
+        plan: &Plan,
         region: impl Fn(u64) -> Option<RegionInfo>,
         cfg: &ShmConfig,
     ) -> Result<ShmProgram> {
-        let mut copies: Vec<Op> = Vec::with_capacity(ops.len());
+        let mut copies: Vec<Op> = Vec::with_capacity(plan.copy_count());
         let mut maps: Vec<Arc<Mapping>> = Vec::new();
         // The region of the ops before: its key, its range in the peer's addresses, and
         // the base that turns them into ours.
         let mut cached: Option<(u64, std::ops::Range<u64>, usize)> = None;
         let mut bytes = 0;
-        for op in ops {
+        for op in plan.copies() {
             let (range, base) = match &cached {
                 Some((k, range, base)) if *k == op.remote_region => (range.clone(), *base),
                 _ => {
@@ -429,7 +429,7 @@ impl ShmPeer {
                     region_len: range.end - range.start,
                 });
             }
-            copies.push(Op { remote_addr: base.wrapping_add(op.remote_addr as usize) as u64, ..*op });
+            copies.push(Op { remote_addr: base.wrapping_add(op.remote_addr as usize) as u64, ..op });
             bytes += op.len;
         }
         let inline = bytes <= cfg.inline_bytes;

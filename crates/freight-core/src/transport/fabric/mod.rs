@@ -38,7 +38,7 @@ use freight_cuda::driver::Device;
 use freight_proto::error::{invalid, Error, Result};
 use freight_proto::frame::Seg;
 use freight_proto::op::OpKind;
-use freight_proto::plan::{chunk_ops, Op};
+use freight_proto::plan::{chunk_ops, Plan};
 use freight_proto::region::{MemKind, RegionInfo};
 use progress::{Done, Work, Worker};
 use rail::{DomainInfo, InfoList, Rail, Wants};
@@ -295,7 +295,7 @@ impl Fabric {
     pub fn compile(
         self: &Arc<Self>,
         link: &Arc<FabricLink>,
-        ops: &[Op],
+        plan: &Plan,
         op: OpKind,
         local: impl Fn(u64) -> Option<(RegionInfo, bool)>,
         remote: impl Fn(u64) -> Option<RegionInfo>,
@@ -306,12 +306,10 @@ impl Fabric {
         // The peer's keys for the regions named, where it registered them (GPU memory
         // it must stage has none: it goes through its docks, as all memory does when
         // `stage_remote_host` says so).
-        let mut reached: Vec<u64> = ops.iter().map(|o| o.remote_region).collect();
-        reached.sort_unstable();
-        reached.dedup();
+        let mut reached = plan.remote_regions.clone();
         reached.retain(|&k| remote(k).is_some());
         let keys = if reached.is_empty() || self.stage_remote_host { Default::default() } else { link.keys(&reached)? };
-        for (i, chunk) in chunk_ops(ops, self.chunk_size, 1).into_iter().enumerate() {
+        for (i, chunk) in chunk_ops(plan.copies(), self.chunk_size, 1).into_iter().enumerate() {
             let o = chunk.segs[0];
             let rail = i % self.workers.len();
             let (lr, private) = local(o.local_region).ok_or(Error::UnknownRegion(o.local_region))?;
