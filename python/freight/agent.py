@@ -33,6 +33,9 @@ class Path(NamedTuple):
     reason: str
 
 
+_U64 = 1 << 64
+
+
 class Agent(_native.Agent):
     """A freight agent: one per process (or per engine instance).
 
@@ -106,6 +109,14 @@ class Agent(_native.Agent):
         :meth:`publish_etcd`, :meth:`refresh_peer` on their side).
         """
         k = normalize_kind(kind) if kind is not None else None
+        if type(obj) is tuple and len(obj) == 3:
+            # A raw (addr, length, device) of plain ints in range goes straight in: the
+            # common case of an engine registering many slices, a call each. Anything
+            # else takes the general path and its errors.
+            addr, length, dev = obj
+            if (type(addr) is int and type(length) is int and type(dev) is int
+                    and 0 <= addr < _U64 and 0 < length < _U64 and 0 <= dev < _U64):
+                return self._register(k or "DRAM", addr, length, dev, None, False)
         r = describe(obj, k, readonly_ok=readonly_ok)
         read_only = not isinstance(obj, tuple) and is_readonly(obj)
         return self._register(r.kind, r.addr, r.length, r.device, r.keep, read_only)
