@@ -65,9 +65,9 @@ if system == "freight":
             req = a.make_request("WRITE", lp, None, rp, None)
             t1 = time.perf_counter()
             req.post(); t2 = time.perf_counter(); req.wait(30)
-            req.post(); t3 = time.perf_counter(); req.wait(30)
+            t3 = time.perf_counter(); req.post(); t4 = time.perf_counter(); req.wait(30)
             if i >= 2:
-                made.append(t1 - t0); first.append(t2 - t1); again.append(t3 - t2)
+                made.append(t1 - t0); first.append(t2 - t1); again.append(t4 - t3)
             del req
         out[name] = {"ready": made, "first_post": first, "repost": again}
 else:

@@ -694,14 +694,6 @@ pub fn chunk_ops(ops: impl IntoIterator<Item = Op>, chunk_size: u64, max_segs: u
     chunks
 }
 
-/// Splits a plan into `parts` groups of roughly equal bytes (for parallel copying).
-pub fn split_by_bytes(ops: &[Op], parts: usize) -> Vec<Vec<Op>> {
-    let total: u64 = ops.iter().map(|o| o.len).sum();
-    let parts = parts.max(1) as u64;
-    let target = total.div_ceil(parts).max(1);
-    chunk_ops(ops.iter().copied(), target, usize::MAX).into_iter().map(|c| c.segs).collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -17,7 +17,7 @@ use crate::tracker::{Finisher, Tracker};
 use crate::transport::pool::{CopyPool, Task};
 use freight_proto::error::{Error, Result};
 use freight_proto::op::OpKind;
-use freight_proto::plan::{split_by_bytes, Op, Plan};
+use freight_proto::plan::Plan;
 use freight_proto::region::{RegionInfo, SharedLocation};
 
 /// Tunables of the shm transport.
@@ -391,20 +391,26 @@ impl ShmPeer {
         Ok((m, base))
     }
 
-    /// Translates a plan's copies, given the peer's regions by key, and splits them into
-    /// pieces for the copy threads.
+    /// Translates a plan's copies, given the peer's regions by key, into pieces of
+    /// about equal bytes for the copy threads (one piece where the request is copied on
+    /// the posting thread), in one pass.
     pub fn compile(
         &self,
         plan: &Plan,
         region: impl Fn(u64) -> Option<RegionInfo>,
         cfg: &ShmConfig,
     ) -> Result<ShmProgram> {
-        let mut copies: Vec<Op> = Vec::with_capacity(plan.copy_count());
+        let bytes = plan.bytes;
+        let inline = bytes <= cfg.inline_bytes;
+        let n = if inline { 1 } else { (bytes / cfg.min_piece.max(1)).clamp(1, cfg.threads.max(1) as u64) as usize };
+        let target = bytes.div_ceil(n as u64).max(1);
+        let mut pieces: Vec<Arc<[Copy]>> = Vec::with_capacity(n);
+        let mut piece: Vec<Copy> = Vec::with_capacity(plan.copy_count().div_ceil(n) + 1);
+        let mut filled = 0u64;
         let mut maps: Vec<Arc<Mapping>> = Vec::new();
-        // The region of the ops before: its key, its range in the peer's addresses, and
-        // the base that turns them into ours.
+        // The region of the copies before: its key, its range in the peer's addresses,
+        // and the base that turns them into ours.
         let mut cached: Option<(u64, std::ops::Range<u64>, usize)> = None;
-        let mut bytes = 0;
         for op in plan.copies() {
             let (range, base) = match &cached {
                 Some((k, range, base)) if *k == op.remote_region => (range.clone(), *base),
@@ -429,19 +435,23 @@ impl ShmPeer {
                     region_len: range.end - range.start,
                 });
             }
-            copies.push(Op { remote_addr: base.wrapping_add(op.remote_addr as usize) as u64, ..op });
-            bytes += op.len;
+            let (mut local, mut remote, mut len) =
+                (op.local_addr as usize, base.wrapping_add(op.remote_addr as usize), op.len);
+            // A copy that straddles a piece's end is cut there.
+            while len > 0 {
+                let take = len.min(target - filled);
+                piece.push((local, remote, take as usize));
+                (local, remote, len, filled) =
+                    (local + take as usize, remote + take as usize, len - take, filled + take);
+                if filled == target {
+                    pieces.push(Arc::from(std::mem::take(&mut piece)));
+                    filled = 0;
+                }
+            }
         }
-        let inline = bytes <= cfg.inline_bytes;
-        let n = if inline { 1 } else { (bytes / cfg.min_piece.max(1)).clamp(1, cfg.threads.max(1) as u64) as usize };
-        let to_copies = |ops: &[Op]| -> Arc<[Copy]> {
-            ops.iter().map(|o| (o.local_addr as usize, o.remote_addr as usize, o.len as usize)).collect()
-        };
-        let pieces = if n == 1 {
-            vec![to_copies(&copies)]
-        } else {
-            split_by_bytes(&copies, n).iter().map(|p| to_copies(p)).collect()
-        };
+        if !piece.is_empty() {
+            pieces.push(Arc::from(piece));
+        }
         let stream = bytes >= crate::memcopy::STREAM_MIN_BYTES;
         Ok(ShmProgram { pieces, inline, stream, maps, bytes, peer: self.name.clone() })
     }
