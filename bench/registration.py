@@ -20,16 +20,13 @@ scripts/vllm-env.sh, with its UCX backend); figures are medians of --reps rounds
 
 from __future__ import annotations
 
-import argparse
-import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from reporting import PERCENTILE, host_machine, logger, median  # noqa: E402
+from reporting import logger, median, peer_arguments, run_child, save_report  # noqa: E402
 
 log = logger("registration")
 
@@ -86,30 +83,18 @@ if system == "nixl":
 '''
 
 
-def measure(python: str, system: str, n: int, reps: int, cycles: int) -> dict:
-    proc = subprocess.run([python, "-c", CHILD, system, str(n), str(reps), str(cycles)], capture_output=True,
-                          text=True, timeout=1800)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{system} ({python}) failed: {proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--python", default=sys.executable, help="the interpreter with freight (default: this one)")
-    ap.add_argument("--nixl-python", help="an interpreter with NIXL (nixl._api); without it NIXL is not measured")
+    ap = peer_arguments(__doc__)
     ap.add_argument("--regions", type=int, default=10000, help="regions registered at once (default 10000)")
     ap.add_argument("--cycles", type=int, default=100000, help="register/deregister cycles (default 100000)")
     ap.add_argument("--reps", type=int, default=5, help="measured rounds (default 5)")
-    ap.add_argument("--machine", required=True, help="the machine, in words")
-    ap.add_argument("--out", type=Path, help="JSON file to write")
     args = ap.parse_args()
     if args.regions < 1 or args.reps < 1 or args.cycles < 10000 or args.cycles % 10000:
         ap.error("--regions and --reps must be at least 1, --cycles a multiple of 10000")
     started = time.time()
-    raw = {"freight": measure(args.python, "freight", args.regions, args.reps, args.cycles)}
+    raw = {"freight": run_child(args.python, CHILD, ["freight", args.regions, args.reps, args.cycles])}
     if args.nixl_python:
-        raw["nixl"] = measure(args.nixl_python, "nixl", args.regions, args.reps, args.cycles)
+        raw["nixl"] = run_child(args.nixl_python, CHILD, ["nixl", args.regions, args.reps, args.cycles])
     summary = {}
     for system, doc in raw.items():
         c = doc["cycles"]
@@ -119,13 +104,8 @@ def main() -> int:
             "cycles_last_window_ms": round(c["windows_s"][-1] * 1e3, 2),
             "cycles_rss_growth_mib": round(c["rss_after_mib"] - c["rss_before_mib"], 2),
         }
-    doc = {"tool": "bench/registration.py", "machine": {"label": args.machine, **host_machine()},
-           "percentile": PERCENTILE, "regions": args.regions, "block": 4096, "reps": args.reps, "cycles": args.cycles,
-           "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "summary": summary, "samples": raw}
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(doc, indent=1) + "\n")
-        log(f"wrote {args.out}")
+    save_report("bench/registration.py", args, started, log, regions=args.regions, block=4096, reps=args.reps,
+                cycles=args.cycles, summary=summary, samples=raw)
     print(f"{args.regions} regions of 4 KiB, medians of {args.reps} rounds (ms); {args.cycles} cycles in windows of 10,000")
     cols = ["one_by_one_ms", "deregister_ms", "in_one_call_ms", "cycles_first_window_ms", "cycles_last_window_ms",
             "cycles_rss_growth_mib"]

@@ -6,6 +6,7 @@ code)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -14,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
@@ -89,6 +91,40 @@ def run_json(cmd: list, timeout: int = 600, *, check: bool = False) -> dict:
         raise RuntimeError(f"{' '.join(map(str, cmd))}: {doc['error']}")
     doc["command"] = " ".join(map(str, cmd))
     doc["wall_s"] = time.monotonic() - t0
+    return doc
+
+
+def run_child(python: str, code: str, args: list, timeout: int = 1800) -> dict:
+    """Runs `code` in the interpreter `python` (another virtualenv: a peer's) with `args`
+    and returns the JSON document it prints last; RuntimeError with its stderr if it
+    fails."""
+    proc = subprocess.run([python, "-c", code, *map(str, args)], capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{python} {' '.join(map(str, args))} failed: {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def peer_arguments(description: str) -> argparse.ArgumentParser:
+    """The arguments of a benchmark that runs freight beside a peer in another
+    interpreter: --python, --nixl-python, --reps, --machine, --out."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--python", default=sys.executable, help="the interpreter with freight (default: this one)")
+    ap.add_argument("--nixl-python", help="an interpreter with NIXL (nixl._api); without it NIXL is not measured")
+    ap.add_argument("--machine", required=True, help="the machine, in words")
+    ap.add_argument("--out", type=Path, help="JSON file to write")
+    return ap
+
+
+def save_report(tool: str, args: argparse.Namespace, started: float, log: Callable[[str], None], **fields) -> dict:
+    """The report of a run started at `started` (time.time()): the tool, the machine
+    (args.machine and this host), the percentile definition and `fields`; written to
+    args.out where given."""
+    doc = {"tool": tool, "machine": {"label": args.machine, **host_machine()}, "percentile": PERCENTILE,
+           "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), **fields}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(doc, indent=1) + "\n")
+        log(f"wrote {args.out}")
     return doc
 
 

@@ -20,16 +20,13 @@ enough to say what "ready" costs.
 
 from __future__ import annotations
 
-import argparse
-import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from reporting import PERCENTILE, host_machine, logger, median  # noqa: E402
+from reporting import logger, median, peer_arguments, run_child, save_report  # noqa: E402
 
 log = logger("requests")
 
@@ -102,29 +99,17 @@ if system == "nixl":
 ''' % BLOCK
 
 
-def measure(python: str, system: str, n: int, reps: int) -> dict:
-    proc = subprocess.run([python, "-c", CHILD, system, str(n), str(reps)], capture_output=True, text=True,
-                          timeout=600)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{system} ({python}) failed: {proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--python", default=sys.executable, help="the interpreter with freight (default: this one)")
-    ap.add_argument("--nixl-python", help="an interpreter with NIXL (nixl._api); without it NIXL is not measured")
+    ap = peer_arguments(__doc__)
     ap.add_argument("--descriptors", type=int, default=65536, help="descriptors on each side (default 65536)")
     ap.add_argument("--reps", type=int, default=15, help="measured rounds (default 15)")
-    ap.add_argument("--machine", required=True, help="the machine, in words")
-    ap.add_argument("--out", type=Path, help="JSON file to write")
     args = ap.parse_args()
     if args.descriptors < 1 or args.reps < 1:
         ap.error("--descriptors and --reps must be at least 1")
     started = time.time()
-    raw = {"freight": measure(args.python, "freight", args.descriptors, args.reps)}
+    raw = {"freight": run_child(args.python, CHILD, ["freight", args.descriptors, args.reps])}
     if args.nixl_python:
-        raw["nixl"] = measure(args.nixl_python, "nixl", args.descriptors, args.reps)
+        raw["nixl"] = run_child(args.nixl_python, CHILD, ["nixl", args.descriptors, args.reps])
     rows = []
     for order in ("strided", "scrambled"):
         row = {"order": order}
@@ -136,13 +121,8 @@ def main() -> int:
             row["nixl_over_freight_ready"] = round(row["nixl_ready_ms"] / row["freight_ready_ms"], 3)
             row["nixl_over_freight_ready_best"] = round(row["nixl_ready_best_ms"] / row["freight_ready_best_ms"], 3)
         rows.append(row)
-    doc = {"tool": "bench/requests.py", "machine": {"label": args.machine, **host_machine()}, "percentile": PERCENTILE,
-           "descriptors": args.descriptors, "block": BLOCK, "reps": args.reps,
-           "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "rows": rows, "samples": raw}
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(doc, indent=1) + "\n")
-        log(f"wrote {args.out}")
+    save_report("bench/requests.py", args, started, log, descriptors=args.descriptors, block=BLOCK, reps=args.reps,
+                rows=rows, samples=raw)
     print(f"{args.descriptors} descriptors of 4 KiB, median (best) of {args.reps} rounds, ms")
     print(f"{'order':10} {'freight ready':>16} {'first post':>11} {'repost':>8} {'NIXL ready':>16} {'NIXL/freight':>14}")
     for r in rows:
