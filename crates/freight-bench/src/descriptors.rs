@@ -105,8 +105,9 @@ impl Samples {
 }
 
 pub fn run(a: &DescriptorArgs) -> CliResult<()> {
-    // Gaps between descriptors keep the engine from merging them, so that building a
-    // request really handles every descriptor.
+    // Gaps between descriptors keep the engine from merging them into longer copies:
+    // every request copies each block on its own. In order, the plan still finds the
+    // stride (one run of copies); the scrambled row is the one that pairs block by block.
     let stride = a.block.checked_mul(2).ok_or_else(|| CliError::usage("--block is too large"))?;
     let span = a.descriptors.checked_mul(stride).filter(|&s| s <= MAX_SPAN);
     let span = span.ok_or_else(|| {
@@ -195,7 +196,7 @@ pub fn run(a: &DescriptorArgs) -> CliResult<()> {
     }
     emit(&format!(
         "freight bench descriptors: {} regions and lists of {n} descriptors of {} (every other block, \
-         so none merge: {copies} copies per request), best and median of {} repetitions\n\n{}",
+         so none merge into longer copies: {copies} copies per request), best and median of {} repetitions\n\n{}",
         a.regions,
         format_size(a.block),
         a.reps,
