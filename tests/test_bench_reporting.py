@@ -13,7 +13,7 @@ import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 sys.path.insert(0, str(BENCH))
-from reporting import PERCENTILE, median, percentile  # noqa: E402
+from reporting import PERCENTILE, median, percentile, save_report  # noqa: E402
 
 
 def test_nearest_rank_as_the_cli_takes_it():
@@ -61,7 +61,8 @@ def benchmark_scripts() -> list:
 def test_every_benchmark_takes_its_statistics_from_reporting_and_says_which():
     """One definition for freight and every peer: a script under bench/ that speaks of
     percentiles or medians imports bench/reporting.py, states reporting.PERCENTILE in its
-    report, and computes none of its own (statistics.median, numpy's, a middle index)."""
+    report (itself or through reporting.save_report), and computes none of its own
+    (statistics.median, numpy's, a middle index)."""
     scripts = benchmark_scripts()
     assert len(scripts) > 10 and BENCH / "ep_bench.py" in scripts, scripts
     problems = []
@@ -72,9 +73,24 @@ def test_every_benchmark_takes_its_statistics_from_reporting_and_says_which():
         if MENTIONS_STATISTICS.search(text):
             if not IMPORTS_REPORTING.search(text):
                 problems.append(f"{name}: speaks of percentiles or medians but does not import reporting")
-            if "PERCENTILE" not in text:
+            # reporting.save_report writes the definition into the report it saves.
+            if "PERCENTILE" not in text and "save_report(" not in text:
                 problems.append(f"{name}: does not state reporting.PERCENTILE in its report")
     assert not problems, "\n".join(problems)
+
+
+def test_a_saved_report_states_the_definition_and_the_machine(tmp_path):
+    import argparse
+    import json
+
+    out = tmp_path / "sub" / "r.json"
+    args = argparse.Namespace(machine="a test box", out=out)
+    doc = save_report("bench/x.py", args, 0.0, lambda _: None, rows=[1, 2])
+    assert json.loads(out.read_text()) == doc
+    assert doc["percentile"] == PERCENTILE and doc["machine"]["label"] == "a test box"
+    assert doc["started"] == "1970-01-01T00:00:00Z" and doc["rows"] == [1, 2] and doc["tool"] == "bench/x.py"
+    # Without --out nothing is written.
+    assert save_report("bench/x.py", argparse.Namespace(machine="m", out=None), 0.0, lambda _: None)["tool"]
 
 
 def test_the_cli_benchmarks_state_the_same_definition():
