@@ -4,8 +4,11 @@
 //!
 //! A GET asks the server to write the value into the buffer; the reply arrives after
 //! the bytes, so the value is there to read when [`Client::get_with`] returns it. A PUT
-//! copies the value into the buffer and asks the server to read it from there. One
-//! request at a time per client; threads use a client each.
+//! copies the value into the buffer and asks the server to read it from there. Where
+//! the server reaches the client over tcp, requests and values take a direct
+//! connection instead ([`crate::direct`]): the client reads a GET's value into the
+//! same place in its buffer, and sends a PUT's from there. One request at a time per
+//! client; threads use a client each.
 //!
 //! A call lasts [`ClientConfig::timeout`] at most: one deadline covers its wait for the
 //! answer and any new session it opens. Only handing the request to the engine is
@@ -53,6 +56,9 @@ pub struct ClientConfig {
     /// server's, or the server's own when it signed itself (the system's roots are not
     /// consulted).
     pub tls_ca_pem: Option<Vec<u8>>,
+    /// Take the direct connection the server offers a client it reaches over tcp
+    /// ([`crate::direct`]); off, requests and values go through the engine there too.
+    pub direct: bool,
 }
 
 impl Default for ClientConfig {
@@ -66,6 +72,7 @@ impl Default for ClientConfig {
             connect_for: Duration::from_secs(5),
             token: None,
             tls_ca_pem: None,
+            direct: true,
         }
     }
 }
@@ -143,6 +150,10 @@ pub struct Client {
     broken: Option<String>,
     /// Replies that arrived for requests other than the one awaited (late ones).
     early: HashMap<u64, Reply>,
+    /// Whether to take a direct connection where the server offers one.
+    take_direct: bool,
+    /// The session's direct connection, where the server offered one.
+    direct: Option<crate::direct::Link>,
 }
 
 impl Client {
@@ -215,6 +226,8 @@ impl Client {
             reconnect_for: config.connect_for,
             broken: None,
             early: HashMap::new(),
+            take_direct: config.direct,
+            direct: None,
         };
         client.hello(deadline)?;
         Ok(client)
@@ -275,7 +288,17 @@ impl Client {
                 reply.session_token.len()
             ))
         })?;
-        tracing::debug!(client_id = reply.client_id, server = %self.url, "KV session opened");
+        // A new session's direct connection, or none: the old one's session is over.
+        self.direct = None;
+        if self.take_direct && !reply.direct_addresses.is_empty() {
+            let open = crate::direct::Open { client_id: self.client_id, session_token: self.session_token };
+            match crate::direct::Link::open(&reply.direct_addresses, &open, deadline, self.timeout) {
+                Ok(link) => self.direct = Some(link),
+                // The engine still moves everything, only slower.
+                Err(e) => tracing::warn!(server = %self.url, error = %e, "no direct connection to the KV server"),
+            }
+        }
+        tracing::debug!(client_id = reply.client_id, server = %self.url, direct = self.direct.is_some(), "KV session opened");
         if self.unsettled.as_deref() == Some(self.server.as_str()) {
             let why = format!(
                 "the connection to the KV server at {} broke while a request was under way, and the same server \
@@ -318,6 +341,12 @@ impl Client {
 
     pub fn buffer_bytes(&self) -> u64 {
         self.buffer.len() as u64
+    }
+
+    /// Whether requests and values take a direct connection to the server (see
+    /// [`crate::direct`]) rather than the engine.
+    pub fn direct(&self) -> bool {
+        self.direct.is_some()
     }
 
     /// Where this client's engine agent listens: the addresses the server's agent dials
@@ -549,7 +578,6 @@ impl Client {
         self.check_usable()?;
         let deadline = Instant::now() + self.timeout;
         let request = make(self.next_id);
-        let first_id = request.first_id();
         let items = request.len();
         self.next_id += items.max(1) as u64;
         // A connection known broken before anything goes out, or an earlier request left
@@ -558,21 +586,22 @@ impl Client {
         if self.unsettled.is_some() || self.agent.check_peer(&self.server).is_err() {
             self.reconnect(deadline)?;
         }
-        let sent = self
-            .agent
-            .notify(&self.server, request.encode(&self.session_token))
-            .and_then(|()| self.wait_reply(first_id, deadline));
-        let reply = match sent {
-            // The request may have reached the server: only another server (a restarted
-            // one, which has none of this client's requests) gets it again, so that it
-            // runs at most once per server. The same server may still be carrying it out:
-            // a PUT reading the buffer that the caller refills next, a GET writing into
-            // it.
+        let direct = self.direct.is_some();
+        let reply = match self.exchange(&request, deadline) {
+            // Through the engine, the request may have reached the server: only another
+            // server (a restarted one, which has none of this client's requests) gets it
+            // again, so that it runs at most once per server. The same server may still
+            // be carrying it out: a PUT reading the buffer that the caller refills next,
+            // a GET writing into it. A direct connection is different: the server
+            // touches the client's values only through it, so once it is closed (a
+            // session the server ended, say) the request goes again to whichever server
+            // answers, the same one included (a PUT it had stored is stored again).
             Err(Error::PeerDisconnected { .. } | Error::UnknownPeer(_)) => {
-                self.unsettled = Some(self.server.clone());
+                if !direct {
+                    self.unsettled = Some(self.server.clone());
+                }
                 self.reconnect(deadline)?;
-                self.agent.notify(&self.server, request.encode(&self.session_token))?;
-                self.wait_reply(first_id, deadline)?
+                self.exchange(&request, deadline)?
             }
             other => other?,
         };
@@ -587,6 +616,89 @@ impl Client {
                 reply.outcomes.len()
             ))),
         }
+    }
+
+    /// Sends a request and takes its reply: on the direct connection, else through the
+    /// engine.
+    fn exchange(&mut self, request: &wire::Request, deadline: Instant) -> Result<Reply> {
+        let Some(mut link) = self.direct.take() else {
+            self.agent.notify(&self.server, request.encode(&self.session_token))?;
+            return self.wait_reply(request.first_id(), deadline);
+        };
+        match self.exchange_direct(&mut link, request, deadline) {
+            Ok(reply) => {
+                self.direct = Some(link);
+                Ok(reply)
+            }
+            // The connection stops mid-turn: it goes (a new session opens another).
+            Err(e) => {
+                if !matches!(e, Error::PeerDisconnected { .. }) {
+                    // As after a timeout on the engine's path: the same session cannot go on.
+                    self.broken = Some(format!(
+                        "a request to the KV server at {} failed partway ({e}); connect a new client",
+                        self.url
+                    ));
+                }
+                Err(e)
+            }
+        }
+    }
+
+    fn exchange_direct(
+        &self,
+        link: &mut crate::direct::Link,
+        request: &wire::Request,
+        deadline: Instant,
+    ) -> Result<Reply> {
+        let body = request.encode(&self.session_token);
+        match request {
+            wire::Request::Put { items, .. } => {
+                let values = items.iter().map(|(_, b)| self.own_bytes(b)).collect::<Result<Vec<_>>>()?;
+                link.send(&body, &values)?;
+            }
+            wire::Request::Get { .. } => link.send(&body, &[])?,
+        }
+        let reply = link.receive(deadline)?;
+        if reply.first_id != request.first_id() {
+            return Err(Error::Protocol(format!(
+                "the KV server answered request {} on the direct connection where {} was asked",
+                reply.first_id,
+                request.first_id()
+            )));
+        }
+        if let wire::Request::Get { items, .. } = request {
+            let found = reply.outcomes.iter().filter(|o| matches!(o, Outcome::Found { .. })).count();
+            if found > 0 && reply.outcomes.len() != items.len() {
+                return Err(Error::Protocol(
+                    "the KV server found values for a GET it did not answer item by item".into(),
+                ));
+            }
+            for ((_, buffer), outcome) in items.iter().zip(&reply.outcomes) {
+                if let Outcome::Found { len, .. } = outcome {
+                    if *len > buffer.len {
+                        return Err(Error::Protocol(format!(
+                            "the KV server sent a value of {len} bytes where it had room for {}",
+                            buffer.len
+                        )));
+                    }
+                    let offset = buffer.addr.wrapping_sub(self.buffer.addr());
+                    self.view(offset, *len, buffer.len)?;
+                    // SAFETY: within this client's own buffer (checked just above), which
+                    // nothing else touches while the client is borrowed for the call.
+                    let into = unsafe {
+                        std::slice::from_raw_parts_mut(self.buffer.as_ptr().add(offset as usize), *len as usize)
+                    };
+                    link.read(into, deadline)?;
+                }
+            }
+        }
+        Ok(reply)
+    }
+
+    /// The bytes of this client's buffer that `b` names.
+    fn own_bytes(&self, b: &Buffer) -> Result<&[u8]> {
+        let offset = b.addr.wrapping_sub(self.buffer.addr());
+        self.view(offset, b.len, b.len)
     }
 
     fn wait_reply(&mut self, first_id: u64, deadline: Instant) -> Result<Reply> {
@@ -803,6 +915,28 @@ mod tests {
     /// to the client broken) hangs up the client's connections too: the client opens a
     /// new session before its next request, instead of sending it into no session and
     /// waiting out its timeout.
+    /// A session the server ended closes its direct connection: the client's next
+    /// request finds it closed (or its engine connection gone, whichever it sees
+    /// first), opens a new session and connection, and goes there.
+    #[test]
+    fn a_session_the_server_ended_gets_a_new_direct_connection_before_the_next_request() {
+        let s = server();
+        let tcp = freight_core::TransportKind::Tcp;
+        let engine = AgentConfig { require: Some(tcp), transports: vec![tcp], ..Default::default() };
+        let mut c =
+            Client::connect(ClientConfig { server: s.url(), buffer_bytes: 1 << 16, engine, ..Default::default() })
+                .unwrap();
+        assert!(c.direct());
+        c.put(b"k", b"before", Duration::ZERO).unwrap();
+        let first = c.client_id;
+        s.shared().end_session_of(c.agent.name(), "test");
+        // Whether or not the client has noticed yet.
+        c.put(b"k", b"after", Duration::ZERO).unwrap();
+        assert!(c.usable() && c.direct());
+        assert_ne!(c.client_id, first, "a new session");
+        assert_eq!(c.get(b"k").unwrap().as_deref(), Some(&b"after"[..]));
+    }
+
     #[test]
     fn a_session_the_server_ended_is_opened_again_before_the_next_request() {
         let s = server();

@@ -3,9 +3,10 @@
 //! Values live in one memory pool that the server registers with the freight engine
 //! ([`pool`]); an index maps keys to their slots, with TTLs, LRU eviction and readers'
 //! pins, so that a value is either wholly old or wholly new to every reader
-//! ([`index`]). Clients send GET and PUT requests as engine notifications ([`wire`]);
+//! ([`index`]). Clients send GET and PUT requests as engine notifications ([`wire`]),
+//! or, where the server reaches them over tcp, on a [`direct`] connection of their own;
 //! what the server does with each, apart from moving the bytes, is [`service`]. These
-//! four are bookkeeping only, tested without sockets.
+//! are bookkeeping only, tested without sockets.
 //!
 //! Around them: the [`server`] (the pool, the clients' sessions, the data-plane worker
 //! that moves every value as one engine transfer per request, the gRPC control plane)
@@ -16,6 +17,7 @@
 pub mod client;
 pub mod cluster;
 pub mod control;
+pub mod direct;
 pub mod index;
 mod notif_wait;
 pub mod pool;

@@ -113,6 +113,11 @@ impl PutPlan {
         plan
     }
 
+    /// The slot reserved for item `i`, or `None` where the item was refused.
+    pub fn slot(&self, i: usize) -> Option<Slot> {
+        self.items.get(i)?.as_ref().ok().map(|grant| grant.slot)
+    }
+
     /// Commits the reservations if the transfer succeeded, frees them if not; returns
     /// every item's outcome.
     pub fn finish(self, index: &mut Index, transfer: Result<(), Error>, now_ms: u64) -> Vec<Outcome> {

@@ -21,6 +21,23 @@ fn client_over(server: &Server, buffer: u64, require: Option<TransportKind>) -> 
         .expect("client connects")
 }
 
+/// A client the server reaches over tcp, on its direct connection or (`direct` false)
+/// through the engine.
+fn tcp_client(server: &Server, buffer: u64, direct: bool) -> Client {
+    let engine =
+        AgentConfig { require: Some(TransportKind::Tcp), transports: vec![TransportKind::Tcp], ..Default::default() };
+    let c = Client::connect(ClientConfig {
+        server: server.url(),
+        buffer_bytes: buffer,
+        engine,
+        direct,
+        ..Default::default()
+    })
+    .expect("client connects");
+    assert_eq!(c.direct(), direct);
+    c
+}
+
 fn value(seed: u8, len: usize) -> Vec<u8> {
     (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
 }
@@ -46,18 +63,63 @@ fn put_get_exists_delete_round_trip() {
 }
 
 #[test]
-fn values_from_one_byte_to_the_buffer_size_over_shm_and_tcp() {
+fn values_from_one_byte_to_the_buffer_size_over_shm_tcp_and_direct() {
     let s = server(64 << 20, true);
-    for require in [TransportKind::Shm, TransportKind::Tcp] {
-        let mut c = client_over(&s, 4 << 20, Some(require));
-        for (i, len) in [1usize, 63, 64, 65, 4096, 65_536, 1 << 20, 4 << 20].into_iter().enumerate() {
-            let key = format!("{require:?}-{len}");
+    let clients = [
+        ("shm", client_over(&s, 4 << 20, Some(TransportKind::Shm))),
+        ("tcp", tcp_client(&s, 4 << 20, false)),
+        ("direct", tcp_client(&s, 4 << 20, true)),
+    ];
+    assert!(!clients[0].1.direct(), "a client on shared memory needs no direct connection");
+    for (how, mut c) in clients {
+        for (i, len) in [1usize, 63, 64, 65, 4096, 65_535, 65_536, 1 << 20, 4 << 20].into_iter().enumerate() {
+            let key = format!("{how}-{len}");
             let v = value(i as u8, len);
             c.put(key.as_bytes(), &v, Duration::ZERO).unwrap();
             let same = c.get_with(key.as_bytes(), |got| got == &v[..]).unwrap();
             assert_eq!(same, Some(true), "{key}");
         }
     }
+    // Every value was read once and counted once, those sent without a copy included:
+    // the server counts such a value once the client's next message, or its
+    // connection's end, shows that it was read.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while s.stats().hits < 27 {
+        assert!(std::time::Instant::now() < deadline, "{:?}", s.stats());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let stats = s.stats();
+    assert_eq!((stats.hits, stats.misses), (27, 0));
+}
+
+/// Batches, misses, refusals and values too large for their share, each answered item
+/// by item on the direct connection as through the engine.
+#[test]
+fn the_direct_connection_answers_batches_item_by_item() {
+    let s = server(2 << 20, false);
+    let mut c = tcp_client(&s, 1 << 20, true);
+    let (a, b, big) = (value(3, 1000), value(4, 70_000), value(5, 400_000));
+    let versions = c.put_batch(&[(b"a", &a), (b"", b"x"), (b"b", &b), (b"big", &big)], Duration::ZERO).unwrap();
+    assert!(versions[0].is_ok() && versions[2].is_ok() && versions[3].is_ok(), "{versions:?}");
+    assert!(matches!(&versions[1], Err(Error::InvalidArgument(m)) if m.contains("empty key")), "{versions:?}");
+    // Three keys share the 1 MiB buffer: 349,504 bytes each, too few for "big".
+    let got = c.get_batch(&[b"a", b"nope", b"big", b"b"]).unwrap();
+    assert_eq!(got[0].as_ref().unwrap().as_deref(), Some(&a[..]));
+    assert_eq!(got[1].as_ref().unwrap(), &None);
+    assert!(matches!(&got[2], Err(Error::InvalidArgument(m)) if m.contains("400000")), "{:?}", got[2]);
+    assert_eq!(got[3].as_ref().unwrap().as_deref(), Some(&b[..]));
+    // A full pool refuses a value and reads past its bytes: the next item still lands.
+    let huge = value(6, 900_000);
+    let versions = c.put_batch(&[(b"huge", &huge[..]), (b"c", &a[..])], Duration::ZERO).unwrap();
+    assert!(versions[0].is_ok() || matches!(&versions[0], Err(Error::NoSpace(_))), "{versions:?}");
+    for _ in 0..8 {
+        let _ = c.put(b"filler", &huge, Duration::ZERO);
+    }
+    let crowd: Vec<Vec<u8>> = (0..12).map(|i| format!("crowd-{i}").into_bytes()).collect();
+    let items: Vec<(&[u8], &[u8])> = crowd.iter().map(|k| (&k[..], &b[..])).collect();
+    let results = c.put_batch(&items, Duration::ZERO).unwrap();
+    assert!(results.iter().any(|r| matches!(r, Err(Error::NoSpace(_)))), "the pool never filled");
+    assert_eq!(c.get(b"c").unwrap().as_deref(), Some(&a[..]), "the connection goes on in step");
 }
 
 #[test]

@@ -31,6 +31,7 @@ use crate::cluster::EtcdConfig;
 use crate::index::{Index, IndexConfig};
 use crate::pool_memory::PoolMemory;
 
+mod direct;
 pub mod metrics;
 mod rpc;
 mod sessions;
@@ -109,6 +110,8 @@ pub struct Server {
     /// This server's entry in etcd, withdrawn (its lease revoked) when it stops.
     membership: Option<freight_core::exchange::etcd::EtcdDirectory>,
     worker: Option<JoinHandle<()>>,
+    /// Direct connections for clients reached over tcp.
+    direct: direct::Listener,
 }
 
 impl Server {
@@ -157,6 +160,14 @@ impl Server {
         let pool = PoolMemory::allocate(len)?;
         // Private: no client can address the pool; the server moves every value itself.
         agent.register_private(MemKind::Dram, pool.addr(), config.memory_bytes, 0)?;
+        // Direct connections listen where the engine does: clients that reach one reach both.
+        let engine_ip = agent.config().listen.parse::<SocketAddr>().map(|a| a.ip()).map_err(|e| {
+            Error::InvalidArgument(format!(
+                "the engine's listen address {:?} is not IP:PORT: {e}",
+                agent.config().listen
+            ))
+        })?;
+        let mut direct = direct::Listener::bind(engine_ip, &agent.addresses())?;
         let shared = Arc::new(Shared {
             agent,
             pool,
@@ -164,6 +175,8 @@ impl Server {
             clients: Mutex::new(Clients::default()),
             started: Instant::now(),
             stop: AtomicBool::new(false),
+            direct: direct::Connections::default(),
+            direct_addresses: direct.addresses().to_vec(),
         });
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -225,6 +238,12 @@ impl Server {
                 .spawn(move || Worker::new(shared, sweep).run())
                 .map_err(|e| Error::Io(format!("cannot start the KV worker: {e}")))?
         };
+        // Before the `Server` exists, a failure here must stop the worker by hand.
+        if let Err(e) = direct.serve(shared.clone()) {
+            shared.stop.store(true, Ordering::Release);
+            let _ = worker.join();
+            return Err(e);
+        }
         let mut server = Server {
             shared,
             addr,
@@ -233,6 +252,7 @@ impl Server {
             runtime: Some(runtime),
             stop_rpc,
             worker: Some(worker),
+            direct,
             membership: None,
         };
         if let Some(etcd) = &config.etcd {
@@ -282,6 +302,7 @@ impl Server {
         drop(self.membership.take());
         let _ = self.stop_rpc.send(true);
         self.shared.stop.store(true, Ordering::Release);
+        self.direct.stop(&self.shared);
         if let Some(w) = self.worker.take() {
             let _ = w.join();
         }

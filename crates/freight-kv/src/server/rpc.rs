@@ -83,6 +83,10 @@ impl KvControl for Control {
             session_token: opened.token.to_vec(),
             wire_version: crate::wire::VERSION.into(),
             agent_token: self.shared.agent.config().token.clone().unwrap_or_default(),
+            direct_addresses: match opened.transport {
+                freight_core::TransportKind::Tcp => self.shared.direct_addresses.clone(),
+                _ => Vec::new(),
+            },
         }))
     }
 

@@ -58,7 +58,7 @@ impl Clients {
     }
 
     /// The name of the session with this id and token.
-    fn find(&self, id: u64, token: &[u8]) -> Option<String> {
+    pub(crate) fn find(&self, id: u64, token: &[u8]) -> Option<String> {
         self.by_name
             .iter()
             .find(|(_, s)| s.id == id && freight_core::same_secret(&s.token, token))
@@ -82,6 +82,9 @@ pub(crate) struct Opened {
     pub(crate) id: u64,
     pub(crate) token: [u8; 16],
     pub(crate) agent: String,
+    /// The transport the server's agent reaches the client's by: a client reached over
+    /// tcp is offered direct connections.
+    pub(crate) transport: freight_core::TransportKind,
 }
 
 /// What the control plane and the worker share.
@@ -92,6 +95,10 @@ pub(crate) struct Shared {
     pub(crate) clients: Mutex<Clients>,
     pub(super) started: Instant,
     pub(super) stop: AtomicBool,
+    /// The direct connections open, by session.
+    pub(crate) direct: super::direct::Connections,
+    /// Where clients reach direct connections (none: not offered).
+    pub(crate) direct_addresses: Vec<String>,
 }
 
 impl Shared {
@@ -130,6 +137,9 @@ impl Shared {
                 }
             }
             self.agent.add_peer_with_token(metadata, Some(agent_token))?;
+            if let Some(old) = clients.by_name.get(&name) {
+                self.direct.close_session(old.id);
+            }
             // The same agent saying hello again (a reconnect): its old session ends. Its
             // reservations stay with the transfers that fill them: the worker commits or
             // aborts each when its transfer settles (freeing one sooner could let another
@@ -140,18 +150,21 @@ impl Shared {
         // transfer, which would hold up every other client meanwhile; a client the
         // server cannot reach learns it now instead of at its first request's timeout.
         let connected = self.agent.notify(&name, wire::WELCOME.to_vec()).and_then(|()| self.agent.open_path(&name));
-        if let Err(e) = connected {
-            self.end_session(&name, id, "unreachable");
-            return Err(Error::PeerDisconnected {
-                peer: name,
-                reason: format!(
-                    "the KV server cannot reach this client's engine agent at {}: {e}",
-                    md.addresses.join(", ")
-                ),
-            });
-        }
-        tracing::info!(client = id, agent = %name, "client connected");
-        Ok(Opened { id, token, agent: name })
+        let path = match connected {
+            Ok(path) => path,
+            Err(e) => {
+                self.end_session(&name, id, "unreachable");
+                return Err(Error::PeerDisconnected {
+                    peer: name,
+                    reason: format!(
+                        "the KV server cannot reach this client's engine agent at {}: {e}",
+                        md.addresses.join(", ")
+                    ),
+                });
+            }
+        };
+        tracing::info!(client = id, agent = %name, transport = ?path.transport, "client connected");
+        Ok(Opened { id, token, agent: name, transport: path.transport })
     }
 
     /// Takes a client's new metadata (it registered more memory).
@@ -199,6 +212,7 @@ impl Shared {
             // Its connections to this server go too: the client learns now that it
             // needs a new session, instead of when a request goes unanswered.
             self.agent.disconnect_peer(name);
+            self.direct.close_session(id);
             tracing::info!(client = id, agent = %name, why, "client gone");
         }
     }
@@ -229,6 +243,7 @@ impl Shared {
             if same && self.agent.check_peer(name).is_err() {
                 clients.by_name.remove(name);
                 self.agent.disconnect_peer(name);
+                self.direct.close_session(*id);
                 tracing::info!(client = id, agent = %name, why = "connection lost", "client gone");
             }
         }
@@ -236,6 +251,26 @@ impl Shared {
 
     pub(super) fn pool_desc(&self, slot: Slot) -> freight_core::Desc {
         freight_core::Desc { addr: self.pool.addr() + slot.offset, len: slot.len, dev: 0 }
+    }
+
+    /// A slot's bytes.
+    ///
+    /// # Safety
+    /// Nothing writes the slot while the slice lives: the caller holds its read pin.
+    pub(super) unsafe fn pool_slice(&self, slot: Slot) -> &[u8] {
+        assert!(slot.offset + slot.len <= self.pool.len() as u64, "a slot past the pool");
+        std::slice::from_raw_parts((self.pool.addr() + slot.offset) as *const u8, slot.len as usize)
+    }
+
+    /// A slot's bytes, to fill.
+    ///
+    /// # Safety
+    /// The slot is reserved for the caller alone, and nothing reads it while the slice
+    /// lives (a reservation is read only once committed).
+    #[allow(clippy::mut_from_ref)]
+    pub(super) unsafe fn pool_slice_mut(&self, slot: Slot) -> &mut [u8] {
+        assert!(slot.offset + slot.len <= self.pool.len() as u64, "a slot past the pool");
+        std::slice::from_raw_parts_mut((self.pool.addr() + slot.offset) as *mut u8, slot.len as usize)
     }
 }
 
