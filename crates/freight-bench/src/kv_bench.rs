@@ -78,6 +78,10 @@ pub struct KvBenchArgs {
     /// Print the results as JSON on stdout (the phases' text goes to stderr).
     #[arg(long)]
     pub json: bool,
+    /// Move requests and values through the engine even where the server offers a
+    /// client it reaches over tcp a direct connection (to compare the two).
+    #[arg(long)]
+    pub no_direct: bool,
 
     #[command(flatten)]
     pub engine: EngineOpts,
@@ -133,6 +137,7 @@ pub fn run(a: &KvBenchArgs) -> CliResult<()> {
             engine: client_engine(a),
             token: a.token.clone(),
             tls_ca_pem: tls_ca_pem.clone(),
+            direct: !a.no_direct,
             ..Default::default()
         })
         .map_err(CliError::from)
@@ -141,6 +146,8 @@ pub fn run(a: &KvBenchArgs) -> CliResult<()> {
     say("\n=== Write Phase ===");
     say(&format!("Writing {} keys with {} values...", a.num_keys, format_size(a.value_size)));
     let mut writer = connect(a.base_client_id)?;
+    let direct = writer.direct();
+    say(&format!("Values take:   {}", if direct { "a direct connection" } else { "the engine" }));
     let ttl = Duration::from_secs(a.ttl);
     let start = Instant::now();
     for i in 0..a.num_keys {
@@ -263,6 +270,7 @@ pub fn run(a: &KvBenchArgs) -> CliResult<()> {
             "buffer_bytes": buffer,
             "ttl_seconds": a.ttl,
             "transport": a.engine.transport.as_str(),
+            "direct": direct,
             "verify": format!("{:?}", a.verify).to_lowercase(),
             "write": write.json(),
             "read": read_phase.json(),

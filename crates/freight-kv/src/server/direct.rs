@@ -236,9 +236,10 @@ fn refuse(sock: &mut TcpStream, why: &str) -> Result<()> {
     Ok(())
 }
 
-/// What one read of a connection may take in: a request and the values of a PUT of
-/// small ones, in one system call (larger values are read straight into their slots).
-const READ_BUFFER: usize = 64 << 10;
+/// What one read of a connection may take in: a request and a small PUT's value, in
+/// one system call. Larger values are read straight into their slots (a buffer as
+/// large as they are would take them in first and copy them again).
+const READ_BUFFER: usize = 8 << 10;
 
 /// The requests of one connection, in turns.
 struct Turns<'a> {
