@@ -115,15 +115,25 @@ def test_numpy_arrays_and_buffers_go_in_as_their_bytes_and_come_out_with_get_int
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("server_transport,client_transport", [("auto", "shm"), ("auto", "tcp"), ("tcp", "auto")])
-def test_transports(server_transport, client_transport):
+@pytest.mark.parametrize(
+    "server_transport,client_transport,direct",
+    [("auto", "shm", True), ("auto", "tcp", True), ("auto", "tcp", False), ("tcp", "auto", True)],
+)
+def test_transports(server_transport, client_transport, direct):
     with Server(memory_size=16 * MIB, transport=server_transport) as s, Client(
-        s.url, buffer_size=4 * MIB, timeout=CLIENT_TIMEOUT, transport=client_transport
+        s.url, buffer_size=4 * MIB, timeout=CLIENT_TIMEOUT, transport=client_transport, direct=direct
     ) as c:
+        # A server that reaches its client over tcp offers it a direct connection.
+        over_tcp = "tcp" in (server_transport, client_transport)
+        assert c.direct == (over_tcp and direct)
         value = pattern(3 * MIB + 1, seed=7)
         c.put("k", value)
         assert c.get("k") == value
         assert c.get_many(["k", "k"]) == [value, value]
+        small = pattern(4096, seed=8)
+        c.put("small", small)
+        out = np.zeros(8192, dtype=np.uint8)
+        assert c.get_into("small", out) == 4096 and out[:4096].tobytes() == small
 
 
 @pytest.mark.timeout(60)

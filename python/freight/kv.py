@@ -143,12 +143,12 @@ Server = _native.KvServer
 
 class Client(_native.KvClient):
     """``Client(server="http://[::1]:50051", buffer_size=64 << 20, name="freight-kv-client",
-    timeout=30.0, transport="auto", *, token=None, tls_ca=None)``: a session with the KV
+    timeout=30.0, transport="auto", *, token=None, tls_ca=None, direct=True)``: a session with the KV
     server at ``server`` (its URL: ``"http://ip:port"``, as :attr:`Server.url` gives and
     ``freight serve`` prints, or a running :class:`Server`).
 
     The session itself (connecting, :attr:`server`, :attr:`buffer_size`,
-    :attr:`timeout`, :attr:`live`, :attr:`engine_addresses`, :meth:`stats`,
+    :attr:`timeout`, :attr:`live`, :attr:`direct`, :attr:`engine_addresses`, :meth:`stats`,
     :meth:`close`, ``with``) is the engine's native class; this one turns keys and
     values (str, numpy arrays, torch tensors) into the bytes it moves.
 
@@ -170,6 +170,10 @@ class Client(_native.KvClient):
     ``tls_ca``: for an ``https://`` server, the path of a PEM file with the certificate
     of the authority that signed the server's (the server's own when it signed itself;
     the system's roots are not consulted), as ``kv-bench --tls-ca``.
+    ``direct``: take the direct connection that a server reaching this client over TCP
+    offers (requests and values on a socket of its own, far faster for small values
+    than through the engine; docs/kv.md, "Direct connections"); False keeps the engine.
+    :attr:`direct` says which one values take.
 
     An address that is not a URL (``"127.0.0.1:50051"``) raises
     :class:`freight.InvalidArgumentError` at once: write ``http://127.0.0.1:50051``.

@@ -393,7 +393,7 @@ impl PyKvClient {
     #[new]
     #[pyo3(signature = (
         server = None, buffer_size = None, name = "freight-kv-client".to_string(), timeout = 30.0,
-        transport = "auto", *, token = None, tls_ca = None,
+        transport = "auto", *, token = None, tls_ca = None, direct = true,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -405,6 +405,7 @@ impl PyKvClient {
         transport: &str,
         token: Option<&Bound<'_, PyAny>>,
         tls_ca: Option<&Bound<'_, PyAny>>,
+        direct: bool,
     ) -> PyResult<Self> {
         let server = match server {
             None => format!("http://{}", freight_kv::control::DEFAULT_LISTEN),
@@ -440,6 +441,7 @@ impl PyKvClient {
             connect_for: wait.min(ClientConfig::default().connect_for),
             token,
             tls_ca_pem,
+            direct,
         };
         let client = py.detach(move || Client::connect(config)).or_raise()?;
         Ok(PyKvClient { buffer_size: client.buffer_bytes(), inner: Mutex::new(Some(client)), server, name, timeout })
@@ -454,6 +456,13 @@ impl PyKvClient {
 
     /// Where the client's engine agent listens (the server's agent dials it); empty once
     /// closed.
+    /// Whether values take a direct connection to the server (a server reached over
+    /// tcp offers one) rather than the engine.
+    #[getter]
+    fn direct(&self, py: Python<'_>) -> bool {
+        py.detach(|| lock(&self.inner).as_ref().is_some_and(Client::direct))
+    }
+
     #[getter]
     fn engine_addresses(&self, py: Python<'_>) -> Vec<String> {
         py.detach(|| lock(&self.inner).as_ref().map(Client::engine_addresses).unwrap_or_default())
