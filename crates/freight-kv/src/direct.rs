@@ -110,9 +110,6 @@ pub(crate) struct Link {
     peer: String,
 }
 
-/// How long a side looks for the other's message before its read sleeps.
-pub(crate) const SPIN: Duration = Duration::from_micros(50);
-
 /// What one read of a client's connection may take in: a reply and a small value.
 /// Larger values are read straight into the receive buffer; a buffer as large as they
 /// are would take them in first and copy them again, undoing the one-copy send.
@@ -175,9 +172,6 @@ impl Link {
 
     /// Reads a reply (its values, if any, follow: [`Link::read`] them).
     pub(crate) fn receive(&mut self, deadline: Instant) -> Result<Reply> {
-        if self.reader.buffer().is_empty() {
-            spin_for_bytes(&self.sock, SPIN);
-        }
         let mut prefix = [0u8; 4];
         self.read(&mut prefix, deadline)?;
         let len = declared_len(prefix).map_err(|e| Error::Protocol(format!("the KV server sent {e}")))?;
@@ -242,24 +236,6 @@ fn recv_all(sock: &TcpStream, into: &mut [u8]) -> io::Result<usize> {
         return Err(io::Error::last_os_error());
     }
     Ok(n as usize)
-}
-
-/// Looks for bytes to read on `sock` for up to `budget`, yielding the core between
-/// looks, before the caller's read sleeps: an answer that comes within it costs no
-/// wake-up, which on a virtual machine costs more than the looks.
-pub(crate) fn spin_for_bytes(sock: &TcpStream, budget: Duration) {
-    let started = Instant::now();
-    loop {
-        let mut byte = 0u8;
-        // SAFETY: a one-byte peek into a local, on a socket the caller holds.
-        let n = unsafe {
-            libc::recv(sock.as_raw_fd(), (&mut byte as *mut u8).cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT)
-        };
-        if n >= 0 || io::Error::last_os_error().kind() != io::ErrorKind::WouldBlock || started.elapsed() >= budget {
-            return;
-        }
-        std::thread::yield_now();
-    }
 }
 
 #[cfg(test)]

@@ -3,7 +3,8 @@
 //! carries out that client's requests in turns, against the same index and pool as the
 //! worker.
 //!
-//! Guards: a connection must name its session within [`OPEN_WAIT`] or is closed; at
+//! Guards: a connection must name its session within [`OPEN_WAIT`] or is closed, and
+//! one whose client takes no bytes for [`WRITE_WAIT`] is closed too; at
 //! most [`MAX_CONNECTIONS`] are open at once and [`PER_SESSION`] per session; a message
 //! longer than the protocol allows, one that does not decode, or one with another
 //! session's token closes the connection (a PUT's value bytes that follow could not be
@@ -30,6 +31,9 @@ use crate::wire::{self, FailCode, Outcome, Reply};
 
 /// How long a new connection has to name its session.
 pub const OPEN_WAIT: Duration = Duration::from_secs(2);
+/// How long an answer may wait for a client to take its bytes: a client that stops
+/// reading loses its connection then, and the values it was sent their pins.
+pub const WRITE_WAIT: Duration = Duration::from_secs(30);
 /// Direct connections open at once, all clients together: each holds a thread.
 pub const MAX_CONNECTIONS: usize = 1024;
 /// Direct connections of one session (a client opens one; a few more allow for
@@ -205,6 +209,7 @@ fn serve(shared: &Shared, mut sock: TcpStream) -> Result<()> {
     let served = (|| {
         sock.write_all(&[ACCEPTED])?;
         sock.set_read_timeout(None)?;
+        sock.set_write_timeout(Some(WRITE_WAIT))?;
         tracing::debug!(client = session.id, "direct connection opened");
         let reader = BufReader::with_capacity(READ_BUFFER, sock.try_clone()?);
         let zc = ZeroCopySocket::new(&sock, true);
