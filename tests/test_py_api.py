@@ -61,6 +61,29 @@ def test_alloc_returns_shm_array_kept_alive_by_its_base():
         assert a.registered_regions == 2
 
 
+@pytest.mark.parametrize(
+    "raw,message",
+    [
+        ((-1, 10, 0), "addr must be in [0, 2**64)"),
+        ((True, 10, 0), "addr must be an int, got bool"),
+        ((1.0, 10, 0), "addr must be an int, got float"),
+        ((4096, 0, 0), "zero-length memory range"),
+        ((1 << 64, 1, 0), "addr must be in [0, 2**64)"),
+        ((1, 1 << 64, 0), "length must be in [0, 2**64)"),
+        ((1, 10, -1), "device must be in [0, 2**64)"),
+        ((1, 10), "a memory tuple must be (addr, length, device)"),
+    ],
+)
+def test_a_raw_tuple_out_of_range_or_not_of_ints_is_refused_by_name_and_registers_nothing(raw, message):
+    # register() takes plain in-range int tuples on a fast path; everything else must
+    # still get the general path's errors, not a wrapped or truncated value.
+    with freight.Agent("a") as a:
+        with pytest.raises(freight.InvalidArgumentError) as e:
+            a.register(raw)
+        assert message in str(e.value)
+        assert a.registered_regions == 0
+
+
 def test_register_objects_and_kinds():
     with freight.Agent("a") as a:
         host = np.zeros(4096, dtype=np.float32)
