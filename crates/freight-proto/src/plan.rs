@@ -740,6 +740,19 @@ mod tests {
         assert!(PreparedList::resolve(&list, find).is_err());
     }
 
+    /// Two empty lists are of one total (zero) and of no length at all: neither the
+    /// member-for-member zip nor the general pairing may take them for a transfer.
+    #[test]
+    fn two_empty_lists_are_refused_with_or_without_a_selection() {
+        let (l, r) = (prep(&[], 1), prep(&[], 2));
+        for (li, ri) in [(None, None), (Some(&[][..]), None), (None, Some(&[][..])), (Some(&[][..]), Some(&[][..]))] {
+            match Plan::build(&l, li, &r, ri) {
+                Err(Error::InvalidArgument(m)) => assert!(m.contains("at least one descriptor"), "{m}"),
+                other => panic!("{li:?} {ri:?}: {other:?}"),
+            }
+        }
+    }
+
     #[test]
     fn contiguous_neighbours_merge() {
         let l = prep(&[(0, 4), (4, 4), (8, 4)], 1);
