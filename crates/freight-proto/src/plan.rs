@@ -390,8 +390,10 @@ impl Plan {
         // Every index in order (what callers pass for "all", e.g. np.arange) is no
         // selection at all: the list run by run, a step per run instead of per index.
         match (selection(local, local_idx), selection(remote, remote_idx)) {
-            (None, None) if uniform(local, remote) => Ok(zip_members(local, remote)),
-            (None, None) => pair(local.runs_as_pieces(), remote.runs_as_pieces()),
+            (None, None) => match zip_members(local, remote) {
+                Some(plan) => Ok(plan),
+                None => pair(local.runs_as_pieces(), remote.runs_as_pieces()),
+            },
             (None, Some(r)) => pair(local.runs_as_pieces(), remote.picked(r)),
             (Some(l), None) => pair(local.picked(l), remote.runs_as_pieces()),
             (Some(l), Some(r)) => pair(local.picked(l), remote.picked(r)),
@@ -495,24 +497,20 @@ fn pair(mut locals: impl Source, mut remotes: impl Source) -> Result<Plan> {
     Ok(Plan { runs: plan.runs, copies: plan.copies, bytes: lbytes, local_regions, remote_regions })
 }
 
-/// Whether every descriptor of both lists has one length: then the lists pair member
-/// for member ([`zip_members`]), which is what lists of KV cache blocks do.
-fn uniform(local: &PreparedList, remote: &PreparedList) -> bool {
-    let len = local.list.runs().first().map(|r| r.len);
-    local.total_bytes() == remote.total_bytes()
-        && local.total_bytes() > 0
-        && local.list.runs().iter().chain(remote.list.runs()).all(|r| Some(r.len) == len)
-}
-
-/// [`pair`] for lists of one descriptor length and the same total (see [`uniform`]):
-/// the runs of both sides zipped member for member, without cutting any.
-fn zip_members(local: &PreparedList, remote: &PreparedList) -> Plan {
+/// [`pair`] for lists whose runs meet member for member (what lists of KV cache
+/// blocks, all of one length, do): the runs of both sides zipped without cutting any,
+/// in one pass that gives up (`None`) at the first pair of members of different
+/// lengths, or where one side runs out first or both are empty; [`pair`] takes those.
+fn zip_members(local: &PreparedList, remote: &PreparedList) -> Option<Plan> {
     let (lruns, rruns) = (local.list.runs(), remote.list.runs());
     let mut plan = Builder { runs: Vec::with_capacity(lruns.len().max(rruns.len())), ..Builder::default() };
     let (mut i, mut j) = (0, 0);
     // Members of runs i and j already paired.
     let (mut li, mut rj) = (0u64, 0u64);
     while let (Some(l), Some(r)) = (lruns.get(i), rruns.get(j)) {
+        if l.len != r.len {
+            return None;
+        }
         let count = (l.count - li).min(r.count - rj);
         plan.push(CopyRun {
             local_addr: l.addr + li * l.stride,
@@ -533,13 +531,16 @@ fn zip_members(local: &PreparedList, remote: &PreparedList) -> Plan {
             (j, rj) = (j + 1, 0);
         }
     }
-    Plan {
+    if i < lruns.len() || j < rruns.len() || plan.runs.is_empty() {
+        return None;
+    }
+    Some(Plan {
         runs: plan.runs,
         copies: plan.copies,
         bytes: local.total_bytes(),
         local_regions: local.regions().to_vec(),
         remote_regions: remote.regions().to_vec(),
-    }
+    })
 }
 
 /// A plan's runs as they are appended, with where the last copy ends on each side.
@@ -1062,12 +1063,39 @@ mod tests {
             let (lc, rc) = (count(&lruns), count(&rruns));
             let l = build(&lruns, 0, rc.saturating_sub(lc), 1);
             let r = build(&rruns, 1 << 20, lc.saturating_sub(rc), 2);
-            prop_assert!(uniform(&l, &r));
-            let zipped = zip_members(&l, &r);
+            let zipped = zip_members(&l, &r).expect("lists of one length and total zip");
             let paired = pair(l.runs_as_pieces(), r.runs_as_pieces()).unwrap();
             prop_assert_eq!(zipped.runs(), paired.runs());
             prop_assert_eq!(ops(&zipped), ops(&paired));
             prop_assert_eq!((zipped.bytes, &zipped.local_regions, &zipped.remote_regions), (paired.bytes, &paired.local_regions, &paired.remote_regions));
+        }
+
+        /// Lists of mixed lengths: the zip gives up, or plans what the general pairing
+        /// plans; it never plans something else.
+        #[test]
+        fn zipping_gives_up_or_agrees_with_the_general_pairing(
+            llens in prop::collection::vec((1u64..3, 1u64..4), 1..8),
+            rlens in prop::collection::vec((1u64..3, 1u64..4), 1..8),
+        ) {
+            let build = |runs: &[(u64, u64)], base: u64, key: u64| {
+                let mut list = DescList::new(MemKind::Dram);
+                let mut at = base;
+                for &(len, n) in runs {
+                    list.push_strided(at, 4 * len, 0, 4 * len + 4, n).unwrap();
+                    at += (4 * len + 4) * n + 8;
+                }
+                PreparedList::resolve(&list, |_, _, _| Ok(RegionSpan { key, start: 0, end: u64::MAX })).unwrap()
+            };
+            let (l, r) = (build(&llens, 0, 1), build(&rlens, 1 << 20, 2));
+            let paired = pair(l.runs_as_pieces(), r.runs_as_pieces());
+            match zip_members(&l, &r) {
+                None => {}
+                Some(zipped) => {
+                    let paired = paired.expect("what zips pairs");
+                    prop_assert_eq!(ops(&zipped), ops(&paired));
+                    prop_assert_eq!((zipped.bytes, &zipped.local_regions, &zipped.remote_regions), (paired.bytes, &paired.local_regions, &paired.remote_regions));
+                }
+            }
         }
 
         #[test]
