@@ -185,8 +185,10 @@ class Client(_native.KvClient):
     ``get_many``) and times out closes the client: the server may still carry that
     request out later, writing into the receive buffer or reading from it, and so
     corrupt whatever the next request put there. So does one whose connection breaks
-    while the same server lives on (:class:`freight.PeerDisconnectedError`); after a
-    server restart, the request is sent again to the new server instead. Connect a new
+    while the same server lives on (:class:`freight.PeerDisconnectedError`), through
+    the engine; on a direct connection (:attr:`direct`) nothing of the request can
+    still be under way once the connection is closed, so it is sent again on a new
+    session, as it is to a new server after a restart. Connect a new
     client then (later calls on this one raise :class:`freight.InvalidStateError`
     saying so).
     """
