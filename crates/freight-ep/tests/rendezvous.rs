@@ -454,14 +454,17 @@ fn etcd_a_crashed_rank_is_reported_dead_after_its_lease_runs_out() {
     let hook = counting_hook(&survivor);
     let crashed = Instant::now();
     groups.pop().unwrap().simulate_crash();
-    match survivor.barrier(LONG) {
+    // Longer than the lease's expiry takes on a busy two-core machine (the whole test
+    // suite beside it): the death must come from the lease, not from this timeout.
+    match survivor.barrier(Duration::from_secs(12)) {
         Err(Error::PeerDisconnected { peer, .. }) => assert_eq!(peer, "rank 1"),
         other => panic!("expected rank 1's death, got {other:?}"),
     }
     let took = crashed.elapsed();
     // Not at once (nothing revoked the lease), but soon: etcd raises the 1 s TTL to its
-    // minimum of 1.5 s and reaps expired leases every 0.5 s; plus one 100 ms poll.
-    assert!(took >= Duration::from_millis(500) && took < Duration::from_millis(3500), "{took:?}");
+    // minimum of 1.5 s and reaps expired leases every 0.5 s; plus one 100 ms poll (about
+    // 2.5 s alone; a fresh-clone CI run under load once took past 4 s).
+    assert!(took >= Duration::from_millis(500) && took < Duration::from_secs(8), "{took:?}");
     assert_eq!(hook.0.load(Ordering::SeqCst), 1);
 }
 
