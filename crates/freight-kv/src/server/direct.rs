@@ -67,16 +67,18 @@ impl Connections {
         }
     }
 
-    /// Enters a connection under its session; `None` when the session has its fill.
-    fn enter(&self, session: u64, sock: &TcpStream) -> Option<u64> {
+    /// Enters a connection under its session; refused (with why) when the session has
+    /// its fill or the socket cannot be kept for closing it later.
+    fn enter(&self, session: u64, sock: &TcpStream) -> std::result::Result<u64, String> {
         let mut by_session = self.by_session.lock();
         let conns = by_session.entry(session).or_default();
         if conns.len() >= PER_SESSION {
-            return None;
+            return Err(format!("this session has {PER_SESSION} direct connections open already"));
         }
+        let kept = sock.try_clone().map_err(|e| format!("the server cannot keep this connection: {e}"))?;
         let id = self.next.fetch_add(1, Ordering::Relaxed) as u64;
-        conns.push((id, sock.try_clone().ok()?));
-        Some(id)
+        conns.push((id, kept));
+        Ok(id)
     }
 
     fn leave(&self, session: u64, id: u64) {
@@ -197,8 +199,9 @@ fn serve(shared: &Shared, mut sock: TcpStream) -> Result<()> {
             return refuse(&mut sock, &why);
         }
     };
-    let Some(conn) = shared.direct.enter(session.id, &sock) else {
-        return refuse(&mut sock, &format!("this session has {PER_SESSION} direct connections open already"));
+    let conn = match shared.direct.enter(session.id, &sock) {
+        Ok(conn) => conn,
+        Err(why) => return refuse(&mut sock, &why),
     };
     // The session may have ended between the lookup and the entry: then nobody would
     // close this connection.
