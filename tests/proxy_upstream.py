@@ -1,5 +1,6 @@
 """A stand-in for one vLLM instance behind the P/D proxy, as a process of its own:
-``python proxy_upstream.py NAME PORT [--delay S] [--no-params] [--health-status N]``.
+``python proxy_upstream.py NAME PORT [--delay S] [--no-params] [--health-status N]
+[--health-delay S]``.
 
 It follows vLLM's P/D convention only as far as the proxy can see: a request with
 ``kv_transfer_params.do_remote_decode`` (a prefill) is answered with params naming this
@@ -8,7 +9,8 @@ server-sent events when it asks for ``stream``. Every answer names the instance 
 ``X-Request-Id`` it got; ``GET /seen`` lists the requests received. A decode request
 with ``"hold": true`` is answered only after ``GET /release``; one with ``"crash": true``
 (streamed) ends this process after its second chunk; the first request with
-``"drop_once": true`` has its connection closed unanswered. Used by
+``"drop_once": true`` has its connection closed unanswered. ``--health-delay`` holds
+each health check's answer (an overloaded instance) until ``GET /heal``. Used by
 tests/test_proxy.py; the real instances are in tests/test_vllm.py.
 """
 
@@ -29,6 +31,7 @@ def main() -> None:
     ap.add_argument("--delay", type=float, default=0.0, help="seconds before each answer")
     ap.add_argument("--no-params", action="store_true", help="answer prefills without kv_transfer_params")
     ap.add_argument("--health-status", type=int, default=200)
+    ap.add_argument("--health-delay", type=float, default=0.0, help="seconds before each health check's answer")
     args = ap.parse_args()
     seen = []
     released = asyncio.Event()
@@ -73,7 +76,12 @@ def main() -> None:
         return out
 
     async def health(request: web.Request) -> web.Response:
+        await asyncio.sleep(args.health_delay)
         return web.Response(status=args.health_status)
+
+    async def heal(request: web.Request) -> web.Response:
+        args.health_delay = 0.0
+        return web.json_response({})
 
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"data": [{"id": "tiny", "instance": args.name}]})
@@ -92,6 +100,7 @@ def main() -> None:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/seen", list_seen)
     app.router.add_get("/release", release)
+    app.router.add_get("/heal", heal)
     web.run_app(app, host="127.0.0.1", port=args.port, print=None, access_log=None)
 
 

@@ -79,6 +79,41 @@ def test_the_pool_takes_an_instance_out_and_back_and_says_why_none_is_left():
     assert not pool.check_failed(a, "x") and a.alive
 
 
+def test_with_none_alive_the_pool_falls_back_to_instances_whose_health_checks_went_unanswered():
+    pool = Pool.of("prefill", ["busy", "dead", "sick"], fails_to_down=1)
+    busy, dead, sick = pool.instances
+    assert pool.check_failed(busy, "health check got no answer in 5 s", unanswered=True)
+    pool.connection_failed(dead, "connection refused")
+    assert pool.check_failed(sick, "health check answered HTTP 500")
+    assert pool.alive() == [] and [i.silent for i in pool.instances] == [True, False, False]
+    pool.check()
+    # Only the silent one, never the refused or the sick one; not alive, so the caller knows.
+    assert all(pool.pick() is busy for _ in range(4)) and not busy.alive
+    assert pool.state()["busy"]["silent"] is True
+    with pytest.raises(NoInstance, match="busy: failed this request"):
+        pool.pick(exclude=[busy])
+    # An alive instance wins over a silent one, however loaded.
+    pool.acquire(busy)
+    assert pool.check_passed(sick) and pool.pick() is sick
+    pool.acquire(sick)
+    pool.acquire(sick)
+    assert pool.pick() is sick
+    # The last failure decides: an error status, or a refused connection, ends the fallback.
+    pool.check_failed(sick, "health check answered HTTP 500")
+    assert pool.pick() is busy
+    pool.check_failed(busy, "health check answered HTTP 503")
+    assert not busy.silent
+    with pytest.raises(NoInstance):
+        pool.pick()
+    pool.check_failed(busy, "health check got no answer in 5 s", unanswered=True)
+    assert pool.pick() is busy
+    pool.connection_failed(busy, "connection refused")
+    with pytest.raises(NoInstance):
+        pool.pick()
+    assert pool.check_passed(busy) and busy.alive and not busy.silent
+    pool.check()
+
+
 def test_a_pool_refuses_no_instances_a_url_given_twice_and_a_threshold_under_one():
     with pytest.raises(ValueError, match="no prefill instance given"):
         Pool.of("prefill", [])
@@ -141,7 +176,7 @@ class Upstream:
     def start(self) -> "Upstream":
         self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "proxy_upstream.py"), self.name,
                                       str(self.port), *self.args], env=ENV)
-        wait_for(self.url + "/health", self.proc, f"upstream {self.name}")
+        wait_for(self.url + "/seen", self.proc, f"upstream {self.name}")
         return self
 
     def kill(self) -> None:
@@ -341,6 +376,28 @@ def test_no_alive_instance_of_a_role_is_a_503_naming_each_and_why(cluster):
     assert 'freight_proxy_errors_total{reason="no_instance",role="decode"} 1.0' in metrics, metrics
     assert 'freight_proxy_errors_total{reason="no_instance",role="prefill"} 1.0' in metrics, metrics
     assert 'freight_proxy_requests_total{code="503",route="/v1/completions"} 2.0' in metrics, metrics
+
+
+@pytest.mark.timeout(60)
+def test_an_instance_whose_health_checks_go_unanswered_is_down_but_still_served_as_a_last_resort(cluster):
+    busy = cluster.upstream("busy", "--health-delay", "30")
+    decode = cluster.upstream("d0")
+    proxy = cluster.proxy([busy], [decode], "--health-timeout", "0.3", "--health-interval", "0.2")
+    state = proxy.wait_health("prefill", busy.url, alive=False)
+    assert state["reason"] == "health check got no answer in 0.3 s" and state["silent"] is True, state
+    assert proxy.health()[0] == 503
+    for i in range(3):
+        status, _, body = proxy.post({"prompt": f"q{i}"})
+        assert status == 200, body
+        assert json.loads(body)["params"]["from"] == "busy"
+    assert f'freight_proxy_last_resort_total{{instance="{busy.url}",role="prefill"}} 3.0' in proxy.metrics()
+    get(busy.url + "/heal")
+    state = proxy.wait_health("prefill", busy.url, alive=True)
+    assert state["silent"] is False and proxy.health()[0] == 200
+    assert proxy.post({"prompt": "after"})[0] == 200
+    assert f'freight_proxy_last_resort_total{{instance="{busy.url}",role="prefill"}} 3.0' in proxy.metrics()
+    err = proxy.stop()
+    assert f"no prefill instance is alive; sending it to {busy.url}, whose health checks go unanswered" in err, err
 
 
 @pytest.mark.timeout(60)

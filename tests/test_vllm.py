@@ -202,7 +202,11 @@ def test_pd_output_equals_a_single_instances_and_the_prompt_is_loaded_not_comput
     assert proxy is not None
     texts = vs.prompts(4, PROMPT_WORDS, seed=1)
     before = by_source(decode.metrics())
-    got = [vs.complete(proxy.url, t, ANSWER_TOKENS)["choices"][0]["text"] for t in texts]
+    try:
+        got = [vs.complete(proxy.url, t, ANSWER_TOKENS)["choices"][0]["text"] for t in texts]
+    except urllib.error.HTTPError as e:
+        pytest.fail(f"{name}: {e}\n--- the proxy's log:\n{proxy.log.read_text()[-4000:]}\n"
+                    f"--- the decode instance's:\n{decode.tail(60)}")
     after = by_source(decode.metrics())
     # The prefill instance alone, as an aggregated instance, is the reference: its KV
     # of these prompts is its own.

@@ -241,13 +241,18 @@ class ProxyProcess:
 
 def complete(url: str, prompt: str, max_tokens: int, extra: Optional[Dict[str, Any]] = None,
              timeout: float = 300.0) -> Dict[str, Any]:
-    """A greedy completion; raises urllib.error.HTTPError on an error status."""
+    """A greedy completion; raises urllib.error.HTTPError on an error status, its
+    message followed by the answer's body (the proxy's says which instance failed, why)."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": True, **(extra or {})}
     req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        e.msg = f"{e.msg}: {e.read()[:2000].decode(errors='replace')}"
+        raise
 
 
 def complete_streamed(url: str, prompt: str, max_tokens: int, timeout: float = 300.0) -> str:

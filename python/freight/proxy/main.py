@@ -12,7 +12,9 @@ An OpenAI-compatible P/D proxy: /v1/completions and /v1/chat/completions (stream
 not) go to a prefill instance for the prompt's KV, then to a decode instance with the
 kv_transfer_params the prefill instance answered. Several instances per role: the
 least-loaded alive one is chosen; health checks (GET /health) take a dead one out and
-put it back when it answers. No alive instance of a role: 503, naming each and why.
+put it back when it answers. No alive instance of a role: the ones whose health checks
+went unanswered (busy, perhaps) are tried as a last resort; with none of those either,
+503, naming each instance and why it is down.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (a decode
 instance's), GET /health (200 while each role has an alive instance, 503 otherwise,

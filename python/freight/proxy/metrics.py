@@ -10,6 +10,9 @@ several can live in one process, as in tests).
     requests the proxy failed for a role: ``no_instance`` (503), ``connection``,
     ``bad_answer`` (502), ``timeout`` (504), ``http_status`` (the instance's own error
     passed on); role ``client``, reason ``gone``: the client left mid-answer;
+``freight_proxy_last_resort_total{role,instance}``
+    requests sent to a down instance because none of its role was alive and its health
+    checks had gone unanswered (busy, perhaps, not dead);
 ``freight_proxy_ttft_seconds{role}`` / ``freight_proxy_latency_seconds{role}``
     time from sending a request to an instance to its first / last byte of answer
     (role ``client``: from the client's request to its first / last byte);
@@ -35,6 +38,9 @@ class Metrics:
                                 ["role", "instance", "outcome"], registry=r)
         self.errors = Counter("freight_proxy_errors", "Requests failed for a role, by reason",
                               ["role", "reason"], registry=r)
+        self.last_resort = Counter("freight_proxy_last_resort", "Requests sent to an instance whose health "
+                                   "checks go unanswered, none of its role being alive",
+                                   ["role", "instance"], registry=r)
         self.ttft = Histogram("freight_proxy_ttft_seconds", "Time to the first byte of an answer",
                               ["role"], buckets=BUCKETS, registry=r)
         self.latency = Histogram("freight_proxy_latency_seconds", "Time to the last byte of an answer",

@@ -13,13 +13,20 @@ Invariants (checked by :meth:`Pool.check`):
   requests in flight, ties going round the instances in turn;
 - an instance goes down after ``fails_to_down`` failed health checks in a row, or at
   once when a connection to it is refused or breaks; it comes back on the first
-  health check it answers.
+  health check it answers;
+- ``silent`` only on a down instance whose last failure was a health check that went
+  unanswered (not a refused or broken connection, not an error status).
+
+When no instance of a role is alive, :meth:`Pool.pick` falls back to the silent ones:
+an overloaded server answers its health checks late, and failing every request for it
+would turn a slow moment into an outage. A request sent there that cannot connect takes
+the instance out for good (``connection_failed``), as for any instance.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 
 @dataclass
@@ -34,6 +41,8 @@ class Instance:
     # Why the instance is down (or was last seen failing), for 503s and /health.
     reason: Optional[str] = None
     served: int = 0
+    # Down only because its health checks went unanswered: busy, perhaps, not dead.
+    silent: bool = False
 
 
 class NoInstance(Exception):
@@ -64,25 +73,30 @@ class Pool:
         return [i for i in self.instances if i.alive]
 
     def pick(self, exclude: Sequence[Instance] = ()) -> Instance:
-        """The alive instance (not in ``exclude``) with the fewest requests in flight.
-        Raises :class:`NoInstance` when there is none."""
+        """The alive instance (not in ``exclude``) with the fewest requests in flight;
+        with none alive, the silent one with the fewest (a last resort: the caller can
+        tell by ``alive`` being false). Raises :class:`NoInstance` when there is none."""
+        best = self._least_loaded(lambda i: i.alive, exclude) or self._least_loaded(lambda i: i.silent, exclude)
+        if best is None:
+            raise NoInstance(self.why_none(exclude))
+        self._turn = (self.instances.index(best) + 1) % len(self.instances)
+        return best
+
+    def _least_loaded(self, usable: Callable[[Instance], bool], exclude: Sequence[Instance]) -> Optional[Instance]:
         n = len(self.instances)
         best: Optional[Instance] = None
         for k in range(n):
             inst = self.instances[(self._turn + k) % n]
-            if not inst.alive or any(inst is e for e in exclude):
+            if not usable(inst) or any(inst is e for e in exclude):
                 continue
             if best is None or inst.in_flight < best.in_flight:
                 best = inst
-        if best is None:
-            raise NoInstance(self.why_none(exclude))
-        self._turn = (self.instances.index(best) + 1) % n
         return best
 
     def why_none(self, tried: Sequence[Instance] = ()) -> str:
         parts = []
         for inst in self.instances:
-            if any(inst is t for t in tried) and inst.alive:
+            if any(inst is t for t in tried) and (inst.alive or inst.silent):
                 parts.append(f"{inst.url}: failed this request ({inst.reason or 'no reason given'})")
             else:
                 parts.append(f"{inst.url}: {inst.reason or 'down'}")
@@ -101,31 +115,36 @@ class Pool:
         """A connection to ``inst`` was refused or broke: down until a health check
         answers."""
         inst.alive = False
+        inst.silent = False
         inst.reason = reason
 
-    def check_failed(self, inst: Instance, reason: str) -> bool:
-        """A health check failed. Returns whether this took the instance down."""
+    def check_failed(self, inst: Instance, reason: str, unanswered: bool = False) -> bool:
+        """A health check failed: ``unanswered`` when it got no answer in time, else it
+        was refused an error status. Returns whether this took the instance down."""
         inst.failed_checks += 1
         inst.reason = reason
-        if inst.alive and inst.failed_checks >= self.fails_to_down:
+        took_down = inst.alive and inst.failed_checks >= self.fails_to_down
+        if took_down:
             inst.alive = False
-            return True
-        return False
+        inst.silent = not inst.alive and unanswered
+        return took_down
 
     def check_passed(self, inst: Instance) -> bool:
         """A health check answered. Returns whether this brought the instance back."""
         inst.failed_checks = 0
         came_back = not inst.alive
         inst.alive = True
+        inst.silent = False
         inst.reason = None
         return came_back
 
     def state(self) -> Dict[str, Dict[str, object]]:
-        return {i.url: {"alive": i.alive, "in_flight": i.in_flight, "served": i.served, "reason": i.reason}
-                for i in self.instances}
+        return {i.url: {"alive": i.alive, "silent": i.silent, "in_flight": i.in_flight, "served": i.served,
+                        "reason": i.reason} for i in self.instances}
 
     def check(self) -> None:
         for inst in self.instances:
             assert inst.in_flight >= 0, inst
             assert inst.role == self.role, inst
             assert inst.alive or inst.reason, f"{inst.url} is down without a reason"
+            assert not (inst.alive and inst.silent), f"{inst.url} is alive and silent"

@@ -124,9 +124,9 @@ class Proxy:
             async with self.session.get(inst.url + "/health",
                                         timeout=ClientTimeout(total=self.options.health_timeout)) as r:
                 await r.read()
-                ok, reason = r.status == 200, f"health check answered HTTP {r.status}"
+                ok, reason, unanswered = r.status == 200, f"health check answered HTTP {r.status}", False
         except asyncio.TimeoutError:
-            ok, reason = False, f"health check got no answer in {self.options.health_timeout:g} s"
+            ok, reason, unanswered = False, f"health check got no answer in {self.options.health_timeout:g} s", True
         except ClientConnectionError as e:
             # Nobody listens there (or the connection broke): down at once.
             if inst.alive:
@@ -137,7 +137,7 @@ class Proxy:
         if ok:
             if pool.check_passed(inst):
                 log.info("%s instance %s is back", pool.role, inst.url)
-        elif pool.check_failed(inst, reason):
+        elif pool.check_failed(inst, reason, unanswered):
             log.warning("%s instance %s is down: %s", pool.role, inst.url, reason)
         self._show(inst)
 
@@ -220,6 +220,10 @@ class Proxy:
         except NoInstance as e:
             self.metrics.errors.labels(role, "connection" if tried else "no_instance").inc()
             return error(502 if tried else 503, str(e), request_id)
+        if not inst.alive:
+            log.warning("request %s: no %s instance is alive; sending it to %s, whose health checks go "
+                        "unanswered (%s)", request_id, role, inst.url, inst.reason)
+            self.metrics.last_resort.labels(role, inst.url).inc()
         tried.append(inst)
         pool.acquire(inst)
         self._show(inst)
