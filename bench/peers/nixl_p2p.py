@@ -80,7 +80,15 @@ def pattern(seed: int, n: int):
 # The plan: which rows the run produces (missing ones are reported as not reached)
 
 
+TESTS = ("bw", "oneshot", "lat4k", "notif4k", "h2d", "d2h")
+
+
 def plan(cfg: dict) -> list[dict]:
+    """The rows of the tests picked (--only), each yet to be measured."""
+    return [r for r in all_rows(cfg) if r["test"].split("_")[0] in cfg["only"]]
+
+
+def all_rows(cfg: dict) -> list[dict]:
     rows = []
     for order in cfg["orders"]:
         for op in ("WRITE", "READ"):
@@ -468,7 +476,8 @@ class Initiator:
         except Exception as e:  # noqa: BLE001 - the first transfer connects anyway
             log(f"make_connection: {e}")
         rows = {row_key(r): r for r in plan(cfg)}
-        for order in cfg["orders"]:
+        only = cfg["only"]
+        for order in cfg["orders"] if "bw" in only else ():
             for op in ("WRITE", "READ"):
                 for block, count in BW_CASES:
                     count = min(count, size // block)
@@ -477,21 +486,25 @@ class Initiator:
                                                      block, count, order == "random"))
         blk, cnt = ONESHOT
         cnt = min(cnt, size // blk)
-        for order in cfg["orders"]:
+        for order in cfg["orders"] if "oneshot" in only else ():
             for test, api in (("oneshot", "prepped"), ("oneshot_initialize_xfer", "initialize_xfer")):
                 self.case(rows[(test, "WRITE", blk, cnt, order)],
                           lambda: self.oneshot(blk, cnt, api, order == "random"))
-        self.case(rows[("lat4k", "WRITE", 4 * KIB, 1, None)], self.latency)
-        # the parent completes this row from both sides' timestamps
-        notif = dict(rows[("notif4k", "WRITE", 4 * KIB, 1, None)])
-        try:
-            notif.update(self.notif_posts())
-        except Exception as e:  # noqa: BLE001
-            notif["error"] = f"{type(e).__name__}: {e}"
-        self.q.put(("row", notif))
+        if "lat4k" in only:
+            self.case(rows[("lat4k", "WRITE", 4 * KIB, 1, None)], self.latency)
+        if "notif4k" in only:
+            # the parent completes this row from both sides' timestamps
+            notif = dict(rows[("notif4k", "WRITE", 4 * KIB, 1, None)])
+            try:
+                notif.update(self.notif_posts())
+            except Exception as e:  # noqa: BLE001
+                notif["error"] = f"{type(e).__name__}: {e}"
+            self.q.put(("row", notif))
         blk, cnt = HOST_CASE
         cnt = min(cnt, dsize // blk)
         for test, op in (("h2d", "WRITE"), ("d2h", "READ")):
+            if test not in only:
+                continue
             self.case(rows[(test, op, blk, cnt, "sequential")],
                       lambda: self.bandwidth(op, self.hbase, self.hseg, self.rbase, self.vseg,
                                              blk, cnt, False))
@@ -654,7 +667,12 @@ def main() -> int:
                     "(default 4 GiB; 64 MiB with --no-gpu)")
     ap.add_argument("--no-gpu", action="store_true",
                     help="host memory on both sides, to check the script without GPUs")
+    ap.add_argument("--only", default=",".join(TESTS),
+                    help=f"comma-separated tests to run, of {', '.join(TESTS)} (default: all)")
     args = ap.parse_args()
+    only = {t.strip() for t in args.only.split(",") if t.strip()}
+    if not only or only - set(TESTS):
+        ap.error(f"--only takes tests of {', '.join(TESTS)}, not {args.only!r}")
 
     nixl_dir = str(Path(args.nixl_dir).resolve())
     if not (Path(nixl_dir) / "nixl_cu13" / "__init__.py").is_file():
@@ -669,7 +687,7 @@ def main() -> int:
     cfg = {"nixl_dir": nixl_dir, "quick": args.quick, "no_gpu": args.no_gpu,
            "gpus": [g.strip() for g in gpus], "orders": ["sequential", "random"] if args.order == "both" else [args.order],
            "ucx_tls": args.ucx_tls or ("tcp" if args.no_gpu else "cuda_ipc,cuda_copy,tcp"),
-           "bytes": size, "host_bytes": min(1 * GIB, size)}
+           "bytes": size, "host_bytes": min(1 * GIB, size), "only": sorted(only)}
     sys.path.insert(0, nixl_dir)
     log(f"NIXL {nixl_version(nixl_dir)} from {nixl_dir}; UCX_TLS={cfg['ucx_tls']}; "
         f"{'no GPU' if args.no_gpu else 'GPUs ' + args.gpus}; timeout {args.timeout:.0f} s")

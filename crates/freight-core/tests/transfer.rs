@@ -70,6 +70,84 @@ fn tcp_small_and_large() {
     roundtrip(cfg, TransportKind::Tcp, 24 << 20);
 }
 
+/// Small requests from several threads at once, some written by the posting thread (an
+/// idle stream) and some by the streams' sender threads, interleaved with large ones:
+/// every block lands where its own request sent it, and reads back whole.
+#[test]
+fn tcp_small_requests_from_many_threads_each_land_whole() {
+    const THREADS: usize = 6;
+    const ROUNDS: usize = 60;
+    const BLOCK: usize = 4096;
+    const LARGE: usize = 256 << 10;
+    let cfg = AgentConfig { require: Some(TransportKind::Tcp), ..Default::default() };
+    let (a, b) = agents(cfg);
+    let per_thread = ROUNDS * BLOCK + LARGE;
+    let size = THREADS * per_thread;
+    let (src, dst, back) = (a.alloc(size).unwrap(), b.alloc(size).unwrap(), a.alloc(size).unwrap());
+    a.register(MemKind::Dram, src.addr(), size as u64, 0).unwrap();
+    a.register(MemKind::Dram, back.addr(), size as u64, 0).unwrap();
+    b.register(MemKind::Dram, dst.addr(), size as u64, 0).unwrap();
+    a.add_peer(&b.metadata()).unwrap();
+    // SAFETY: test buffers we own; each thread writes only its own part of `src`.
+    let s = unsafe { std::slice::from_raw_parts_mut(src.as_ptr(), size) };
+    for (i, x) in s.iter_mut().enumerate() {
+        *x = (i * 13 % 253) as u8;
+    }
+    std::thread::scope(|scope| {
+        for t in 0..THREADS {
+            let (a, src, dst, back) = (&a, src.addr(), dst.addr(), back.addr());
+            scope.spawn(move || {
+                let base = (t * per_thread) as u64;
+                for r in 0..ROUNDS {
+                    let off = base + (r * BLOCK) as u64;
+                    let w = a
+                        .transfer(
+                            OpKind::Write,
+                            &list(src + off, BLOCK as u64),
+                            "target",
+                            &list(dst + off, BLOCK as u64),
+                            None,
+                        )
+                        .unwrap();
+                    if r % 20 == 0 {
+                        // A large one now and then keeps the sender threads busy meanwhile.
+                        let large = base + (ROUNDS * BLOCK) as u64;
+                        let l = a
+                            .transfer(
+                                OpKind::Write,
+                                &list(src + large, LARGE as u64),
+                                "target",
+                                &list(dst + large, LARGE as u64),
+                                None,
+                            )
+                            .unwrap();
+                        assert_eq!(l.wait(T), Status::Done);
+                    }
+                    assert_eq!(w.wait(T), Status::Done);
+                    let rd = a
+                        .transfer(
+                            OpKind::Read,
+                            &list(back + off, BLOCK as u64),
+                            "target",
+                            &list(dst + off, BLOCK as u64),
+                            None,
+                        )
+                        .unwrap();
+                    assert_eq!(rd.wait(T), Status::Done);
+                }
+            });
+        }
+    });
+    // SAFETY: every request is done.
+    let (d, k) =
+        unsafe { (std::slice::from_raw_parts(dst.as_ptr(), size), std::slice::from_raw_parts(back.as_ptr(), size)) };
+    assert!(d == &s[..], "a block landed somewhere else than its request sent it");
+    for t in 0..THREADS {
+        let part = t * per_thread..t * per_thread + ROUNDS * BLOCK;
+        assert!(k[part.clone()] == s[part], "thread {t} read back other bytes than it wrote");
+    }
+}
+
 /// An address of this host that is not loopback, if it has one (a route lookup only:
 /// connecting a UDP socket sends nothing).
 fn host_address() -> Option<std::net::IpAddr> {

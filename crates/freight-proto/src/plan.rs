@@ -507,12 +507,32 @@ fn zip_members(local: &PreparedList, remote: &PreparedList) -> Option<Plan> {
     let (mut i, mut j) = (0, 0);
     // Members of runs i and j already paired.
     let (mut li, mut rj) = (0u64, 0u64);
+    // The last push made the last run three members long or longer: what follows may
+    // well carry it on. (Two is no sign: a run of one takes any later copy of its length
+    // as its second, which in a scrambled list happens at random, and a branch taken at
+    // random costs more than the pass saves.)
+    let mut striding = false;
     while let (Some(l), Some(r)) = (lruns.get(i), rruns.get(j)) {
         if l.len != r.len {
             return None;
         }
+        if striding && li == 0 && rj == 0 {
+            // Single descriptors on both sides (a list pushed one by one) that carry the
+            // last run's strides on: taken in one pass, not a push each.
+            striding = false;
+            let n = plan.carry_on(
+                &lruns[i..],
+                &rruns[j..],
+                |k| local.region_of_run(i + k),
+                |k| remote.region_of_run(j + k),
+            );
+            if n > 0 {
+                (i, j) = (i + n, j + n);
+                continue;
+            }
+        }
         let count = (l.count - li).min(r.count - rj);
-        plan.push(CopyRun {
+        let joined = plan.push(CopyRun {
             local_addr: l.addr + li * l.stride,
             remote_addr: r.addr + rj * r.stride,
             len: l.len,
@@ -522,6 +542,7 @@ fn zip_members(local: &PreparedList, remote: &PreparedList) -> Option<Plan> {
             local_region: local.region_of_run(i),
             remote_region: remote.region_of_run(j),
         });
+        striding = joined >= 3;
         li += count;
         rj += count;
         if li == l.count {
@@ -556,8 +577,10 @@ impl Builder {
     /// Appends a run: one copy where its members lie back to back on both sides, else
     /// into the last copy where it continues it, else into the last run where it
     /// carries it on, else on its own.
+    /// Returns how many members the last run has where `run` joined it as its next
+    /// members, else 0.
     #[inline(always)]
-    fn push(&mut self, mut run: CopyRun) {
+    fn push(&mut self, mut run: CopyRun) -> u64 {
         if run.count > 1 && run.local_stride == run.len && run.remote_stride == run.len {
             // Fits: the members' bytes are part of the list's total.
             (run.len, run.count) = (run.len * run.count, 1);
@@ -573,7 +596,7 @@ impl Builder {
             self.copies = run.count as usize;
             self.end = end_of(&run);
             self.runs.push(run);
-            return;
+            return 0;
         };
         let same_regions = last.local_region == run.local_region && last.remote_region == run.remote_region;
         let touches = same_regions && self.end == (run.local_addr, run.remote_addr);
@@ -581,7 +604,7 @@ impl Builder {
             last.len += run.len;
             (last.local_stride, last.remote_stride) = (last.len, last.len);
             self.end = (self.end.0 + run.len, self.end.1 + run.len);
-            return;
+            return 0;
         }
         if !touches && same_regions && run.len == last.len {
             // The next member of the last run's strides (a run of one takes any later
@@ -602,13 +625,57 @@ impl Builder {
                 last.count += run.count;
                 self.copies += run.count as usize;
                 self.end = end_of(&run);
-                return;
+                return last.count;
             }
         }
         // Expanding merges the two runs' touching copies into one (see `Plan::copies`).
         self.copies += run.count as usize - usize::from(touches);
         self.end = end_of(&run);
         self.runs.push(run);
+        0
+    }
+
+    /// Appends the leading pairs of single descriptors (`local[k]` with `remote[k]`,
+    /// in regions `local_region(k)` and `remote_region(k)`) that are the next members of
+    /// the last run, with its strides, length and regions; returns how many. The same
+    /// as a [`Builder::push`] of each, in a loop that only compares: a list of 65,536
+    /// blocks pushed one by one plans in a pass over its runs.
+    fn carry_on(
+        &mut self,
+        local: &[Run],
+        remote: &[Run],
+        local_region: impl Fn(usize) -> u64,
+        remote_region: impl Fn(usize) -> u64,
+    ) -> usize {
+        let Some(last) = self.runs.last_mut() else { return 0 };
+        let (len, ls, rs) = (last.len, last.local_stride, last.remote_stride);
+        // A run of one has no strides yet (`push` gives it its second member); members
+        // back to back on both sides are one copy, which `push` lengthens instead.
+        if last.count < 2 || (ls == len && rs == len) {
+            return 0;
+        }
+        // Where the last member starts on each side.
+        let (mut la, mut ra) = (self.end.0 - len, self.end.1 - len);
+        let mut n = 0;
+        for (l, r) in local.iter().zip(remote) {
+            let next = l.count == 1
+                && r.count == 1
+                && l.len == len
+                && r.len == len
+                && la.checked_add(ls) == Some(l.addr)
+                && ra.checked_add(rs) == Some(r.addr)
+                && local_region(n) == last.local_region
+                && remote_region(n) == last.remote_region;
+            if !next {
+                break;
+            }
+            (la, ra) = (l.addr, r.addr);
+            n += 1;
+        }
+        last.count += n as u64;
+        self.copies += n;
+        self.end = (la + len, ra + len);
+        n
     }
 }
 
@@ -739,6 +806,46 @@ mod tests {
         let list =
             DescList::from_descs(MemKind::Dram, descs.iter().map(|&(addr, len)| Desc { addr, len, dev: 0 })).unwrap();
         assert!(PreparedList::resolve(&list, find).is_err());
+    }
+
+    /// Single descriptors that carry a stride on join one run, a pass over them; a
+    /// change of stride, length or region starts another. The same plan as pushing
+    /// each pair on its own (the general pairing).
+    #[test]
+    fn singles_carrying_a_stride_on_zip_into_runs() {
+        let mut local: Vec<(u64, u64)> = (0..1000).map(|i| (i * 8192, 4096)).collect();
+        let mut remote: Vec<(u64, u64)> = (0..1000).map(|i| ((1 << 30) + i * 12288, 4096)).collect();
+        let plan = Plan::build(&prep(&local, 1), None, &prep(&remote, 2), None).unwrap();
+        assert_eq!(plan.runs().len(), 1);
+        let run = plan.runs()[0];
+        assert_eq!((run.count, run.local_stride, run.remote_stride, run.len), (1000, 8192, 12288, 4096));
+        assert_eq!(plan.copy_count(), 1000);
+        // A break in the middle: a shorter member, then the stride again; a jump.
+        local[500].1 = 2048;
+        remote[500].1 = 2048;
+        remote[700].0 += 4096 * 1000;
+        let (l, r) = (prep(&local, 1), prep(&remote, 2));
+        let zipped = zip_members(&l, &r).expect("members meet one for one");
+        let paired = pair(l.runs_as_pieces(), r.runs_as_pieces()).unwrap();
+        assert_eq!(ops(&zipped), ops(&paired));
+        assert_eq!(zipped.runs(), paired.runs());
+        let counts: Vec<u64> = zipped.runs().iter().map(|r| r.count).collect();
+        assert_eq!(counts, vec![500, 1, 199, 1, 299]);
+        // The same blocks in another region from 800 on: a run of their own.
+        let split = PreparedList::resolve(
+            &DescList::from_descs(MemKind::Dram, local.iter().map(|&(addr, len)| Desc { addr, len, dev: 0 })).unwrap(),
+            |addr, _, _| {
+                Ok(if addr < 800 * 8192 {
+                    RegionSpan { key: 1, start: 0, end: 800 * 8192 }
+                } else {
+                    RegionSpan { key: 3, start: 800 * 8192, end: u64::MAX }
+                })
+            },
+        )
+        .unwrap();
+        let zipped = zip_members(&split, &r).unwrap();
+        assert_eq!(zipped.runs(), pair(split.runs_as_pieces(), r.runs_as_pieces()).unwrap().runs());
+        assert_eq!(zipped.runs().last().unwrap().local_region, 3);
     }
 
     /// Two empty lists are of one total (zero) and of no length at all: neither the

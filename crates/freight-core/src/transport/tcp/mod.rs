@@ -10,6 +10,12 @@
 //! [`freight_proto::data_stream`]). The threads do the I/O and wait for each other
 //! through it: the sender for room in the window, the receiver for a message to await.
 //!
+//! A small one-message request posted to an idle stream is written by the posting
+//! thread itself ([`TcpConn::submit`]): waking the sender thread would cost more than
+//! writing a few KiB, on a small host a third of a 4 KiB WRITE's round trip. Whoever
+//! writes holds the stream's [`Writer`] from framing a message to handing it over, so
+//! messages never interleave on the wire.
+//!
 //! GPU memory, on either side, passes through pinned bounce buffers (see
 //! [`super::gpu_bounce`]); such payloads are sent with ordinary copies, since a bounce
 //! buffer is reused as soon as its message is out. READ answers for GPU memory land in
@@ -151,12 +157,24 @@ impl Health {
     }
 }
 
+/// The largest chunk the posting thread writes itself (see [`TcpConn::submit`]): under
+/// the size that leaves without a copy, and small enough that writing it into an idle
+/// socket's buffer does not block.
+const INLINE_MAX: u64 = 32 << 10;
+
 /// The initiator's side of a tcp connection to one peer.
 pub struct TcpConn {
     peer: String,
-    streams: Vec<Sender<Job>>,
+    streams: Vec<StreamHandle>,
     next: AtomicUsize,
     health: Arc<Health>,
+}
+
+/// A stream as the posting thread sees it: its sender thread's queue, and the stream
+/// itself, for writing a small message without that thread.
+struct StreamHandle {
+    jobs: Sender<Job>,
+    stream: Arc<Stream>,
 }
 
 impl TcpConn {
@@ -174,27 +192,27 @@ impl TcpConn {
         let mut streams = Vec::with_capacity(sockets.len());
         for (i, sock) in sockets.into_iter().enumerate() {
             let (job_tx, job_rx) = unbounded::<Job>();
-            let stream = Arc::new(Stream::new(peer, cfg.window));
             let writer = sock.try_clone()?;
             // A chunk larger than the socket buffers to a peer that stopped reading
             // fails within the timeout instead of blocking the stream for ever.
             writer.set_write_timeout(Some(timeout))?;
             let zc = ZeroCopySocket::new(&writer, cfg.zerocopy);
+            let stream = Arc::new(Stream::new(peer, cfg.window, Writer { sock: writer, zc }));
             let reader = sock.try_clone()?;
             reader.set_read_timeout(Some(timeout))?;
             let (h1, h2) = (health.clone(), health.clone());
-            let (s1, s2) = (stream.clone(), stream);
+            let (s1, s2) = (stream.clone(), stream.clone());
             let (pin1, pin2, local) = (cfg.pin.clone(), cfg.pin.clone(), sock.local_addr().ok());
             thread::Builder::new().name(format!("freight-tcp-tx{i}")).spawn(move || {
                 nic::pin_stream_thread(&pin1, 2 * i, local, gpu_node);
-                send_loop(writer, zc, job_rx, &s1, &h1);
+                send_loop(job_rx, &s1, &h1);
                 s1.sender_gone();
             })?;
             thread::Builder::new().name(format!("freight-tcp-rx{i}")).spawn(move || {
                 nic::pin_stream_thread(&pin2, 2 * i + 1, local, gpu_node);
                 receive_loop(reader, &s2, &h2)
             })?;
-            streams.push(job_tx);
+            streams.push(StreamHandle { jobs: job_tx, stream });
             health.watch(sock);
         }
         Ok(TcpConn { peer: peer.to_string(), streams, next: AtomicUsize::new(0), health })
@@ -208,6 +226,10 @@ impl TcpConn {
     /// `gpu` names the request's local GPU regions, which are staged. `notif` rides on
     /// the message of a one-chunk WRITE (the caller checks both): the target queues it
     /// as soon as the payload is in place, a round trip before the answer gets back.
+    ///
+    /// A request of one chunk of host memory up to [`INLINE_MAX`], for a stream with
+    /// nothing queued, nothing in flight and no message being written, is written here,
+    /// on the caller's thread; anything else goes to the streams' sender threads.
     pub fn submit(
         &self,
         op: OpKind,
@@ -220,6 +242,16 @@ impl TcpConn {
         let n = self.streams.len();
         // Start where the previous request stopped so that small requests spread out.
         let start = self.next.fetch_add(chunks.len(), Ordering::Relaxed);
+        if chunks.len() == 1 && gpu.is_none() && chunks[0].bytes <= INLINE_MAX {
+            let handle = &self.streams[start % n];
+            if handle.jobs.is_empty() {
+                let job = Job { op, chunks: chunks.clone(), index: 0, tracker: tracker.clone(), gpu: None, notif };
+                match handle.stream.try_send_now(job, &self.health) {
+                    Ok(()) => return,
+                    Err(job) => notif = job.notif,
+                }
+            }
+        }
         for index in 0..chunks.len() {
             let job = Job {
                 op,
@@ -229,7 +261,7 @@ impl TcpConn {
                 gpu: gpu.clone(),
                 notif: notif.take(),
             };
-            if let Err(e) = self.streams[(start + index) % n].send(job) {
+            if let Err(e) = self.streams[(start + index) % n].jobs.send(job) {
                 e.0.tracker.finish_part(Err(self.disconnected("stream closed")));
             }
         }
@@ -262,6 +294,14 @@ struct Stream {
     peer: String,
     state: Mutex<StreamState>,
     changed: Condvar,
+    /// The socket's writing side. Lock order: `writer`, then `state`.
+    writer: Mutex<Writer>,
+}
+
+/// Where a stream's messages are written, by its sender thread or a posting thread.
+struct Writer {
+    sock: TcpStream,
+    zc: ZeroCopySocket,
 }
 
 struct StreamState {
@@ -271,11 +311,77 @@ struct StreamState {
 }
 
 impl Stream {
-    fn new(peer: &str, window: usize) -> Stream {
+    fn new(peer: &str, window: usize, writer: Writer) -> Stream {
         Stream {
             peer: peer.to_string(),
             state: Mutex::new(StreamState { machine: Initiator::new(peer, window), sender_gone: false }),
             changed: Condvar::new(),
+            writer: Mutex::new(writer),
+        }
+    }
+
+    /// Writes `job` (one chunk of host memory) on the calling thread, where the stream
+    /// is idle: its writer free, nothing in flight, the connection alive. Else gives the
+    /// job back untouched, for the sender thread.
+    fn try_send_now(&self, mut job: Job, health: &Health) -> std::result::Result<(), Job> {
+        let Some(mut writer) = self.writer.try_lock() else { return Err(job) };
+        {
+            let st = self.state.lock();
+            if st.sender_gone || st.machine.awaiting() > 0 || !st.machine.has_room() || st.machine.dead().is_some() {
+                return Err(job);
+            }
+        }
+        if health.reason().is_some() {
+            return Err(job);
+        }
+        let notif = job.notif.take();
+        let payload = host_payload(&job);
+        // Its answer follows within a round trip: the caller's wait polls for it.
+        job.tracker.answer_due();
+        self.write_message(&mut writer, job, notif, payload, false, health);
+        Ok(())
+    }
+
+    /// Frames `job`'s chunk (waiting for room in the window), writes it with `payload`
+    /// and hands it to the receiver's side. `staged`: the payload is in a bounce buffer,
+    /// reused once this returns, so it is not sent without a copy.
+    fn write_message(
+        &self,
+        w: &mut Writer,
+        job: Job,
+        notif: Option<Vec<u8>>,
+        payload: Vec<IoSlice<'_>>,
+        staged: bool,
+        health: &Health,
+    ) {
+        let framed = {
+            let mut st = self.state.lock();
+            self.changed.wait_while(&mut st, |st| !st.machine.has_room());
+            st.machine.send(job.op, remote_segs(job.chunk()), notif)
+        };
+        let (header, message) = match framed {
+            Ok((frame, message)) => (frame::encode(&frame), message),
+            Err(e) => {
+                job.tracker.finish_part(Err(e));
+                return;
+            }
+        };
+        let written = if staged {
+            let mut slices = vec![IoSlice::new(&header)];
+            slices.extend(payload);
+            frame_io::write_all_vectored(&mut w.sock, &mut slices)
+        } else {
+            w.zc.write_all(&mut w.sock, &header, &payload)
+        };
+        // From here on the receiver owns the chunk's completion (exactly one report per
+        // part), unless the stream failed meanwhile.
+        let sent = self.state.lock().machine.sent(message, job);
+        self.changed.notify_all();
+        if let Err((job, e)) = sent {
+            job.tracker.finish_part(Err(e));
+        }
+        if let Err(e) = written {
+            self.break_with(health, &w.sock, &Error::Io(format!("write failed: {e}")));
         }
     }
 
@@ -328,7 +434,24 @@ fn start_staging(staging: &mut Alternating, job: &Job) -> Result<Option<usize>> 
     staging.gather(&job.local_pieces()).map(Some)
 }
 
-fn send_loop(mut sock: TcpStream, mut zc: ZeroCopySocket, jobs: Receiver<Job>, stream: &Stream, health: &Health) {
+/// A chunk's payload straight from registered host memory: a WRITE's bytes, or nothing
+/// for a READ. The slices live as long as the memory, not as the job: `'m` is the
+/// caller's to keep within the time the job is written.
+fn host_payload<'m>(job: &Job) -> Vec<IoSlice<'m>> {
+    if job.op != OpKind::Write {
+        return Vec::new();
+    }
+    // SAFETY: the request holds guards on the local regions until every chunk has been
+    // answered, and this chunk joins those awaiting answers only once it is written
+    // (`Initiator::sent`): the memory stays registered and mapped while it is read here.
+    job.chunk()
+        .segs
+        .iter()
+        .map(|o| IoSlice::new(unsafe { std::slice::from_raw_parts(o.local_addr as *const u8, o.len as usize) }))
+        .collect()
+}
+
+fn send_loop(jobs: Receiver<Job>, stream: &Stream, health: &Health) {
     let mut staging = Alternating::default();
     let mut ahead: Option<(Job, Result<Option<usize>>)> = None;
     loop {
@@ -354,56 +477,19 @@ fn send_loop(mut sock: TcpStream, mut zc: ZeroCopySocket, jobs: Receiver<Job>, s
             stream.fail(&reason);
         }
         let notif = job.notif.take();
-        let chunk = job.chunk();
-        let staged_payload = matches!(slot, Ok(Some(_)));
-        let payload = match slot.and_then(|s| s.map(|s| staging.ready(s, chunk.bytes as usize)).transpose()) {
+        let staged = matches!(slot, Ok(Some(_)));
+        let chunk_bytes = job.chunk().bytes as usize;
+        let payload = match slot.and_then(|s| s.map(|s| staging.ready(s, chunk_bytes)).transpose()) {
             Ok(Some(bytes)) => vec![IoSlice::new(bytes)],
-            // SAFETY: the request holds guards on the local regions until every chunk has
-            // been answered, and this chunk joins those awaiting answers only once it is
-            // written (`Initiator::sent`): the memory stays registered and mapped while
-            // it is read here.
-            Ok(None) if job.op == OpKind::Write => chunk
-                .segs
-                .iter()
-                .map(|o| IoSlice::new(unsafe { std::slice::from_raw_parts(o.local_addr as *const u8, o.len as usize) }))
-                .collect(),
-            Ok(None) => Vec::new(),
+            Ok(None) => host_payload(&job),
             Err(e) => {
                 // Staging failed before anything was sent: only this chunk fails.
                 job.tracker.finish_part(Err(e));
                 continue;
             }
         };
-        let framed = {
-            let mut st = stream.state.lock();
-            stream.changed.wait_while(&mut st, |st| !st.machine.has_room());
-            st.machine.send(job.op, remote_segs(chunk), notif)
-        };
-        let (header, message) = match framed {
-            Ok((frame, message)) => (frame::encode(&frame), message),
-            Err(e) => {
-                job.tracker.finish_part(Err(e));
-                continue;
-            }
-        };
-        let written = if staged_payload {
-            // A bounce buffer is reused once this returns: no zero-copy for it.
-            let mut slices = vec![IoSlice::new(&header)];
-            slices.extend(payload);
-            frame_io::write_all_vectored(&mut sock, &mut slices)
-        } else {
-            zc.write_all(&mut sock, &header, &payload)
-        };
-        // From here on the receiver owns the chunk's completion (exactly one report per
-        // part), unless the stream failed meanwhile.
-        let sent = stream.state.lock().machine.sent(message, job);
-        stream.changed.notify_all();
-        if let Err((job, e)) = sent {
-            job.tracker.finish_part(Err(e));
-        }
-        if let Err(e) = written {
-            stream.break_with(health, &sock, &Error::Io(format!("write failed: {e}")));
-        }
+        let mut writer = stream.writer.lock();
+        stream.write_message(&mut writer, job, notif, payload, staged, health);
     }
 }
 
