@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import json
 import os
 import signal
 import time
@@ -431,14 +432,24 @@ def test_logging_to_stderr(spawn):
         "a.close()\n"
         "print('done')\n"
     )
-    for mode, env in (("call", {}), ("env", {"FREIGHT_LOG": "info"}), ("quiet", {})):
-        child_env = {k: v for k, v in os.environ.items() if k != "FREIGHT_LOG"}
+    modes = (("call", {}), ("env", {"FREIGHT_LOG": "info"}), ("quiet", {}), ("rust", {"RUST_LOG": "info"}),
+             ("json", {"FREIGHT_LOG": "info", "FREIGHT_LOG_FORMAT": "json"}), ("bad", {"RUST_LOG": "debg"}))
+    for mode, env in modes:
+        child_env = {k: v for k, v in os.environ.items() if k not in ("FREIGHT_LOG", "RUST_LOG", "FREIGHT_LOG_FORMAT")}
         child_env.update(env)
         p = spawn(code, mode, env=child_env)
         out, err = p.communicate(timeout=TIMEOUT)
+        if mode == "bad":
+            # A misspelt level in the environment: the agent is refused, naming the variable.
+            assert p.returncode != 0 and "InvalidArgumentError: invalid argument: RUST_LOG='debg'" in err, err
+            assert "did you mean 'debug'" in err, err
+            continue
         assert p.returncode == 0 and out.strip() == "done", err
         if mode == "quiet":
             assert "listening" not in err
+        elif mode == "json":
+            records = [json.loads(line) for line in err.splitlines() if line.strip()]
+            assert any(r["fields"]["message"] == "listening" and r["level"] == "INFO" for r in records), err
         else:
             assert "listening" in err and "\x1b[" not in err, err
 

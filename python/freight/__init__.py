@@ -117,9 +117,11 @@ def set_log_level(level=None) -> None:
     ``level`` is "error", "warn"/"warning", "info", "debug", "trace" or "off" (any case),
     a :mod:`logging` level number, or a tracing filter such as
     ``"freight_core=debug,info"``. With no level, uses the ``FREIGHT_LOG`` environment
-    variable, else "info". (When ``FREIGHT_LOG`` is set, logging is also switched on
-    automatically when the first agent is created.) The first call installs a
-    tracing subscriber for the process; later calls change its level.
+    variable, else ``RUST_LOG``, else "info". (When either variable is set, logging is
+    also switched on automatically when the first agent is created; a misspelt level
+    there is an :class:`InvalidArgumentError` naming the variable.) The first call
+    installs a tracing subscriber for the process, writing text, or one JSON object per
+    line where ``FREIGHT_LOG_FORMAT=json``; later calls change its level.
     """
     if level is not None and not isinstance(level, str):
         if isinstance(level, bool) or not isinstance(level, int):

@@ -34,8 +34,9 @@ use crate::options::{CliError, CliResult};
 pub struct Context {
     /// How to start this same command again (for a target or member process).
     pub self_command: Vec<String>,
-    /// Passed on to child processes so that both sides log alike.
-    pub log_level: Option<String>,
+    /// The log options (`--log-level`, `--log-format`) passed on to child processes,
+    /// so that every process logs alike.
+    pub log_args: Vec<String>,
 }
 
 /// Writes to stdout in one piece; a closed pipe (`| head`) is a quiet failure, not a panic.

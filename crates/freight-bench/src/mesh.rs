@@ -354,9 +354,7 @@ pub fn run(
             cmd.args(["--gpu", &(i % gpus).to_string()]);
         }
         cmd.args(engine.to_args()).envs(engine.child_env());
-        if let Some(level) = &ctx.log_level {
-            cmd.args(["--log-level", level]);
-        }
+        cmd.args(&ctx.log_args);
         let mut child = cmd
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())

@@ -315,12 +315,9 @@ pub fn run(a: &P2pArgs, ctx: &Context) -> CliResult<()> {
 fn initiator(a: &P2pArgs, grid: &Grid, connect: Option<&str>, listen: &str, ctx: &Context) -> CliResult<()> {
     a.ensure_host_room(grid, connect.is_none())?;
     let process = match connect {
-        None => Some(TargetProcess::spawn(
-            &ctx.self_command,
-            ctx.log_level.as_deref(),
-            &a.engine.to_args(),
-            &a.engine.child_env(),
-        )?),
+        None => {
+            Some(TargetProcess::spawn(&ctx.self_command, &ctx.log_args, &a.engine.to_args(), &a.engine.child_env())?)
+        }
         Some(_) => None,
     };
     let target_addr = connect.map_or_else(|| process.as_ref().expect("spawned").addr.clone(), str::to_string);

@@ -62,7 +62,7 @@ pub fn run(a: &DemoArgs, ctx: &Context) -> CliResult<()> {
         TransportChoice::Auto => vec![],
         t => vec!["--transport".to_string(), t.as_str().to_string()],
     };
-    let target = TargetProcess::spawn(&ctx.self_command, ctx.log_level.as_deref(), &target_args, &[])?;
+    let target = TargetProcess::spawn(&ctx.self_command, &ctx.log_args, &target_args, &[])?;
     // One buffer each side: the READ lands back in the source after it was poisoned.
     // Fresh shared pages cost a fault each, which on a small VM is most of the run time.
     let src = SharedSegment::allocate(len)?;

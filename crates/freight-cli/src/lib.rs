@@ -3,6 +3,7 @@
 
 mod demo;
 mod doctor;
+pub mod logs;
 mod serve;
 
 /// The options and values the commands share (`freight_bench::options`).
@@ -28,15 +29,21 @@ Examples:
   freight serve --memory-mb 4096                 a KV cache server on [::1]:50051
   freight kv-bench --value-size 64KiB            its read throughput and latency (--embedded: in-process)
 
-Logs: --log-level or the FREIGHT_LOG variable (e.g. FREIGHT_LOG=freight_core=debug).";
+Logs: --log-level, else the FREIGHT_LOG or RUST_LOG variable (e.g. FREIGHT_LOG=freight_core=debug);
+--log-format json (or FREIGHT_LOG_FORMAT=json) for one JSON object per line.";
 
 #[derive(Debug, Parser)]
 #[command(name = "freight", version, about = ABOUT, after_help = AFTER_HELP, propagate_version = true)]
 struct Cli {
-    /// Engine log level on stderr: error, warn, info, debug, trace, or a filter such as
-    /// freight_core=debug [default: the FREIGHT_LOG variable, else warn].
+    /// Engine log level on stderr: error, warn, info, debug, trace, off, or a filter such
+    /// as freight_core=debug,warn [default: the FREIGHT_LOG variable, else RUST_LOG, else warn].
     #[arg(long, global = true, value_name = "LEVEL")]
     log_level: Option<String>,
+
+    /// How log records are written: text, or json (one object per line) [default: the
+    /// FREIGHT_LOG_FORMAT variable, else text].
+    #[arg(long, global = true, value_name = "FORMAT", ignore_case = true)]
+    log_format: Option<logs::Format>,
 
     #[command(subcommand)]
     command: Command,
@@ -95,8 +102,16 @@ pub fn run(args: Vec<String>, self_command: Vec<String>) -> i32 {
         }
     };
     let self_command = if self_command.is_empty() { args.first().cloned().into_iter().collect() } else { self_command };
-    let result = init_logging(cli.log_level.as_deref()).and_then(|()| {
-        let ctx = Context { self_command, log_level: cli.log_level.clone() };
+    let result = init_logging(cli.log_level.as_deref(), cli.log_format).and_then(|()| {
+        // Child processes (targets, mesh members) log as this one does.
+        let mut log_args = Vec::new();
+        if let Some(level) = &cli.log_level {
+            log_args.extend(["--log-level".to_string(), level.clone()]);
+        }
+        if let Some(format) = cli.log_format {
+            log_args.extend(["--log-format".to_string(), format.name().to_string()]);
+        }
+        let ctx = Context { self_command, log_args };
         match &cli.command {
             Command::Demo(a) => demo::run(a, &ctx),
             Command::Bench { which } => freight_bench::run(which, &ctx),
@@ -127,25 +142,30 @@ pub fn run(args: Vec<String>, self_command: Vec<String>) -> i32 {
     }
 }
 
-/// Warnings and errors by default; `--log-level` or `FREIGHT_LOG` (an env-filter
-/// expression such as `info` or `freight_core=debug`) shows more.
+/// Warnings and errors by default; `--log-level`, `FREIGHT_LOG` or `RUST_LOG` (a level,
+/// or an env-filter expression such as `freight_core=debug`) shows more. A bad level,
+/// given or in the environment, is a usage error: logging nothing is no answer to it.
 const DEFAULT_FILTER: &str = "warn";
 
-fn init_logging(level: Option<&str>) -> CliResult<()> {
-    use tracing_subscriber::EnvFilter;
+fn init_logging(level: Option<&str>, format: Option<logs::Format>) -> CliResult<()> {
     let filter = match level {
-        Some(l) => EnvFilter::try_new(l).map_err(|e| CliError::usage(format!("invalid --log-level '{l}': {e}")))?,
-        None => match std::env::var("FREIGHT_LOG") {
-            Ok(v) if !v.trim().is_empty() => EnvFilter::try_new(&v).unwrap_or_else(|e| {
-                eprintln!("freight: warning: ignoring FREIGHT_LOG='{v}': {e}");
-                EnvFilter::new(DEFAULT_FILTER)
-            }),
-            _ => EnvFilter::new(DEFAULT_FILTER),
+        Some(l) => logs::filter(l).map_err(|e| CliError::usage(format!("--log-level '{l}': {e}")))?,
+        None => match logs::filter_from_env().map_err(CliError::usage)? {
+            Some((filter, _var)) => filter,
+            None => tracing_subscriber::EnvFilter::new(DEFAULT_FILTER),
         },
+    };
+    let format = match format {
+        Some(f) => f,
+        None => logs::Format::from_env().map_err(CliError::usage)?.unwrap_or_default(),
     };
     // Colours only for a person: escape codes would litter a log file or a pipe.
     let ansi = std::io::stderr().is_terminal();
+    let fmt = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     // A host process (Python) may call run() more than once: the first subscriber stays.
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).try_init();
+    let _ = match format {
+        logs::Format::Text => fmt.with_ansi(ansi).try_init(),
+        logs::Format::Json => fmt.json().with_ansi(false).try_init(),
+    };
     Ok(())
 }

@@ -195,6 +195,51 @@ fn logs_to_a_pipe_are_plain_text() {
     assert!(!err.contains('\x1b'), "{err}");
 }
 
+/// The filter comes from --log-level, else FREIGHT_LOG, else RUST_LOG; a misspelt level
+/// anywhere is a usage error naming where it came from; --log-format json (or
+/// FREIGHT_LOG_FORMAT) writes one JSON object per line, in the target process too.
+#[test]
+fn log_levels_come_from_the_option_or_either_variable_and_json_is_one_object_a_line() {
+    let run = |args: &[&str], env: &[(&str, &str)]| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_freight"));
+        cmd.args(args).env_remove("FREIGHT_LOG").env_remove("RUST_LOG").env_remove("FREIGHT_LOG_FORMAT");
+        cmd.envs(env.iter().copied()).output().unwrap()
+    };
+    let p2p = ["bench", "p2p", "--block-sizes", "4KiB", "--batch-sizes", "1", "--iters", "1"];
+    for (args, env, source) in [
+        (vec!["--log-level=debg"], vec![], "--log-level 'debg'"),
+        (vec![], vec![("FREIGHT_LOG", "debg")], "FREIGHT_LOG='debg'"),
+        (vec![], vec![("RUST_LOG", "freight_core=loud")], "RUST_LOG='freight_core=loud'"),
+        (vec![], vec![("FREIGHT_LOG_FORMAT", "yaml")], "FREIGHT_LOG_FORMAT: unknown log format 'yaml'"),
+    ] {
+        let out = run(&[args.as_slice(), &p2p].concat(), &env);
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(err.contains(source), "{err}");
+    }
+    let out = run(&["--log-level=debg", "demo"], &[]);
+    assert!(text(&out.stderr).contains("did you mean 'debug'"), "{}", text(&out.stderr));
+    // RUST_LOG where FREIGHT_LOG is not set; FREIGHT_LOG first where both are.
+    let out = run(&p2p, &[("RUST_LOG", "info")]);
+    assert!(out.status.success() && text(&out.stderr).contains("INFO"), "{}", text(&out.stderr));
+    let out = run(&p2p, &[("RUST_LOG", "info"), ("FREIGHT_LOG", "error")]);
+    assert!(out.status.success() && !text(&out.stderr).contains("INFO"), "{}", text(&out.stderr));
+    for (args, env) in [
+        (vec!["--log-format", "json"], vec![("RUST_LOG", "info")]),
+        (vec![], vec![("FREIGHT_LOG", "info"), ("FREIGHT_LOG_FORMAT", "JSON")]),
+    ] {
+        let out = run(&[args.as_slice(), &p2p].concat(), &env);
+        let err = text(&out.stderr);
+        assert!(out.status.success(), "{err}");
+        let lines: Vec<serde_json::Value> =
+            err.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}"))).collect();
+        assert!(lines.iter().all(|l| l["level"].is_string() && l["target"].is_string()), "{err}");
+        // Both processes: the initiator's agent and the target's listen.
+        let listening = lines.iter().filter(|l| l["fields"]["message"] == "listening").count();
+        assert!(listening >= 2, "{err}");
+    }
+}
+
 #[test]
 fn engine_refusals_are_runtime_errors() {
     let out = freight(&["bench", "p2p", "--initiator-seg", "VRAM", "--block-sizes", "4KiB", "--batch-sizes", "1"]);

@@ -323,7 +323,7 @@ fn spawn_receiver(product: Product, a: &StreamArgs, ctx: &Context) -> CliResult<
     args.extend(["--buffer-size".into(), a.buffer_size.to_string()]);
     args.extend(["--timeout".into(), format!("{}us", a.timeout.as_micros())]);
     args.extend(a.engine.to_args());
-    TargetProcess::spawn_with(&ctx.self_command, &args, ctx.log_level.as_deref(), &a.engine.child_env())
+    TargetProcess::spawn_with(&ctx.self_command, &args, &ctx.log_args, &a.engine.child_env())
 }
 
 impl Product {
@@ -460,7 +460,7 @@ mod tests {
 
     #[test]
     fn a_cache_engine_run_the_engines_would_refuse_is_refused_before_the_receiver_starts() {
-        let ctx = Context { self_command: vec!["/nonexistent/freight".into()], log_level: None };
+        let ctx = Context { self_command: vec!["/nonexistent/freight".into()], log_args: Vec::new() };
         let run_with = |v: &[&str]| run(Product::CacheEngine, &args(v), &ctx).unwrap_err();
         let err = run_with(&["--device", "cpu", "--num-chunks", "4", "--tier-size", "1k"]);
         assert!(matches!(&err, CliError::Usage(m) if m.contains("--tier-size 1 KiB cannot hold one chunk")), "{err}");

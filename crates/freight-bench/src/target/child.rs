@@ -48,13 +48,13 @@ impl TargetProcess {
     /// Starts a target process; `extra` are more of its options (`--fabric-provider`...).
     pub fn spawn(
         self_command: &[String],
-        log_level: Option<&str>,
+        log_args: &[String],
         extra: &[String],
         env: &[(&str, String)],
     ) -> CliResult<TargetProcess> {
         let mut args: Vec<String> = [target::SUBCOMMAND, "--listen", "127.0.0.1:0"].map(String::from).to_vec();
         args.extend_from_slice(extra);
-        TargetProcess::spawn_with(self_command, &args, log_level, env)
+        TargetProcess::spawn_with(self_command, &args, log_args, env)
     }
 
     /// Starts this CLI again with `args` and `env` added to its environment (see
@@ -62,17 +62,14 @@ impl TargetProcess {
     pub fn spawn_with(
         self_command: &[String],
         args: &[String],
-        log_level: Option<&str>,
+        log_args: &[String],
         env: &[(&str, String)],
     ) -> CliResult<TargetProcess> {
         let (prog, rest) = self_command
             .split_first()
             .ok_or_else(|| CliError::runtime("no command to start the target process with"))?;
         let mut cmd = std::process::Command::new(prog);
-        cmd.args(rest).args(args).envs(env.iter().map(|(k, v)| (k, v)));
-        if let Some(level) = log_level {
-            cmd.args(["--log-level", level]);
-        }
+        cmd.args(rest).args(args).args(log_args).envs(env.iter().map(|(k, v)| (k, v)));
         cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
         let shown = self_command.join(" ");
         let mut child =
