@@ -26,11 +26,14 @@ Main names:
   GPU ranks (needs PyTorch; imported on demand);
 * :class:`EtcdDirectory` -- metadata exchange through etcd;
 * :func:`inspect_metadata` -- what metadata bytes advertise (regions, addresses);
-* :func:`set_log_level` -- engine logs to stderr (or set ``FREIGHT_LOG``);
+* engine logs go to :mod:`logging` (loggers ``freight_core.*``, ``freight_kv.*``, ...;
+  :func:`reload_log_levels` after changing their levels), or to stderr with
+  :func:`set_log_level` (or ``FREIGHT_LOG``);
 * :func:`release_pooled_memory` -- frees the memory received objects leave for reuse;
 * exceptions, all deriving from :class:`FreightError` (see :mod:`freight.errors`).
 """
 
+import atexit as _atexit
 import os as _os
 
 
@@ -71,8 +74,12 @@ from ._native import (  # noqa: E402
     cuda_status,
     inspect_metadata,
     release_pooled_memory,
+    reload_log_levels,
 )
 from .agent import Agent, Path
+
+# The engine's last records (an agent closing) reach logging before the interpreter goes.
+_atexit.register(_native._flush_logs)
 from .descs import DescList
 from .stream import (  # noqa: E402
     ChannelReceiver,
@@ -112,7 +119,12 @@ from .errors import (
 
 
 def set_log_level(level=None) -> None:
-    """Sends the engine's logs to stderr at ``level``.
+    """Sends the engine's logs to stderr at ``level``, instead of :mod:`logging`.
+
+    Without it (and without ``FREIGHT_LOG`` or ``RUST_LOG``), engine records go to
+    Python's :mod:`logging`: a record of target ``freight_core::server`` to the logger
+    ``freight_core.server``, at the level the application sets there (call
+    :func:`reload_log_levels` after changing levels once the engine has logged).
 
     ``level`` is "error", "warn"/"warning", "info", "debug", "trace" or "off" (any case),
     a :mod:`logging` level number, or a tracing filter such as
@@ -169,6 +181,7 @@ __all__ = [
     "copy_kernel_occupancy",
     "cuda_status",
     "set_log_level",
+    "reload_log_levels",
     "inspect_metadata",
     "release_pooled_memory",
     "kv",

@@ -45,6 +45,7 @@ __all__ = [
     "StoredObject",
     "TRANSPORTS",
     "__version__",
+    "_flush_logs",
     "_init_logging_from_env",
     "cli_main",
     "compile_copy_kernel",
@@ -55,6 +56,7 @@ __all__ = [
     "inspect_metadata",
     "normalize_kind",
     "release_pooled_memory",
+    "reload_log_levels",
     "set_log_level",
 ]
 #: Transports this build knows, in order of preference.
@@ -726,6 +728,8 @@ class EpBuffer:
 
 def set_log_level(level: Optional[str] = None) -> None: ...
 def _init_logging_from_env() -> bool: ...
+def reload_log_levels() -> None: ...
+def _flush_logs(timeout: float = 1.0) -> None: ...
 def cli_main(argv: List[str], self_command: List[str]) -> int: ...
 def inspect_metadata(metadata: _Bytes) -> Dict[str, Any]: ...
 def cuda_status() -> Tuple[bool, str]: ...

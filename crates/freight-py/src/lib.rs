@@ -63,6 +63,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ep::compile_ep_kernels, m)?)?;
     m.add_function(wrap_pyfunction!(logging::set_log_level, m)?)?;
     m.add_function(wrap_pyfunction!(logging::_init_logging_from_env, m)?)?;
+    m.add_function(wrap_pyfunction!(logging::reload_log_levels, m)?)?;
+    m.add_function(wrap_pyfunction!(logging::_flush_logs, m)?)?;
+    logging::install(m.py())?;
     m.add_function(wrap_pyfunction!(cli::cli_main, m)?)?;
     m.add_function(wrap_pyfunction!(metadata::inspect_metadata, m)?)?;
     m.add_function(wrap_pyfunction!(gpu::cuda_status, m)?)?;
