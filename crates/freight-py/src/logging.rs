@@ -165,6 +165,11 @@ pub fn install(py: Python<'_>) -> PyResult<()> {
         .map_err(|e| invalid(format!("another tracing subscriber is already installed: {e}")))?;
     let reload: Reload = Box::new(move |f| handle.reload(f).map_err(|e| e.to_string()));
     let _ = INSTALLED.set(Installed { reload, levels });
+    // Where a variable asks for stderr, records go there from the first one. A bad value
+    // is reported when an agent is created (`_init_logging_from_env`), not by the import.
+    if let Ok(Some((filter, _var))) = logs::filter_from_env() {
+        to_stderr(filter)?;
+    }
     Ok(())
 }
 
