@@ -73,6 +73,12 @@ say "cargo test --workspace --release"
 cargo test --workspace --release
 record cargo-test $?
 
+# The release wheel as users get it: manylinux_2_28 (linked by zig), stripped, LICENSE
+# inside, installed into clean virtualenvs of CPython 3.9 and 3.13 (make wheel).
+say "wheel"
+make -C "$ROOT" wheel
+record wheel $?
+
 # vLLM for CPUs, for the vLLM connector's tests (tests/test_vllm.py): built once and
 # cached outside the checkout (scripts/vllm-env.sh), so later runs take it as it is.
 # The newest supported vLLM runs every vLLM test; the older one (the GPU machines'

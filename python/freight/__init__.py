@@ -79,7 +79,8 @@ from ._native import (  # noqa: E402
 from .agent import Agent, Path
 
 # The engine's last records (an agent closing) reach logging before the interpreter goes.
-_atexit.register(_native._flush_logs)
+# Later ones are dropped: the interpreter may be gone when they arrive.
+_atexit.register(_native._flush_logs, 1.0, True)
 from .descs import DescList
 from .stream import (  # noqa: E402
     ChannelReceiver,

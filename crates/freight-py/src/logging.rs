@@ -48,6 +48,9 @@ static INSTALL: Mutex<()> = Mutex::new(());
 static TO_STDERR: AtomicBool = AtomicBool::new(false);
 /// Records queued for `logging` and not yet handed over.
 static PENDING: AtomicU64 = AtomicU64::new(0);
+/// The interpreter is exiting: records are no longer handed to Python (whose
+/// interpreter may be gone by the time a late one arrives).
+static CLOSED: AtomicBool = AtomicBool::new(false);
 
 /// A record on its way to Python: level, target, message with its fields.
 type Queued = (log::Level, String, String);
@@ -114,7 +117,10 @@ fn deliver(queue: Receiver<Queued>, logger: std::sync::Arc<pyo3_log::Logger>, dr
         logger.log(&log::Record::builder().level(level).target(target).args(format_args!("{message}")).build());
     };
     for (level, target, message) in queue {
-        send(level, &target, &message);
+        // SAFETY: Py_IsInitialized may be called without the GIL, at any time.
+        if !CLOSED.load(Ordering::Acquire) && unsafe { pyo3::ffi::Py_IsInitialized() } != 0 {
+            send(level, &target, &message);
+        }
         PENDING.fetch_sub(1, Ordering::Relaxed);
         let lost = dropped.swap(0, Ordering::Relaxed);
         if lost > 0 {
@@ -223,15 +229,18 @@ pub fn reload_log_levels() -> PyResult<()> {
 }
 
 /// Waits (up to `timeout` seconds, without the GIL) until every record queued for
-/// `logging` has been handed over: called at interpreter exit, so that the last
-/// records (an agent closing) are not lost.
+/// `logging` has been handed over. At interpreter exit (`last`), so that the last
+/// records (an agent closing) are not lost; later ones are then dropped.
 #[pyfunction]
-#[pyo3(signature = (timeout = 1.0))]
-pub fn _flush_logs(py: Python<'_>, timeout: f64) {
+#[pyo3(signature = (timeout = 1.0, last = false))]
+pub fn _flush_logs(py: Python<'_>, timeout: f64, last: bool) {
     let until = std::time::Instant::now() + std::time::Duration::from_secs_f64(timeout.clamp(0.0, 60.0));
     py.detach(|| {
         while PENDING.load(Ordering::Relaxed) > 0 && std::time::Instant::now() < until {
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
     });
+    if last {
+        CLOSED.store(true, Ordering::Release);
+    }
 }
