@@ -335,7 +335,8 @@ impl Stream {
             return Err(job);
         }
         let notif = job.notif.take();
-        let payload = host_payload(&job);
+        // SAFETY: `write_message` is done with the payload when it hands the job over.
+        let payload = unsafe { host_payload(&job) };
         // Its answer follows within a round trip: the caller's wait polls for it.
         job.tracker.answer_due();
         self.write_message(&mut writer, job, notif, payload, false, health);
@@ -435,18 +436,21 @@ fn start_staging(staging: &mut Alternating, job: &Job) -> Result<Option<usize>> 
 }
 
 /// A chunk's payload straight from registered host memory: a WRITE's bytes, or nothing
-/// for a READ. The slices live as long as the memory, not as the job: `'m` is the
-/// caller's to keep within the time the job is written.
-fn host_payload<'m>(job: &Job) -> Vec<IoSlice<'m>> {
+/// for a READ. The slices borrow the memory, not the job.
+///
+/// # Safety
+///
+/// The slices must be used only until the job is handed to [`Initiator::sent`]: until
+/// then the request holds guards on its local regions (it releases them once every
+/// chunk has been answered), so the memory stays registered and mapped.
+unsafe fn host_payload<'m>(job: &Job) -> Vec<IoSlice<'m>> {
     if job.op != OpKind::Write {
         return Vec::new();
     }
-    // SAFETY: the request holds guards on the local regions until every chunk has been
-    // answered, and this chunk joins those awaiting answers only once it is written
-    // (`Initiator::sent`): the memory stays registered and mapped while it is read here.
     job.chunk()
         .segs
         .iter()
+        // SAFETY: as the caller promises, the memory stays mapped while the slices live.
         .map(|o| IoSlice::new(unsafe { std::slice::from_raw_parts(o.local_addr as *const u8, o.len as usize) }))
         .collect()
 }
@@ -481,7 +485,8 @@ fn send_loop(jobs: Receiver<Job>, stream: &Stream, health: &Health) {
         let chunk_bytes = job.chunk().bytes as usize;
         let payload = match slot.and_then(|s| s.map(|s| staging.ready(s, chunk_bytes)).transpose()) {
             Ok(Some(bytes)) => vec![IoSlice::new(bytes)],
-            Ok(None) => host_payload(&job),
+            // SAFETY: `write_message` is done with the payload when it hands the job over.
+            Ok(None) => unsafe { host_payload(&job) },
             Err(e) => {
                 // Staging failed before anything was sent: only this chunk fails.
                 job.tracker.finish_part(Err(e));
