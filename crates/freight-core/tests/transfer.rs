@@ -98,42 +98,20 @@ fn tcp_small_requests_from_many_threads_each_land_whole() {
             let (a, src, dst, back) = (&a, src.addr(), dst.addr(), back.addr());
             scope.spawn(move || {
                 let base = (t * per_thread) as u64;
+                // Posts `len` bytes between our `local` and the target's `remote`.
+                let post = |op, local: u64, remote: u64, len: usize| {
+                    a.transfer(op, &list(local, len as u64), "target", &list(remote, len as u64), None).unwrap()
+                };
                 for r in 0..ROUNDS {
                     let off = base + (r * BLOCK) as u64;
-                    let w = a
-                        .transfer(
-                            OpKind::Write,
-                            &list(src + off, BLOCK as u64),
-                            "target",
-                            &list(dst + off, BLOCK as u64),
-                            None,
-                        )
-                        .unwrap();
+                    let w = post(OpKind::Write, src + off, dst + off, BLOCK);
                     if r % 20 == 0 {
                         // A large one now and then keeps the sender threads busy meanwhile.
                         let large = base + (ROUNDS * BLOCK) as u64;
-                        let l = a
-                            .transfer(
-                                OpKind::Write,
-                                &list(src + large, LARGE as u64),
-                                "target",
-                                &list(dst + large, LARGE as u64),
-                                None,
-                            )
-                            .unwrap();
-                        assert_eq!(l.wait(T), Status::Done);
+                        assert_eq!(post(OpKind::Write, src + large, dst + large, LARGE).wait(T), Status::Done);
                     }
                     assert_eq!(w.wait(T), Status::Done);
-                    let rd = a
-                        .transfer(
-                            OpKind::Read,
-                            &list(back + off, BLOCK as u64),
-                            "target",
-                            &list(dst + off, BLOCK as u64),
-                            None,
-                        )
-                        .unwrap();
-                    assert_eq!(rd.wait(T), Status::Done);
+                    assert_eq!(post(OpKind::Read, back + off, dst + off, BLOCK).wait(T), Status::Done);
                 }
             });
         }
